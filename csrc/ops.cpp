@@ -1,0 +1,32 @@
+// Dispatch glue shared by every backend: the input contract and the output allocation.
+#include "multi_tensor_stats.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace torch_gradstats {
+
+void check_inputs(at::TensorList tensors) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "multi_tensor_stats: expected at least one tensor, got an empty list");
+  const at::Device device = tensors[0].device();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK_VALUE(t.defined(), "multi_tensor_stats: tensors[", i, "] is undefined");
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided, "multi_tensor_stats: tensors[", i, "] has layout ", t.layout(),
+                      "; only strided (dense) tensors are supported, convert it with .to_dense()");
+    const at::ScalarType dtype = t.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+                     "multi_tensor_stats: tensors[", i, "] has dtype ", dtype,
+                     "; expected float16, bfloat16, float32 or float64");
+    TORCH_CHECK_VALUE(t.device() == device, "multi_tensor_stats: tensors[", i, "] is on ", t.device(),
+                      " but tensors[0] is on ", device,
+                      "; all tensors of one call must be on one device (group them by device)");
+  }
+}
+
+Stats empty_stats(int64_t n, const at::Device& device) {
+  const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
+  return {at::empty({n}, f64), at::empty({n}, f64), at::empty({n, kNumCounts}, f64.dtype(at::kLong))};
+}
+
+}  // namespace torch_gradstats
