@@ -1,0 +1,120 @@
+"""Gradient health: the score of the collector reviewed in the seeds, with named, documented defaults.
+
+The score looks at per-tensor (per-parameter) L2 norms:
+
+    health = clamp(1 - vanishing_penalty * share_vanishing - exploding_penalty * share_exploding, 0, 1)
+
+where ``share_vanishing`` is the fraction of tensors whose norm is below ``vanishing_threshold`` and
+``share_exploding`` the fraction whose norm is above ``exploding_threshold`` *or is not finite*. Any non-finite norm
+(a NaN or Inf anywhere in that gradient, or a float64 sum of squares that overflowed) sets the health to 0.
+No tensors at all is perfect health, 1.0.
+
+Two implementations that give bit-identical answers: :meth:`HealthPolicy.score` works on a device tensor of norms
+and never syncs; :meth:`HealthPolicy.score_host` works on Python floats. Both evaluate the same float64 expression in
+the same order, so ``float(policy.score(t)) == policy.score_host(t.tolist())`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_EXPLODING_PENALTY",
+    "DEFAULT_EXPLODING_THRESHOLD",
+    "DEFAULT_VANISHING_PENALTY",
+    "DEFAULT_VANISHING_THRESHOLD",
+    "HealthPolicy",
+]
+
+#: A tensor whose gradient norm is below this carries (almost) no learning signal.
+DEFAULT_VANISHING_THRESHOLD = 1e-7
+#: A tensor whose gradient norm is above this is "exploding" (it would be clipped hard).
+DEFAULT_EXPLODING_THRESHOLD = 10.0
+#: Health lost when every tensor vanishes.
+DEFAULT_VANISHING_PENALTY = 0.5
+#: Health lost when every tensor explodes (exploding is penalised more than vanishing).
+DEFAULT_EXPLODING_PENALTY = 0.8
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """Thresholds and penalties of the gradient health score (see the module docstring for the formula).
+
+    Attributes:
+        vanishing_threshold: per-tensor norm below which a tensor counts as vanishing (strictly below).
+        exploding_threshold: per-tensor norm above which a tensor counts as exploding (strictly above).
+        vanishing_penalty: weight of the share of vanishing tensors.
+        exploding_penalty: weight of the share of exploding tensors.
+    """
+
+    vanishing_threshold: float = DEFAULT_VANISHING_THRESHOLD
+    exploding_threshold: float = DEFAULT_EXPLODING_THRESHOLD
+    vanishing_penalty: float = DEFAULT_VANISHING_PENALTY
+    exploding_penalty: float = DEFAULT_EXPLODING_PENALTY
+
+    def __post_init__(self) -> None:
+        for name in ("vanishing_threshold", "exploding_threshold", "vanishing_penalty", "exploding_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+                raise ValueError(f"HealthPolicy.{name} must be a number, got {value!r}")
+        if self.vanishing_threshold > self.exploding_threshold:
+            raise ValueError(
+                f"HealthPolicy: vanishing_threshold ({self.vanishing_threshold}) is above "
+                f"exploding_threshold ({self.exploding_threshold})"
+            )
+
+    # ------------------------------------------------------------------ device side (no host sync)
+    def classify(self, norms: Tensor) -> tuple[Tensor, Tensor]:
+        """Boolean masks ``(vanishing, exploding)`` over a 1-d tensor of per-tensor norms. No host sync.
+
+        A NaN or +-Inf norm is exploding (never vanishing).
+        """
+        finite = torch.isfinite(norms)
+        vanishing = (norms < self.vanishing_threshold) & finite
+        exploding = (norms > self.exploding_threshold) | ~finite
+        return vanishing, exploding
+
+    def score_from_counts(self, n_vanishing: Tensor, n_exploding: Tensor, n_nonfinite: Tensor, n: int) -> Tensor:
+        """The score from device-side counts over ``n`` tensors, as a float64 0-d tensor. No host sync."""
+        device = n_vanishing.device
+        if n == 0:
+            return torch.ones((), dtype=torch.float64, device=device)
+        share_v = n_vanishing.to(torch.float64) / n
+        share_e = n_exploding.to(torch.float64) / n
+        # Same operation order as score_host, so both give the same bits.
+        raw = (1.0 - share_v * self.vanishing_penalty) - share_e * self.exploding_penalty
+        score = raw.clamp(0.0, 1.0)
+        return torch.where(n_nonfinite > 0, torch.zeros_like(score), score)
+
+    def score(self, norms: Tensor) -> Tensor:
+        """Health of a 1-d tensor of per-tensor norms, as a float64 0-d tensor on the same device. No host sync."""
+        if norms.dim() != 1:
+            raise ValueError(f"HealthPolicy.score: expected a 1-d tensor of norms, got shape {tuple(norms.shape)}")
+        vanishing, exploding = self.classify(norms)
+        n_nonfinite = (~torch.isfinite(norms)).sum()
+        return self.score_from_counts(vanishing.sum(), exploding.sum(), n_nonfinite, norms.numel())
+
+    # ------------------------------------------------------------------ host side
+    def classify_host(self, norms: Sequence[float]) -> tuple[list[bool], list[bool]]:
+        """Host-side :meth:`classify` over Python floats."""
+        vanishing = [math.isfinite(x) and x < self.vanishing_threshold for x in norms]
+        exploding = [(not math.isfinite(x)) or x > self.exploding_threshold for x in norms]
+        return vanishing, exploding
+
+    def score_host(self, norms: Sequence[float]) -> float:
+        """Health of a sequence of per-tensor norms (Python floats). Same answer as :meth:`score`, bit for bit."""
+        n = len(norms)
+        if n == 0:
+            return 1.0
+        if any(not math.isfinite(x) for x in norms):
+            return 0.0
+        vanishing, exploding = self.classify_host(norms)
+        share_v = sum(vanishing) / n
+        share_e = sum(exploding) / n
+        raw = (1.0 - share_v * self.vanishing_penalty) - share_e * self.exploding_penalty
+        return min(1.0, max(0.0, raw))

@@ -1,0 +1,522 @@
+"""Per-parameter gradient statistics: :func:`grad_stats` -> :class:`GradStats` (device side) -> :class:`GradReport`.
+
+:func:`grad_stats` reads every gradient once, through one :func:`torch_gradstats.multi_tensor_stats` call per
+device, and returns device tensors only: nothing here waits for the device until :meth:`GradStats.report`, which
+makes exactly one device-to-host transfer.
+
+Where the numbers live: all of a :class:`GradStats`'s tensors are on one device, ``GradStats.device``: the device
+of the first parameter (in the order given) whose gradient is on an accelerator, or the CPU if every gradient is
+on the CPU. Choosing the accelerator means results from other devices are only ever copied *to* it (CPU -> GPU
+through pinned memory, GPU -> GPU on the stream), never from a GPU to the host, so no host sync happens before
+:meth:`GradStats.report`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.health import HealthPolicy
+from torch_gradstats.ops import INF, NAN, SUPPORTED_DTYPES, ZERO, multi_tensor_stats
+
+__all__ = ["GradReport", "GradStats", "ParamsLike", "grad_stats"]
+
+logger = logging.getLogger("torch_gradstats")
+
+#: What :func:`grad_stats` accepts: a tensor, or an iterable of tensors or of ``(name, tensor)`` pairs.
+ParamsLike = Union[Tensor, Iterable[Union[Tensor, "tuple[str, Tensor]"]]]
+
+_DEFAULT_POLICY = HealthPolicy()
+
+
+# ---------------------------------------------------------------------------------------------- input handling
+def _dtensor_types() -> tuple[type, ...]:
+    """DTensor classes, only if torch's DTensor module is already imported.
+
+    A gradient can only be a DTensor if someone imported the module that defines it, so looking in ``sys.modules``
+    (instead of importing) keeps the plain single-process path free of any torch.distributed import.
+    """
+    types = []
+    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # new name, then torch < 2.5
+        mod = sys.modules.get(mod_name)
+        cls = getattr(mod, "DTensor", None) if mod is not None else None
+        if isinstance(cls, type) and cls not in types:
+            types.append(cls)
+    return tuple(types)
+
+
+def _named_params(params: ParamsLike) -> list[tuple[str, Tensor]]:
+    """Normalise the accepted inputs to ``[(name, param)]``; unnamed items are named by their position."""
+    if isinstance(params, Tensor):
+        items: Iterable[Any] = [params]
+    elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"grad_stats: expected parameters (model.parameters(), model.named_parameters(), a list of tensors or "
+            f"of (name, tensor) pairs), got a {type(params).__name__}"
+        )
+    else:
+        items = params
+    out: list[tuple[str, Tensor]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, Tensor):
+            out.append((str(i), item))
+        elif (
+            isinstance(item, (tuple, list))
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], Tensor)
+        ):
+            out.append((item[0], item[1]))
+        else:
+            raise TypeError(
+                f"grad_stats: item {i} is a {type(item).__name__} ({_short_repr(item)}); expected a parameter "
+                "tensor or a (name, tensor) pair"
+            )
+    return out
+
+
+def _short_repr(obj: Any, limit: int = 60) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_grad(name: str, grad: Any) -> None:
+    """Clear, named errors before dispatch (metadata only, no sync)."""
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"grad_stats: parameter {name!r} has a .grad of type {type(grad).__name__}, not a tensor")
+    if grad.layout != torch.strided:
+        raise ValueError(
+            f"grad_stats: parameter {name!r} has a {grad.layout} gradient; only dense (strided) gradients are "
+            "supported (for nn.Embedding(sparse=True), convert with .to_dense() or use sparse=False)"
+        )
+    if grad.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"grad_stats: parameter {name!r} has a {grad.dtype} gradient; expected float16, bfloat16, float32 "
+            "or float64"
+        )
+
+
+def _home_device(devices: Iterable[torch.device]) -> torch.device:
+    """First accelerator device in order, else the CPU (see the module docstring for why)."""
+    first = None
+    for d in devices:
+        if first is None:
+            first = d
+        if d.type != "cpu":
+            return d
+    return first if first is not None else torch.device("cpu")
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """Copy a small tensor to ``device`` without a host sync.
+
+    CPU -> CUDA goes through pinned memory with ``non_blocking=True`` (a pageable copy would wait for the stream);
+    device -> device copies are ordered on the stream. Never used for device -> CPU (that would need a sync).
+    """
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    if device.type == "cpu":
+        raise RuntimeError("torch_gradstats internal error: refusing a device-to-host copy outside report()")
+    return t.to(device, non_blocking=True)
+
+
+def _host_int64(values: Sequence[int], device: torch.device) -> Tensor:
+    return _to_device(torch.tensor(list(values), dtype=torch.int64), device)
+
+
+# ---------------------------------------------------------------------------------------------- GradStats
+@dataclass
+class GradStats:
+    """Per-parameter gradient statistics, as device tensors on ``device`` (no host sync to make or read them).
+
+    Only parameters with a gradient appear, in the order given. Properties are computed on the device each time
+    they are read and never sync; :meth:`report` brings everything to the host in one transfer.
+
+    Attributes:
+        names: one name per parameter with a gradient; an unnamed parameter is named by its position in the
+            input (``"0"``, ``"1"``, ...), counting parameters without a gradient too.
+        sumsq: float64 ``[P]``, sum of squares of each gradient (NaN if it has a NaN, +inf if it has an inf).
+        amax: float64 ``[P]``, max |g| of each gradient (NaN if it has a NaN).
+        counts: int64 ``[P, 3]``, number of zeros, NaNs and Infs of each gradient.
+        numel: int64 ``[P]``, logical number of elements (for a DTensor, the full parameter's).
+        rank_nonfinite: int64 ``[P, world]`` non-finite element count of parameter p on rank r, or None outside
+            the distributed path.
+        device: where all the tensors above live.
+        clip_norm: set by :func:`torch_gradstats.clip_grad_norm_`: the total norm (of its ``norm_type``) it
+            clipped with, float64 0-d; None otherwise.
+        clip_coef: set by :func:`torch_gradstats.clip_grad_norm_`: the clamped coefficient the gradients were
+            multiplied by, float64 0-d; None otherwise.
+    """
+
+    names: list[str]
+    sumsq: Tensor
+    amax: Tensor
+    counts: Tensor
+    numel: Tensor
+    rank_nonfinite: Tensor | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    clip_norm: Tensor | None = None
+    clip_coef: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    # ---- device-side properties (no sync)
+    @property
+    def norms(self) -> Tensor:
+        """float64 ``[P]``: L2 norm of each gradient."""
+        return self.sumsq.sqrt()
+
+    @property
+    def total_sumsq(self) -> Tensor:
+        """float64 0-d: sum of squares of all gradients."""
+        return self.sumsq.sum()
+
+    @property
+    def total_norm(self) -> Tensor:
+        """float64 0-d: global L2 norm, ``sqrt(sum(sumsq))`` (what ``clip_grad_norm_`` computes). 0 if empty."""
+        return self.total_sumsq.sqrt()
+
+    @property
+    def inf_norm(self) -> Tensor:
+        """float64 0-d: max |g| over all gradients (NaN if any NaN). 0 if empty."""
+        if self.amax.numel() == 0:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return self.amax.max()
+
+    @property
+    def zero_count(self) -> Tensor:
+        """int64 0-d: number of gradient elements equal to zero."""
+        return self.counts[:, ZERO].sum()
+
+    @property
+    def nan_count(self) -> Tensor:
+        """int64 0-d: number of NaN gradient elements."""
+        return self.counts[:, NAN].sum()
+
+    @property
+    def inf_count(self) -> Tensor:
+        """int64 0-d: number of +-Inf gradient elements."""
+        return self.counts[:, INF].sum()
+
+    @property
+    def nonfinite_count(self) -> Tensor:
+        """int64 0-d: number of NaN or Inf gradient elements."""
+        return self.nan_count + self.inf_count
+
+    @property
+    def nonfinite_mask(self) -> Tensor:
+        """bool ``[P]``: parameters whose gradient has a NaN or Inf."""
+        return (self.counts[:, NAN] + self.counts[:, INF]) > 0
+
+    def health(self, policy: HealthPolicy | None = None) -> Tensor:
+        """Health score (see :class:`~torch_gradstats.health.HealthPolicy`) as a float64 0-d device tensor."""
+        return (policy or _DEFAULT_POLICY).score(self.norms)
+
+    # ---- host side
+    def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> "GradReport":
+        """Bring the statistics to the host in exactly one device-to-host transfer and summarise them.
+
+        Args:
+            k: how many of the largest per-parameter norms to list in ``top_norms``.
+            policy: health policy (default :class:`HealthPolicy()`); the score is computed on the host from the
+                transferred norms and equals :meth:`health` bit for bit.
+        """
+        p = len(self.names)
+        world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
+        # One packed int64 buffer: float64 values travel as their bit patterns (so counts stay exact, no
+        # int -> float64 round trip), then a single .cpu().
+        parts = [
+            self.sumsq.reshape(-1).view(torch.int64),
+            self.amax.reshape(-1).view(torch.int64),
+            self.total_sumsq.reshape(1).view(torch.int64),
+            self.counts.reshape(-1),
+            self.numel.reshape(-1),
+        ]
+        if self.rank_nonfinite is not None:
+            parts.append(self.rank_nonfinite.reshape(-1).to(torch.int64))
+        host = torch.cat(parts).cpu()  # the one device-to-host transfer (it waits for the device)
+        as_f64 = host[: 2 * p + 1].view(torch.float64).numpy()
+        ints = host[2 * p + 1 :].numpy()
+        sumsq = as_f64[:p].tolist()
+        amax = as_f64[p : 2 * p].tolist()
+        total_sumsq = float(as_f64[2 * p])
+        counts = ints[: 3 * p].reshape(p, 3).tolist()
+        numel = ints[3 * p : 4 * p].tolist()
+        rank_nf = ints[4 * p : 4 * p + p * world].reshape(p, world).tolist() if world else None
+        return GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy)
+
+
+def _nan_max(values: Sequence[float]) -> float:
+    """max() that propagates NaN (Python's max does not)."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values)
+
+
+def _nan_min(values: Sequence[float]) -> float:
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return min(values)
+
+
+# ---------------------------------------------------------------------------------------------- GradReport
+@dataclass
+class GradReport:
+    """Host-side summary of a :class:`GradStats` (plain Python numbers), made by :meth:`GradStats.report`.
+
+    Attributes:
+        total_norm: global L2 norm (what ``torch.nn.utils.clip_grad_norm_`` returns); NaN/inf if any gradient has one.
+        inf_norm: max |g| over all gradients (NaN if any NaN).
+        numel: total number of gradient elements.
+        zero_count, nan_count, inf_count: totals over all gradients.
+        zero_fraction: ``zero_count / numel`` (0.0 when empty).
+        norms: parameter name -> L2 norm of its gradient, in model order.
+        zero_counts, nan_counts, inf_counts: parameter name -> count, in model order.
+        nonfinite: names of the parameters whose gradient has a NaN or Inf, in model order.
+        first_nonfinite: the first of them, or None.
+        health: health score under the policy given to report() (default HealthPolicy()).
+        vanishing, exploding: names of the parameters the policy calls vanishing / exploding.
+        min_norm, max_norm: smallest and largest per-parameter norm (NaN if any is NaN; 0.0 when empty).
+        top_norms: the k largest ``(name, norm)``, largest first; NaN norms sort first.
+        nonfinite_ranks: parameter name -> ranks where its local gradient had a NaN/Inf (distributed path only).
+    """
+
+    total_norm: float
+    inf_norm: float
+    numel: int
+    zero_count: int
+    nan_count: int
+    inf_count: int
+    zero_fraction: float
+    norms: dict[str, float]
+    zero_counts: dict[str, int]
+    nan_counts: dict[str, int]
+    inf_counts: dict[str, int]
+    nonfinite: list[str]
+    first_nonfinite: str | None
+    health: float
+    vanishing: list[str]
+    exploding: list[str]
+    min_norm: float
+    max_norm: float
+    top_norms: list[tuple[str, float]]
+    nonfinite_ranks: dict[str, list[int]]
+
+    @classmethod
+    def _build(
+        cls,
+        names: list[str],
+        sumsq: list[float],
+        amax: list[float],
+        total_sumsq: float,
+        counts: list[list[int]],
+        numel: list[int],
+        rank_nonfinite: list[list[int]] | None,
+        k: int,
+        policy: HealthPolicy | None,
+    ) -> "GradReport":
+        policy = policy or _DEFAULT_POLICY
+        norm_list = [math.sqrt(s) if not math.isnan(s) else math.nan for s in sumsq]
+        zeros = [c[ZERO] for c in counts]
+        nans = [c[NAN] for c in counts]
+        infs = [c[INF] for c in counts]
+        nonfinite = [n for n, a, b in zip(names, nans, infs) if a + b > 0]
+        total_numel = sum(numel)
+        vanishing_mask, exploding_mask = policy.classify_host(norm_list)
+        # NaN sorts as the largest: a NaN norm is the first thing a reader must see.
+        order = sorted(
+            range(len(names)),
+            key=lambda i: (0, 0.0) if math.isnan(norm_list[i]) else (1, -norm_list[i]),
+        )
+        ranks: dict[str, list[int]] = {}
+        if rank_nonfinite is not None:
+            for n, row in zip(names, rank_nonfinite):
+                bad = [r for r, c in enumerate(row) if c > 0]
+                if bad:
+                    ranks[n] = bad
+        return cls(
+            total_norm=math.sqrt(total_sumsq) if not math.isnan(total_sumsq) else math.nan,
+            inf_norm=_nan_max(amax) if amax else 0.0,
+            numel=total_numel,
+            zero_count=sum(zeros),
+            nan_count=sum(nans),
+            inf_count=sum(infs),
+            zero_fraction=sum(zeros) / total_numel if total_numel else 0.0,
+            norms=dict(zip(names, norm_list)),
+            zero_counts=dict(zip(names, zeros)),
+            nan_counts=dict(zip(names, nans)),
+            inf_counts=dict(zip(names, infs)),
+            nonfinite=nonfinite,
+            first_nonfinite=nonfinite[0] if nonfinite else None,
+            health=policy.score_host(norm_list),
+            vanishing=[n for n, m in zip(names, vanishing_mask) if m],
+            exploding=[n for n, m in zip(names, exploding_mask) if m],
+            min_norm=_nan_min(norm_list) if norm_list else 0.0,
+            max_norm=_nan_max(norm_list) if norm_list else 0.0,
+            top_norms=[(names[i], norm_list[i]) for i in order[: max(k, 0)]],
+            nonfinite_ranks=ranks,
+        )
+
+    def __str__(self) -> str:
+        lines = [
+            f"gradients: {len(self.norms)} tensors, {self.numel:,} elements   health {self.health:.3f}",
+            f"  total norm {self.total_norm:.4g}   inf norm {self.inf_norm:.4g}   "
+            f"min/max tensor norm {self.min_norm:.4g} / {self.max_norm:.4g}",
+            f"  zeros {self.zero_count:,} ({100.0 * self.zero_fraction:.2f}%)   NaN {self.nan_count:,}   "
+            f"Inf {self.inf_count:,}",
+        ]
+        if self.nonfinite:
+            more = f" (+{len(self.nonfinite) - 1} more)" if len(self.nonfinite) > 1 else ""
+            lines.append(f"  first non-finite: {self.first_nonfinite}{more}")
+        if self.top_norms:
+            width = max(len(n) for n, _ in self.top_norms)
+            lines.append(f"  {'largest norms'.ljust(width)}  norm")
+            for name, norm in self.top_norms:
+                flag = ""
+                if name in self.nan_counts and self.nan_counts[name] + self.inf_counts[name] > 0:
+                    flag = f"  NaN {self.nan_counts[name]} Inf {self.inf_counts[name]}"
+                lines.append(f"  {name.ljust(width)}  {norm:.4g}{flag}")
+        return "\n".join(lines)
+
+    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
+        """Flat ``{key: number}`` dict for loggers (TensorBoard, W&B, JSON lines).
+
+        Args:
+            prefix: prepended to every key (e.g. ``"grad/"``).
+            per_param: include ``norm/<name>`` for every parameter.
+        """
+        out: dict[str, float | int | str | None] = {
+            "total_norm": self.total_norm,
+            "inf_norm": self.inf_norm,
+            "numel": self.numel,
+            "zero_count": self.zero_count,
+            "nan_count": self.nan_count,
+            "inf_count": self.inf_count,
+            "zero_fraction": self.zero_fraction,
+            "health": self.health,
+            "min_norm": self.min_norm,
+            "max_norm": self.max_norm,
+            "num_tensors": len(self.norms),
+            "num_nonfinite_tensors": len(self.nonfinite),
+            "num_vanishing_tensors": len(self.vanishing),
+            "num_exploding_tensors": len(self.exploding),
+            "first_nonfinite": self.first_nonfinite,
+        }
+        if per_param:
+            for name, norm in self.norms.items():
+                out[f"norm/{name}"] = norm
+        return {prefix + key: value for key, value in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------- grad_stats
+def _empty_stats(device: torch.device) -> GradStats:
+    return GradStats(
+        names=[],
+        sumsq=torch.zeros(0, dtype=torch.float64, device=device),
+        amax=torch.zeros(0, dtype=torch.float64, device=device),
+        counts=torch.zeros(0, 3, dtype=torch.int64, device=device),
+        numel=torch.zeros(0, dtype=torch.int64, device=device),
+        device=device,
+    )
+
+
+@torch.no_grad()
+def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
+    """Statistics of the gradients of ``params`` in one read, as device tensors (no host sync).
+
+    Args:
+        params: ``model.named_parameters()``, ``model.parameters()``, a tensor, or an iterable (generators are fine,
+            they are consumed once) of tensors or of ``(name, tensor)`` pairs. Each item's ``.grad`` is read;
+            items whose ``.grad`` is None are skipped.
+        group: a ``torch.distributed`` process group. When given, or when any gradient is a DTensor, the local
+            statistics are combined across ranks by :func:`torch_gradstats.distributed.reduce_across_ranks`.
+            Otherwise there is no communication at all.
+
+    Returns:
+        :class:`GradStats` on the first accelerator device among the gradients (else the CPU). With no gradients:
+        an empty GradStats on the CPU (total norm 0, health 1.0).
+
+    Raises:
+        TypeError: an item that is neither a tensor nor a (name, tensor) pair, or a gradient of an unsupported
+            dtype (both errors name the item or parameter).
+        ValueError: a sparse gradient (named).
+    """
+    named = _named_params(params)
+    dtensor_types = _dtensor_types()
+    names: list[str] = []
+    grads: list[Tensor] = []  # as given (possibly DTensors): for numel and the distributed hook
+    local: list[Tensor] = []  # what the op reads
+    any_dtensor = False
+    for name, p in named:
+        g = p.grad
+        if g is None:
+            continue
+        if dtensor_types and isinstance(g, dtensor_types):
+            any_dtensor = True
+            lg = g.to_local()
+        else:
+            lg = g
+        _check_grad(name, lg)
+        names.append(name)
+        grads.append(g)
+        local.append(lg)
+
+    if not local:
+        return _empty_stats(torch.device("cpu"))
+
+    # Group by device (metadata only), keeping model order inside each group.
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(local):
+        by_device.setdefault(g.device, []).append(i)
+    home = _home_device(g.device for g in local)
+
+    if len(by_device) == 1:
+        sumsq, amax, counts = multi_tensor_stats(local)
+    else:
+        parts_s, parts_a, parts_c, order = [], [], [], []
+        for device, idx in by_device.items():
+            s, a, c = multi_tensor_stats([local[i] for i in idx])
+            parts_s.append(_to_device(s, home))
+            parts_a.append(_to_device(a, home))
+            parts_c.append(_to_device(c, home))
+            order.extend(idx)
+        # Scatter the per-device results back into model order.
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        inv = _host_int64(inverse, home)
+        sumsq = torch.cat(parts_s).index_select(0, inv)
+        amax = torch.cat(parts_a).index_select(0, inv)
+        counts = torch.cat(parts_c).index_select(0, inv)
+
+    numel = _host_int64([g.numel() for g in grads], home)  # DTensor.numel() is the logical (global) numel
+    rank_nonfinite = None
+    if group is not None or any_dtensor:
+        from torch_gradstats.distributed import reduce_across_ranks  # only on this path: no import otherwise
+
+        sumsq, amax, counts, rank_nonfinite = reduce_across_ranks(grads, sumsq, amax, counts, group)
+    return GradStats(
+        names=names,
+        sumsq=sumsq,
+        amax=amax,
+        counts=counts,
+        numel=numel,
+        rank_nonfinite=rank_nonfinite,
+        device=home,
+    )
+
+
+def iter_grads(params: ParamsLike) -> Iterator[tuple[str, Tensor]]:
+    """``(name, grad)`` for each parameter with a gradient, named as :func:`grad_stats` names them."""
+    for name, p in _named_params(params):
+        if p.grad is not None:
+            yield name, p.grad
