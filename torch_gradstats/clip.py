@@ -1,0 +1,131 @@
+"""Fused gradient clipping: ``torch.nn.utils.clip_grad_norm_`` that also returns the telemetry it computed.
+
+One read of the gradients gives both the clipping norm and the full :class:`~torch_gradstats.stats.GradStats`
+(per-parameter norms, zero/NaN/Inf counts), instead of ``clip_grad_norm_`` plus a second pass for telemetry.
+
+Same clipping rule as PyTorch: ``coef = min(max_norm / (total_norm + 1e-6), 1.0)``, applied in place with
+``torch._foreach_mul_`` per (device, dtype) group, with no host sync. A NaN/Inf total norm gives a NaN/0 coefficient
+and therefore NaN gradients, exactly as in PyTorch (use ``error_if_nonfinite=True`` or skip the step instead).
+
+One deliberate difference: for ``norm_type`` 2 and inf the total norm comes from the fused op, accumulated in
+float64, while PyTorch computes it in the gradients' dtype. For float32/float64 gradients the clipped gradients agree
+with PyTorch's to a few ulps; for float16/bfloat16 PyTorch's total norm is itself rounded to 16 bits (bf16 keeps 3
+significant digits, and an fp16 norm above 65504 becomes inf, which makes PyTorch zero every gradient), so ours is
+the more accurate coefficient and can differ from PyTorch's by up to that rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.stats import GradStats, ParamsLike, _named_params, _to_device, grad_stats
+
+__all__ = ["clip_grad_norm_"]
+
+try:  # private PyTorch helpers that decide foreach support exactly like clip_grad_norm_ does
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+except ImportError:  # pragma: no cover - older/newer torch without them
+
+    def _device_has_foreach_support(device: torch.device) -> bool:
+        return device.type in ("cpu", "cuda")
+
+    def _has_foreach_support(tensors: list[Tensor], device: torch.device) -> bool:
+        return _device_has_foreach_support(device) and all(type(t) is Tensor for t in tensors)
+
+
+def _coef_on(coef: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> Tensor:
+    if device not in cache:
+        if device.type == "cpu" and coef.device.type != "cpu":
+            # CPU gradients next to accelerator ones: the CPU multiply needs the value now (a host sync).
+            cache[device] = coef.to(device)
+        else:
+            cache[device] = _to_device(coef, device)
+    return cache[device]
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: ParamsLike,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> GradStats:
+    """Clip gradients in place like ``torch.nn.utils.clip_grad_norm_`` and return the statistics read on the way.
+
+    Args:
+        params: what :func:`~torch_gradstats.grad_stats` accepts (tensors, ``model.parameters()``,
+            ``model.named_parameters()``, (name, tensor) pairs; a generator is consumed once).
+        max_norm: max total norm of the gradients.
+        norm_type: p of the p-norm; ``2.0`` and ``inf`` use the fused statistics, any other value falls back to
+            ``torch.nn.utils.get_total_norm`` (computed in the gradients' dtype, one extra read).
+        error_if_nonfinite: raise if the total norm is NaN or Inf, naming the first non-finite parameter. This
+            needs the value on the host: it costs ONE host sync (PyTorch's option costs one too). Default: no sync.
+        foreach: as in PyTorch: None uses ``torch._foreach_mul_`` where supported, True requires it, False
+            multiplies tensor by tensor.
+
+    Returns:
+        The :class:`~torch_gradstats.stats.GradStats` of the gradients *before* clipping, with ``clip_norm`` (the
+        total norm used, float64 0-d) and ``clip_coef`` (the clamped coefficient applied) set. ``clip_norm``
+        equals what ``torch.nn.utils.clip_grad_norm_`` returns (as float64).
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the total norm is not finite (gradients are left untouched), or
+            ``foreach=True`` on a device without foreach support.
+    """
+    max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    named = _named_params(params)
+    stats = grad_stats(named)
+    home = stats.device
+    grads = [p.grad for _, p in named if p.grad is not None]
+    if not grads:
+        stats.clip_norm = torch.zeros((), dtype=torch.float64, device=home)
+        stats.clip_coef = torch.ones((), dtype=torch.float64, device=home)
+        return stats
+
+    if norm_type == 2.0:
+        total = stats.total_norm
+    elif norm_type == math.inf:
+        total = stats.inf_norm
+    else:
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+        total = _to_device(total.to(torch.float64), home) if total.device != home else total.to(torch.float64)
+
+    if error_if_nonfinite:
+        # The one host sync of this option: the total norm and the per-parameter flags in one transfer.
+        host = torch.cat([total.reshape(1), stats.nonfinite_mask.to(torch.float64)]).cpu().tolist()
+        if not math.isfinite(host[0]):
+            bad = [n for n, f in zip(stats.names, host[1:]) if f]
+            where = f"; first non-finite gradient: {bad[0]!r} ({len(bad)} in all)" if bad else ""
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+                f"({host[0]}){where}, so it cannot be clipped. Set error_if_nonfinite=False to scale by "
+                "the non-finite norm anyway, or skip this step."
+            )
+
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+    # Group by (device, dtype) on metadata only, like PyTorch, so each _foreach_mul_ gets a uniform list.
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    cache: dict[torch.device, Tensor] = {}
+    for (device, _), device_grads in groups.items():
+        c = _coef_on(coef, device, cache)
+        if (foreach is None and _has_foreach_support(device_grads, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            torch._foreach_mul_(device_grads, c)
+        elif foreach:
+            raise RuntimeError(f"clip_grad_norm_: foreach=True was passed, but {device.type} has no foreach support")
+        else:
+            for g in device_grads:
+                g.mul_(c)
+
+    stats.clip_norm = total
+    stats.clip_coef = coef
+    return stats
