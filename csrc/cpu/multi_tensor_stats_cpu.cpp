@@ -1,0 +1,233 @@
+// Fused CPU kernel of torch_gradstats::multi_tensor_stats: one read of every element gives its square, |x|, and
+// whether it is zero, NaN or Inf.
+//
+// Work split. All tensors are laid end to end in one virtual sequence, cut into fixed chunks of kChunkElems
+// elements. A chunk is one parallel task (equal work, so at::parallel_for's static split balances whether the
+// list holds 5 huge tensors or 10,000 small ones); a chunk that straddles tensors is cut into per-tensor segments.
+// Each segment yields a Partial; the partials of a tensor are combined in segment order afterwards, so the result is
+// bitwise the same whatever the thread count.
+//
+// Accumulation. Inside a segment, blocks of kBlockElems elements are summed in the accumulation type (float for
+// 16/32-bit inputs, double for float64) with several independent vector accumulators, and block sums are added in
+// double. A block sum that is not finite means the block holds a NaN or an Inf, or its squares overflowed float: that
+// block alone is redone exactly in double, element by element, which also counts its NaNs and Infs. So the fast loop
+// needs no NaN/Inf test at all, and float32 inputs up to FLT_MAX give finite sums. The final NaN/Inf semantics of
+// sumsq and amax are derived from the counts.
+//
+// Dense tensors, permuted ones included, are read in place as a flat span (the statistics do not depend on element
+// order); only non-dense tensors (expanded, sliced with gaps) are copied to a contiguous buffer first.
+#include "multi_tensor_stats.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace torch_gradstats {
+namespace {
+
+using at::vec::Vectorized;
+
+constexpr int64_t kChunkElems = int64_t{1} << 16;  // one parallel task: 256 KiB of float32, fits in L2
+constexpr int64_t kBlockElems = 512;               // float32 partial-sum length: error <= ~20 ulp per block
+
+struct Partial {
+  double sumsq = 0.0;  // sum of squares of the finite elements
+  double amax = 0.0;   // max |x| over the finite elements
+  int64_t zeros = 0;
+  int64_t nans = 0;
+  int64_t infs = 0;
+
+  void merge(const Partial& o) {
+    sumsq += o.sumsq;
+    amax = std::max(amax, o.amax);
+    zeros += o.zeros;
+    nans += o.nans;
+    infs += o.infs;
+  }
+};
+
+// Exact path: every element in double, with NaN/Inf classified. Used for blocks the fast path rejects.
+template <typename scalar_t>
+void accumulate_exact(const scalar_t* x, int64_t n, Partial& p) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    if (std::isnan(v)) {
+      ++p.nans;
+    } else if (std::isinf(v)) {
+      ++p.infs;
+    } else {
+      p.sumsq += v * v;
+      p.amax = std::max(p.amax, std::abs(v));
+      p.zeros += (v == 0.0);
+    }
+  }
+}
+
+// Accumulation type and vector loads for each input dtype: two vectors of acc_t per step.
+template <typename scalar_t>
+struct Loader {  // float, double: load as is
+  using acc_t = scalar_t;
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static void load(const scalar_t* x, Vec& a, Vec& b) {
+    a = Vec::loadu(x);
+    b = Vec::loadu(x + Vec::size());
+  }
+};
+
+template <typename half_t>
+struct ReducedLoader {  // float16, bfloat16: one 16-bit vector widened to two float vectors
+  using acc_t = float;
+  using Vec = Vectorized<float>;
+  static constexpr int64_t kStep = Vectorized<half_t>::size();
+  static_assert(kStep == 2 * Vec::size(), "a 16-bit vector must widen to exactly two float vectors");
+  static void load(const half_t* x, Vec& a, Vec& b) {
+    std::tie(a, b) = at::vec::convert_to_float<half_t>(Vectorized<half_t>::loadu(x));
+  }
+};
+template <>
+struct Loader<at::Half> : ReducedLoader<at::Half> {};
+template <>
+struct Loader<at::BFloat16> : ReducedLoader<at::BFloat16> {};
+
+// One block of at most kBlockElems elements: vector fast path, exact redo if its sum is not finite.
+template <typename scalar_t>
+void accumulate_block(const scalar_t* x, int64_t n, Partial& p) {
+  using L = Loader<scalar_t>;
+  using acc_t = typename L::acc_t;
+  using Vec = typename L::Vec;
+  const Vec zero(acc_t(0));
+  Vec sq0 = zero, sq1 = zero, max0 = zero, max1 = zero, zeros0 = zero, zeros1 = zero;
+  int64_t i = 0;
+  for (; i + L::kStep <= n; i += L::kStep) {
+    Vec a, b;
+    L::load(x + i, a, b);
+    sq0 = at::vec::fmadd(a, a, sq0);
+    sq1 = at::vec::fmadd(b, b, sq1);
+    // clamp_min(v, m) is max(v, m) in one instruction; it need not propagate NaN, the exact path handles those.
+    max0 = at::vec::clamp_min(a.abs(), max0);
+    max1 = at::vec::clamp_min(b.abs(), max1);
+    // eq() yields 1.0 where equal (not a mask): counts stay exact in acc_t, at most kBlockElems per lane.
+    zeros0 = zeros0 + a.eq(zero);
+    zeros1 = zeros1 + b.eq(zero);
+  }
+  acc_t sum = at::vec::vec_reduce_all<acc_t>([](Vec u, Vec v) { return u + v; }, sq0 + sq1);
+  acc_t amax = at::vec::vec_reduce_all<acc_t>([](Vec u, Vec v) { return at::vec::clamp_min(u, v); },
+                                              at::vec::clamp_min(max0, max1));
+  acc_t zeros = at::vec::vec_reduce_all<acc_t>([](Vec u, Vec v) { return u + v; }, zeros0 + zeros1);
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(x[i]);
+    sum += v * v;
+    amax = std::max(amax, std::abs(v));
+    zeros += (v == acc_t(0));
+  }
+  if (!std::isfinite(sum)) {  // NaN or Inf in the block, or float overflow: redo it exactly
+    accumulate_exact(x, n, p);
+    return;
+  }
+  p.sumsq += static_cast<double>(sum);
+  p.amax = std::max(p.amax, static_cast<double>(amax));
+  p.zeros += static_cast<int64_t>(zeros);
+}
+
+template <typename scalar_t>
+Partial accumulate_span(const scalar_t* x, int64_t n) {
+  Partial p;
+  for (int64_t b = 0; b < n; b += kBlockElems) {
+    accumulate_block(x + b, std::min(kBlockElems, n - b), p);
+  }
+  return p;
+}
+
+Partial accumulate_any(const at::Tensor& t, int64_t begin, int64_t end) {
+  Partial p;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "multi_tensor_stats_cpu", [&] {
+    p = accumulate_span(t.const_data_ptr<scalar_t>() + begin, end - begin);
+  });
+  return p;
+}
+
+struct Segment {
+  int64_t tensor;  // index into the input list
+  int64_t begin;   // element range within that tensor
+  int64_t end;
+};
+
+}  // namespace
+
+Stats multi_tensor_stats_cpu(at::TensorList tensors) {
+  check_inputs(tensors);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+
+  // Flat views: dense tensors in place (any permutation), others copied. The neg bit of a view can be ignored: every
+  // statistic is symmetric in the sign.
+  std::vector<at::Tensor> flat;
+  flat.reserve(n);
+  for (const at::Tensor& t : tensors) {
+    flat.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
+  }
+
+  // Cut the virtual concatenation of all tensors into chunks; chunk_first[c] is chunk c's first segment.
+  std::vector<Segment> segments;
+  std::vector<int64_t> chunk_first{0};
+  int64_t room = kChunkElems;  // elements left in the current chunk
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t numel = flat[i].numel();
+    for (int64_t begin = 0; begin < numel;) {
+      const int64_t end = std::min(numel, begin + room);
+      segments.push_back({i, begin, end});
+      room -= end - begin;
+      begin = end;
+      if (room == 0) {
+        chunk_first.push_back(static_cast<int64_t>(segments.size()));
+        room = kChunkElems;
+      }
+    }
+  }
+  if (chunk_first.back() != static_cast<int64_t>(segments.size())) {
+    chunk_first.push_back(static_cast<int64_t>(segments.size()));
+  }
+  const int64_t num_chunks = static_cast<int64_t>(chunk_first.size()) - 1;
+
+  std::vector<Partial> partials(segments.size());
+  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    for (int64_t s = chunk_first[chunk_begin]; s < chunk_first[chunk_end]; ++s) {
+      const Segment& seg = segments[s];
+      partials[s] = accumulate_any(flat[seg.tensor], seg.begin, seg.end);
+    }
+  });
+
+  // Combine in segment order (deterministic), then apply the NaN/Inf semantics from the counts.
+  std::vector<Partial> totals(n);
+  for (size_t s = 0; s < segments.size(); ++s) {
+    totals[segments[s].tensor].merge(partials[s]);
+  }
+  auto [sumsq, amax, counts] = empty_stats(n, tensors[0].device());
+  double* sumsq_out = sumsq.mutable_data_ptr<double>();
+  double* amax_out = amax.mutable_data_ptr<double>();
+  int64_t* counts_out = counts.mutable_data_ptr<int64_t>();
+  constexpr double nan = std::numeric_limits<double>::quiet_NaN();
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    const Partial& p = totals[i];
+    const double special = p.nans > 0 ? nan : inf;
+    const bool nonfinite = p.nans > 0 || p.infs > 0;
+    sumsq_out[i] = nonfinite ? special : p.sumsq;
+    amax_out[i] = nonfinite ? special : p.amax;
+    counts_out[i * kNumCounts + kZero] = p.zeros;
+    counts_out[i * kNumCounts + kNan] = p.nans;
+    counts_out[i * kNumCounts + kInf] = p.infs;
+  }
+  return {sumsq, amax, counts};
+}
+
+TORCH_LIBRARY_IMPL(torch_gradstats, CPU, m) { m.impl("multi_tensor_stats", &multi_tensor_stats_cpu); }
+
+}  // namespace torch_gradstats
