@@ -106,15 +106,19 @@ class HealthPolicy:
         exploding = [(not math.isfinite(x)) or x > self.exploding_threshold for x in norms]
         return vanishing, exploding
 
-    def score_host(self, norms: Sequence[float]) -> float:
-        """Health of a sequence of per-tensor norms (Python floats). Same answer as :meth:`score`, bit for bit."""
-        n = len(norms)
+    def score_from_counts_host(self, n_vanishing: int, n_exploding: int, n_nonfinite: int, n: int) -> float:
+        """Host-side :meth:`score_from_counts` over Python ints; same bits as the device version."""
         if n == 0:
             return 1.0
-        if any(not math.isfinite(x) for x in norms):
+        if n_nonfinite > 0:
             return 0.0
-        vanishing, exploding = self.classify_host(norms)
-        share_v = sum(vanishing) / n
-        share_e = sum(exploding) / n
+        share_v = n_vanishing / n
+        share_e = n_exploding / n
         raw = (1.0 - share_v * self.vanishing_penalty) - share_e * self.exploding_penalty
         return min(1.0, max(0.0, raw))
+
+    def score_host(self, norms: Sequence[float]) -> float:
+        """Health of a sequence of per-tensor norms (Python floats). Same answer as :meth:`score`, bit for bit."""
+        vanishing, exploding = self.classify_host(norms)
+        n_nonfinite = sum(not math.isfinite(x) for x in norms)
+        return self.score_from_counts_host(sum(vanishing), sum(exploding), n_nonfinite, len(norms))
