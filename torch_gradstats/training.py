@@ -340,8 +340,9 @@ class Trainer:
             ``None`` (default) syncs only at the epoch end.
         progress: show a tqdm bar; ``None`` (default) shows it when stderr is a terminal and tqdm is installed.
         keep_history: keep one :class:`StepRecord` per stats step in the summary (for plots and logs).
-        after_backward: optional ``callback(trainer)`` run once per optimizer step after the gradients are final
-            (accumulated and unscaled) and before the stats; e.g. to inspect or perturb gradients.
+        after_backward: optional ``callback(trainer)`` run once per optimizer step after the gradients are
+            accumulated, before the stats; e.g. to inspect or perturb gradients. Under a GradScaler it runs before
+            ``unscale_`` (the gradients are still multiplied by the loss scale), so the scaler sees its changes.
     """
 
     def __init__(
@@ -523,10 +524,11 @@ class Trainer:
         state.samples += window_samples
         state.agg["loss_sum"] += step_loss_sum
 
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # stats must see the true gradients
         if self.after_backward is not None:
+            # Before unscale_, so a GradScaler sees whatever the callback did to the gradients.
             self.after_backward(self)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # stats must see the true gradients, not loss-scaled ones
 
         take_stats = self.must_check_every_step or step % self.stats_every == 0
         stats: Optional[GradStats] = None

@@ -1,0 +1,466 @@
+"""Tests of torch_gradstats.training.Trainer (CPU only; fast)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torch_gradstats.training as training
+from torch_gradstats.training import Trainer, clear_compile_cache, format_epoch_table, validate_device
+
+
+def _mlp(seed: int = 0, out: int = 3) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, out))
+
+
+def _data(n: int = 40, seed: int = 1, out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = torch.randint(0, out, (n,), generator=g) if out > 1 else torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def _loader(x: torch.Tensor, y: torch.Tensor, bs: int) -> DataLoader:
+    return DataLoader(TensorDataset(x, y), batch_size=bs, shuffle=False)
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _global_norm(model: nn.Module) -> float:
+    grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+def _nan_at(step: int, param: str):
+    def hook(trainer: Trainer) -> None:
+        if trainer.global_step == step:
+            dict(trainer.model.named_parameters())[param].grad.view(-1)[0] = float("nan")
+
+    return hook
+
+
+# ------------------------------------------------------------------------------------------ one sync per epoch
+class _SyncCounter:
+    """Counts every way a tensor's value can reach Python (each one is a host sync on an accelerator).
+
+    Calls made by torch.utils.data are not counted: the DataLoader draws its worker seed with ``.item()`` on a CPU
+    tensor when an epoch starts, which never touches the training device.
+    """
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
+        for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize")):
+            monkeypatch.setattr(owner, name, self._wrap(f"cuda.{name}", getattr(owner, name)))
+
+    def _wrap(self, name, orig):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            if "torch/utils/data" not in caller:
+                self.calls.append(name)
+            return orig(*args, **kwargs)
+
+        return wrapper
+
+
+@pytest.mark.parametrize("fused_skip", [False, True])
+def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
+    model = _mlp()
+    x, y = _data(40)
+    if fused_skip:  # skip_nonfinite on the device through fused Adam's found_inf: still no per-step sync
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        kwargs = dict(skip_nonfinite=True, after_backward=_nan_at(2, "2.bias"))
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        kwargs = {}
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), progress=False, **kwargs)
+    loader = _loader(x, y, 8)  # 5 steps per epoch
+    counter = _SyncCounter(monkeypatch)
+    summaries = trainer.fit(loader, epochs=3)
+    monkeypatch.undo()
+    assert counter.calls == ["tolist"] * 3, counter.calls
+    assert [s.steps for s in summaries] == [5, 5, 5]
+    assert all(len(s.history) == 5 for s in summaries)
+    if fused_skip:
+        assert summaries[0].skipped_steps == 1 and summaries[0].first_nonfinite_param == "2.bias"
+
+
+def test_sync_every_is_one_sync_per_interval(monkeypatch):
+    model = _mlp()
+    x, y = _data(56)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), sync_every=3, progress=False)
+    counter = _SyncCounter(monkeypatch)
+    summary = trainer.train_epoch(_loader(x, y, 8))  # 7 steps: syncs after 3, 6, and at the end
+    monkeypatch.undo()
+    assert counter.calls == ["tolist"] * 3
+    assert [r.step for r in summary.history] == list(range(7))  # no row lost or duplicated across syncs
+
+
+# ------------------------------------------------------------------------------------------ aggregates
+def test_epoch_aggregates_match_per_step_reference():
+    model = _mlp()
+    x, y = _data(48)
+    ref_norms: list[float] = []
+
+    def record(tr: Trainer) -> None:
+        if tr.global_step == 3:
+            tr.model[0].weight.grad[1, 2] = float("inf")
+            tr.model[2].weight.grad[0, 0] = float("nan")
+        ref_norms.append(_global_norm(tr.model))
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True, after_backward=record,
+                      progress=False)
+    s = trainer.train_epoch(_loader(x, y, 8))
+    finite = [n for n in ref_norms if math.isfinite(n)]
+    assert s.steps == 6 and s.stats_steps == 6 and s.batches == 6 and s.samples == 48
+    assert s.max_norm == pytest.approx(max(finite), rel=1e-6)
+    assert s.mean_norm == pytest.approx(sum(finite) / len(finite), rel=1e-6)
+    assert s.min_health == 0.0
+    assert (s.nan_count, s.inf_count, s.nonfinite_steps, s.skipped_steps) == (1, 1, 1, 1)
+    assert s.first_nonfinite_step == 3 and s.first_nonfinite_param == "0.weight"  # model order, not NaN-first
+    for rec, ref in zip(s.history, ref_norms):
+        if math.isfinite(ref):
+            assert rec.total_norm == pytest.approx(ref, rel=1e-6)
+        else:
+            assert math.isnan(rec.total_norm) and rec.health == 0.0 and rec.skipped
+    assert "step 3: 0.weight" in format_epoch_table([s])
+    d = s.to_dict()
+    assert d["first_nonfinite_param"] == "0.weight" and "history" not in d
+
+
+def test_first_nonfinite_is_per_epoch_and_uses_that_steps_names():
+    model = _mlp()
+    x, y = _data(32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True,
+                      after_backward=_nan_at(6, "2.weight"), progress=False)
+    first, second = trainer.fit(_loader(x, y, 8), epochs=2)  # 4 steps per epoch: step 6 is in epoch 1
+    assert first.first_nonfinite_step is None and first.first_nonfinite_param is None and first.nan_count == 0
+    assert second.first_nonfinite_step == 6 and second.first_nonfinite_param == "2.weight"
+    assert second.skipped_steps == 1 and first.min_health == 1.0
+
+
+def test_stats_every_n_steps():
+    model = _mlp()
+    x, y = _data(56)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), stats_every=3, progress=False)
+    s = trainer.train_epoch(_loader(x, y, 8))  # 7 optimizer steps
+    assert s.steps == 7 and s.stats_steps == 3
+    assert [r.step for r in s.history] == [0, 3, 6]
+
+
+# ------------------------------------------------------------------------------------------ loss, accumulation
+def test_loss_is_averaged_per_sample():
+    model = _mlp(out=1)
+    x, y = _data(10, out=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # frozen model: the epoch loss is a fixed number
+    trainer = Trainer(model, opt, nn.MSELoss(), progress=False)
+    s = trainer.train_epoch(_loader(x, y, 4))  # batches of 4, 4, 2
+    with torch.no_grad():
+        per_sample = ((model(x) - y) ** 2).squeeze(1)
+        batch_means = [per_sample[i:i + 4].mean() for i in (0, 4, 8)]
+    assert s.loss == pytest.approx(float(per_sample.mean()), rel=1e-6)
+    assert s.loss != pytest.approx(float(torch.stack(batch_means).mean()), rel=1e-6)  # what per-batch would give
+    assert s.samples == 10 and s.batches == 3
+
+
+@pytest.mark.parametrize("bs,accum,steps", [(4, 3, 1), (2, 5, 1)])
+def test_accumulation_equals_one_big_batch(bs, accum, steps):
+    x, y = _data(10)
+    runs = []
+    for b, a in ((bs, accum), (10, 1)):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = Trainer(model, opt, nn.CrossEntropyLoss(), accumulation_steps=a, progress=False)
+        runs.append((trainer.train_epoch(_loader(x, y, b)), _params(model)))
+    (acc, acc_params), (big, big_params) = runs
+    assert acc.steps == steps and len(acc.history) == steps  # stats once per optimizer step
+    assert acc.batches == math.ceil(10 / bs)
+    assert acc.history[0].total_norm == pytest.approx(big.history[0].total_norm, rel=1e-5)
+    assert acc.loss == pytest.approx(big.loss, rel=1e-6)
+    for p, q in zip(acc_params, big_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_short_last_window_weighted_per_sample():
+    x, y = _data(10)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[float] = []
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), accumulation_steps=2, progress=False,
+                      after_backward=lambda tr: seen.append(_global_norm(tr.model)))
+    s = trainer.train_epoch(_loader(x, y, 4))  # windows [4, 4] and [2]
+    assert s.steps == 2 and s.batches == 3
+    # The last window's gradient is the mean over its own 2 samples, as if it were one batch of 2.
+    ref = _mlp()
+    ref.load_state_dict({k: v for k, v in zip(ref.state_dict(), _params_after_first_step(x, y))})
+    nn.CrossEntropyLoss()(ref(x[8:]), y[8:]).backward()
+    assert seen[1] == pytest.approx(_global_norm(ref), rel=1e-5)
+
+
+def _params_after_first_step(x, y):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nn.CrossEntropyLoss()(model(x[:8]), y[:8]).backward()
+    opt.step()
+    return _params(model)
+
+
+# ------------------------------------------------------------------------------------------ AMP
+def _scaler(init_scale: float):
+    try:
+        return torch.amp.GradScaler("cpu", init_scale=init_scale)
+    except (TypeError, RuntimeError, AttributeError):  # pragma: no cover - torch without a CPU GradScaler
+        pytest.skip("this torch has no CPU GradScaler")
+
+
+def test_amp_stats_are_taken_after_unscale(monkeypatch):
+    x, y = _data(32)
+    order: list[str] = []
+    results = []
+    for scaler in (None, _scaler(2.0**12)):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if scaler is not None:
+            orig_unscale = scaler.unscale_
+            monkeypatch.setattr(scaler, "unscale_", lambda o: (order.append("unscale_"), orig_unscale(o))[1])
+            orig_stats = training.grad_stats
+            monkeypatch.setattr(training, "grad_stats", lambda p: (order.append("grad_stats"), orig_stats(p))[1])
+        trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, progress=False)
+        results.append(trainer.train_epoch(_loader(x, y, 8)))
+    plain, amp = results
+    assert order == ["unscale_", "grad_stats"] * 4
+    # Same gradients, so the same norms: the loss scale (4096) does not leak into the stats.
+    for a, b in zip(plain.history, amp.history):
+        assert a.total_norm == pytest.approx(b.total_norm, rel=1e-5)
+    assert amp.skipped_steps == 0
+
+
+def test_amp_nonfinite_step_is_skipped_by_scaler_and_counted():
+    x, y = _data(32)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = _scaler(2.0**8)
+    snapshots: dict[int, list[torch.Tensor]] = {}
+
+    def hook(tr: Trainer) -> None:
+        snapshots[tr.global_step] = _params(tr.model)
+        if tr.global_step == 1:
+            tr.model[0].bias.grad[0] = float("inf")
+
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, after_backward=hook, progress=False)
+    s = trainer.train_epoch(_loader(x, y, 8))
+    assert s.skipped_steps == 1 and s.inf_count == 1 and s.first_nonfinite_param == "0.bias"
+    for p, q in zip(snapshots[1], snapshots[2]):  # step 1 did not move the parameters
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert scaler.get_scale() == 2.0**7  # the scaler backed off once
+
+
+def test_autocast_bf16_runs_on_cpu():
+    x, y = _data(16)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    s = Trainer(model, opt, nn.CrossEntropyLoss(), amp_dtype=torch.bfloat16, progress=False).train_epoch(
+        _loader(x, y, 8))
+    assert s.steps == 2 and s.max_norm is not None and math.isfinite(s.max_norm)
+
+
+# ------------------------------------------------------------------------------------------ skip on non-finite
+@pytest.mark.parametrize("fused", [True, False])
+def test_skip_nonfinite_equals_dropping_the_step(caplog, fused):
+    x, y = _data(24)
+    finals = []
+    for data, hook in (((x, y), _nan_at(1, "0.weight")), ((torch.cat([x[:8], x[16:]]), torch.cat([y[:8], y[16:]])),
+                                                          None)):
+        model = _mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+        with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+            trainer = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True, after_backward=hook,
+                              progress=False)
+        s = trainer.train_epoch(_loader(*data, 8))
+        finals.append((s, _params(model)))
+    (skipped, p_skip), (dropped, p_drop) = finals
+    assert skipped.skipped_steps == 1 and dropped.skipped_steps == 0
+    assert skipped.first_nonfinite_step == 1 and skipped.first_nonfinite_param == "0.weight"
+    assert [r.skipped for r in skipped.history] == [False, True, False]
+    for p, q in zip(p_skip, p_drop):  # Adam's step count and moments untouched by the skipped step
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    warned = any("host sync per optimizer step" in r.getMessage() for r in caplog.records)
+    assert warned == (not fused)
+
+
+def test_without_skip_nan_reaches_the_parameters():
+    x, y = _data(24)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = Trainer(model, opt, nn.CrossEntropyLoss(), after_backward=_nan_at(1, "0.weight"),
+                progress=False).train_epoch(_loader(x, y, 8))
+    assert s.skipped_steps == 0 and s.first_nonfinite_step == 1
+    assert torch.isnan(model[0].weight).any()
+
+
+# ------------------------------------------------------------------------------------------ clipping
+def test_max_grad_norm_clips_like_torch():
+    x, y = _data(24)
+    finals = []
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    s = Trainer(model, opt, nn.CrossEntropyLoss(), max_grad_norm=0.1, progress=False).train_epoch(_loader(x, y, 8))
+    finals.append(_params(model))
+    ref = _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    pre_clip = []
+    for i in range(0, 24, 8):
+        ref_opt.zero_grad()
+        nn.CrossEntropyLoss()(ref(x[i:i + 8]), y[i:i + 8]).backward()
+        pre_clip.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)))
+        ref_opt.step()
+    for p, q in zip(finals[0], _params(ref)):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert [r.total_norm for r in s.history] == pytest.approx(pre_clip, rel=1e-5)  # stats are pre-clip
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_empty_loader_is_a_clear_error():
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), progress=False)
+    empty = DataLoader(TensorDataset(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long)), batch_size=4)
+    with pytest.raises(ValueError, match="empty"):
+        trainer.train_epoch(empty)
+    with pytest.raises(ValueError, match="no batches"):
+        trainer.train_epoch(b for b in [])  # no len(): detected after iterating
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("device,match", [("cuda:5", "CUDA"), ("gpu0", "invalid device"), (None, None)])
+def test_bad_device_fails_up_front(device, match):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if device is None:  # default: the model's device
+        assert Trainer(model, opt, nn.CrossEntropyLoss()).device == torch.device("cpu")
+        return
+    if device.startswith("cuda") and torch.cuda.device_count() > 5:  # pragma: no cover
+        pytest.skip("this machine has a cuda:5")
+    with pytest.raises(ValueError, match=match):
+        Trainer(model, opt, nn.CrossEntropyLoss(), device=device)
+
+
+def test_validate_device():
+    assert validate_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="invalid device"):
+        validate_device("not-a-device")
+    with pytest.raises(ValueError, match="None"):
+        validate_device(None)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            validate_device("cuda")
+
+
+def test_model_on_other_device_is_named():
+    model = _mlp().to("meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'0.weight' is on meta"):
+        Trainer(model, opt, nn.CrossEntropyLoss(), device="cpu")
+
+
+def test_bad_arguments_and_batches():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="stats_every"):
+        Trainer(model, opt, nn.CrossEntropyLoss(), stats_every=0)
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        Trainer(model, opt, nn.CrossEntropyLoss(), accumulation_steps=0)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), progress=False)
+    with pytest.raises(ValueError, match=r"batch 0 is a Tensor; expected an \(inputs, targets\) pair"):
+        trainer.train_epoch([torch.zeros(2, 6)])
+    bad_loss = Trainer(model, opt, nn.CrossEntropyLoss(reduction="none"), progress=False)
+    x, y = _data(8)
+    with pytest.raises(ValueError, match="0-d"):
+        bad_loss.train_epoch(_loader(x, y, 4))
+
+
+# ------------------------------------------------------------------------------------------ compile
+def test_compiled_step_matches_eager_and_is_cached_per_architecture():
+    clear_compile_cache()
+    x, y = _data(16)
+    results = []
+    for compiled in (False, True, True):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = Trainer(model, opt, nn.CrossEntropyLoss(), compile=compiled, compile_backend="eager",
+                          progress=False)
+        results.append((trainer.train_epoch(_loader(x, y, 8)), _params(model)))
+    assert len(training._COMPILE_CACHE) == 1  # two instances of one architecture share an entry
+    for s, params in results[1:]:
+        assert s.loss == pytest.approx(results[0][0].loss, rel=1e-6)
+        for p, q in zip(params, results[0][1]):
+            torch.testing.assert_close(p, q)
+    other = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))  # another architecture: another entry
+    Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), nn.CrossEntropyLoss(), compile=True,
+            compile_backend="eager", progress=False).train_epoch(_loader(x, y, 8))
+    assert len(training._COMPILE_CACHE) == 2
+    assert not any(e.failed for e in training._COMPILE_CACHE.values())
+    clear_compile_cache()
+
+
+def test_compile_failure_warns_and_falls_back(caplog):
+    clear_compile_cache()
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded on purpose")
+
+    x, y = _data(16)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), compile=True, compile_backend=broken_backend,
+                      progress=False)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        s = trainer.train_epoch(_loader(x, y, 8))
+    warnings = [r.getMessage() for r in caplog.records if "compiled train step failed" in r.getMessage()]
+    assert len(warnings) == 1 and "eager" in warnings[0]  # logged once, not silent, not per step
+    ref = _mlp()
+    s_ref = Trainer(ref, torch.optim.SGD(ref.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                    progress=False).train_epoch(_loader(x, y, 8))
+    assert s.loss == pytest.approx(s_ref.loss, rel=1e-6) and s.steps == 2
+    clear_compile_cache()
+
+
+# ------------------------------------------------------------------------------------------ progress bar
+def test_works_without_tqdm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm...` raise ImportError
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    x, y = _data(16)
+    model = _mlp()
+    s = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                progress=True).train_epoch(_loader(x, y, 8))
+    assert s.steps == 2
+
+
+def test_progress_auto_is_off_when_not_a_tty_and_on_when_asked(capsys):
+    pytest.importorskip("tqdm")
+    x, y = _data(16)
+    for progress in (None, True):
+        model = _mlp()
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                progress=progress).train_epoch(_loader(x, y, 8))
+        err = capsys.readouterr().err
+        if progress is None:  # pytest captures stderr: not a terminal
+            assert "epoch 0" not in err
+        else:
+            assert "epoch 0" in err
