@@ -1,0 +1,101 @@
+"""HealthPolicy: the documented defaults, the formula, and device/host agreement (bit for bit)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_gradstats.health import HealthPolicy
+
+INF, NAN = math.inf, math.nan
+
+
+def formula(norms, vt=1e-7, et=10.0, vp=0.5, ep=0.8):
+    """The score written out the obvious way, independent of HealthPolicy's code."""
+    if not norms:
+        return 1.0
+    if any(not math.isfinite(x) for x in norms):
+        return 0.0
+    v = sum(1 for x in norms if x < vt) / len(norms)
+    e = sum(1 for x in norms if x > et) / len(norms)
+    return min(1.0, max(0.0, 1.0 - vp * v - ep * e))
+
+
+def test_documented_defaults():
+    p = HealthPolicy()
+    assert (p.vanishing_threshold, p.exploding_threshold, p.vanishing_penalty, p.exploding_penalty) == (
+        1e-7,
+        10.0,
+        0.5,
+        0.8,
+    )
+
+
+@pytest.mark.parametrize(
+    "norms, expected",
+    [
+        ([], 1.0),
+        ([1.0, 2.0, 3.0], 1.0),
+        ([0.0, 1.0], 0.75),  # one of two vanishing: 1 - 0.5/2
+        ([100.0, 1.0], 0.6),  # one of two exploding: 1 - 0.8/2
+        ([100.0, 100.0], 0.2),
+        ([0.0, 100.0], 1.0 - 0.25 - 0.4),
+        ([1e-7, 10.0], 1.0),  # thresholds are strict
+        ([1.0, NAN], 0.0),
+        ([1.0, INF], 0.0),
+        ([0.0, 0.0, 0.0], 0.5),
+    ],
+)
+def test_known_scores(norms, expected):
+    p = HealthPolicy()
+    host = p.score_host(norms)
+    dev = p.score(torch.tensor(norms, dtype=torch.float64))
+    assert host == pytest.approx(expected, abs=1e-15)
+    assert dev.dtype == torch.float64 and dev.dim() == 0
+    assert float(dev) == host
+
+
+def test_clamped_to_zero_with_custom_penalties():
+    p = HealthPolicy(exploding_penalty=2.0)
+    assert p.score_host([100.0, 100.0]) == 0.0
+    assert float(p.score(torch.tensor([100.0, 100.0], dtype=torch.float64))) == 0.0
+
+
+def test_nonfinite_counts_as_exploding_not_vanishing():
+    p = HealthPolicy()
+    van, exp = p.classify(torch.tensor([NAN, INF, 0.0, 1.0, 50.0], dtype=torch.float64))
+    assert van.tolist() == [False, False, True, False, False]
+    assert exp.tolist() == [True, True, False, False, True]
+    assert p.classify_host([NAN, INF, 0.0, 1.0, 50.0]) == (van.tolist(), exp.tolist())
+
+
+def test_bad_policy_rejected():
+    with pytest.raises(ValueError, match="vanishing_threshold"):
+        HealthPolicy(vanishing_threshold=20.0)
+    with pytest.raises(ValueError, match="exploding_penalty"):
+        HealthPolicy(exploding_penalty=float("nan"))
+
+
+_norm = st.one_of(
+    st.floats(min_value=0.0, max_value=1e30, allow_nan=False),
+    st.sampled_from([0.0, 1e-7, 1e-8, 10.0, 10.000001, INF, NAN]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    norms=st.lists(_norm, max_size=40),
+    vt=st.floats(1e-12, 1e-3),
+    et=st.floats(1.0, 1e4),
+    vp=st.floats(0.0, 2.0),
+    ep=st.floats(0.0, 2.0),
+)
+def test_device_and_host_agree_bitwise(norms, vt, et, vp, ep):
+    p = HealthPolicy(vt, et, vp, ep)
+    host = p.score_host(norms)
+    dev = float(p.score(torch.tensor(norms, dtype=torch.float64).reshape(-1)))
+    assert dev == host
+    assert host == pytest.approx(formula(norms, vt, et, vp, ep), abs=1e-12)
+    assert 0.0 <= host <= 1.0
