@@ -1,0 +1,123 @@
+"""Global gradient statistics across ranks (torch_gradstats.distributed), on CPU with gloo, 2 and 4 ranks.
+
+One spawn per world size runs every scenario of tests/_dist_workers.py (process start-up dominates the cost, so the
+checks are grouped); each scenario is then reported by its own test. Children start from a forkserver that has
+already imported torch, so a 4-rank run starts in well under a second after the first.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+from torch_gradstats.distributed import reduce_across_ranks
+from torch_gradstats.ops import multi_tensor_stats
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _dist_workers  # noqa: E402  (importable by name in the children too)
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="torch.distributed with gloo is not available",
+    ),
+]
+
+SPAWN_TIMEOUT_S = 120.0  # whole run of one world size
+COLLECTIVE_TIMEOUT_S = 60.0  # a rank stuck in a collective gives up after this
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, outdir: str) -> None:
+    """Run _dist_workers.run_worker on ``world`` ranks; kill them all if they overrun SPAWN_TIMEOUT_S."""
+    import torch.multiprocessing as mp
+
+    # Preloading in the forkserver pays the torch import once for all ranks (ignored if a forkserver already runs).
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.tensor", "_dist_workers"])
+    ctx = mp.start_processes(
+        _dist_workers.run_worker,
+        args=(world, _free_port(), outdir, COLLECTIVE_TIMEOUT_S),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world}-rank run did not finish in {SPAWN_TIMEOUT_S:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def dist_results(request, tmp_path_factory) -> tuple[int, list[dict[str, dict[str, str]]]]:
+    world = request.param
+    outdir = str(tmp_path_factory.mktemp(f"dist{world}"))
+    _spawn(world, outdir)
+    results = []
+    for rank in range(world):
+        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return world, results
+
+
+@pytest.mark.parametrize("scenario", list(_dist_workers.SCENARIOS))
+def test_scenario(dist_results, scenario: str) -> None:
+    world, results = dist_results
+    outcomes = [r.get(scenario, {"status": "fail", "detail": "not reached"}) for r in results]
+    failed = [(rank, o["detail"]) for rank, o in enumerate(outcomes) if o["status"] == "fail"]
+    if failed:
+        pytest.fail("\n".join(f"--- rank {rank} of {world}:\n{detail}" for rank, detail in failed))
+    if all(o["status"] == "skip" for o in outcomes):
+        pytest.skip(outcomes[0]["detail"])
+    assert all(o["status"] == "ok" for o in outcomes), outcomes
+
+
+# ---------------------------------------------------------------------------------------------- single process
+def _local_stats():
+    tensors = [torch.randn(3, 2), torch.randn(4)]
+    return tensors, multi_tensor_stats(tensors)
+
+
+def test_no_group_no_dtensor_is_a_no_op() -> None:
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    tensors, (s, a, c) = _local_stats()
+    out = reduce_across_ranks(tensors, s, a, c, None, return_numel=True)
+    assert out[0] is s and out[1] is a and out[2] is c and out[3] is None
+    assert out[4].tolist() == [6, 4]
+
+
+def test_group_without_init_process_group_is_a_clear_error() -> None:
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    tensors, (s, a, c) = _local_stats()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        reduce_across_ranks(tensors, s, a, c, object())
+
+
+def test_bad_inputs_name_the_argument() -> None:
+    tensors, (s, a, c) = _local_stats()
+    with pytest.raises(ValueError, match="sumsq"):
+        reduce_across_ranks(tensors[:1], s, a, c)
+    with pytest.raises(ValueError, match="counts"):
+        reduce_across_ranks(tensors, s, a, c.to(torch.float64))
+    with pytest.raises(TypeError, match=r"grads\[1\]"):
+        reduce_across_ranks([tensors[0], "x"], s, a, c)
