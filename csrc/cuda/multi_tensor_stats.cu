@@ -401,8 +401,8 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
   // contiguous first. `dense_copies` keeps those copies alive until both kernels are enqueued, after which the
   // caching allocator (stream-ordered) may recycle them safely.
   std::vector<at::Tensor> dense_copies;
-  std::vector<TensorMeta> host_meta(size_t(n));
-  std::vector<int64_t> key(size_t(n) * 3);
+  std::vector<TensorMeta> host_meta(static_cast<size_t>(n));
+  std::vector<int64_t> key(static_cast<size_t>(n) * 3);
   int64_t num_tiles = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
