@@ -1,0 +1,155 @@
+"""Command line: ``python -m torch_gradstats info | demo | bench``.
+
+* ``info``: versions, whether the compiled extension loaded (and why not), which dispatch keys have a compiled
+  kernel of the op, whether the fallback is forced, and one run of the op on CPU (and CUDA when present) checked
+  against the float64 reference.
+* ``demo``: train a small model on synthetic data and watch its gradients (see :mod:`torch_gradstats.demo`).
+* ``bench``: the benchmark (:mod:`torch_gradstats.bench`); every argument after ``bench`` is passed to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["main", "info"]
+
+OP = "torch_gradstats::multi_tensor_stats"
+
+
+def _kernel_line(key: str) -> str:
+    """Is there a kernel registered for exactly this dispatch key?
+
+    ``_dispatch_has_kernel_for_dispatch_key`` sees only kernels registered for that key itself: the pure-PyTorch
+    fallback, registered as CompositeExplicitAutograd, does not count as a "CPU" or "CUDA" kernel. So "no" below
+    means the fallback serves that backend.
+    """
+    if torch._C._dispatch_has_kernel_for_dispatch_key(OP, key):
+        return f"{key:<26} compiled kernel"
+    if key == "CUDA" and torch.version.cuda is None:
+        return f"{key:<26} no compiled kernel (and this torch has no CUDA)"
+    return f"{key:<26} no compiled kernel (the pure-PyTorch fallback serves it)"
+
+
+def _example_tensors(device: torch.device) -> list[torch.Tensor]:
+    return [
+        torch.tensor([3.0, 4.0, 0.0], device=device),
+        torch.tensor([1.0, float("nan"), float("inf"), -0.0], dtype=torch.float16, device=device),
+        torch.full((1000,), 1e20, dtype=torch.float32, device=device),  # squares overflow float32, not float64
+        torch.zeros(0, dtype=torch.bfloat16, device=device),
+    ]
+
+
+def _run_op(device: torch.device) -> list[str]:
+    from torch_gradstats.ops import multi_tensor_stats, reference_multi_tensor_stats
+
+    tensors = _example_tensors(device)
+    out = multi_tensor_stats(tensors)
+    ref = reference_multi_tensor_stats(tensors)
+    sumsq, amax, counts = (t.cpu() for t in out)
+    r_sumsq, r_amax, r_counts = (t.cpu() for t in ref)
+    ok = (
+        torch.allclose(sumsq, r_sumsq, rtol=1e-5, equal_nan=True)
+        and torch.allclose(amax, r_amax, rtol=1e-5, equal_nan=True)
+        and torch.equal(counts, r_counts)
+    )
+    lines = [f"op on {device}: {len(tensors)} tensors (float32 [3], float16 [4] with NaN/Inf, float32 1e20 x1000, "
+             "empty bfloat16)"]
+    for i in range(len(tensors)):
+        lines.append(
+            f"  [{i}] sumsq={sumsq[i].item():.6g} amax={amax[i].item():.6g} "
+            f"zeros={int(counts[i, 0])} nan={int(counts[i, 1])} inf={int(counts[i, 2])}"
+        )
+    lines.append(f"  matches the float64 reference: {'yes' if ok else 'NO'}")
+    return lines
+
+
+def info() -> str:
+    """The ``info`` report as a string (also what ``python -m torch_gradstats info`` prints)."""
+    import torch_gradstats
+    from torch_gradstats import _extension
+
+    ext = sys.modules.get("torch_gradstats._C")
+    if torch_gradstats.HAS_EXTENSION:
+        ext_line = f"loaded ({getattr(ext, '__file__', '?')})"
+    else:
+        ext_line = f"NOT loaded: {_extension.EXTENSION_ERROR}"
+    forced = os.environ.get(_extension.FORCE_FALLBACK_ENV)
+    lines = [
+        f"torch_gradstats {getattr(torch_gradstats, '__version__', '?')}",
+        f"python           {platform.python_version()} ({platform.platform()})",
+        f"torch            {torch.__version__}",
+        f"torch CUDA       {torch.version.cuda or 'none (CPU-only build)'}",
+        f"CUDA available   {torch.cuda.is_available()}"
+        + (f" ({torch.cuda.device_count()} device(s): {torch.cuda.get_device_name(0)})"
+           if torch.cuda.is_available() else ""),
+        f"extension        {ext_line}",
+        f"{_extension.FORCE_FALLBACK_ENV} "
+        + (f"set to {forced!r}" + (" (forces the fallback)" if _extension._fallback_forced() else " (ignored)")
+           if forced is not None else "not set"),
+        f"dispatch keys of {OP}:",
+        "  " + _kernel_line("CPU"),
+        "  " + _kernel_line("CUDA"),
+        "  " + f"{'CompositeExplicitAutograd':<26} "
+        + ("pure-PyTorch fallback registered" if torch._C._dispatch_has_kernel_for_dispatch_key(
+            OP, "CompositeExplicitAutograd") else "MISSING"),
+    ]
+    lines += _run_op(torch.device("cpu"))
+    if torch.cuda.is_available():
+        lines += _run_op(torch.device("cuda"))
+    return "\n".join(lines)
+
+
+def _bench(argv: Sequence[str]) -> int:
+    try:
+        bench = importlib.import_module("torch_gradstats.bench")
+    except ImportError as exc:
+        print(f"error: the benchmark module torch_gradstats.bench is not available ({exc})", file=sys.stderr)
+        return 2
+    try:
+        return int(bench.main(list(argv)) or 0)
+    except SystemExit as exc:  # its argparse exits on --help and on bad arguments
+        return _exit_code(exc)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from torch_gradstats import demo
+
+    p = argparse.ArgumentParser(prog="python -m torch_gradstats", description="torch_gradstats command line")
+    sub = p.add_subparsers(dest="command", metavar="{info,demo,bench}")
+    sub.required = True
+    sub.add_parser("info", help="versions, extension and kernel status, one run of the op")
+    demo.build_parser(sub.add_parser("demo", help="train a small model on synthetic data and watch its gradients",
+                                     description=demo.__doc__.split("\n")[0]))
+    sub.add_parser("bench", help="benchmark the fused op (arguments are passed on; see `bench --help`)",
+                   add_help=False)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m torch_gradstats``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # everything after `bench`, --help included, belongs to the benchmark
+        return _bench(argv[1:])
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on errors; report that as a status instead
+        return _exit_code(exc)
+    if args.command == "info":
+        print(info())
+        return 0
+    if args.command == "demo":
+        from torch_gradstats import demo
+
+        return demo.run_from_args(args)
+    return 2  # unreachable: argparse rejects unknown commands
