@@ -144,5 +144,6 @@ def multi_tensor_stats(tensors: Iterable[Tensor]) -> TensorStats:
     """
     tensors = list(tensors)
     check_inputs(tensors)
-    sumsq, amax, counts = torch.ops.torch_gradstats.multi_tensor_stats.default(tensors)
+    # Statistics are not differentiable: detaching (metadata only) keeps autograd out of the way.
+    sumsq, amax, counts = torch.ops.torch_gradstats.multi_tensor_stats.default([t.detach() for t in tensors])
     return TensorStats(sumsq, amax, counts)

@@ -11,8 +11,9 @@
 // 16/32-bit inputs, double for float64) with several independent vector accumulators, and block sums are added in
 // double. A block sum that is not finite means the block holds a NaN or an Inf, or its squares overflowed float: that
 // block alone is redone exactly in double, element by element, which also counts its NaNs and Infs. So the fast loop
-// needs no NaN/Inf test at all, and float32 inputs up to FLT_MAX give finite sums. The final NaN/Inf semantics of
-// sumsq and amax are derived from the counts.
+// needs no NaN/Inf test at all, and float32 inputs up to FLT_MAX give finite sums. A float block of only tiny values
+// (vanishing gradients) is summed again scaled by a power of two, so its squares do not underflow. The final NaN/Inf
+// semantics of sumsq and amax are derived from the counts.
 //
 // Dense tensors, permuted ones included, are read in place as a flat span (the statistics do not depend on element
 // order); only non-dense tensors (expanded, sliced with gaps) are copied to a contiguous buffer first.
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace torch_gradstats {
@@ -36,6 +38,12 @@ using at::vec::Vectorized;
 
 constexpr int64_t kChunkElems = int64_t{1} << 16;  // one parallel task: 256 KiB of float32, fits in L2
 constexpr int64_t kBlockElems = 512;               // float32 partial-sum length: error <= ~20 ulp per block
+
+// A float block whose max |x| is below 2^-40 is summed again scaled by 2^90. Below the threshold, squares of its
+// elements may fall under FLT_MIN and lose precision; above it, what such elements lose is < 1e-9 of the block's
+// largest square. Scaled, any float (subnormals included) squares to a normal float and 512 squares stay < 2^110.
+constexpr double kTinyThreshold = 0x1p-40;
+constexpr double kTinyScale = 0x1p90;
 
 struct Partial {
   double sumsq = 0.0;  // sum of squares of the finite elements
@@ -97,18 +105,31 @@ struct Loader<at::Half> : ReducedLoader<at::Half> {};
 template <>
 struct Loader<at::BFloat16> : ReducedLoader<at::BFloat16> {};
 
-// One block of at most kBlockElems elements: vector fast path, exact redo if its sum is not finite.
-template <typename scalar_t>
-void accumulate_block(const scalar_t* x, int64_t n, Partial& p) {
+template <typename acc_t>
+struct BlockSums {
+  acc_t sumsq;
+  acc_t amax;
+  acc_t zeros;
+};
+
+// Sums of one block of at most kBlockElems elements in acc_t, no NaN/Inf test. With kScaled, every value is first
+// multiplied by kTinyScale (a power of two, so exactly) to keep tiny squares out of float's subnormal range.
+template <typename scalar_t, bool kScaled>
+BlockSums<typename Loader<scalar_t>::acc_t> sum_block(const scalar_t* x, int64_t n) {
   using L = Loader<scalar_t>;
   using acc_t = typename L::acc_t;
   using Vec = typename L::Vec;
   const Vec zero(acc_t(0));
+  const Vec scale(acc_t(kScaled ? kTinyScale : 1.0));
   Vec sq0 = zero, sq1 = zero, max0 = zero, max1 = zero, zeros0 = zero, zeros1 = zero;
   int64_t i = 0;
   for (; i + L::kStep <= n; i += L::kStep) {
     Vec a, b;
     L::load(x + i, a, b);
+    if constexpr (kScaled) {
+      a = a * scale;
+      b = b * scale;
+    }
     sq0 = at::vec::fmadd(a, a, sq0);
     sq1 = at::vec::fmadd(b, b, sq1);
     // clamp_min(v, m) is max(v, m) in one instruction; it need not propagate NaN, the exact path handles those.
@@ -118,23 +139,38 @@ void accumulate_block(const scalar_t* x, int64_t n, Partial& p) {
     zeros0 = zeros0 + a.eq(zero);
     zeros1 = zeros1 + b.eq(zero);
   }
-  acc_t sum = at::vec::vec_reduce_all<acc_t>([](Vec u, Vec v) { return u + v; }, sq0 + sq1);
-  acc_t amax = at::vec::vec_reduce_all<acc_t>([](Vec u, Vec v) { return at::vec::clamp_min(u, v); },
-                                              at::vec::clamp_min(max0, max1));
-  acc_t zeros = at::vec::vec_reduce_all<acc_t>([](Vec u, Vec v) { return u + v; }, zeros0 + zeros1);
+  const auto add = [](Vec u, Vec v) { return u + v; };
+  const auto max = [](Vec u, Vec v) { return at::vec::clamp_min(u, v); };
+  BlockSums<acc_t> r{at::vec::vec_reduce_all<acc_t>(add, sq0 + sq1),
+                     at::vec::vec_reduce_all<acc_t>(max, at::vec::clamp_min(max0, max1)),
+                     at::vec::vec_reduce_all<acc_t>(add, zeros0 + zeros1)};
   for (; i < n; ++i) {
-    const acc_t v = static_cast<acc_t>(x[i]);
-    sum += v * v;
-    amax = std::max(amax, std::abs(v));
-    zeros += (v == acc_t(0));
+    const acc_t v = static_cast<acc_t>(x[i]) * (kScaled ? acc_t(kTinyScale) : acc_t(1));
+    r.sumsq += v * v;
+    r.amax = std::max(r.amax, std::abs(v));
+    r.zeros += (v == acc_t(0));
   }
-  if (!std::isfinite(sum)) {  // NaN or Inf in the block, or float overflow: redo it exactly
+  return r;
+}
+
+// One block: the vector fast path, redone exactly in double if its sum is not finite (NaN, Inf or float overflow),
+// or redone scaled if all its values are so small that their float squares would lose precision.
+template <typename scalar_t>
+void accumulate_block(const scalar_t* x, int64_t n, Partial& p) {
+  using acc_t = typename Loader<scalar_t>::acc_t;
+  auto r = sum_block<scalar_t, false>(x, n);
+  if (!std::isfinite(r.sumsq)) {
     accumulate_exact(x, n, p);
     return;
   }
-  p.sumsq += static_cast<double>(sum);
-  p.amax = std::max(p.amax, static_cast<double>(amax));
-  p.zeros += static_cast<int64_t>(zeros);
+  double unscale = 1.0;
+  if (std::is_same_v<acc_t, float> && r.amax > 0 && r.amax < kTinyThreshold) {
+    r = sum_block<scalar_t, true>(x, n);
+    unscale = 1.0 / kTinyScale;
+  }
+  p.sumsq += static_cast<double>(r.sumsq) * unscale * unscale;
+  p.amax = std::max(p.amax, static_cast<double>(r.amax) * unscale);
+  p.zeros += static_cast<int64_t>(r.zeros);
 }
 
 template <typename scalar_t>

@@ -1,0 +1,324 @@
+"""The op contract on CPU: the dispatched kernel (compiled, or the pure-PyTorch one under
+TORCH_GRADSTATS_FORCE_FALLBACK=1) against the float64 reference, which is itself checked against numpy."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torch_gradstats as tg
+from torch_gradstats.ops import INF, NAN, ZERO, reference_multi_tensor_stats
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-5, torch.float64: 1e-12}
+op = torch.ops.torch_gradstats.multi_tensor_stats.default
+
+
+def assert_matches_reference(tensors, stats=None):
+    """The op's outputs against the float64 reference: sumsq within the contract's relative error, amax and counts
+    exactly, NaN/Inf in the same places."""
+    stats = tg.multi_tensor_stats(tensors) if stats is None else stats
+    ref = reference_multi_tensor_stats(tensors)
+    assert stats.sumsq.dtype == torch.float64 and stats.sumsq.shape == (len(tensors),)
+    assert stats.amax.dtype == torch.float64 and stats.amax.shape == (len(tensors),)
+    assert stats.counts.dtype == torch.int64 and stats.counts.shape == (len(tensors), 3)
+    torch.testing.assert_close(stats.counts, ref[2], rtol=0, atol=0)
+    torch.testing.assert_close(stats.amax, ref[1], rtol=0, atol=0, equal_nan=True)
+    for i, t in enumerate(tensors):
+        got, want = stats.sumsq[i].item(), ref[0][i].item()
+        if math.isnan(want) or math.isinf(want):
+            assert got == want or (math.isnan(got) and math.isnan(want)), (i, got, want)
+        else:
+            assert math.isfinite(got), (i, t.dtype, got)
+            assert abs(got - want) <= RTOL[t.dtype] * abs(want), (i, t.dtype, got, want)
+
+
+def numpy_stats(t: torch.Tensor):
+    x = t.detach().double().reshape(-1).numpy()
+    amax = float(np.max(np.abs(x))) if x.size else 0.0
+    return float(np.sum(x * x)), amax, [int(np.sum(x == 0)), int(np.isnan(x).sum()), int(np.isinf(x).sum())]
+
+
+# ---------------------------------------------------------------------------------------------- the reference
+
+
+def test_reference_agrees_with_numpy():
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(37, 5, generator=g).to(d) for d in DTYPES] + [torch.empty(0), torch.tensor(-0.0)]
+    sumsq, amax, counts = reference_multi_tensor_stats(tensors)
+    for i, t in enumerate(tensors):
+        s, a, c = numpy_stats(t)
+        assert sumsq[i].item() == pytest.approx(s, rel=1e-12)
+        assert amax[i].item() == a
+        assert counts[i].tolist() == c
+
+
+# ---------------------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "numel", [1, 7, 15, 16, 17, 31, 511, 512, 513, 1000, 65535, 65536, 65537, 200_003], ids=lambda n: f"n{n}"
+)
+def test_random_parity(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    x = (torch.randn(numel, generator=g) * 3).to(dtype)
+    x[:: max(1, numel // 5)] = 0  # some exact zeros
+    assert_matches_reference([x])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values(dtype):
+    finfo = torch.finfo(dtype)
+    nan, inf = float("nan"), float("inf")
+    cases = [
+        torch.tensor([0.0, -0.0, 0.0], dtype=dtype),
+        torch.tensor([1.0, nan, 2.0], dtype=dtype),
+        torch.tensor([1.0, inf, -inf, 3.0], dtype=dtype),
+        torch.tensor([nan, inf, -0.0, 5.0], dtype=dtype),
+        torch.full((1000,), finfo.max, dtype=dtype),  # squares overflow every 16/32-bit accumulator
+        torch.full((3,), -finfo.max, dtype=dtype),
+        torch.full((777,), finfo.tiny, dtype=dtype),
+        torch.tensor([finfo.tiny / 4, -finfo.tiny / 8], dtype=dtype),  # subnormals are neither zero nor lost
+    ]
+    if dtype != torch.float16:
+        cases.append(torch.full((2049,), 1e20, dtype=dtype))
+    else:
+        cases.append(torch.full((4097,), 6e4, dtype=dtype))
+    stats = tg.multi_tensor_stats(cases)
+    assert_matches_reference(cases, stats)
+    if dtype != torch.float64:  # the contract: finite sums for every finite 16/32-bit input
+        assert torch.isfinite(stats.sumsq[4:]).all()
+    assert stats.counts[0].tolist() == [3, 0, 0]
+    assert stats.counts[1].tolist() == [0, 1, 0] and math.isnan(stats.sumsq[1]) and math.isnan(stats.amax[1])
+    assert stats.counts[2].tolist() == [0, 0, 2] and stats.sumsq[2] == inf and stats.amax[2] == inf
+    assert stats.counts[3].tolist() == [1, 1, 1] and math.isnan(stats.sumsq[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e-12, 1e-20, 1e-30, 1e-38, 1e-44])
+def test_vanishing_gradients_keep_their_precision(dtype, scale):
+    """Squares of such values underflow float32: the kernel must not report a zero or imprecise norm."""
+    x = (torch.randn(5000, dtype=torch.float64) * scale).to(dtype)
+    mixed = x.clone()
+    mixed[100] = 1e-10  # one moderately small value among tiny ones
+    assert_matches_reference([x, mixed, torch.full((513,), scale, dtype=dtype)])
+
+
+@pytest.mark.parametrize("where", [0, 1, 510, 511, 512, 65535, 65536, 99_999])
+def test_single_nan_anywhere_in_a_long_tensor(where):
+    x = torch.randn(100_000)
+    x[where] = float("nan")
+    x[(where + 7) % 100_000] = float("-inf")
+    stats = tg.multi_tensor_stats([x, torch.ones(3)])
+    assert stats.counts[0].tolist() == [0, 1, 1]
+    assert math.isnan(stats.sumsq[0]) and math.isnan(stats.amax[0])
+    assert stats.sumsq[1] == 3.0 and stats.counts[1].tolist() == [0, 0, 0]
+
+
+def test_empty_and_zero_dim():
+    tensors = [torch.empty(0), torch.empty(3, 0, 2, dtype=torch.float16), torch.tensor(-2.5), torch.empty(0)]
+    stats = tg.multi_tensor_stats(tensors)
+    assert stats.sumsq.tolist() == [0.0, 0.0, 6.25, 0.0]
+    assert stats.amax.tolist() == [0.0, 0.0, 2.5, 0.0]
+    assert stats.counts.tolist() == [[0, 0, 0]] * 4
+    assert_matches_reference(tensors, stats)
+
+
+def test_strided_inputs():
+    base = torch.randn(64, 33)
+    tensors = [
+        base.t(),  # dense, permuted: read in place
+        base.permute(1, 0).contiguous().t(),
+        base[:, 1:],  # sliced, not dense
+        base[::2, ::3],
+        base[1:].reshape(-1)[5:],  # unaligned start
+        torch.randn(5, 1).expand(5, 100),  # stride 0
+        torch.randn(4, 6, 8).permute(2, 0, 1),
+        torch.randn(3, 8, dtype=torch.bfloat16).t()[1:],
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    ]
+    assert_matches_reference(tensors)
+
+
+def test_mixed_dtypes_and_many_small_tensors():
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.randint(0, 2000, (3000,), generator=g).tolist()
+    tensors = [torch.randn(n, generator=g).to(DTYPES[i % 4]) for i, n in enumerate(sizes)]
+    tensors[1234][0] = float("nan")
+    tensors[2345][-1:] = float("inf")
+    assert_matches_reference(tensors)
+
+
+def test_tensors_straddling_chunks():
+    sizes = [65535, 1, 65536, 3, 131_073, 0, 100, 65_536 * 3 - 1]
+    tensors = [torch.randn(n, dtype=torch.float32 if i % 2 else torch.bfloat16) for i, n in enumerate(sizes)]
+    assert_matches_reference(tensors)
+
+
+# ---------------------------------------------------------------------------------------------- properties
+
+
+def bitwise(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a floating tensor, so NaNs compare equal to themselves."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) if t.is_floating_point() else t
+
+
+def test_deterministic_across_calls_and_thread_counts():
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(n, generator=g) * 1e3 for n in (10, 300_000, 70_000, 1)]
+    first = tg.multi_tensor_stats(tensors)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = tg.multi_tensor_stats(tensors)
+    finally:
+        torch.set_num_threads(threads)
+    again = tg.multi_tensor_stats(tensors)
+    for a, b, c in zip(first, single, again):
+        assert torch.equal(bitwise(a), bitwise(b)) and torch.equal(bitwise(a), bitwise(c))
+
+
+def test_inputs_not_modified():
+    tensors = [torch.randn(1000), torch.tensor([float("nan"), -0.0, float("inf")], dtype=torch.float16)]
+    before = [t.clone() for t in tensors]
+    tg.multi_tensor_stats(tensors)
+    for t, b in zip(tensors, before):
+        assert torch.equal(bitwise(t), bitwise(b))
+
+
+def test_does_not_track_autograd():
+    w = torch.randn(10, requires_grad=True)
+    stats = tg.multi_tensor_stats([w])
+    assert not stats.sumsq.requires_grad
+
+
+special = st.sampled_from([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e20, -3e38, 6e4, 1e-40, 1.5])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(
+        st.tuples(st.sampled_from(DTYPES), st.integers(0, 3000), st.lists(special, max_size=4), st.integers(0, 2**31)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_property_random_lists(specs):
+    tensors = []
+    for dtype, n, values, seed in specs:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 10
+        for j, v in enumerate(values):
+            if n:
+                x[(seed + 97 * j) % n] = v
+        tensors.append(x.to(dtype))
+    assert_matches_reference(tensors)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("call", [tg.multi_tensor_stats, op], ids=["wrapper", "raw-op"])
+def test_bad_inputs_name_the_tensor(call):
+    good = torch.randn(3)
+    with pytest.raises(ValueError, match="at least one tensor"):
+        call([])
+    for bad, msg in [
+        # The compiled kernels print c10's dtype names (Long), the Python checks torch's (torch.int64).
+        (torch.arange(3), r"tensors\[1\] has dtype (torch.int64|Long)"),
+        (torch.ones(3, dtype=torch.bool), r"tensors\[1\] has dtype (torch.bool|Bool)"),
+        (torch.randn(3, dtype=torch.complex64), r"tensors\[1\] has dtype (torch.complex64|ComplexFloat)"),
+    ]:
+        with pytest.raises(TypeError, match=msg):
+            call([good, bad])
+    with pytest.raises((ValueError, RuntimeError), match=r"tensors\[2\] has layout"):
+        call([good, good, torch.eye(3).to_sparse()])
+
+
+def test_mixed_devices_are_rejected():
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on meta"):
+        tg.multi_tensor_stats([torch.randn(3), torch.randn(3, device="meta")])
+
+
+def test_wrapper_rejects_non_tensors():
+    with pytest.raises(TypeError, match=r"tensors\[0\] is a list"):
+        tg.multi_tensor_stats([[1.0, 2.0]])
+
+
+def test_accepts_any_iterable():
+    gen = (torch.full((4,), float(i)) for i in range(3))
+    assert tg.multi_tensor_stats(gen).sumsq.tolist() == [0.0, 4.0, 16.0]
+
+
+# ---------------------------------------------------------------------------------------------- registration
+
+
+def test_opcheck():
+    samples = [
+        [torch.randn(5, 3)],
+        [torch.randn(4, dtype=torch.bfloat16), torch.randn(2, 2, dtype=torch.double), torch.randn(7, dtype=torch.half)],
+        [torch.empty(0), torch.tensor(1.0)],
+        [torch.randn(6, 4).t(), torch.randn(8, 8)[::2, 1:]],
+    ]
+    for sample in samples:
+        torch.library.opcheck(op, (sample,))
+
+
+def test_meta_shapes():
+    out = op([torch.empty(3, 4, device="meta"), torch.empty(0, device="meta", dtype=torch.float16)])
+    assert [tuple(t.shape) for t in out] == [(2,), (2,), (2, 3)]
+    assert [t.dtype for t in out] == [torch.float64, torch.float64, torch.int64]
+
+
+def test_compile_fullgraph_without_recompiles():
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def global_norm_and_bad(grads):
+        s = tg.multi_tensor_stats(grads)
+        return s.sumsq.sum().sqrt(), s.counts[:, NAN].sum() + s.counts[:, INF].sum()
+
+    for step in range(3):
+        grads = [torch.randn(10, 3) * (step + 1), torch.randn(4, dtype=torch.bfloat16)]
+        grads[0][0, 0] = float("nan") if step == 2 else 1.0
+        norm, bad = global_norm_and_bad(grads)
+        ref = reference_multi_tensor_stats(grads)
+        if step < 2:
+            torch.testing.assert_close(norm, ref[0].sum().sqrt())
+        assert bad.item() == (1 if step == 2 else 0)
+    assert counter.frame_count == 1, "recompiled"
+
+
+def test_extension_state_is_reported():
+    forced = os.environ.get("TORCH_GRADSTATS_FORCE_FALLBACK") == "1"
+    has_cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("torch_gradstats::multi_tensor_stats", "CPU")
+    assert tg.HAS_EXTENSION == has_cpu_kernel
+    if forced:
+        assert not tg.HAS_EXTENSION
+
+
+def test_forced_fallback_in_subprocess():
+    code = (
+        "import torch, torch_gradstats as tg\n"
+        "assert not tg.HAS_EXTENSION\n"
+        "assert not torch._C._dispatch_has_kernel_for_dispatch_key('torch_gradstats::multi_tensor_stats', 'CPU')\n"
+        "s = tg.multi_tensor_stats([torch.tensor([3.0, 4.0, 0.0])])\n"
+        "assert s.sumsq.tolist() == [25.0] and s.counts.tolist() == [[1, 0, 0]], s\n"
+    )
+    env = dict(os.environ, TORCH_GRADSTATS_FORCE_FALLBACK="1")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_columns():
+    assert (ZERO, NAN, INF) == (0, 1, 2)
