@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import os
+import time
 import traceback
 from typing import Callable
 
@@ -364,6 +365,37 @@ def ddp_no_collective(rank: int, world: int) -> str | None:
     assert rep.nan_count == 0 and rep.nonfinite_ranks == {}
 
 
+def clip_dtensor(rank: int, world: int) -> str | None:
+    """clip_grad_norm_ on DTensor gradients clips by the global norm, like torch.nn.utils.clip_grad_norm_."""
+    try:
+        from torch_gradstats.clip import clip_grad_norm_
+    except ImportError:
+        return "skip: torch_gradstats.clip not available"
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(11)
+    full = [torch.randn(world + 1, 3, generator=gen), torch.randn(4, generator=gen)]
+    placements = [Shard(0), Replicate()]
+
+    def make():
+        params = []
+        for i, (t, pl) in enumerate(zip(full, placements)):
+            p = nn.Parameter(distribute_tensor(torch.zeros_like(t), mesh, [pl]))
+            p.grad = distribute_tensor(t.clone(), mesh, [pl])
+            params.append((f"p{i}", p))
+        return params
+
+    ours, theirs = make(), make()
+    stats = clip_grad_norm_(ours, max_norm=0.5)
+    ref_norm = torch.nn.utils.clip_grad_norm_([p for _, p in theirs], max_norm=0.5)
+    ref_norm = ref_norm.full_tensor() if isinstance(ref_norm, DTensor) else ref_norm
+    single = math.sqrt(sum(float(t.double().pow(2).sum()) for t in full))
+    assert math.isclose(stats.clip_norm.item(), single, rel_tol=RTOL), (stats.clip_norm.item(), single)
+    assert math.isclose(stats.clip_norm.item(), ref_norm.item(), rel_tol=RTOL), (stats.clip_norm.item(), ref_norm)
+    for (name, p), (_, q) in zip(ours, theirs):
+        assert isinstance(p.grad, DTensor) and p.grad.placements == q.grad.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-6, atol=0)
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f
     for f in (
@@ -375,6 +407,7 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
         dtensor_partial,
         nan_on_one_rank,
         ddp_no_collective,
+        clip_dtensor,
     )
 }
 
@@ -384,6 +417,7 @@ def run_worker(rank: int, world: int, port: int, outdir: str, timeout_s: float) 
     torch.set_num_threads(1)
     results: dict[str, dict[str, str]] = {}
     path = os.path.join(outdir, f"rank{rank}.json")
+    start = time.perf_counter()
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -391,8 +425,10 @@ def run_worker(rank: int, world: int, port: int, outdir: str, timeout_s: float) 
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    results["init_process_group"] = {"status": "info", "seconds": f"{time.perf_counter() - start:.3f}"}
     try:
         for name, fn in SCENARIOS.items():
+            start = time.perf_counter()
             try:
                 outcome = fn(rank, world)
                 if isinstance(outcome, str) and outcome.startswith("skip:"):
@@ -401,6 +437,7 @@ def run_worker(rank: int, world: int, port: int, outdir: str, timeout_s: float) 
                     results[name] = {"status": "ok", "detail": ""}
             except Exception:  # recorded, reported by the test of this scenario
                 results[name] = {"status": "fail", "detail": traceback.format_exc()}
+            results[name]["seconds"] = f"{time.perf_counter() - start:.3f}"
             with open(path, "w") as f:  # after every scenario: a later hang keeps what came before
                 json.dump(results, f)
     finally:

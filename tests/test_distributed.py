@@ -45,8 +45,11 @@ def _spawn(world: int, outdir: str) -> None:
     """Run _dist_workers.run_worker on ``world`` ranks; kill them all if they overrun SPAWN_TIMEOUT_S."""
     import torch.multiprocessing as mp
 
-    # Preloading in the forkserver pays the torch import once for all ranks (ignored if a forkserver already runs).
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.tensor", "_dist_workers"])
+    # Preloading in the forkserver pays the imports once for all ranks (ignored if a forkserver already runs);
+    # torch._dynamo is imported lazily by the first distribute_tensor (seconds on a small machine).
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.nn.parallel", "_dist_workers"]
+    )
     ctx = mp.start_processes(
         _dist_workers.run_worker,
         args=(world, _free_port(), outdir, COLLECTIVE_TIMEOUT_S),
