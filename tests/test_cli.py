@@ -1,0 +1,145 @@
+"""Tests of ``python -m torch_gradstats info | demo | bench`` (in-process, plus one real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_gradstats
+from torch_gradstats.cli import main
+from torch_gradstats.demo import make_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _strict_json(line: str) -> dict:
+    def no_constants(name: str):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(line, parse_constant=no_constants)
+
+
+def _read_log(path: Path) -> list[dict]:
+    return [_strict_json(line) for line in path.read_text().splitlines()]
+
+
+def test_info_reports_honestly(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch            {torch.__version__}" in out
+    assert "matches the float64 reference: yes" in out
+    cpu_line = next(line for line in out.splitlines() if line.strip().startswith("CPU "))
+    has_cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("torch_gradstats::multi_tensor_stats", "CPU")
+    assert ("no compiled kernel" not in cpu_line) == has_cpu_kernel
+    # The pure-PyTorch kernel is registered as CompositeExplicitAutograd: it must not be reported as a CPU kernel.
+    if not torch_gradstats.HAS_EXTENSION:
+        assert "no compiled kernel" in cpu_line
+        assert "NOT loaded" in out
+    else:
+        assert "extension        loaded" in out
+    assert "pure-PyTorch fallback registered" in out
+    forced = "TORCH_GRADSTATS_FORCE_FALLBACK" in os.environ
+    assert ("TORCH_GRADSTATS_FORCE_FALLBACK not set" in out) == (not forced)
+
+
+def test_demo_names_the_nan_step_and_parameter(tmp_path, capsys):
+    out_dir = tmp_path / "demo"
+    rc = main(["demo", "--steps", "40", "--inject-nan", "27", "--out", str(out_dir), "--no-progress", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "first seen at optimizer step 27 (epoch 1) in parameter 'hidden.weight'" in out
+    assert "Skipped 1 optimizer step(s); parameters all finite: True" in out
+    assert "step 27: hidden.weight" in out  # the per-epoch table names it too
+
+    records = _read_log(out_dir / "log.jsonl")
+    run = records[0]
+    steps = [r for r in records if r["type"] == "step"]
+    epochs = [r for r in records if r["type"] == "epoch"]
+    assert run["type"] == "run" and run["inject_nan"] == 27 and run["inject_param"] == "hidden.weight"
+    assert [r["step"] for r in steps] == list(range(40))
+    assert [e["steps"] for e in epochs] == [25, 15]
+    bad = [r for r in steps if r["nan_count"] or r["inf_count"] or r["skipped"]]
+    numel = dict(make_model(0).named_parameters())["hidden.weight"].numel()
+    assert len(bad) == 1 and bad[0]["step"] == 27 and bad[0]["skipped"] is True
+    assert bad[0]["nan_count"] == numel and bad[0]["total_norm"] is None and bad[0]["health"] == 0.0
+    assert epochs[1]["first_nonfinite_step"] == 27 and epochs[1]["skipped_steps"] == 1
+    assert epochs[0]["first_nonfinite_step"] is None
+    assert all(r["total_norm"] > 0 for r in steps if r["step"] != 27)
+
+    png = (out_dir / "gradstats.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_demo_without_injection_and_without_plot(tmp_path, capsys):
+    rc = main(["demo", "--steps", "10", "--inject-param", "head.bias", "--out", str(tmp_path), "--no-progress",
+               "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Non-finite" not in out and "Skipped 0 optimizer step(s)" in out
+    assert not (tmp_path / "gradstats.png").exists()
+    steps = [r for r in _read_log(tmp_path / "log.jsonl") if r["type"] == "step"]
+    assert len(steps) == 10 and not any(r["skipped"] for r in steps)
+
+
+def test_demo_without_matplotlib_still_writes_the_log(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["demo", "--steps", "3", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert (tmp_path / "log.jsonl").exists() and not (tmp_path / "gradstats.png").exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "5", "--inject-nan", "5"], "outside the run's optimizer steps 0..4"),
+        (["--inject-param", "nope"], "'nope' is not a parameter of the demo model"),
+        (["--device", "cuda:7"], "cuda:7"),
+    ],
+)
+def test_demo_bad_arguments(tmp_path, capsys, args, message):
+    if args[0] == "--device" and torch.cuda.device_count() > 7:  # pragma: no cover
+        pytest.skip("this machine has a cuda:7")
+    assert main(["demo", "--out", str(tmp_path), "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_bench_forwards_its_arguments(monkeypatch):
+    seen = []
+    fake = types.ModuleType("torch_gradstats.bench")
+    fake.main = lambda argv=None: seen.append(argv) or 7
+    monkeypatch.setitem(sys.modules, "torch_gradstats.bench", fake)
+    assert main(["bench", "--quick", "--device", "cpu", "--help"]) == 7
+    assert seen == [["--quick", "--device", "cpu", "--help"]]
+
+
+def test_bench_missing_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch_gradstats.bench", None)  # import raises ImportError
+    assert main(["bench"]) == 2
+    assert "torch_gradstats.bench is not available" in capsys.readouterr().err
+
+
+def test_help_and_bad_command(capsys):
+    assert main(["--help"]) == 0
+    assert "{info,demo,bench}" in capsys.readouterr().out
+    assert main(["frobnicate"]) == 2
+    assert main([]) == 2
+
+
+def test_module_entry_point_runs_in_a_subprocess(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_gradstats", "demo", "--steps", "25", "--inject-nan", "20",
+         "--out", str(tmp_path), "--no-progress"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "optimizer step 20 (epoch 0) in parameter 'hidden.weight'" in proc.stdout
+    assert (tmp_path / "gradstats.png").exists() and (tmp_path / "log.jsonl").exists()
