@@ -63,8 +63,8 @@ class _SyncCounter:
         for name in self.NAMES:
             orig = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
-        for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize")):
-            monkeypatch.setattr(owner, name, self._wrap(f"cuda.{name}", getattr(owner, name)))
+        for owner, label in ((torch.cuda, "cuda.synchronize"), (torch.cuda.Event, "Event.synchronize")):
+            monkeypatch.setattr(owner, "synchronize", self._wrap(label, getattr(owner, "synchronize")))
 
     def _wrap(self, name, orig):
         def wrapper(*args, **kwargs):
@@ -96,6 +96,24 @@ def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
     assert all(len(s.history) == 5 for s in summaries)
     if fused_skip:
         assert summaries[0].skipped_steps == 1 and summaries[0].first_nonfinite_param == "2.bias"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_one_sync_per_epoch_through_pinned_memory(monkeypatch):
+    model = _mlp().cuda()
+    x, y = _data(40)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True, after_backward=_nan_at(2, "2.bias"),
+                      progress=False)
+    counter = _SyncCounter(monkeypatch)
+    summaries = trainer.fit(_loader(x, y, 8), epochs=2)
+    monkeypatch.undo()
+    # Per epoch: one event wait after the non-blocking copy, then tolist() on the pinned host buffer.
+    assert counter.calls == ["Event.synchronize", "tolist"] * 2, counter.calls
+    assert trainer._pinned is not None and trainer._pinned.is_pinned()
+    assert summaries[0].skipped_steps == 1 and summaries[0].first_nonfinite_param == "2.bias"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_sync_every_is_one_sync_per_interval(monkeypatch):

@@ -290,7 +290,7 @@ class _EpochState:
         a["nonfinite_steps"] += bad.to(torch.float64)
         # First non-finite step and, at that step, the first parameter (model order) with a NaN/Inf.
         new = bad & (a["first_step"] < 0)
-        first_idx = stats.nonfinite_mask.to(torch.int8).argmax().to(torch.float64)  # argmax: first maximum
+        first_idx = stats.nonfinite_mask.to(torch.int32).argmax().to(torch.float64)  # argmax: first maximum
         a["first_step"] = torch.where(new, float(step), a["first_step"])
         a["first_param"] = torch.where(new, first_idx, a["first_param"])
         if not self.names_log or self.names_log[-1][1] != stats.names:
