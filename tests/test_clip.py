@@ -10,7 +10,10 @@ from torch import nn
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.stats import GradStats, grad_stats
 
-from test_stats import count_host_reads
+try:
+    from test_stats import count_host_reads
+except ImportError:  # tests/ imported as a package
+    from tests.test_stats import count_host_reads
 
 
 def model(kind, dtype=torch.float32, seed=0):

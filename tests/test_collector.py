@@ -15,7 +15,10 @@ from torch import nn
 import torch_gradstats.stats as stats_mod
 from torch_gradstats import collector as C
 
-from test_stats import count_host_reads
+try:
+    from test_stats import count_host_reads
+except ImportError:  # tests/ imported as a package
+    from tests.test_stats import count_host_reads
 
 
 # ------------------------------------------------------------------ baseline (original semantics)
