@@ -1,0 +1,83 @@
+// The fused CPU kernel against a float64 ATen reference, from C++ alone (ctest).
+#include "multi_tensor_stats.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    std::cerr << "FAILED: " << what << "\n";
+  }
+}
+
+bool same(double got, double want, double rtol) {
+  if (std::isnan(want)) return std::isnan(got);
+  if (std::isinf(want)) return got == want;
+  return std::abs(got - want) <= rtol * std::abs(want);
+}
+
+void check_against_reference(const std::vector<at::Tensor>& tensors, const std::string& name) {
+  auto [sumsq, amax, counts] = torch_gradstats::multi_tensor_stats_cpu(tensors);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor x = tensors[i].to(at::kDouble).reshape(-1);
+    const bool any_nan = x.isnan().any().item<bool>();
+    const bool any_inf = x.isinf().any().item<bool>();
+    const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+    const double want_sumsq = any_nan ? nan : any_inf ? inf : x.square().sum().item<double>();
+    const double want_amax = any_nan ? nan : x.numel() == 0 ? 0.0 : x.abs().max().item<double>();
+    const double rtol = tensors[i].scalar_type() == at::kDouble ? 1e-12 : 1e-5;
+    const std::string where = name + " tensor " + std::to_string(i);
+    expect(same(sumsq[i].item<double>(), want_sumsq, rtol), where + " sumsq");
+    expect(same(amax[i].item<double>(), want_amax, 0.0), where + " amax");
+    expect(counts[i][0].item<int64_t>() == x.eq(0).sum().item<int64_t>(), where + " zeros");
+    expect(counts[i][1].item<int64_t>() == x.isnan().sum().item<int64_t>(), where + " nans");
+    expect(counts[i][2].item<int64_t>() == x.isinf().sum().item<int64_t>(), where + " infs");
+  }
+}
+
+}  // namespace
+
+int main() {
+  at::manual_seed(0);
+  std::vector<at::Tensor> mixed;
+  for (at::ScalarType dtype : {at::kHalf, at::kBFloat16, at::kFloat, at::kDouble}) {
+    for (int64_t n : {0, 1, 17, 513, 70001}) {
+      mixed.push_back(at::randn({n}).to(dtype));
+    }
+  }
+  check_against_reference(mixed, "random");
+
+  at::Tensor special = at::randn({1000});
+  special[3] = 0.0;
+  special[4] = -0.0;
+  special[600] = std::numeric_limits<float>::quiet_NaN();
+  special[900] = -std::numeric_limits<float>::infinity();
+  at::Tensor huge = at::full({4096}, std::numeric_limits<float>::max());
+  at::Tensor tiny = at::full({1000}, 1e-30f);
+  check_against_reference({special, huge, tiny, at::randn({40, 30}).t(), at::randn({5, 1}).expand({5, 9})},
+                          "special");
+
+  auto [sumsq, amax, counts] = torch_gradstats::multi_tensor_stats_cpu({huge});
+  expect(std::isfinite(sumsq[0].item<double>()), "FLT_MAX squares stay finite");
+
+  bool threw = false;
+  try {
+    torch_gradstats::multi_tensor_stats_cpu({at::randn({3}), at::arange(3)});
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("tensors[1]") != std::string::npos;
+  }
+  expect(threw, "an integer tensor is rejected, naming its index");
+
+  std::cout << (failures == 0 ? "all checks passed" : "some checks failed") << "\n";
+  return failures == 0 ? 0 : 1;
+}
