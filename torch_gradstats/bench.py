@@ -695,6 +695,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="directory for the CSV, markdown and PNG plots (default: none)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU runs (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.repeats is None:
@@ -767,6 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"contenders: {', '.join(CONTENDERS)}", file=sys.stderr)  # fmt: skip
         return 2
     contenders = {n: CONTENDERS[n] for n in CONTENDERS if n in names}
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     info = machine_description(device)
     print("torch_gradstats bench  " + "  ".join(f"{k}: {v}" for k, v in info.items()))
