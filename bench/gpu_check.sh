@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The one script to run on a lent H100/H200 in a single device call (see docs/cuda.md):
+#   versions -> build -> CUDA parity tests -> CPU tests -> compute-sanitizer memcheck + racecheck -> benchmark.
+# Every step runs even if an earlier one failed (its exit status is recorded); the script exits non-zero if any did.
+# Output: "$OUT" (default ./gpu_check_out), at most 8 files so all of them come back from the device tool:
+#   gpu_check.log (everything), test_cuda.xml, test_cpu.xml, memcheck.log, racecheck.log, bench.txt, summary.txt
+# and a copy of them under bench/results/gpu_check-<gpu>-<date>/ for committing.
+# Usage on the device:  bash bench/gpu_check.sh        (TORCH_CUDA_ARCH_LIST defaults to 9.0, Hopper)
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+PY="${PYTHON:-python3}"
+FAILED=()
+T0=$SECONDS
+STEPS="$(mktemp -d)"  # each step's own output (the sanitizer logs are copied from here)
+
+log() { echo "[gpu_check] $*" | tee -a "$LOG"; }
+# run NAME TIMEOUT CMD...: runs a step with a time limit, logs its output and duration, records failures.
+run() {
+  local name=$1 limit=$2; shift 2
+  local t=$SECONDS
+  log "=== $name"
+  timeout "$limit" "$@" 2>&1 | tee "$STEPS/$name.out" | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  log "=== $name: rc=$rc in $(( SECONDS - t )) s"
+  [[ $rc -eq 0 ]] || FAILED+=("$name(rc=$rc)")
+  return 0
+}
+
+# 1. Versions.
+run versions 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv;
+  nvcc --version | tail -n 2; $PY -c 'import sys, torch; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__,
+  \"cuda\", torch.version.cuda, \"device\", torch.cuda.get_device_name(0), \"capability\", torch.cuda.get_device_capability(0))'"
+
+# 2. Build in place (the device image has the CUDA torch; no network needed).
+if [[ -z "${CUDA_HOME:-}" ]]; then
+  NVCC_BIN="$(dirname "$(readlink -f "$(command -v nvcc)")" 2>/dev/null || true)"
+  [[ -n "$NVCC_BIN" ]] && export CUDA_HOME="$(cd "$NVCC_BIN/.." && pwd)"
+fi
+log "CUDA_HOME=${CUDA_HOME:-unset} TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+rm -f torch_gradstats/_C*.so
+run build 400 $PY setup.py build_ext --inplace
+run registration 60 $PY -c "
+import torch, torch_gradstats
+assert torch_gradstats.HAS_EXTENSION, 'extension did not load'
+assert torch._C._dispatch_has_kernel_for_dispatch_key('torch_gradstats::multi_tensor_stats', 'CUDA'), 'no CUDA kernel'
+print('extension loaded, CUDA kernel registered')"
+
+# 3. Tests: CUDA parity (slow ones included), then the rest of the suite.
+run test_cuda 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml"
+run test_cpu 300 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py -m "not distributed" \
+  --junitxml="$OUT/test_cpu.xml"
+
+# 4. compute-sanitizer on a small case: unaligned views, odd lengths, empty tensors, mixed dtypes, several tiles.
+CASE="$STEPS/sanitizer_case.py"
+cat >"$CASE" <<'EOF'
+import torch, torch_gradstats
+from torch_gradstats.ops import reference_multi_tensor_stats
+dts = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+base = [torch.randn(70_001, device="cuda").to(dt) for dt in dts]
+ts = [b[1:] for b in base] + [b[3:10] for b in base] + [torch.empty(0, device="cuda"), torch.randn(5, 7, device="cuda").t()]
+ts[0][5] = float("nan"); ts[2][0] = float("inf")
+for _ in range(2):
+    got = torch_gradstats.multi_tensor_stats(ts)
+ref = reference_multi_tensor_stats(ts)
+assert torch.equal(got.counts, ref[2]) and torch.allclose(got.sumsq, ref[0], rtol=1e-5, equal_nan=True)
+torch.cuda.synchronize()
+print("sanitizer case ok")
+EOF
+if command -v compute-sanitizer >/dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ]]; then
+  CS="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
+  # No caching allocator under memcheck, so an out-of-bounds read cannot hide inside a larger cached block.
+  for tool in memcheck racecheck; do
+    run "$tool" 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool "$tool" --error-exitcode 9 $PY "$CASE"
+    cp "$STEPS/$tool.out" "$OUT/$tool.log"
+  done
+else
+  log "compute-sanitizer not found"; FAILED+=("sanitizer(missing)")
+fi
+
+# 5. Benchmark, if the CLI has it (written separately).
+if $PY -m torch_gradstats --help 2>/dev/null | grep -q bench; then
+  run bench 300 bash -c "set -o pipefail; $PY -m torch_gradstats bench 2>&1 | tee '$OUT/bench.txt'"
+else
+  log "no 'python -m torch_gradstats bench' yet: benchmark skipped" | tee "$OUT/bench.txt"
+fi
+
+# 6. Summary and a copy for bench/results/.
+{
+  echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) total $(( SECONDS - T0 )) s"
+  grep -E "^(NVIDIA|name|python|Cuda compilation|Build cuda)|^[A-Z].*, [0-9.]+, " "$LOG" | head -n 6
+  grep -E "=== .*: rc=" "$LOG"
+  if [[ ${#FAILED[@]} -eq 0 ]]; then echo "ALL STEPS PASSED"; else echo "FAILED: ${FAILED[*]}"; fi
+} | tee "$OUT/summary.txt"
+GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr -c 'A-Za-z0-9\n' '_' | tr -s '_')"
+DEST="bench/results/gpu_check-${GPU:-gpu}-$(date -u +%Y%m%d-%H%M)"
+mkdir -p "$DEST" && cp "$OUT"/*.log "$OUT"/*.txt "$OUT"/*.xml "$DEST"/ 2>/dev/null
+echo "[gpu_check] copies in $DEST"
+[[ ${#FAILED[@]} -eq 0 ]]
