@@ -135,6 +135,18 @@ def plain_uneven_shards(rank: int, world: int) -> None:
         assert _seq(pg2) - before == 2
         _check_stats(f"subgroup {pair}", got2, full2)
         assert got2[3].shape == (len(full2), world)
+        # a group this rank is not in is a clear error, not a silent local result
+        try:
+            reduce_across_ranks(local2, s2, a2, c2, groups[1 - pair])
+        except ValueError as exc:
+            assert "not a member" in str(exc), exc
+        else:
+            raise AssertionError("a group without this rank was accepted")
+
+    # a 1-D DeviceMesh is accepted as the group
+    mesh = init_device_mesh("cpu", (world,))
+    got3 = reduce_across_ranks(local, s, a, c, mesh)
+    _check_stats("uneven, mesh as group", got3, full)
 
 
 def plain_uneven_grad_stats(rank: int, world: int) -> str | None:
@@ -396,6 +408,39 @@ def clip_dtensor(rank: int, world: int) -> str | None:
         torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-6, atol=0)
 
 
+def fsdp2_model(rank: int, world: int) -> str | None:
+    """FSDP2 (fully_shard) on CPU: grad_stats of the sharded model equals the single-process full-batch report."""
+    if grad_stats is None:
+        return "skip: torch_gradstats.stats.grad_stats not available"
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return "skip: torch.distributed.fsdp.fully_shard not available"
+    torch.manual_seed(12)
+    # world + 1 output rows: uneven Shard(0) gradients
+    ref_model = nn.Sequential(nn.Linear(6, 2 * world + 1), nn.Tanh(), nn.Linear(2 * world + 1, 3))
+    model = nn.Sequential(nn.Linear(6, 2 * world + 1), nn.Tanh(), nn.Linear(2 * world + 1, 3))
+    model.load_state_dict(ref_model.state_dict())
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(4 * world, 6, generator=gen)
+    y = torch.randn(4 * world, 3, generator=gen)
+    part = slice(4 * rank, 4 * (rank + 1))
+    nn.functional.mse_loss(model(x[part]), y[part]).backward()  # FSDP2 averages the gradient shards over ranks
+    nn.functional.mse_loss(ref_model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(isinstance(g, DTensor) and g.placements == (Shard(0),) for g in grads), [type(g) for g in grads]
+    pg = mesh.get_group(0)
+    before = _seq(pg)
+    rep = grad_stats(model.named_parameters()).report()
+    assert _seq(pg) - before == 2, f"grad_stats issued {_seq(pg) - before} collectives, expected 2"
+    ref = grad_stats(ref_model.named_parameters()).report()
+    _check_report_equal("fsdp2", rep, ref)
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f
     for f in (
@@ -408,6 +453,7 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
         nan_on_one_rank,
         ddp_no_collective,
         clip_dtensor,
+        fsdp2_model,
     )
 }
 

@@ -33,6 +33,17 @@ pytestmark = [
 
 SPAWN_TIMEOUT_S = 120.0  # whole run of one world size
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank stuck in a collective gives up after this
+# Imported once by the forkserver, inherited by every rank. torch._dynamo and fsdp are imported lazily by the first
+# distribute_tensor / fully_shard (seconds each on a small machine); pytest is what each child re-imports as __main__.
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.nn.parallel",
+    "pytest",
+    "_dist_workers",
+]
 
 
 def _free_port() -> int:
@@ -45,11 +56,8 @@ def _spawn(world: int, outdir: str) -> None:
     """Run _dist_workers.run_worker on ``world`` ranks; kill them all if they overrun SPAWN_TIMEOUT_S."""
     import torch.multiprocessing as mp
 
-    # Preloading in the forkserver pays the imports once for all ranks (ignored if a forkserver already runs);
-    # torch._dynamo is imported lazily by the first distribute_tensor (seconds on a small machine).
-    multiprocessing.set_forkserver_preload(
-        ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.nn.parallel", "_dist_workers"]
-    )
+    # Preloading in the forkserver pays the imports once for all ranks (ignored if a forkserver already runs).
+    multiprocessing.set_forkserver_preload(_PRELOAD)
     ctx = mp.start_processes(
         _dist_workers.run_worker,
         args=(world, _free_port(), outdir, COLLECTIVE_TIMEOUT_S),

@@ -90,6 +90,29 @@ def _row_index(rows: Sequence[int], device: torch.device) -> Tensor:
     return _to_device(torch.tensor(list(rows), dtype=torch.int64), device)
 
 
+def _resolve_group(group: Any) -> Any:
+    """A process group (or None) from what the caller passed: a ProcessGroup, None, or a 1-D DeviceMesh."""
+    if group is None:
+        return None
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without DeviceMesh
+        DeviceMesh = None  # type: ignore[assignment,misc]
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"reduce_across_ranks: group is a {group.ndim}-D DeviceMesh; pass the process group of the dimension "
+                "the plain gradients are sharded over, e.g. mesh.get_group('dp_shard')"
+            )
+        group = group.get_group()
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"reduce_across_ranks: global rank {dist.get_rank()} is not a member of the group it was given; call it "
+            "with a group this rank belongs to (each rank passes its own shard group)"
+        )
+    return group
+
+
 def _check_inputs(grads: Sequence[Any], sumsq: Tensor, amax: Tensor, counts: Tensor) -> None:
     p = len(grads)
     for name, t, shape, dtype in (
@@ -230,8 +253,9 @@ def reduce_across_ranks(
         sumsq: float64 ``[P]``, local sum of squares of each gradient (of a DTensor: of its local tensor).
         amax: float64 ``[P]``, local max |x|.
         counts: int64 ``[P, 3]``, local zero/NaN/Inf counts (columns ``ops.ZERO, ops.NAN, ops.INF``).
-        group: process group the plain-tensor gradients are sharded over (their statistics are summed / maxed
-            over it), or None: plain tensors are then not reduced. DTensors always use their own mesh.
+        group: process group (or 1-D DeviceMesh) the plain-tensor gradients are sharded over (their statistics are
+            summed / maxed over it), or None: plain tensors are then not reduced. DTensors always use their own
+            mesh.
         return_numel: also return the logical element count of each parameter (int64 ``[P]``): the local counts
             summed over the same groups as everything else (for plain tensors with a ``group``, the size of the
             whole logical tensor, which no rank knows from metadata alone).
@@ -243,8 +267,8 @@ def reduce_across_ranks(
         gradient is a DTensor (nothing to reduce; the statistics come back unchanged).
 
     Raises:
-        ValueError / TypeError: inconsistent shapes, dtypes or devices (naming the argument), or a gradient too
-            large for exact float64 counts.
+        ValueError / TypeError: inconsistent shapes, dtypes or devices (naming the argument), a gradient too
+            large for exact float64 counts, a group this rank is not in, or a multi-dimensional DeviceMesh.
         RuntimeError: a ``group`` is given but torch.distributed is not initialized.
     """
     _check_inputs(grads, sumsq, amax, counts)
@@ -262,6 +286,7 @@ def reduce_across_ranks(
             out += (_row_index([g.numel() for g in grads], sumsq.device),)
         return out  # type: ignore[return-value]
 
+    group = _resolve_group(group)
     device = sumsq.device
     p = len(grads)
     world, rank = dist.get_world_size(), dist.get_rank()
