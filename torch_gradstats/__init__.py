@@ -1,13 +1,29 @@
-"""torch_gradstats: gradient telemetry in one read of the gradients."""
+"""torch_gradstats: gradient telemetry in one read of the gradients.
 
+The op: ``multi_tensor_stats(tensors) -> TensorStats(sumsq, amax, counts)``. Above it: ``grad_stats`` (named,
+device-side, one host transfer in ``report()``), ``HealthPolicy``, the fused ``clip_grad_norm_``, the drop-in
+``collector``, the ``training`` loop helper and ``distributed`` global figures.
+"""
+
+# ops first: it defines the op's schema, then loads the compiled kernels that register against it.
 from torch_gradstats.ops import SUPPORTED_DTYPES, TensorStats, multi_tensor_stats
 from torch_gradstats._extension import HAS_EXTENSION
+from torch_gradstats.health import HealthPolicy
+from torch_gradstats.stats import GradReport, GradStats, grad_stats
+from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats import collector
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HAS_EXTENSION",
     "SUPPORTED_DTYPES",
+    "GradReport",
+    "GradStats",
+    "HealthPolicy",
     "TensorStats",
+    "clip_grad_norm_",
+    "collector",
+    "grad_stats",
     "multi_tensor_stats",
 ]
