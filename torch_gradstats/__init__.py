@@ -11,6 +11,7 @@ from torch_gradstats._extension import HAS_EXTENSION
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
 from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.training import EpochSummary, StepRecord, Trainer
 from torch_gradstats import collector
 
 __version__ = "0.1.0"
@@ -18,10 +19,13 @@ __version__ = "0.1.0"
 __all__ = [
     "HAS_EXTENSION",
     "SUPPORTED_DTYPES",
+    "EpochSummary",
     "GradReport",
     "GradStats",
     "HealthPolicy",
+    "StepRecord",
     "TensorStats",
+    "Trainer",
     "clip_grad_norm_",
     "collector",
     "grad_stats",
