@@ -186,14 +186,23 @@ def test_cuda_graph_capture_and_replay(gen):
         assert_matches(captured, grads)
 
 
-@needs_cuda_kernel
-def test_capture_of_unseen_tensors_raises_clear_error(gen):
-    fresh = [randn(12345, torch.float32, gen), randn(77, torch.bfloat16, gen)]
+def test_capture_of_tensors_never_seen_eagerly(gen):
+    # As under torch.compile(mode="reduce-overhead"), whose graphs read inputs from fresh static buffers.
+    OP([randn(10, torch.float32, gen)])  # some eager call in this process came first
+    fresh = [randn(12345, torch.float32, gen), randn(77, torch.bfloat16, gen), randn(70_001, torch.float16, gen)]
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="before capture"):
-        with torch.cuda.graph(graph):
-            OP(fresh)
-    check(fresh)  # eager still works, and the error left no broken state
+    with torch.cuda.graph(graph):
+        captured = OP(fresh)
+    for step in range(2):
+        with torch.no_grad():
+            for t in fresh:
+                t.copy_(randn(t.numel(), t.dtype, gen, scale=3.0**step))
+            fresh[2][-1] = float("nan") if step else 0.0
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(captured, fresh)
+    check(fresh)  # eager still right afterwards
 
 
 def test_torch_compile_fullgraph(gen):

@@ -10,7 +10,7 @@
 //
 // Tensor metadata (pointer, numel, dtype, tiling) for an unbounded number of tensors lives in a device buffer that
 // is cached by content (see MetadataCache): in steady state (same gradients, same addresses) nothing is copied at
-// all, so a call is CUDA-graph capturable; a cache miss costs one cudaMemcpyAsync from an immutable pinned buffer.
+// all; a cache miss costs one cudaMemcpyAsync from an immutable pinned buffer. Both are CUDA-graph capturable.
 #include "multi_tensor_stats.h"
 
 #include <ATen/core/Tensor.h>
@@ -277,14 +277,17 @@ struct DeviceMetadata {
 // pinned memory is not capture-safe unless its source stays unchanged and alive as long as the graph. Keyed by
 // (device, pointer, numel, dtype of every tensor), the metadata is immutable; a training loop that reuses its
 // gradient buffers hits every step and copies nothing, and a captured graph only ever reads a device buffer that
-// the cache keeps alive (entries used under capture are never evicted). A miss while the stream is capturing is an
-// error (pinned allocation and event queries are illegal under capture): one eager call before capture fixes it.
+// the cache keeps alive (entries used under capture are never evicted). A miss while capturing copies from a slice
+// of a pinned arena reserved by the first eager call and never reused; with no eager call before, it is an error.
 class MetadataCache {
  public:
   DeviceMetadata get(const std::vector<int64_t>& key, const std::vector<TensorMeta>& host_meta, int64_t num_tiles,
                      c10::DeviceIndex device, const c10::cuda::CUDAStream& stream, bool capturing) {
     std::lock_guard<std::mutex> lock(mu_);
     ++clock_;
+    if (!capturing && !arena_.defined()) {
+      arena_ = at::empty({int64_t(kArenaBytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    }
     for (auto& e : entries_) {
       if (e->device == device && e->key == key) {
         e->last_use = clock_;
@@ -297,11 +300,30 @@ class MetadataCache {
         return {e->device_buf, e->num_tiles};
       }
     }
-    TORCH_CHECK(!capturing,
-                "multi_tensor_stats: these tensors (this combination of addresses, sizes and dtypes) are seen for the "
-                "first time while the CUDA stream is capturing a graph. Call multi_tensor_stats once on the same "
-                "tensors before capture (a warm-up call, as CUDA graph capture usually requires); the tensor "
-                "metadata it uploads is then reused by the captured graph without any copy.");
+    const size_t meta_bytes = host_meta.size() * sizeof(TensorMeta);
+    const size_t bytes = meta_bytes + size_t(num_tiles) * sizeof(int32_t);
+    const auto device_options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device);
+
+    if (capturing) {
+      // A miss under capture (e.g. torch.compile's cudagraphs copy inputs to static buffers): no allocation of
+      // pinned memory nor event call is legal now, so the source is carved from the arena reserved by an earlier
+      // eager call, never reused or freed (a graph may replay it forever); the copy becomes a node of the graph.
+      // The device buffer comes from the graph's pool like any temporary and is not cached: it is only filled
+      // when the graph replays.
+      const size_t need = (bytes + 15) & ~size_t(15);
+      TORCH_CHECK(arena_.defined() && arena_used_ + need <= kArenaBytes,
+                  "multi_tensor_stats: these tensors (this combination of addresses, sizes and dtypes) are seen for "
+                  "the first time while the CUDA stream is capturing a graph, and ",
+                  arena_.defined() ? "the reserve for such uploads is used up" : "no eager call came before",
+                  ". Call multi_tensor_stats once on the same tensors before capture (a warm-up call): the metadata "
+                  "it uploads is then reused by the captured graph without any copy.");
+      uint8_t* h = arena_.data_ptr<uint8_t>() + arena_used_;
+      arena_used_ += need;
+      fill_host(h, host_meta);
+      at::Tensor device_buf = at::empty({int64_t(bytes)}, device_options);
+      C10_CUDA_CHECK(cudaMemcpyAsync(device_buf.data_ptr(), h, bytes, cudaMemcpyHostToDevice, stream.stream()));
+      return {device_buf, num_tiles};
+    }
     release_finished();
 
     auto entry = std::make_unique<Entry>();
@@ -309,18 +331,10 @@ class MetadataCache {
     entry->key = key;
     entry->num_tiles = num_tiles;
     entry->stream = stream;
-    const size_t meta_bytes = host_meta.size() * sizeof(TensorMeta);
-    const size_t bytes = meta_bytes + size_t(num_tiles) * sizeof(int32_t);
     entry->host_buf = at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     uint8_t* h = entry->host_buf.data_ptr<uint8_t>();
-    std::memcpy(h, host_meta.data(), meta_bytes);
-    int32_t* tile_tensor = reinterpret_cast<int32_t*>(h + meta_bytes);
-    for (size_t i = 0; i < host_meta.size(); ++i) {
-      const TensorMeta& m = host_meta[i];
-      const int64_t n = m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
-      std::fill(tile_tensor + m.first_tile, tile_tensor + m.first_tile + n, int32_t(i));
-    }
-    entry->device_buf = at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+    fill_host(h, host_meta);
+    entry->device_buf = at::empty({int64_t(bytes)}, device_options);
     C10_CUDA_CHECK(cudaMemcpyAsync(entry->device_buf.data_ptr(), h, bytes, cudaMemcpyHostToDevice, stream.stream()));
     // The pinned source must not be freed (and reused) before the copy has run: remember when it has.
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&entry->copied, cudaEventDisableTiming));
@@ -334,6 +348,18 @@ class MetadataCache {
 
  private:
   static constexpr size_t kCapacity = 16;
+  static constexpr size_t kArenaBytes = size_t(4) << 20;  // pinned reserve for misses under capture (~10k tensors)
+
+  static void fill_host(uint8_t* h, const std::vector<TensorMeta>& host_meta) {
+    const size_t meta_bytes = host_meta.size() * sizeof(TensorMeta);
+    std::memcpy(h, host_meta.data(), meta_bytes);
+    int32_t* tile_tensor = reinterpret_cast<int32_t*>(h + meta_bytes);
+    for (size_t i = 0; i < host_meta.size(); ++i) {
+      const TensorMeta& m = host_meta[i];
+      const int64_t n = m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
+      std::fill(tile_tensor + m.first_tile, tile_tensor + m.first_tile + n, int32_t(i));
+    }
+  }
 
   struct Entry {
     c10::DeviceIndex device = 0;
@@ -379,6 +405,8 @@ class MetadataCache {
 
   std::mutex mu_;
   uint64_t clock_ = 0;
+  at::Tensor arena_;  // pinned; slices handed out under capture are never reused
+  size_t arena_used_ = 0;
   std::vector<std::unique_ptr<Entry>> entries_;
   std::vector<PendingHost> pending_;
 };
