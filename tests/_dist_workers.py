@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 
 from torch_gradstats.distributed import reduce_across_ranks
-from torch_gradstats.ops import INF, NAN, ZERO, multi_tensor_stats
+from torch_gradstats.ops import INF, NAN, multi_tensor_stats
 
 try:
     from torch_gradstats.stats import grad_stats

@@ -264,7 +264,7 @@ def reduce_across_ranks(
         ``(sumsq, amax, counts, rank_nonfinite)`` (``+ (numel,)`` with ``return_numel=True``): new tensors on
         ``sumsq``'s device, identical on every rank that reduced together. ``rank_nonfinite`` is int64
         ``[P, world]`` (world and columns: global ranks), or None when torch.distributed is not initialized and no
-        gradient is a DTensor (nothing to reduce; the statistics come back unchanged).
+        gradient is a DTensor (nothing to reduce: the same sumsq/amax/counts tensors come back).
 
     Raises:
         ValueError / TypeError: inconsistent shapes, dtypes or devices (naming the argument), a gradient too
