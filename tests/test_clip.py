@@ -186,3 +186,12 @@ def test_single_tensor_and_generator():
     torch.nn.utils.clip_grad_norm_([ref.bias], 1.0)
     for a, b in zip(grads(ours), grads(ref)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_group_allows_only_norm_2_or_inf():
+    m = torch.nn.Linear(3, 2)
+    m(torch.randn(4, 3)).sum().backward()
+    before = m.weight.grad.clone()
+    with pytest.raises(ValueError, match="norm_type must be 2 or inf"):
+        clip_grad_norm_(m.parameters(), 1.0, norm_type=1.0, group=object())
+    assert torch.equal(m.weight.grad, before)

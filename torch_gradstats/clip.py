@@ -17,6 +17,7 @@ the more accurate coefficient and can differ from PyTorch's by up to that roundi
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,6 +54,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    group: Any = None,
 ) -> GradStats:
     """Clip gradients in place like ``torch.nn.utils.clip_grad_norm_`` and return the statistics read on the way.
 
@@ -66,6 +68,8 @@ def clip_grad_norm_(
             needs the value on the host: it costs ONE host sync (PyTorch's option costs one too). Default: no sync.
         foreach: as in PyTorch: None uses ``torch._foreach_mul_`` where supported, True requires it, False
             multiplies tensor by tensor.
+        group: process group over which plain-tensor gradients are shards of one set (FSDP1 flat parameters,
+            ZeRO): the clip uses their global norm. DTensor gradients need no group. Only norm types 2 and inf.
 
     Returns:
         The :class:`~torch_gradstats.stats.GradStats` of the gradients *before* clipping, with ``clip_norm`` (the
@@ -79,7 +83,9 @@ def clip_grad_norm_(
     max_norm = float(max_norm)
     norm_type = float(norm_type)
     named = _named_params(params)
-    stats = grad_stats(named)
+    if group is not None and norm_type not in (2.0, math.inf):
+        raise ValueError(f"clip_grad_norm_: with group=, norm_type must be 2 or inf, got {norm_type}")
+    stats = grad_stats(named, group=group)
     home = stats.device
     grads = [p.grad for _, p in named if p.grad is not None]
     if not grads:

@@ -503,7 +503,10 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
     if group is not None or any_dtensor:
         from torch_gradstats.distributed import reduce_across_ranks  # only on this path: no import otherwise
 
-        sumsq, amax, counts, rank_nonfinite = reduce_across_ranks(grads, sumsq, amax, counts, group)
+        # Plain shards: no rank knows a parameter's full size, so numel travels in the same SUM collective.
+        sumsq, amax, counts, rank_nonfinite, numel = reduce_across_ranks(
+            grads, sumsq, amax, counts, group, return_numel=True
+        )
     return GradStats(
         names=names,
         sumsq=sumsq,
