@@ -3,9 +3,12 @@
 #   versions -> build -> CUDA parity tests -> CPU tests -> compute-sanitizer memcheck + racecheck -> benchmark.
 # Every step runs even if an earlier one failed (its exit status is recorded); the script exits non-zero if any did.
 # Output: "$OUT" (default ./gpu_check_out), at most 8 files so all of them come back from the device tool:
-#   gpu_check.log (everything), test_cuda.xml, test_cpu.xml, memcheck.log, racecheck.log, bench.txt, summary.txt
+#   gpu_check.log (everything), test_cuda.xml, test_cpu.xml, memcheck.log, racecheck.log, bench.txt, bench.csv,
+#   summary.txt
 # and a copy of them under bench/results/gpu_check-<gpu>-<date>/ for committing.
 # Usage on the device:  bash bench/gpu_check.sh        (TORCH_CUDA_ARCH_LIST defaults to 9.0, Hopper)
+# GPU_CHECK_BUDGET_S (default 560) caps the whole run so it ends, with its summary, inside one 600 s device call:
+# each step gets min(its own limit, what is left). GPU_CHECK_SKIP="test_cpu bench" skips the steps named.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,10 +25,15 @@ STEPS="$(mktemp -d)"  # each step's own output (the sanitizer logs are copied fr
 
 log() { echo "[gpu_check] $*" | tee -a "$LOG"; }
 # run NAME TIMEOUT CMD...: runs a step with a time limit, logs its output and duration, records failures.
+BUDGET="${GPU_CHECK_BUDGET_S:-560}"
+SKIP=" ${GPU_CHECK_SKIP:-} "
 run() {
   local name=$1 limit=$2; shift 2
-  local t=$SECONDS
-  log "=== $name"
+  local t=$SECONDS left=$(( BUDGET - 15 - (SECONDS - T0) ))  # 15 s kept for the summary
+  if [[ "$SKIP" == *" $name "* ]]; then log "=== $name: skipped (GPU_CHECK_SKIP)"; return 0; fi
+  if (( left < 10 )); then log "=== $name: not run, time budget spent"; FAILED+=("$name(no time)"); return 0; fi
+  (( limit > left )) && limit=$left
+  log "=== $name (limit $limit s)"
   timeout "$limit" "$@" 2>&1 | tee "$STEPS/$name.out" | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   log "=== $name: rc=$rc in $(( SECONDS - t )) s"
@@ -45,7 +53,7 @@ if [[ -z "${CUDA_HOME:-}" ]]; then
 fi
 log "CUDA_HOME=${CUDA_HOME:-unset} TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 rm -f torch_gradstats/_C*.so
-run build 400 $PY setup.py build_ext --inplace
+run build 240 $PY setup.py build_ext --inplace
 run registration 60 $PY -c "
 import torch, torch_gradstats
 assert torch_gradstats.HAS_EXTENSION, 'extension did not load'
@@ -53,8 +61,8 @@ assert torch._C._dispatch_has_kernel_for_dispatch_key('torch_gradstats::multi_te
 print('extension loaded, CUDA kernel registered')"
 
 # 3. Tests: CUDA parity (slow ones included), then the rest of the suite.
-run test_cuda 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml"
-run test_cpu 300 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py -m "not distributed" \
+run test_cuda 200 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml"
+run test_cpu 120 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py -m "not distributed" \
   --junitxml="$OUT/test_cpu.xml"
 
 # 4. compute-sanitizer on a small case: unaligned views, odd lengths, empty tensors, mixed dtypes, several tiles.
@@ -77,16 +85,20 @@ if command -v compute-sanitizer >/dev/null || [[ -x "${CUDA_HOME:-/usr/local/cud
   CS="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
   # No caching allocator under memcheck, so an out-of-bounds read cannot hide inside a larger cached block.
   for tool in memcheck racecheck; do
-    run "$tool" 300 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool "$tool" --error-exitcode 9 $PY "$CASE"
+    run "$tool" 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool "$tool" --error-exitcode 9 $PY "$CASE"
     cp "$STEPS/$tool.out" "$OUT/$tool.log"
   done
 else
   log "compute-sanitizer not found"; FAILED+=("sanitizer(missing)")
 fi
 
-# 5. Benchmark, if the CLI has it (written separately).
-if $PY -m torch_gradstats --help 2>/dev/null | grep -q bench; then
-  run bench 300 bash -c "set -o pipefail; $PY -m torch_gradstats bench 2>&1 | tee '$OUT/bench.txt'"
+# 5. Benchmark, if the CLI has it (written separately): stdout to bench.txt, its first CSV to bench.csv.
+if $PY -m torch_gradstats bench --help >/dev/null 2>&1; then
+  ARGS=""
+  $PY -m torch_gradstats bench --help 2>/dev/null | grep -q -- "--device" && ARGS="--device cuda --no-plots --no-progress --out $STEPS/bench"
+  run bench 150 bash -c "set -o pipefail; $PY -m torch_gradstats bench $ARGS 2>&1 | tee '$OUT/bench.txt'"
+  CSV="$(ls "$STEPS"/bench/*.csv 2>/dev/null | head -n1)"
+  [[ -n "$CSV" ]] && cp "$CSV" "$OUT/bench.csv"
 else
   log "no 'python -m torch_gradstats bench' yet: benchmark skipped" | tee "$OUT/bench.txt"
 fi
@@ -100,6 +112,6 @@ fi
 } | tee "$OUT/summary.txt"
 GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr -c 'A-Za-z0-9\n' '_' | tr -s '_')"
 DEST="bench/results/gpu_check-${GPU:-gpu}-$(date -u +%Y%m%d-%H%M)"
-mkdir -p "$DEST" && cp "$OUT"/*.log "$OUT"/*.txt "$OUT"/*.xml "$DEST"/ 2>/dev/null
+mkdir -p "$DEST" && cp "$OUT"/*.log "$OUT"/*.txt "$OUT"/*.xml "$OUT"/*.csv "$DEST"/ 2>/dev/null
 echo "[gpu_check] copies in $DEST"
 [[ ${#FAILED[@]} -eq 0 ]]
