@@ -7,6 +7,7 @@ machine. Every contender computes what it computes in real code:
 contender           what it runs
 ==================  =====================================================================================
 fused               ``torch_gradstats.multi_tensor_stats`` (sumsq, amax, zero/NaN/Inf counts per tensor)
+fused_raw_op        ``torch.ops.torch_gradstats.multi_tensor_stats`` called directly (no Python-side validation)
 foreach_norm        ``torch._foreach_norm`` alone (per-tensor L2 norms only)
 composite           ``_foreach_norm`` + per tensor ``(g == 0).sum()``, ``isnan(g).sum()``, ``isinf(g).sum()``
 get_total_norm      ``torch.nn.utils.get_total_norm`` (torch >= 2.6; one global norm)
@@ -80,6 +81,11 @@ def _fused(s: Sample) -> object:
     return multi_tensor_stats(s.tensors)
 
 
+def _fused_raw_op(s: Sample) -> object:
+    # The registered op without the Python wrapper's per-tensor validation: shows what that wrapper costs.
+    return torch.ops.torch_gradstats.multi_tensor_stats.default(s.tensors)
+
+
 def _foreach_norm(s: Sample) -> object:
     return torch._foreach_norm(s.tensors)
 
@@ -140,6 +146,7 @@ def _has_get_total_norm() -> bool:
 #: name -> function of one Sample. Order is the table's order.
 CONTENDERS: dict[str, Callable[[Sample], object]] = {
     FUSED: _fused,
+    "fused_raw_op": _fused_raw_op,
     "foreach_norm": _foreach_norm,
     "composite": _composite,
     **({"get_total_norm": _get_total_norm} if _has_get_total_norm() else {}),
@@ -359,7 +366,7 @@ def run_point(
     device: torch.device,
     *,
     repeats: int,
-    warmup: int = 2,
+    warmup: int = 1,
     min_seconds: float = 0.25,
     max_repeats: int = 200,
     seed: int = 0,
@@ -449,6 +456,8 @@ def run_point(
         print(f"  [skipped {name} on {point.workload}/{point.label}: {why}]", file=sys.stderr)
     del samples
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the point's buffers back before the next (up to 4 GiB) point
     return rows
 
 
@@ -596,6 +605,8 @@ def machine_description(device: torch.device) -> dict[str, str]:
         "python": platform.python_version(),
         "compiled extension loaded": str(torch_gradstats.HAS_EXTENSION),
     }
+    if hasattr(os, "getloadavg"):
+        info["load average at start"] = f"{os.getloadavg()[0]:.2f}"
     key = "CUDA" if device.type == "cuda" else "CPU"
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(OP_QUALNAME, key)
     info["fused op kernel"] = f"compiled {key} kernel" if has_kernel else "pure-PyTorch fallback (not the fused kernel)"
@@ -690,18 +701,22 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions (smoke test)")
-    p.add_argument("--repeats", type=int, default=None, help="minimum timed repetitions per point (default 7; 3 quick)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per contender before timing (default 2)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="minimum timed repetitions per point (default: 5 on CPU, 9 on CUDA, 3 with --quick); "
+                   "cheap points get more, up to 200")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per contender before timing (default 1)")
     p.add_argument("--out", default=None, help="directory for the CSV, markdown and PNG plots (default: none)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU runs (default: torch's)")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no new point after this many seconds (0: no limit); rows so far are still written")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 3 if args.quick else 7
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
+        args.repeats = 3 if args.quick else (9 if args.device.startswith("cuda") else 5)
+    if args.repeats < 1 or args.warmup < 1:
+        p.error("--repeats and --warmup must be >= 1")
     return args
 
 
@@ -723,15 +738,26 @@ def run(
     *,
     quick: bool,
     repeats: int,
-    warmup: int = 2,
+    warmup: int = 1,
     seed: int = 0,
     progress: bool = False,
+    budget_s: float = 0.0,
+    on_point: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """Run the selected workloads; return all rows (one per contender per point)."""
+    """Run the selected workloads; return all rows (one per contender per point).
+
+    ``budget_s`` > 0: start no new point once that many seconds have passed (the rest is reported as skipped).
+    ``on_point`` is called with all rows so far after each point (e.g. to keep a CSV current under a time limit).
+    """
     sizes = _sizes(device, quick)
     points = [pt for wl in workloads for pt in _workload_points(wl, sizes)]
     rows: list[Row] = []
-    for pt in _progress(points, progress):
+    t0 = time.perf_counter()
+    for i, pt in enumerate(_progress(points, progress)):
+        if budget_s > 0 and time.perf_counter() - t0 > budget_s:
+            skipped = ", ".join(f"{p.workload}/{p.label}" for p in points[i:])
+            print(f"bench: time budget of {budget_s:g} s spent; not run: {skipped}", file=sys.stderr)
+            break
         rows += run_point(
             pt,
             contenders,
@@ -742,6 +768,8 @@ def run(
             min_seconds=0.05 if quick else 0.25,
             count_launches=pt.workload not in ("sweep", "count"),
         )
+        if on_point is not None:
+            on_point(rows)
     return rows
 
 
@@ -773,11 +801,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info = machine_description(device)
     print("torch_gradstats bench  " + "  ".join(f"{k}: {v}" for k, v in info.items()))
+    if hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.75 * (os.cpu_count() or 1):
+        print(f"WARNING: the machine is busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+              "absolute times will be noisy; the interleaved ratios hold better.")  # fmt: skip
     if "fallback" in info["fused op kernel"]:
         print("NOTE: the fused op runs its pure-PyTorch fallback here; its timings are not the fused kernel's.")
+    out = Path(args.out) if args.out else None
+    csv_path = out / f"bench_{device.type}.csv" if out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows = run(device, workloads, contenders, quick=args.quick, repeats=args.repeats, warmup=args.warmup,
-               seed=args.seed, progress=not args.no_progress)  # fmt: skip
+               seed=args.seed, progress=not args.no_progress, budget_s=args.budget_s,
+               on_point=(lambda rs: write_csv(rs, csv_path)) if csv_path else None)  # fmt: skip
     print()
     print(format_table(rows))
     targets = evaluate_targets(rows, device.type)
@@ -787,14 +823,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  " + t.line())
     print(f"\nbench: {len(rows)} rows in {time.perf_counter() - t0:.1f} s")
 
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv(rows, out / f"bench_{device.type}.csv")
+    if out and csv_path:
+        write_csv(rows, csv_path)
         plots = [] if args.no_plots else make_plots(rows, out, device.type)
-        write_markdown(rows, targets, info, out / f"bench_{device.type}.md", plots)
-        print(f"bench: wrote {out / f'bench_{device.type}.csv'}, {out / f'bench_{device.type}.md'}"
-              + "".join(f", {out / p}" for p in plots))  # fmt: skip
+        md_path = out / f"bench_{device.type}.md"
+        write_markdown(rows, targets, info, md_path, plots)
+        print(f"bench: wrote {csv_path}, {md_path}" + "".join(f", {out / p}" for p in plots))
     return 0
 
 
