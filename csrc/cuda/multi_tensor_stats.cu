@@ -294,7 +294,9 @@ class MetadataCache {
         if (capturing) {
           e->used_by_graph = true;
         } else if (stream != e->stream) {
-          // Used on another stream than it was allocated on: its memory must not be reused before this use ends.
+          // Used on another stream than the upload's: order this use after the upload, and keep the memory from
+          // being reused before this use ends.
+          C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), e->copied, 0));
           c10::cuda::CUDACachingAllocator::recordStream(e->device_buf.storage().data_ptr(), stream);
         }
         return {e->device_buf, e->num_tiles};
