@@ -18,7 +18,7 @@ ceiling_copy        a device-to-device copy of that buffer (reads and writes the
 ==================  =====================================================================================
 
 Method: inputs are random normal (never zeros); a working set smaller than twice the last-level cache is rotated
-between several copies; each contender is warmed up, then all contenders run interleaved (the order rotates every
+between several copies, every call reading the next copy; each contender is warmed up, then all contenders run interleaved (the order rotates every
 repetition) and the median is reported. On CUDA, CUDA events give device time and ``perf_counter`` around the call
 gives host (enqueue) time; on CPU both columns are wall time. GB/s is the input's bytes over the median time, so
 ``pct_ceiling`` compares each contender's read rate to ``ceiling_sum`` measured in the same run, and
@@ -384,9 +384,15 @@ def run_point(
     dev_t: dict[str, list[float]] = {n: [] for n in names}
     host_t: dict[str, list[float]] = {n: [] for n in names}
 
-    def call(name: str, sample: Sample) -> tuple[float, float] | None:
+    n_calls = 0
+
+    def call(name: str) -> tuple[float, float] | None:
+        # Every call reads the next copy, so no contender finds the data another one just pulled into the cache.
+        nonlocal n_calls
         if name in failed:
             return None
+        sample = samples[n_calls % len(samples)]
+        n_calls += 1
         try:
             return timer(contenders[name], sample)
         except (torch.OutOfMemoryError, RuntimeError) as exc:  # e.g. the collector's float64 copies on a huge list
@@ -401,7 +407,7 @@ def run_point(
     slowest = 0.0
     for i in range(warmup):
         for name in names:
-            r = call(name, samples[i % len(samples)])
+            r = call(name)
             if r is not None and i == warmup - 1:
                 slowest = max(slowest, r[0])
     reps = max(repeats, min(max_repeats, int(min_seconds / slowest) if slowest > 0 else repeats))
@@ -411,10 +417,9 @@ def run_point(
     gc.disable()  # no collector pauses inside timed calls
     try:
         for r in range(reps):
-            sample = samples[r % len(samples)]
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]  # rotate the order so no contender always runs first
-                t = call(name, sample)
+                t = call(name)
                 if t is not None:
                     dev_t[name].append(t[0])
                     host_t[name].append(t[1])
