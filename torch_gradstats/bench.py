@@ -611,6 +611,13 @@ def machine_description(device: torch.device) -> dict[str, str]:
         "python": platform.python_version(),
         "compiled extension loaded": str(torch_gradstats.HAS_EXTENSION),
     }
+    try:  # which version of the kernels was measured (source checkouts only)
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()  # fmt: skip
+        if rev:
+            info["git commit"] = rev
+    except (OSError, subprocess.SubprocessError):
+        pass
     if hasattr(os, "getloadavg"):
         info["load average at start"] = f"{os.getloadavg()[0]:.2f}"
     key = "CUDA" if device.type == "cuda" else "CPU"
