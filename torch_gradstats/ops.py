@@ -121,6 +121,9 @@ def _fake_multi_tensor_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor,
 _lib = torch.library.Library(OP_NAMESPACE, "DEF")
 _lib.define(f"{OP_NAME}(Tensor[] tensors) -> (Tensor sumsq, Tensor amax, Tensor counts)")
 _lib.impl(OP_NAME, reference_multi_tensor_stats, "CompositeExplicitAutograd")
+# Statistics are not differentiable: autograd falls through, so outputs never require grad (and inputs need no
+# per-tensor detach, which would cost more host time than the whole op for thousands of tensors).
+_lib.impl(OP_NAME, torch.library.fallthrough_kernel, "Autograd")
 torch.library.register_fake(OP_QUALNAME, _fake_multi_tensor_stats, lib=_lib)
 
 # Load the compiled kernels only now, after the schema they register against exists.
@@ -143,7 +146,14 @@ def multi_tensor_stats(tensors: Iterable[Tensor]) -> TensorStats:
         a non-strided layout or tensors on different devices.
     """
     tensors = list(tensors)
-    check_inputs(tensors)
-    # Statistics are not differentiable: detaching (metadata only) keeps autograd out of the way.
-    sumsq, amax, counts = torch.ops.torch_gradstats.multi_tensor_stats.default([t.detach() for t in tensors])
-    return TensorStats(sumsq, amax, counts)
+    op = torch.ops.torch_gradstats.multi_tensor_stats.default
+    if torch.compiler.is_compiling():
+        check_inputs(tensors)  # at trace time only: the compiled graph carries no Python checks
+        return TensorStats(*op(tensors))
+    # Eager: the kernels check their inputs themselves; the Python checks (a loop over every tensor) run only to
+    # turn a failure into the same clear, named error on every backend.
+    try:
+        return TensorStats(*op(tensors))
+    except (TypeError, ValueError, RuntimeError):
+        check_inputs(tensors)
+        raise

@@ -1,11 +1,11 @@
 // Fused CPU kernel of torch_gradstats::multi_tensor_stats: one read of every element gives its square, |x|, and
 // whether it is zero, NaN or Inf.
 //
-// Work split. All tensors are laid end to end in one virtual sequence, cut into fixed chunks of kChunkElems
-// elements. A chunk is one parallel task (equal work, so at::parallel_for's static split balances whether the
-// list holds 5 huge tensors or 10,000 small ones); a chunk that straddles tensors is cut into per-tensor segments.
-// Each segment yields a Partial; the partials of a tensor are combined in segment order afterwards, so the result is
-// bitwise the same whatever the thread count.
+// Work split. Each tensor is cut into segments of kChunkElems elements from its own start, and consecutive segments
+// are grouped into parallel tasks of about kChunkElems elements (near-equal work, so at::parallel_for's static split
+// balances whether the list holds 5 huge tensors or 10,000 small ones). Each segment yields a Partial; a tensor's
+// partials are combined in segment order afterwards, so its result is bitwise the same whatever the thread count
+// and wherever it sits in the list.
 //
 // Accumulation. Inside a segment, blocks of kBlockElems elements are summed in the accumulation type (float for
 // 16/32-bit inputs, double for float64) with several independent vector accumulators, and block sums are added in
@@ -36,7 +36,7 @@ namespace {
 
 using at::vec::Vectorized;
 
-constexpr int64_t kChunkElems = int64_t{1} << 16;  // one parallel task: 256 KiB of float32, fits in L2
+constexpr int64_t kChunkElems = int64_t{1} << 16;  // segment and task size: 256 KiB of float32, fits in L2
 constexpr int64_t kBlockElems = 512;               // float32 partial-sum length: error <= ~20 ulp per block
 
 // A float block whose max |x| is below 2^-40 is summed again scaled by 2^90. Below the threshold, squares of its
@@ -210,31 +210,32 @@ Stats multi_tensor_stats_cpu(at::TensorList tensors) {
     flat.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
   }
 
-  // Cut the virtual concatenation of all tensors into chunks; chunk_first[c] is chunk c's first segment.
+  // Cut every tensor into segments of kChunkElems elements counted from its own start (so its result does not
+  // depend on its place in the list), then group consecutive segments into tasks of at least kChunkElems elements
+  // (the last one may be smaller); task_first[k] is task k's first segment.
   std::vector<Segment> segments;
-  std::vector<int64_t> chunk_first{0};
-  int64_t room = kChunkElems;  // elements left in the current chunk
+  std::vector<size_t> task_first{0};
+  int64_t task_elems = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t numel = flat[i].numel();
-    for (int64_t begin = 0; begin < numel;) {
-      const int64_t end = std::min(numel, begin + room);
+    for (int64_t begin = 0; begin < numel; begin += kChunkElems) {
+      const int64_t end = std::min(numel, begin + kChunkElems);
       segments.push_back({i, begin, end});
-      room -= end - begin;
-      begin = end;
-      if (room == 0) {
-        chunk_first.push_back(static_cast<int64_t>(segments.size()));
-        room = kChunkElems;
+      task_elems += end - begin;
+      if (task_elems >= kChunkElems) {
+        task_first.push_back(segments.size());
+        task_elems = 0;
       }
     }
   }
-  if (chunk_first.back() != static_cast<int64_t>(segments.size())) {
-    chunk_first.push_back(static_cast<int64_t>(segments.size()));
+  if (task_first.back() != segments.size()) {
+    task_first.push_back(segments.size());
   }
-  const int64_t num_chunks = static_cast<int64_t>(chunk_first.size()) - 1;
+  const int64_t num_tasks = static_cast<int64_t>(task_first.size()) - 1;
 
   std::vector<Partial> partials(segments.size());
-  at::parallel_for(0, num_chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    for (int64_t s = chunk_first[chunk_begin]; s < chunk_first[chunk_end]; ++s) {
+  at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
+    for (size_t s = task_first[task_begin]; s < task_first[task_end]; ++s) {
       const Segment& seg = segments[s];
       partials[s] = accumulate_any(flat[seg.tensor], seg.begin, seg.end);
     }
