@@ -86,8 +86,16 @@ def _short_repr(obj: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _check_grads(names: Sequence[str], grads: Sequence[Any]) -> None:
+    """Raise a clear error naming the first parameter whose gradient the op cannot read (metadata only, no sync).
+
+    Run only after a failure, so the hot path pays no per-parameter Python check.
+    """
+    for name, grad in zip(names, grads):
+        _check_grad(name, grad)
+
+
 def _check_grad(name: str, grad: Any) -> None:
-    """Clear, named errors before dispatch (metadata only, no sync)."""
     if not isinstance(grad, Tensor):
         raise TypeError(f"grad_stats: parameter {name!r} has a .grad of type {type(grad).__name__}, not a tensor")
     if grad.layout != torch.strided:
@@ -429,6 +437,30 @@ def _empty_stats(device: torch.device) -> GradStats:
     )
 
 
+def _stats_in_model_order(
+    local: list[Tensor], by_device: dict[torch.device, list[int]], home: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One op call per device; results gathered on ``home`` in the order of ``local``."""
+    if len(by_device) == 1:
+        return multi_tensor_stats(local)
+    parts_s, parts_a, parts_c, order = [], [], [], []
+    for device, idx in by_device.items():
+        s, a, c = multi_tensor_stats([local[i] for i in idx])
+        parts_s.append(_to_device(s, home))
+        parts_a.append(_to_device(a, home))
+        parts_c.append(_to_device(c, home))
+        order.extend(idx)
+    # Scatter the per-device results back into model order.
+    inverse = [0] * len(order)
+    for pos, i in enumerate(order):
+        inverse[i] = pos
+    inv = _host_int64(inverse, home)
+    sumsq = torch.cat(parts_s).index_select(0, inv)
+    amax = torch.cat(parts_a).index_select(0, inv)
+    counts = torch.cat(parts_c).index_select(0, inv)
+    return sumsq, amax, counts
+
+
 @torch.no_grad()
 def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
     """Statistics of the gradients of ``params`` in one read, as device tensors (no host sync).
@@ -465,7 +497,6 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
             lg = g.to_local()
         else:
             lg = g
-        _check_grad(name, lg)
         names.append(name)
         grads.append(g)
         local.append(lg)
@@ -475,28 +506,19 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
 
     # Group by device (metadata only), keeping model order inside each group.
     by_device: dict[torch.device, list[int]] = {}
-    for i, g in enumerate(local):
-        by_device.setdefault(g.device, []).append(i)
-    home = _home_device(g.device for g in local)
+    try:
+        for i, g in enumerate(local):
+            by_device.setdefault(g.device, []).append(i)
+    except AttributeError:  # a .grad that is not a tensor
+        _check_grads(names, local)
+        raise
+    home = _home_device(by_device)
 
-    if len(by_device) == 1:
-        sumsq, amax, counts = multi_tensor_stats(local)
-    else:
-        parts_s, parts_a, parts_c, order = [], [], [], []
-        for device, idx in by_device.items():
-            s, a, c = multi_tensor_stats([local[i] for i in idx])
-            parts_s.append(_to_device(s, home))
-            parts_a.append(_to_device(a, home))
-            parts_c.append(_to_device(c, home))
-            order.extend(idx)
-        # Scatter the per-device results back into model order.
-        inverse = [0] * len(order)
-        for pos, i in enumerate(order):
-            inverse[i] = pos
-        inv = _host_int64(inverse, home)
-        sumsq = torch.cat(parts_s).index_select(0, inv)
-        amax = torch.cat(parts_a).index_select(0, inv)
-        counts = torch.cat(parts_c).index_select(0, inv)
+    try:
+        sumsq, amax, counts = _stats_in_model_order(local, by_device, home)
+    except (TypeError, ValueError, RuntimeError):
+        _check_grads(names, local)  # the same failure, named by parameter rather than by list index
+        raise
 
     numel = _host_int64([g.numel() for g in grads], home)  # DTensor.numel() is the logical (global) numel
     rank_nonfinite = None
