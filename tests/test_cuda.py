@@ -245,6 +245,241 @@ def test_at_most_two_kernel_launches(shape, gen):
     assert 1 <= len(kernels) <= 2, kernels
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers for the tests of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache).
+
+
+def cuda_activity(fn) -> list[str]:
+    """Names of the device-side events (kernels, memcpy, memset) that running fn issues, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def htod_copies(names: list[str]) -> list[str]:
+    # CUPTI names them "Memcpy HtoD (Pinned -> Device)" and the like.
+    return [n for n in names if n.lower().startswith("memcpy htod")]
+
+
+def distinct_lists(gen, count: int, base: int) -> list[list[torch.Tensor]]:
+    """`count` lists of 3 tensors whose sizes no other test uses, so the first call on each is a cache miss."""
+    return [[randn(base + 13 * k + j, DTYPES[(k + j) % 4], gen) for j in range(3)] for k in range(count)]
+
+
+# Sleeping cycles that keep the GPU busy far longer than the host needs to enqueue what follows (~50 ms at 2 GHz).
+GPU_SLEEP_CYCLES = 100_000_000
+
+
+@needs_cuda_kernel
+@pytest.mark.parametrize("shape", ["10000_small", "5_large"])
+def test_steady_state_copies_nothing(shape, gen):
+    # Sizes unique to this test: the first call must miss the metadata cache (a positive control for the filter).
+    if shape == "10000_small":
+        tensors = [randn(65 + i % 97, DTYPES[i % 4], gen) for i in range(10_000)]
+    else:
+        tensors = [randn((1 << 22) + 5 + i, DTYPES[i % 4], gen) for i in range(5)]
+    miss = cuda_activity(lambda: OP(tensors))
+    assert len(htod_copies(miss)) == 1, miss  # one upload of the metadata on a miss
+    hit = cuda_activity(lambda: OP(tensors))
+    assert not htod_copies(hit), hit  # steady state: the cached device buffer is reused, nothing is copied
+    assert not [n for n in hit if n.lower().startswith("memcpy")], hit  # nor copied back (no host sync)
+    assert_matches(OP(tensors), tensors)
+
+
+@pytest.mark.parametrize("upload_on", ["default_stream", "side_stream"])
+def test_cache_hit_from_another_stream_than_the_upload(upload_on, gen):
+    # The miss uploads on one stream, behind a long sleep, so the upload is still pending when the other stream's
+    # call hits the cache: that call must wait for the upload (cudaStreamWaitEvent), not read a half-written buffer.
+    base = 40_000 if upload_on == "default_stream" else 50_000
+    tensors = [randn(base + i, DTYPES[i % 4], gen) for i in range(6)] + [randn(3 << 20, torch.bfloat16, gen)]
+    tensors[2][7] = float("nan")
+    tensors[5][0] = 0.0
+    default, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(default)  # the inputs are ready on both streams before the sleep below
+    first_stream, second_stream = (default, side) if upload_on == "default_stream" else (side, default)
+    with torch.cuda.stream(first_stream):
+        torch.cuda._sleep(GPU_SLEEP_CYCLES)
+        first = OP(tensors)  # miss: upload enqueued behind the sleep
+    with torch.cuda.stream(second_stream):
+        second = OP(tensors)  # hit, on another stream
+    if has_cuda_kernel():  # (the pure-PyTorch kernel has no upload to wait for)
+        assert not first_stream.query(), "the upload finished before the second call: the test checked nothing"
+    default.wait_stream(side)
+    torch.cuda.synchronize()
+    assert_matches(first, tensors)
+    assert_matches(second, tensors)
+    for a, b in zip(first, second):  # same bits on both streams
+        assert torch.equal(a.view(torch.int64), b.view(torch.int64))
+
+
+def test_cache_eviction_then_reuse_of_evicted_lists(gen):
+    # The cache holds 16 entries (kCapacity), least recently used evicted first: 24 new lists evict the first ones.
+    lists = distinct_lists(gen, 24, 5_000)
+    for ts in lists:
+        assert_matches(OP(ts), ts)
+    for k, ts in enumerate(lists[:6]):  # evicted by now; change their contents in place, then call again
+        with torch.no_grad():
+            for t in ts:
+                t.mul_(-3.0)
+            ts[k % 3][k] = float("inf") if k % 2 else 0.0
+    if has_cuda_kernel():  # proof that the first list was evicted: calling it again uploads its metadata again
+        got = []
+        names = cuda_activity(lambda: got.append(OP(lists[0])))
+        assert len(htod_copies(names)) == 1, names
+        assert_matches(got[0], lists[0])
+    for ts in lists[:6] + lists[-4:]:
+        assert_matches(OP(ts), ts)
+
+
+def test_cache_eviction_while_kernels_in_flight(gen):
+    # Everything below is enqueued while the GPU sleeps: the big list's entry is evicted (its device buffer freed,
+    # its pinned source pending) before its upload and kernels have run, then it is uploaded again.
+    big = [randn(1 << 26, torch.bfloat16, gen), randn((1 << 24) + 3, torch.float32, gen)]
+    big[0][-1] = 1e4
+    lists = distinct_lists(gen, 20, 9_000)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    calls = [(big, OP(big))]
+    calls += [(ts, OP(ts)) for ts in lists]  # 20 misses: the big list's entry is the least recently used
+    calls.append((big, OP(big)))  # a miss again, while its first launch has not run
+    calls += [(ts, OP(ts)) for ts in lists[:4]]  # evicted too
+    if has_cuda_kernel():
+        assert not torch.cuda.current_stream().query(), "the GPU caught up with the host: nothing was in flight"
+    torch.cuda.synchronize()
+    for ts, got in calls:
+        assert_matches(got, ts)
+
+
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [
+        (torch.bfloat16, 1e-30),  # squares (1e-60) underflow float32 to zero
+        (torch.float32, 1e-30),
+        (torch.float32, 1e-40),  # float32 subnormals
+        (torch.float32, 1e-20),  # squares in float32's subnormal range: a float32 sum would lose precision
+        (torch.bfloat16, 1e-20),
+        (torch.float32, 1e18),  # each square fits float32, their sum does not
+        (torch.bfloat16, 1e18),
+        (torch.float16, 1e-6),  # float16 subnormals
+    ],
+)
+def test_tiny_and_huge_values(dtype, scale, gen):
+    # Inputs a float32 fast path would get wrong; each must match the float64 reference (and stay finite).
+    base = (torch.randn(200_001, dtype=torch.float64, device="cuda", generator=gen) * scale).to(dtype)
+    base[0] = scale  # so that base[:1] is not rounded to zero
+    tensors = [base[:1], base[1:8], base[:1000], base[3:70_003], base]  # unaligned views and several tiles
+    check(tensors)
+    sumsq, amax, _ = OP(tensors)
+    assert torch.isfinite(sumsq).all() and (sumsq > 0).all() and (amax > 0).all(), (sumsq, amax)
+    if scale < 1:
+        assert bool((base != 0).any()) and float(base.abs().max()) < 1e4 * scale  # the inputs really are tiny
+    if scale == 1e-40 or dtype == torch.float16:
+        assert float(base.abs().max()) < torch.finfo(dtype).smallest_normal  # all subnormal
+
+
+def test_float16_near_its_max_sums_finite(gen):
+    # 6e4 squared is 3.6e9, far beyond float16's 65504: sumsq must be computed in a wider type and stay finite.
+    n = 100_003
+    sign = torch.where(torch.arange(n, device="cuda") % 3 == 0, -1.0, 1.0)
+    tensors = [
+        (sign * 6e4).to(torch.float16),
+        ((torch.rand(n, device="cuda", generator=gen) * 2 - 1) * 65504).to(torch.float16),
+        torch.full((17,), 65504.0, device="cuda", dtype=torch.float16)[1:],
+    ]
+    check(tensors)
+    sumsq, amax, counts = OP(tensors)
+    assert torch.isfinite(sumsq).all() and int(counts[:, INF].sum()) == 0
+    assert float(amax[0]) == 60000.0 and float(amax[2]) == 65504.0
+    exact = torch.tensor(n * 3.6e9, dtype=torch.float64, device="cuda")
+    torch.testing.assert_close(sumsq[0], exact, rtol=1e-5, atol=0)  # the contract's bound for 16-bit inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_tiny_and_normal_values(dtype, gen):
+    # Tiles of tiny values next to tiles of normal ones, both in one tensor and as separate tensors of one list.
+    tile = 64 * 1024 // torch.tensor([], dtype=dtype).element_size()
+    normal = torch.randn(2 * tile, device="cuda", generator=gen)
+    tiny = torch.randn(2 * tile + 5, device="cuda", generator=gen) * 1e-30
+    interleaved = torch.randn(4099, device="cuda", generator=gen)
+    interleaved[::2] *= 1e-30
+    almost_all_tiny = torch.randn(3 * tile, device="cuda", generator=gen) * 1e-25
+    almost_all_tiny[tile + 11] = 1e-3  # one normal value in a tile of tiny ones
+    tensors = [t.to(dtype) for t in (torch.cat([normal, tiny]), tiny, normal, interleaved, almost_all_tiny)]
+    tensors.append(torch.cat([tiny, normal]).to(dtype)[1:])
+    check(tensors)
+    if dtype == torch.float32:
+        subnormal = (torch.randn(333, device="cuda", generator=gen) * 1e-40).to(dtype)
+        check([subnormal, tensors[2], torch.cat([subnormal, tensors[0]])])
+
+
+@pytest.mark.parametrize("pool_asserts", [False, True], ids=["results", "inductor_pool_asserts"])
+def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(pool_asserts, gen):
+    # torch.compile(mode="reduce-overhead") runs its warm-up calls eagerly with allocations routed to the cudagraph
+    # trees' private pool. A metadata-cache miss there allocates the cached device buffer from that pool; cudagraph
+    # trees don't know the cache holds it and may hand the block to a later recording, whose replays would overwrite
+    # the metadata that later eager calls (and graphs captured on a hit) read. "results" checks every output and an
+    # eager call after each step; "inductor_pool_asserts" turns on inductor's own check that every live block of
+    # the pool is one it tracks (failing there means: a cache buffer sits in the cudagraph pool).
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def step_fn(grads):
+        stats = torch_gradstats.multi_tensor_stats(grads)
+        halves = [g * 0.5 for g in grads]  # temporaries from the graph's pool, read by the op as well
+        return stats.sumsq, stats.amax, stats.counts, torch_gradstats.multi_tensor_stats(halves).sumsq
+
+    compiled = torch.compile(step_fn, mode="reduce-overhead", dynamic=False)
+
+    def run_and_check(grads, step):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = [o.clone() for o in compiled(grads)]  # outputs live in the pool until the next replay: copy them
+        try:
+            assert_matches(out[:3], grads)
+            ref_halves = reference_multi_tensor_stats([g * 0.5 for g in grads])[0]
+            torch.testing.assert_close(out[3], ref_halves, rtol=1e-5, atol=0, equal_nan=True)
+            check(grads)  # eager, after the compiled call: hits the entry the warm-up created
+        except AssertionError as exc:
+            raise AssertionError(f"step {step}: {exc}") from exc
+
+    def fill(grads, step):
+        with torch.no_grad():
+            for i, g in enumerate(grads):
+                g.copy_(randn(g.numel(), g.dtype, gen, scale=10.0 ** (step % 4 - 1)))
+            if step == 3:
+                grads[1][5] = float("inf")
+            if step == 4:
+                grads[3][-1] = float("nan")
+
+    def make(sizes):  # sizes differ between the two variants, so neither hits the other's cache entries
+        return [randn(n + 2 * pool_asserts, DTYPES[i % 4], gen) for i, n in enumerate(sizes)]
+
+    with inductor_config.patch({"triton.slow_path_cudagraph_asserts": pool_asserts}):
+        grads_a = make([7, 1 << 17, 999, 70_013, 4096])
+        for step in range(6):  # warm-up, recording, replays; gradients changed in place between steps
+            fill(grads_a, step)
+            run_and_check(grads_a, step)
+        fresh_a = make([7, 1 << 17, 999, 70_013, 4096])  # new tensors, same shapes: replays the same graph
+        run_and_check(fresh_a, "new tensors")
+        grads_b = make([33, 50_001, 1 << 16])  # other shapes: another warm-up and recording in the same pool
+        for step in range(3):
+            fill(grads_b, step)
+            run_and_check(grads_b, f"b{step}")
+        for step in range(2):  # back to the first graph, then eager hits on every list seen so far
+            fill(grads_a, step + 6)
+            run_and_check(grads_a, f"a{step + 6}")
+        for grads in (grads_a, fresh_a, grads_b):
+            check(grads)
+    assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs were skipped: the test did not test them"
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_more_than_2_pow_31_elements():
     n = (1 << 31) + 77  # 4.3 GB in bfloat16
