@@ -408,9 +408,9 @@ def run_point(
     slowest = 0.0
     for i in range(warmup):
         for name in names:
-            r = call(name)
-            if r is not None and i == warmup - 1:
-                slowest = max(slowest, r[0])
+            warm = call(name)
+            if warm is not None and i == warmup - 1:
+                slowest = max(slowest, warm[0])
     reps = max(repeats, min(max_repeats, int(min_seconds / slowest) if slowest > 0 else repeats))
 
     gc.collect()

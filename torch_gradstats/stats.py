@@ -444,7 +444,7 @@ def _stats_in_model_order(
     if len(by_device) == 1:
         return multi_tensor_stats(local)
     parts_s, parts_a, parts_c, order = [], [], [], []
-    for device, idx in by_device.items():
+    for idx in by_device.values():
         s, a, c = multi_tensor_stats([local[i] for i in idx])
         parts_s.append(_to_device(s, home))
         parts_a.append(_to_device(a, home))
