@@ -328,19 +328,29 @@ class MetadataCache {
     }
     release_finished();
 
+    // The cached buffer outlives this call, so it is allocated for a side stream of its own and uploaded there:
+    // the calling stream's allocations may be routed to a CUDA-graph private pool (torch.compile's cudagraph trees
+    // run their warm-up that way), which must never hold a buffer the cache keeps. The calling stream waits for the
+    // upload, and is recorded as a user of the buffer so the allocator never recycles it under a running kernel.
+    const c10::cuda::CUDAStream upload = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device);
     auto entry = std::make_unique<Entry>();
     entry->device = device;
     entry->key = key;
     entry->num_tiles = num_tiles;
-    entry->stream = stream;
+    entry->stream = upload;
     entry->host_buf = at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     uint8_t* h = entry->host_buf.data_ptr<uint8_t>();
     fill_host(h, host_meta);
-    entry->device_buf = at::empty({int64_t(bytes)}, device_options);
-    C10_CUDA_CHECK(cudaMemcpyAsync(entry->device_buf.data_ptr(), h, bytes, cudaMemcpyHostToDevice, stream.stream()));
+    {
+      const c10::cuda::CUDAStreamGuard on_upload_stream(upload);
+      entry->device_buf = at::empty({int64_t(bytes)}, device_options);
+    }
+    C10_CUDA_CHECK(cudaMemcpyAsync(entry->device_buf.data_ptr(), h, bytes, cudaMemcpyHostToDevice, upload.stream()));
     // The pinned source must not be freed (and reused) before the copy has run: remember when it has.
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&entry->copied, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(entry->copied, stream.stream()));
+    C10_CUDA_CHECK(cudaEventRecord(entry->copied, upload.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), entry->copied, 0));
+    c10::cuda::CUDACachingAllocator::recordStream(entry->device_buf.storage().data_ptr(), stream);
     entry->last_use = clock_;
     DeviceMetadata result{entry->device_buf, num_tiles};
     entries_.push_back(std::move(entry));
