@@ -73,7 +73,7 @@ def test_nonfinite_counts_as_exploding_not_vanishing():
 
 def test_bad_policy_rejected():
     with pytest.raises(ValueError, match="vanishing_threshold"):
-        HealthPolicy(vanishing_threshold=20.0)
+        HealthPolicy(vanishing_threshold=None)
     with pytest.raises(ValueError, match="exploding_penalty"):
         HealthPolicy(exploding_penalty=float("nan"))
 
@@ -99,3 +99,15 @@ def test_device_and_host_agree_bitwise(norms, vt, et, vp, ep):
     assert dev == host
     assert host == pytest.approx(formula(norms, vt, et, vp, ep), abs=1e-12)
     assert 0.0 <= host <= 1.0
+
+
+def test_numpy_and_tensor_scalars_and_unordered_thresholds_are_accepted():
+    import numpy as np
+
+    p = HealthPolicy(vanishing_threshold=torch.tensor(1e-3), exploding_threshold=np.float32(1e-4))
+    assert isinstance(p.vanishing_threshold, float) and isinstance(p.exploding_threshold, float)
+    # a norm between the two is both vanishing and exploding, as in the original collector
+    norms = torch.tensor([5e-4, 1.0], dtype=torch.float64)
+    assert p.score_host(norms.tolist()) == float(p.score(norms)) == max(0.0, 1 - 0.5 * 0.5 - 0.8 * 1.0)
+    with pytest.raises(ValueError, match="vanishing_threshold must be a real number"):
+        HealthPolicy(vanishing_threshold="small")

@@ -339,3 +339,14 @@ def test_cuda_no_sync_until_report_and_mixed_devices():
 def test_gradstats_is_plain_dataclass():
     s = grad_stats(mlp().named_parameters())
     assert isinstance(s, GradStats) and s.rank_nonfinite is None and s.device == torch.device("cpu")
+
+
+def test_repeated_names_stay_separate_parameters():
+    """chain(enc.named_parameters(), dec.named_parameters()) yields "weight" twice: the report must not merge them."""
+    a = torch.nn.Parameter(torch.zeros(3))
+    b = torch.nn.Parameter(torch.zeros(3))
+    a.grad = torch.tensor([1.0, 2.0, 2.0])
+    b.grad = torch.tensor([float("nan"), 0.0, 0.0])
+    r = grad_stats([("w", a), ("w", b)]).report()
+    assert r.norms["w"] == 3.0 and math.isnan(r.norms["w#1"])
+    assert r.nonfinite == ["w#1"] and r.first_nonfinite == "w#1"

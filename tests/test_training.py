@@ -482,3 +482,70 @@ def test_progress_auto_is_off_when_not_a_tty_and_on_when_asked(capsys):
             assert "epoch 0" not in err
         else:
             assert "epoch 0" in err
+
+
+# ------------------------------------------------------------------------------------------ review follow-ups
+def test_skip_at_first_step_with_fused_sgd_momentum_keeps_the_model_finite():
+    """Fused SGD allocates its momentum buffers uninitialised on its first step; a device-side skip of that step
+    would leave garbage in them. The first step is decided on the host until the buffers exist."""
+    x, y = _data(24)
+    finals = []
+    for data, hook in (((x, y), _nan_at(0, "0.weight")), ((x[8:], y[8:]), None)):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+        trainer = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True, after_backward=hook,
+                          progress=False)
+        s = trainer.train_epoch(_loader(*data, 8))
+        finals.append((s, _params(model), opt))
+    (skipped, p_skip, opt_skip), (_, p_drop, opt_drop) = finals
+    assert skipped.skipped_steps == 1 and skipped.first_nonfinite_step == 0
+    # The skipped step left no trace: later steps are the dropped run's, bit for bit.
+    for p, q in zip(p_skip, p_drop):
+        assert torch.equal(p, q)
+    buffers_skip = [st["momentum_buffer"] for st in opt_skip.state.values()]
+    buffers_drop = [st["momentum_buffer"] for st in opt_drop.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(buffers_skip, buffers_drop))
+
+
+def test_each_architecture_compiles_under_its_own_recompile_limit():
+    """Architectures used to share one code object, hence dynamo's recompile limit, then ran eagerly unannounced."""
+    from torch._dynamo.testing import CompileCounter
+
+    clear_compile_cache()
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    x, y = _data(8)
+    n_arch = torch._dynamo.config.recompile_limit + 2
+    for width in range(1, n_arch + 1):
+        model = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3))
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), compile=True,
+                compile_backend=counter, progress=False).train_epoch(_loader(x, y, 8))
+    assert counter.frame_count == n_arch
+    clear_compile_cache()
+
+
+def test_a_users_error_does_not_turn_compilation_off():
+    clear_compile_cache()
+    x, y = _data(16)
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), compile=True,
+                      compile_backend="eager", progress=False)
+    with pytest.raises(RuntimeError):
+        trainer.train_epoch(_loader(torch.randn(16, 5), y, 8))  # wrong input width: the user's error
+    trainer.train_epoch(_loader(x, y, 8))
+    assert not any(e.failed for e in training._COMPILE_CACHE.values())
+    clear_compile_cache()
+
+
+def test_empty_micro_batch_in_an_accumulation_window_is_ignored():
+    x, y = _data(8)
+    batches = [(x[:4], y[:4]), (x[:0], y[:0]), (x[4:], y[4:]), (x[4:], y[4:])]
+    model = _mlp()
+    s = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), accumulation_steps=2,
+                progress=False).train_epoch(batches)
+    assert math.isfinite(s.loss) and s.steps == 2
+
+
+def test_batch_size_is_read_inside_dict_inputs():
+    assert training._batch_size({"a": 1, "x": torch.zeros(5, 2), "b": 2}, torch.tensor(0.5)) == 5
+    assert training._batch_size((torch.tensor(1.0), [torch.zeros(7)]), torch.tensor(0.5)) == 7

@@ -58,15 +58,18 @@ class HealthPolicy:
     exploding_penalty: float = DEFAULT_EXPLODING_PENALTY
 
     def __post_init__(self) -> None:
+        # Any real scalar is accepted (numpy and 0-d tensor scalars too) and stored as a Python float. Thresholds
+        # are not required to be ordered: like the original collector, a norm can then be both vanishing and
+        # exploding, and counts in both shares.
         for name in ("vanishing_threshold", "exploding_threshold", "vanishing_penalty", "exploding_penalty"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-                raise ValueError(f"HealthPolicy.{name} must be a number, got {value!r}")
-        if self.vanishing_threshold > self.exploding_threshold:
-            raise ValueError(
-                f"HealthPolicy: vanishing_threshold ({self.vanishing_threshold}) is above "
-                f"exploding_threshold ({self.exploding_threshold})"
-            )
+            try:
+                number = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                number = math.nan
+            if isinstance(value, bool) or math.isnan(number):
+                raise ValueError(f"HealthPolicy.{name} must be a real number, got {value!r}")
+            object.__setattr__(self, name, number)
 
     # ------------------------------------------------------------------ device side (no host sync)
     def classify(self, norms: Tensor) -> tuple[Tensor, Tensor]:

@@ -86,6 +86,24 @@ def _short_repr(obj: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _unique_names(names: list[str]) -> list[str]:
+    """Names as given, a repeat made unique as ``name#1``, ``name#2``... (e.g. ``chain(enc.named_parameters(),
+    dec.named_parameters())`` yields ``weight`` twice), so that per-parameter reports never merge two parameters."""
+    if len(set(names)) == len(names):
+        return names
+    given = set(names)
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        unique, k = name, 0
+        while unique in seen or (unique != name and unique in given):
+            k += 1
+            unique = f"{name}#{k}"
+        seen.add(unique)
+        out.append(unique)
+    return out
+
+
 def _check_grads(names: Sequence[str], grads: Sequence[Any]) -> None:
     """Raise a clear error naming the first parameter whose gradient the op cannot read (metadata only, no sync).
 
@@ -503,6 +521,7 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
 
     if not local:
         return _empty_stats(torch.device("cpu"))
+    names = _unique_names(names)
 
     # Group by device (metadata only), keeping model order inside each group.
     by_device: dict[torch.device, list[int]] = {}

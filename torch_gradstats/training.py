@@ -36,6 +36,7 @@ import logging
 import math
 import sys
 import threading
+import types
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -133,8 +134,12 @@ def _get_compiled(model: nn.Module, loss_fn: LossFn, mode: str | None, backend: 
             kwargs: dict[str, Any] = {"backend": backend}
             if mode is not None:
                 kwargs["mode"] = mode
+            # A code object of its own per architecture: dynamo counts recompiles per code object, so sharing
+            # _forward_loss would make architectures share one recompile limit and silently fall back to eager.
+            code = _forward_loss.__code__.replace(co_name=f"_forward_loss_{len(_COMPILE_CACHE)}")
+            forward = types.FunctionType(code, _forward_loss.__globals__, code.co_name)
             try:
-                fn = torch.compile(_forward_loss, **kwargs)
+                fn = torch.compile(forward, **kwargs)
             except Exception as exc:  # bad options; compile errors proper surface at the first call
                 logger.warning("torch_gradstats: torch.compile(%s) failed (%s); running eagerly", kwargs, exc)
                 entry = _CompiledEntry(_forward_loss, failed=True)
@@ -419,6 +424,7 @@ class Trainer:
                 "create the optimizer with fused=True for a device-side skip",
                 type(optimizer).__name__,
             )
+        self._optimizer_state_ready = False  # see _optimizer_state_pending
         self.global_step = 0  #: optimizer steps taken so far (skipped ones included)
         self.epoch = 0  #: index of the next epoch
         self._pinned: Optional[Tensor] = None
@@ -482,7 +488,9 @@ class Trainer:
         try:
             return entry.fn(self.model, inputs, targets, self.loss_fn)
         except Exception as exc:
-            # Fall back loudly. If the error was the user's (a shape mismatch, say) the eager run raises it again.
+            # If the error was the user's (a shape mismatch, say), the eager run raises it again and compilation
+            # stays on for the next call; only a failure of compilation itself falls back, loudly.
+            loss = _forward_loss(self.model, inputs, targets, self.loss_fn)
             entry.failed = True
             logger.warning(
                 "torch_gradstats: compiled train step failed for %s (%s: %s); falling back to eager for this "
@@ -491,7 +499,7 @@ class Trainer:
                 type(exc).__name__,
                 str(exc).splitlines()[0] if str(exc) else "",
             )
-            return _forward_loss(self.model, inputs, targets, self.loss_fn)
+            return loss
 
     def _optimizer_step(self, window: list[Any], state: _EpochState, epoch: int, bar: Any) -> None:
         step = self.global_step
@@ -507,6 +515,10 @@ class Trainer:
             else contextlib.nullcontext()
         )
         for (inputs, targets), n in zip(batches, sizes):
+            if n == 0:  # an empty micro-batch adds nothing (and its mean loss would be NaN)
+                if bar is not None:
+                    bar.update(1)
+                continue
             with autocast:
                 loss = self._forward(inputs, targets)
             if loss.dim() != 0:
@@ -548,7 +560,7 @@ class Trainer:
             self.scaler.step(self.optimizer)  # skips non-finite steps itself
             self.scaler.update()
         elif self.skip_nonfinite and has_grads:
-            if self.device_side_skip:
+            if self.device_side_skip and not self._optimizer_state_pending():
                 self.optimizer.found_inf = skipped.to(torch.float32)  # type: ignore[attr-defined]
                 try:
                     self.optimizer.step()
@@ -566,6 +578,26 @@ class Trainer:
             state.add_stats(step, stats, health, skipped, step_loss, self.keep_history)
         state.steps += 1
         self.global_step += 1
+
+    def _optimizer_state_pending(self) -> bool:
+        """True while a fused SGD with momentum has not yet created its momentum buffers.
+
+        Its first step allocates them uninitialised (``empty_like``) and, told to skip by ``found_inf``, leaves them
+        so: a skipped first step would poison every later one. Until the buffers exist, the skip is decided on the
+        host (one sync per step, normally just the first).
+        """
+        if self._optimizer_state_ready:
+            return False
+        opt = self.optimizer
+        if isinstance(opt, torch.optim.SGD):
+            for group in opt.param_groups:
+                if group.get("momentum", 0) == 0:
+                    continue
+                for p in group["params"]:
+                    if p.grad is not None and "momentum_buffer" not in opt.state.get(p, {}):
+                        return True
+        self._optimizer_state_ready = True
+        return False
 
     def _to_device(self, batch: Any, index: int) -> tuple[Any, Any]:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -647,10 +679,23 @@ def _move(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _first_batched_tensor(x: Any) -> Optional[Tensor]:
+    """The first tensor with a batch dimension in ``x`` (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(x, Tensor):
+        return x if x.dim() > 0 else None
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else ()
+    for item in items:
+        found = _first_batched_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
 def _batch_size(inputs: Any, targets: Any) -> int:
     for x in (inputs, targets):
-        if isinstance(x, Tensor) and x.dim() > 0:
-            return int(x.shape[0])  # from the shape: no sync
+        t = _first_batched_tensor(x)
+        if t is not None:
+            return int(t.shape[0])  # from the shape: no sync
     for x in (inputs, targets):
         try:
             return len(x)
