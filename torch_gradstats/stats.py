@@ -414,7 +414,8 @@ class GradReport:
         return "\n".join(lines)
 
     def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
-        """Flat ``{key: number}`` dict for loggers (TensorBoard, W&B, JSON lines).
+        """Flat dict for loggers (TensorBoard, W&B, JSON lines): numbers, except ``first_nonfinite`` (a parameter
+        name or None; skip it when every value must be a scalar, e.g. for ``SummaryWriter.add_scalar``).
 
         Args:
             prefix: prepended to every key (e.g. ``"grad/"``).
