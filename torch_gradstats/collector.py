@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats.health import DEFAULT_EXPLODING_THRESHOLD, DEFAULT_VANISHING_THRESHOLD, HealthPolicy
-from torch_gradstats.stats import GradStats, _named_params, grad_stats
+from torch_gradstats.stats import GradStats, _named_params, _to_host, grad_stats
 
 __all__ = [
     "DEFAULT_EXPLODING_THRESHOLD",
@@ -98,18 +98,6 @@ class GradientHealthMetrics:
     def to_dict(self) -> dict[str, float | int | bool]:
         """Plain dict of the fields (for a telemetry event's data)."""
         return asdict(self)
-
-
-def _fetch(floats: list[Tensor], ints: list[Tensor]) -> tuple[list[float], list[int]]:
-    """0-d float64 and int64 tensors of one device -> Python numbers, in ONE device-to-host transfer.
-
-    float64 values travel as their int64 bit patterns so the counts stay exact (no round trip through float64).
-    """
-    packed = torch.cat(
-        [t.reshape(1).to(torch.float64).view(torch.int64) for t in floats] + [t.reshape(1).to(torch.int64) for t in ints]
-    ).cpu()
-    nf = len(floats)
-    return packed[:nf].view(torch.float64).numpy().tolist(), packed[nf:].numpy().tolist()
 
 
 def _policy(vanishing_threshold: float, exploding_threshold: float) -> HealthPolicy:
@@ -194,7 +182,7 @@ def materialize_grad_stats(async_stats: AsyncStats) -> GradientHealthStats:
     n_nonfinite_t = async_stats.get("_n_nonfinite")
     if not isinstance(n_nonfinite_t, Tensor):  # a dict built by older code: derive it from the total
         n_nonfinite_t = (~torch.isfinite(total_sq)).to(torch.int64)
-    (total,), (n_van, n_exp, n_nonfinite) = _fetch([total_sq], [n_van_t, n_exp_t, n_nonfinite_t])
+    (total,), (n_van, n_exp, n_nonfinite) = _to_host([total_sq], [n_van_t, n_exp_t, n_nonfinite_t])
     norm = total**0.5
     if norm != norm or norm == float("inf"):
         n_nonfinite = max(n_nonfinite, 1)
@@ -243,7 +231,7 @@ def _materialize_enhanced(
 ) -> GradientHealthStats | GradientHealthMetrics:
     norms = stats.norms
     vanishing, exploding = policy.classify(norms)
-    (total_sq, min_norm, max_norm), (n_van, n_exp, n_nonfinite, zeros, nans, infs, numel) = _fetch(
+    (total_sq, min_norm, max_norm), (n_van, n_exp, n_nonfinite, zeros, nans, infs, numel) = _to_host(
         [stats.total_sumsq, norms.min(), norms.max()],
         [
             vanishing.sum(),
@@ -385,7 +373,7 @@ def materialize_dual_grad_stats(async_stats: dict[str, Tensor | int]) -> DualGra
         else:
             values[key] = float(v)  # a Python number or a CPU tensor: no device sync
     if len({t.device for _, t in on_device}) == 1:
-        fetched, _ = _fetch([t for _, t in on_device], [])
+        fetched, _ = _to_host([t for _, t in on_device], [])
         values.update(zip((k for k, _ in on_device), fetched))
     else:  # the two sums on two different accelerators: one transfer each
         for key, t in on_device:

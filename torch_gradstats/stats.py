@@ -154,6 +154,21 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=True)
 
 
+def _to_host(floats: Sequence[Tensor], ints: Sequence[Tensor]) -> tuple[list[float], list[int]]:
+    """Tensors of one device, flattened, as Python numbers in ONE device-to-host transfer (it waits for the device).
+
+    float64 values travel as their int64 bit patterns inside one int64 buffer, so integer counts are never rounded
+    through float64.
+    """
+    packed = torch.cat(
+        [t.reshape(-1).to(torch.float64).view(torch.int64) for t in floats]
+        + [t.reshape(-1).to(torch.int64) for t in ints]
+    ).cpu()
+    n_floats = sum(t.numel() for t in floats)
+    # Already on the host: numpy reads the buffer without another trip through torch.
+    return packed[:n_floats].view(torch.float64).numpy().tolist(), packed[n_floats:].numpy().tolist()
+
+
 def _host_int64(values: Sequence[int], device: torch.device) -> Tensor:
     return _to_device(torch.tensor(list(values), dtype=torch.int64), device)
 
@@ -258,26 +273,12 @@ class GradStats:
         """
         p = len(self.names)
         world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
-        # One packed int64 buffer: float64 values travel as their bit patterns (so counts stay exact, no
-        # int -> float64 round trip), then a single .cpu().
-        parts = [
-            self.sumsq.reshape(-1).view(torch.int64),
-            self.amax.reshape(-1).view(torch.int64),
-            self.total_sumsq.reshape(1).view(torch.int64),
-            self.counts.reshape(-1),
-            self.numel.reshape(-1),
-        ]
-        if self.rank_nonfinite is not None:
-            parts.append(self.rank_nonfinite.reshape(-1).to(torch.int64))
-        host = torch.cat(parts).cpu()  # the one device-to-host transfer (it waits for the device)
-        as_f64 = host[: 2 * p + 1].view(torch.float64).numpy()
-        ints = host[2 * p + 1 :].numpy()
-        sumsq = as_f64[:p].tolist()
-        amax = as_f64[p : 2 * p].tolist()
-        total_sumsq = float(as_f64[2 * p])
-        counts = ints[: 3 * p].reshape(p, 3).tolist()
-        numel = ints[3 * p : 4 * p].tolist()
-        rank_nf = ints[4 * p : 4 * p + p * world].reshape(p, world).tolist() if world else None
+        ints_in = [self.counts, self.numel] + ([self.rank_nonfinite] if self.rank_nonfinite is not None else [])
+        floats, ints = _to_host([self.sumsq, self.amax, self.total_sumsq], ints_in)
+        sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
+        counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
+        numel = ints[3 * p : 4 * p]
+        rank_nf = [ints[4 * p + world * i : 4 * p + world * (i + 1)] for i in range(p)] if world else None
         return GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy)
 
 
