@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_gradstats.ops import INF, NAN, multi_tensor_stats
+from torch_gradstats.stats import _host_int64, _to_device
 
 __all__ = ["reduce_across_ranks"]
 
@@ -75,19 +76,6 @@ def _dtensor_class() -> type | None:
         except ImportError:
             return None
     return DTensor
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """Move a small tensor to ``device`` without a host sync (pinned memory for host-to-CUDA copies)."""
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-def _row_index(rows: Sequence[int], device: torch.device) -> Tensor:
-    return _to_device(torch.tensor(list(rows), dtype=torch.int64), device)
 
 
 def _resolve_group(group: Any) -> Any:
@@ -166,7 +154,7 @@ def _materialize_partials(
         planned[i] = g.redistribute(g.device_mesh, [target if pl.is_partial() else pl for pl in g.placements])
     s, a, c = multi_tensor_stats([planned[i].to_local() for i in rows])
     device = sumsq.device
-    idx = _row_index(rows, device)
+    idx = _host_int64(rows, device)
     sumsq = sumsq.index_copy(0, idx, _to_device(s, device))
     amax = amax.index_copy(0, idx, _to_device(a, device))
     counts = counts.index_copy(0, idx, _to_device(c, device))
@@ -283,7 +271,7 @@ def reduce_across_ranks(
     if not initialized and not has_dtensor:
         out: tuple[Tensor | None, ...] = (sumsq, amax, counts, None)
         if return_numel:
-            out += (_row_index([g.numel() for g in grads], sumsq.device),)
+            out += (_host_int64([g.numel() for g in grads], sumsq.device),)
         return out  # type: ignore[return-value]
 
     group = _resolve_group(group)
@@ -310,7 +298,7 @@ def reduce_across_ranks(
             dist.all_reduce(sum_buf, op=dist.ReduceOp.SUM, group=pg)
             dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=pg)
             continue
-        idx = _row_index(rows, device)
+        idx = _host_int64(rows, device)
         sub_sum = sum_buf.index_select(0, idx)
         sub_max = max_buf.index_select(0, idx)
         dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
