@@ -460,7 +460,7 @@ def run_point(
     _fill_ratios(rows)
     for name, why in failed.items():
         print(f"  [skipped {name} on {point.workload}/{point.label}: {why}]", file=sys.stderr)
-    del samples
+    samples.clear()  # the closure `call` still refers to the list: empty it so its buffers can go
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the point's buffers back before the next (up to 4 GiB) point
