@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import torch_gradstats.training as training
 from torch_gradstats.training import Trainer, clear_compile_cache, format_epoch_table, validate_device
+from torch_gradstats.training import _compile, _device, _trainer
 
 
 def _mlp(seed: int = 0, out: int = 3) -> nn.Module:
@@ -76,6 +76,10 @@ class _SyncCounter:
         return wrapper
 
 
+#: What one transfer of torch_gradstats._transfer costs on the CPU: a .cpu() (a no-op there), one numpy() read.
+ONE_TRANSFER = ["cpu", "numpy"]
+
+
 @pytest.mark.parametrize("fused_skip", [False, True])
 def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
     model = _mlp()
@@ -91,7 +95,7 @@ def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
     counter = _SyncCounter(monkeypatch)
     summaries = trainer.fit(loader, epochs=3)
     monkeypatch.undo()
-    assert counter.calls == ["tolist"] * 3, counter.calls
+    assert counter.calls == ONE_TRANSFER * 3, counter.calls
     assert [s.steps for s in summaries] == [5, 5, 5]
     assert all(len(s.history) == 5 for s in summaries)
     if fused_skip:
@@ -109,9 +113,9 @@ def test_cuda_one_sync_per_epoch_through_pinned_memory(monkeypatch):
     counter = _SyncCounter(monkeypatch)
     summaries = trainer.fit(_loader(x, y, 8), epochs=2)
     monkeypatch.undo()
-    # Per epoch: one event wait after the non-blocking copy, then tolist() on the pinned host buffer.
-    assert counter.calls == ["Event.synchronize", "tolist"] * 2, counter.calls
-    assert trainer._pinned is not None and trainer._pinned.is_pinned()
+    # Per epoch: one event wait after the non-blocking copy, then numpy() reads the pinned host buffer.
+    assert counter.calls == ["Event.synchronize", "numpy"] * 2, counter.calls
+    assert trainer._staging.tensor is not None and trainer._staging.tensor.is_pinned()
     assert summaries[0].skipped_steps == 1 and summaries[0].first_nonfinite_param == "2.bias"
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -124,7 +128,7 @@ def test_sync_every_is_one_sync_per_interval(monkeypatch):
     counter = _SyncCounter(monkeypatch)
     summary = trainer.train_epoch(_loader(x, y, 8))  # 7 steps: syncs after 3, 6, and at the end
     monkeypatch.undo()
-    assert counter.calls == ["tolist"] * 3
+    assert counter.calls == ONE_TRANSFER * 3
     assert [r.step for r in summary.history] == list(range(7))  # no row lost or duplicated across syncs
 
 
@@ -258,8 +262,8 @@ def test_amp_stats_are_taken_after_unscale(monkeypatch):
         if scaler is not None:
             orig_unscale = scaler.unscale_
             monkeypatch.setattr(scaler, "unscale_", lambda o: (order.append("unscale_"), orig_unscale(o))[1])
-            orig_stats = training.grad_stats
-            monkeypatch.setattr(training, "grad_stats", lambda p: (order.append("grad_stats"), orig_stats(p))[1])
+            orig_stats = _trainer.grad_stats
+            monkeypatch.setattr(_trainer, "grad_stats", lambda p: (order.append("grad_stats"), orig_stats(p))[1])
         trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, progress=False)
         results.append(trainer.train_epoch(_loader(x, y, 8)))
     plain, amp = results
@@ -424,7 +428,7 @@ def test_compiled_step_matches_eager_and_is_cached_per_architecture():
         trainer = Trainer(model, opt, nn.CrossEntropyLoss(), compile=compiled, compile_backend="eager",
                           progress=False)
         results.append((trainer.train_epoch(_loader(x, y, 8)), _params(model)))
-    assert len(training._COMPILE_CACHE) == 1  # two instances of one architecture share an entry
+    assert len(_compile.COMPILE_CACHE) == 1  # two instances of one architecture share an entry
     for s, params in results[1:]:
         assert s.loss == pytest.approx(results[0][0].loss, rel=1e-6)
         for p, q in zip(params, results[0][1]):
@@ -432,8 +436,8 @@ def test_compiled_step_matches_eager_and_is_cached_per_architecture():
     other = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))  # another architecture: another entry
     Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), nn.CrossEntropyLoss(), compile=True,
             compile_backend="eager", progress=False).train_epoch(_loader(x, y, 8))
-    assert len(training._COMPILE_CACHE) == 2
-    assert not any(e.failed for e in training._COMPILE_CACHE.values())
+    assert len(_compile.COMPILE_CACHE) == 2
+    assert not any(e.failed for e in _compile.COMPILE_CACHE.values())
     clear_compile_cache()
 
 
@@ -533,7 +537,7 @@ def test_a_users_error_does_not_turn_compilation_off():
     with pytest.raises(RuntimeError):
         trainer.train_epoch(_loader(torch.randn(16, 5), y, 8))  # wrong input width: the user's error
     trainer.train_epoch(_loader(x, y, 8))
-    assert not any(e.failed for e in training._COMPILE_CACHE.values())
+    assert not any(e.failed for e in _compile.COMPILE_CACHE.values())
     clear_compile_cache()
 
 
@@ -547,5 +551,5 @@ def test_empty_micro_batch_in_an_accumulation_window_is_ignored():
 
 
 def test_batch_size_is_read_inside_dict_inputs():
-    assert training._batch_size({"a": 1, "x": torch.zeros(5, 2), "b": 2}, torch.tensor(0.5)) == 5
-    assert training._batch_size((torch.tensor(1.0), [torch.zeros(7)]), torch.tensor(0.5)) == 7
+    assert _device.batch_size({"a": 1, "x": torch.zeros(5, 2), "b": 2}, torch.tensor(0.5)) == 5
+    assert _device.batch_size((torch.tensor(1.0), [torch.zeros(7)]), torch.tensor(0.5)) == 7

@@ -27,8 +27,9 @@ from typing import Iterable, Iterator, TypedDict, Union
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats._transfer import to_host
 from torch_gradstats.health import DEFAULT_EXPLODING_THRESHOLD, DEFAULT_VANISHING_THRESHOLD, HealthPolicy
-from torch_gradstats.stats import GradStats, _named_params, _to_host, grad_stats
+from torch_gradstats.stats import GradStats, _named_params, grad_stats
 
 __all__ = [
     "DEFAULT_EXPLODING_THRESHOLD",
@@ -182,7 +183,7 @@ def materialize_grad_stats(async_stats: AsyncStats) -> GradientHealthStats:
     n_nonfinite_t = async_stats.get("_n_nonfinite")
     if not isinstance(n_nonfinite_t, Tensor):  # a dict built by older code: derive it from the total
         n_nonfinite_t = (~torch.isfinite(total_sq)).to(torch.int64)
-    (total,), (n_van, n_exp, n_nonfinite) = _to_host([total_sq], [n_van_t, n_exp_t, n_nonfinite_t])
+    (total,), (n_van, n_exp, n_nonfinite) = to_host([total_sq], [n_van_t, n_exp_t, n_nonfinite_t])
     norm = total**0.5
     if norm != norm or norm == float("inf"):
         n_nonfinite = max(n_nonfinite, 1)
@@ -231,7 +232,7 @@ def _materialize_enhanced(
 ) -> GradientHealthStats | GradientHealthMetrics:
     norms = stats.norms
     vanishing, exploding = policy.classify(norms)
-    (total_sq, min_norm, max_norm), (n_van, n_exp, n_nonfinite, zeros, nans, infs, numel) = _to_host(
+    (total_sq, min_norm, max_norm), (n_van, n_exp, n_nonfinite, zeros, nans, infs, numel) = to_host(
         [stats.total_sumsq, norms.min(), norms.max()],
         [
             vanishing.sum(),
@@ -276,7 +277,7 @@ def collect_seed_gradients_async(
     return collector.collect_async(seed_parameters)
 
 
-# ---------------------------------------------------------------------------------------------- host + seed (G2 gate)
+# ---------------------------------------------------------------------------------------------- host + seed networks
 @dataclass(slots=True)
 class DualGradientStats:
     """Gradient norms and element counts of the host and the seed network."""
@@ -373,11 +374,11 @@ def materialize_dual_grad_stats(async_stats: dict[str, Tensor | int]) -> DualGra
         else:
             values[key] = float(v)  # a Python number or a CPU tensor: no device sync
     if len({t.device for _, t in on_device}) == 1:
-        fetched, _ = _to_host([t for _, t in on_device], [])
+        fetched, _ = to_host([t for _, t in on_device], [])
         values.update(zip((k for k, _ in on_device), fetched))
     else:  # the two sums on two different accelerators: one transfer each
         for key, t in on_device:
-            values[key] = float(t.cpu())
+            (values[key],), _ = to_host([t], [])
     return DualGradientStats(
         host_grad_norm=values["host"] ** 0.5,
         host_param_count=host_count,
