@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from torch_gradstats.health import HealthPolicy
 from torch_gradstats.training import Trainer, clear_compile_cache, format_epoch_table, validate_device
 from torch_gradstats.training import _compile, _device, _trainer
 
@@ -553,3 +554,113 @@ def test_empty_micro_batch_in_an_accumulation_window_is_ignored():
 def test_batch_size_is_read_inside_dict_inputs():
     assert _device.batch_size({"a": 1, "x": torch.zeros(5, 2), "b": 2}, torch.tensor(0.5)) == 5
     assert _device.batch_size((torch.tensor(1.0), [torch.zeros(7)]), torch.tensor(0.5)) == 7
+
+
+# ------------------------------------------------------------------------------------------ empty batches
+@pytest.mark.parametrize("accum", [1, 2])
+def test_an_empty_batch_is_counted_and_skipped(accum):
+    """One empty batch used to abort the whole epoch when accumulation_steps=1 (and a window of empty batches
+    did with more); it is now counted as a batch and makes no optimizer step."""
+    x, y = _data(32)
+    empty = (x[:0], y[:0])
+    full = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    with_empty = full[:2] + [empty] * accum + full[2:]  # a whole window of empty batches
+    runs = []
+    for batches in (with_empty, full):
+        model = _mlp()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                          accumulation_steps=accum, progress=False)
+        runs.append((trainer.train_epoch(batches), _params(model), trainer))
+    (s, p, trainer), (s_ref, p_ref, _) = runs
+    assert s.batches == len(with_empty) and s.samples == 32
+    assert s.steps == s_ref.steps == 4 // accum and trainer.global_step == s.steps
+    assert s.loss == s_ref.loss
+    for a, b in zip(p, p_ref):
+        assert torch.equal(a, b)
+
+
+def test_only_empty_batches_is_a_clear_error():
+    x, y = _data(8)
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), progress=False)
+    with pytest.raises(ValueError, match="only empty batches"):
+        trainer.train_epoch([(x[:0], y[:0])] * 3)
+    assert trainer.global_step == 0
+
+
+# ------------------------------------------------------------------------------------------ interrupts
+def _adam_steps(opt: torch.optim.Optimizer) -> set[int]:
+    return {int(st["step"]) for st in opt.state.values()}
+
+
+class _Interrupt:
+    """Raises KeyboardInterrupt the ``at``-th time it is called (0-based), once."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.calls += 1
+        if self.calls == self.at + 1:
+            raise KeyboardInterrupt
+
+
+class _InterruptingPolicy(HealthPolicy):
+    """A health policy whose score raises KeyboardInterrupt once: an interrupt after the optimizer step."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_interrupt", _Interrupt(at))
+
+    def score(self, norms):
+        self._interrupt()
+        return super().score(norms)
+
+
+INTERRUPT_POINTS = ["loss_fn", "after_backward", "step_pre_hook", "step_post_hook", "after_the_step"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("point", INTERRUPT_POINTS)
+def test_global_step_agrees_with_the_optimizer_after_an_interrupt(point, fused):
+    """A KeyboardInterrupt once left global_step one behind the optimizer's step count."""
+    x, y = _data(40)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+    interrupt = _Interrupt(at=2)
+    loss = nn.CrossEntropyLoss()
+    kwargs: dict = {"skip_nonfinite": fused}  # the fused optimizer takes the device-side skip path
+    if point == "loss_fn":
+        kwargs["loss_fn"] = lambda out, target: (interrupt(), loss(out, target))[1]
+    if point == "after_backward":
+        kwargs["after_backward"] = interrupt
+    if point == "after_the_step":
+        kwargs["health_policy"] = _InterruptingPolicy(at=2)
+    trainer = Trainer(model, opt, kwargs.pop("loss_fn", loss), progress=False, **kwargs)
+    if point == "step_pre_hook":
+        opt.register_step_pre_hook(interrupt)
+    if point == "step_post_hook":
+        opt.register_step_post_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_epoch(_loader(x, y, 8))
+    taken = 3 if point in ("step_post_hook", "after_the_step") else 2  # was the third step taken?
+    assert _adam_steps(opt) == {taken}
+    assert trainer.global_step == taken
+    s = trainer.train_epoch(_loader(x, y, 8))  # and training goes on from there
+    assert s.steps == 5 and _adam_steps(opt) == {taken + 5} and trainer.global_step == taken + 5
+    assert [r.step for r in s.history] == list(range(taken, taken + 5))
+
+
+def test_global_step_counts_a_step_the_scaler_skips_and_one_interrupted_after_it():
+    x, y = _data(40)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = _scaler(2.0**8)
+    interrupt = _Interrupt(at=3)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, after_backward=_nan_at(1, "2.bias"),
+                      progress=False)
+    opt.register_step_post_hook(interrupt)  # the optimizer's 4th real step is the trainer's 5th
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_epoch(_loader(x, y, 8))
+    assert _adam_steps(opt) == {4}  # step 1 was skipped by the scaler
+    assert trainer.global_step == 5  # ... and counted
