@@ -147,7 +147,8 @@ class SeedGradientCollector:
         """
         stats = grad_stats(parameters)
         if len(stats) == 0:
-            return {"_empty": True, **_empty_result()}
+            return {"_empty": True, "gradient_norm": 0.0, "gradient_health": 1.0, "has_vanishing": False,
+                    "has_exploding": False}
         norms = stats.norms
         vanishing, exploding = _policy(self.vanishing_threshold, self.exploding_threshold).classify(norms)
         return {

@@ -176,7 +176,8 @@ def run(
     def inject(trainer: Trainer) -> None:
         if trainer.global_step == inject_nan:
             grad = dict(trainer.model.named_parameters())[inject_param].grad
-            grad.fill_(float("nan"))
+            if grad is not None:
+                grad.fill_(float("nan"))
 
     trainer = Trainer(
         model,

@@ -43,6 +43,7 @@ host-to-device from pinned memory without blocking.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -77,16 +78,17 @@ class ReducedStats(NamedTuple):
     numel: Tensor  #: int64 ``[P]``: logical element count of each parameter
 
 
-def _dtensor_class() -> type | None:
+def _dtensor_class() -> type[Any] | None:
     """torch's DTensor class, or None if this torch has none."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5
+    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # new name, then torch < 2.5
         try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+            mod = importlib.import_module(mod_name)
         except ImportError:
-            return None
-    return DTensor
+            continue
+        cls = getattr(mod, "DTensor", None)
+        if isinstance(cls, type):
+            return cls
+    return None
 
 
 def _resolve_group(group: Any) -> Any:
@@ -137,7 +139,7 @@ def _check_inputs(grads: Sequence[Any], sumsq: Tensor, amax: Tensor, counts: Ten
 
 
 def _materialize_partials(
-    grads: Sequence[Any], dtensor_cls: type | None, sumsq: Tensor, amax: Tensor, counts: Tensor
+    grads: Sequence[Any], dtensor_cls: type[Any] | None, sumsq: Tensor, amax: Tensor, counts: Tensor
 ) -> tuple[list[Any], Tensor, Tensor, Tensor]:
     """Replace Partial DTensor gradients by their reduced redistribution and recompute their rows.
 
@@ -173,7 +175,7 @@ def _materialize_partials(
 
 
 def _plan(
-    grads: Sequence[Any], dtensor_cls: type | None, group: Any
+    grads: Sequence[Any], dtensor_cls: type[Any] | None, group: Any
 ) -> tuple[list[tuple[Any, list[int]]], list[int]]:
     """For each distinct process group (first-use order, identical on every rank), the rows reduced over it.
 
