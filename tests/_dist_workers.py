@@ -14,11 +14,11 @@ import math
 import os
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 
 from torch_gradstats.distributed import reduce_across_ranks
@@ -167,7 +167,7 @@ def plain_uneven_grad_stats(rank: int, world: int) -> str | None:
 
 
 def plain_group_numel(rank: int, world: int) -> str | None:
-    """grad_stats(group=...) reports the logical numel of plain sharded tensors (numel travels in the SUM collective)."""
+    """grad_stats(group=...) reports the logical numel of plain sharded tensors (it travels in the SUM collective)."""
     if grad_stats is None:
         return "skip: torch_gradstats.stats.grad_stats not available"
     full = _test_tensors(torch.Generator().manual_seed(3))
@@ -284,7 +284,9 @@ def dtensor_partial(rank: int, world: int) -> None:
     assert got.numel.tolist() == [t.numel() for t in full]
     expected = torch.zeros(3, world, dtype=torch.int64)
     expected[2, bad] = 1
-    assert torch.equal(got.rank_nonfinite, expected), f"rank_nonfinite {got.rank_nonfinite.tolist()}, expected {expected.tolist()}"
+    assert torch.equal(got.rank_nonfinite, expected), (
+        f"rank_nonfinite {got.rank_nonfinite.tolist()}, expected {expected.tolist()}"
+    )
     # the gradients are still Partial and their addends unchanged
     for g, x in zip(grads, addends):
         assert g.placements == (Partial(),)
@@ -319,7 +321,9 @@ def nan_on_one_rank(rank: int, world: int) -> None:
     expected[0, nan_rank] = 1
     expected[1, inf_rank] = 1
     expected[2, world - 1] = 1
-    assert torch.equal(got.rank_nonfinite, expected), f"rank_nonfinite {got.rank_nonfinite.tolist()}, expected {expected.tolist()}"
+    assert torch.equal(got.rank_nonfinite, expected), (
+        f"rank_nonfinite {got.rank_nonfinite.tolist()}, expected {expected.tolist()}"
+    )
 
     if grad_stats is not None:
         params = _params_with_grads([("p0", local[0]), ("p1", local[1])])
@@ -481,7 +485,7 @@ def run_worker(rank: int, world: int, port: int, outdir: str, timeout_s: float) 
                     results[name] = {"status": "skip", "detail": outcome[5:].strip()}
                 else:
                     results[name] = {"status": "ok", "detail": ""}
-            except Exception:  # recorded, reported by the test of this scenario
+            except Exception:  # noqa: BLE001 - recorded, reported by the test of this scenario
                 results[name] = {"status": "fail", "detail": traceback.format_exc()}
             results[name]["seconds"] = f"{time.perf_counter() - start:.3f}"
             with open(path, "w") as f:  # after every scenario: a later hang keeps what came before

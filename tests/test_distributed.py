@@ -21,7 +21,7 @@ from torch_gradstats.distributed import ReducedStats, reduce_across_ranks
 from torch_gradstats.ops import multi_tensor_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _dist_workers  # noqa: E402  (importable by name in the children too)
+import _dist_workers
 
 pytestmark = [
     pytest.mark.distributed,

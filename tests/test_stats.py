@@ -328,7 +328,7 @@ def test_cuda_no_sync_until_report_and_mixed_devices():
     try:
         s = grad_stats(named)
         s.health()
-        s.total_norm
+        assert s.total_norm.device.type == "cuda"
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert s.device.type == "cuda" and s.names[0] == "cpu.first"

@@ -12,8 +12,15 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from torch_gradstats.health import HealthPolicy
-from torch_gradstats.training import Trainer, clear_compile_cache, format_epoch_table, validate_device
-from torch_gradstats.training import _compile, _device, _trainer
+from torch_gradstats.training import (
+    Trainer,
+    _compile,
+    _device,
+    _trainer,
+    clear_compile_cache,
+    format_epoch_table,
+    validate_device,
+)
 
 
 def _mlp(seed: int = 0, out: int = 3) -> nn.Module:
@@ -65,7 +72,7 @@ class _SyncCounter:
             orig = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
         for owner, label in ((torch.cuda, "cuda.synchronize"), (torch.cuda.Event, "Event.synchronize")):
-            monkeypatch.setattr(owner, "synchronize", self._wrap(label, getattr(owner, "synchronize")))
+            monkeypatch.setattr(owner, "synchronize", self._wrap(label, owner.synchronize))
 
     def _wrap(self, name, orig):
         def wrapper(*args, **kwargs):
@@ -87,7 +94,7 @@ def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
     x, y = _data(40)
     if fused_skip:  # skip_nonfinite on the device through fused Adam's found_inf: still no per-step sync
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
-        kwargs = dict(skip_nonfinite=True, after_backward=_nan_at(2, "2.bias"))
+        kwargs = {"skip_nonfinite": True, "after_backward": _nan_at(2, "2.bias")}
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         kwargs = {}
@@ -262,9 +269,11 @@ def test_amp_stats_are_taken_after_unscale(monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         if scaler is not None:
             orig_unscale = scaler.unscale_
-            monkeypatch.setattr(scaler, "unscale_", lambda o: (order.append("unscale_"), orig_unscale(o))[1])
+            monkeypatch.setattr(scaler, "unscale_",
+                                lambda o, f=orig_unscale: (order.append("unscale_"), f(o))[1])
             orig_stats = _trainer.grad_stats
-            monkeypatch.setattr(_trainer, "grad_stats", lambda p: (order.append("grad_stats"), orig_stats(p))[1])
+            monkeypatch.setattr(_trainer, "grad_stats",
+                                lambda p, f=orig_stats: (order.append("grad_stats"), f(p))[1])
         trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, progress=False)
         results.append(trainer.train_epoch(_loader(x, y, 8)))
     plain, amp = results

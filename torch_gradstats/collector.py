@@ -21,8 +21,10 @@ by :class:`torch_gradstats.health.HealthPolicy` with this module's thresholds.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, TypedDict, Union
+from typing import TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -47,8 +49,8 @@ __all__ = [
     "materialize_grad_stats",
 ]
 
-ParamIter = Union[Iterator[nn.Parameter], Iterable[Tensor]]
-AsyncStats = dict[str, Union[bool, int, float, Tensor]]
+ParamIter = Iterator[nn.Parameter] | Iterable[Tensor]
+AsyncStats = dict[str, bool | int | float | Tensor]
 
 
 class GradientHealthStats(TypedDict):
@@ -115,7 +117,7 @@ class SeedGradientCollector:
     Call after ``loss.backward()`` (before clipping: "exploding" then means "will be clipped hard").
     """
 
-    __slots__ = ("vanishing_threshold", "exploding_threshold")
+    __slots__ = ("exploding_threshold", "vanishing_threshold")
 
     def __init__(
         self,
@@ -186,7 +188,7 @@ def materialize_grad_stats(async_stats: AsyncStats) -> GradientHealthStats:
         n_nonfinite_t = (~torch.isfinite(total_sq)).to(torch.int64)
     (total,), (n_van, n_exp, n_nonfinite) = to_host([total_sq], [n_van_t, n_exp_t, n_nonfinite_t])
     norm = total**0.5
-    if norm != norm or norm == float("inf"):
+    if not math.isfinite(norm):
         n_nonfinite = max(n_nonfinite, 1)
     # Penalties are the defaults; thresholds were already applied on the device.
     health = HealthPolicy().score_from_counts_host(n_van, n_exp, n_nonfinite, n_grads)
@@ -261,7 +263,7 @@ def _materialize_enhanced(
         has_exploding=n_exp > 0,
         min_layer_norm=min_norm,
         max_layer_norm=max_norm,
-        norm_ratio=max_norm / max(min_norm, 1e-10) if min_norm == min_norm else float("nan"),
+        norm_ratio=max_norm / max(min_norm, 1e-10) if not math.isnan(min_norm) else float("nan"),
         zero_grad_fraction=zeros / max(numel, 1),
         nan_count=nans,
         inf_count=infs,

@@ -25,11 +25,11 @@ needs that group, never one per parameter. Parameters sharded over several mesh 
 dimension's group in turn (sum and max compose). Groups of one rank are skipped.
 
 The SUM buffer is float64 ``[K, 5 + world]``: sum of squares, the three counts, the per-rank non-finite counts and
-the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata). Counts travel as float64 because it holds every integer below 2**53 exactly
-and one buffer means one collective; a logical parameter would need 2**53 (9e15) elements to break that, which is
-checked on metadata. NaN and Inf are carried as counts: a MAX all-reduce need not propagate NaN (gloo does not
-guarantee it), so after the reduction every parameter whose reduced NaN count is positive gets NaN for its max |x|
-and its sum of squares, on every rank.
+the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata).
+Counts travel as float64 because it holds every integer below 2**53 exactly and one buffer means one collective; a
+logical parameter would need 2**53 (9e15) elements to break that, which is checked on metadata. NaN and Inf are
+carried as counts: a MAX all-reduce need not propagate NaN (gloo does not guarantee it), so after the reduction
+every parameter whose reduced NaN count is positive gets NaN for its max |x| and its sum of squares, on every rank.
 
 ``rank_nonfinite[p, r]`` is the number of NaN/Inf elements parameter ``p`` had on global rank ``r`` in what that rank
 held (its shard; for a Partial gradient, its addend before materialization, so the rank that produced the bad value

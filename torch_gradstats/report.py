@@ -132,10 +132,14 @@ class GradReport:
     def __str__(self) -> str:
         lines = [
             f"gradients: {len(self.norms)} tensors, {self.numel:,} elements   health {self.health:.3f}",
-            f"  total norm {self.total_norm:.4g}   inf norm {self.inf_norm:.4g}   "
-            f"min/max tensor norm {self.min_norm:.4g} / {self.max_norm:.4g}",
-            f"  zeros {self.zero_count:,} ({100.0 * self.zero_fraction:.2f}%)   NaN {self.nan_count:,}   "
-            f"Inf {self.inf_count:,}",
+            (
+                f"  total norm {self.total_norm:.4g}   inf norm {self.inf_norm:.4g}   "
+                f"min/max tensor norm {self.min_norm:.4g} / {self.max_norm:.4g}"
+            ),
+            (
+                f"  zeros {self.zero_count:,} ({100.0 * self.zero_fraction:.2f}%)   NaN {self.nan_count:,}   "
+                f"Inf {self.inf_count:,}"
+            ),
         ]
         if self.nonfinite:
             more = f" (+{len(self.nonfinite) - 1} more)" if len(self.nonfinite) > 1 else ""

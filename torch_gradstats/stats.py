@@ -18,7 +18,7 @@ import logging
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ __all__ = ["GradReport", "GradStats", "ParamsLike", "grad_stats"]
 logger = logging.getLogger("torch_gradstats")
 
 #: What :func:`grad_stats` accepts: a tensor, or an iterable of tensors or of ``(name, tensor)`` pairs.
-ParamsLike = Union[Tensor, Iterable[Union[Tensor, "tuple[str, Tensor]"]]]
+ParamsLike = Tensor | Iterable[Tensor | tuple[str, Tensor]]
 
 _DEFAULT_POLICY = HealthPolicy()
 
