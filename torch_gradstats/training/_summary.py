@@ -143,6 +143,10 @@ class EpochState:
         self.samples += samples
         self.agg["loss_sum"] += loss_sum
 
+    def add_empty_window(self, batches: int) -> None:
+        """A window whose every batch was empty: counted as batches, nothing else."""
+        self.batches += batches
+
     def add_step(self, skipped: Tensor) -> None:
         """One optimizer step, taken or skipped (``skipped``: float64 0-d, 1.0 when skipped)."""
         self.steps += 1

@@ -196,7 +196,7 @@ class Trainer:
         sizes = [batch_size(x, y) for x, y in batches]
         samples = sum(sizes)
         if samples == 0:  # nothing to learn from: counted, no optimizer step
-            state.add_window(len(batches), 0, torch.zeros((), dtype=torch.float64, device=self.device))
+            state.add_empty_window(len(batches))
             _progress_update(bar, len(batches))
             return False
         step = self.global_step
