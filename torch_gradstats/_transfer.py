@@ -102,7 +102,8 @@ def fetch(buf: Tensor, staging: PinnedBuffer | None = None) -> Tensor:
 
     On CUDA: a non-blocking copy into pinned memory (``staging`` when given, so repeated calls reuse one buffer),
     then an event recorded on the current stream of ``buf``'s device and a wait for that event only (other streams
-    and devices keep running). Elsewhere: ``buf.cpu()`` (a no-op for a CPU tensor).
+    and devices keep running). Elsewhere: ``buf.cpu()`` (a no-op for a CPU tensor). A result read through
+    ``staging`` is a view of it, valid until the next transfer through the same staging buffer.
     """
     if buf.device.type != "cuda":
         return buf.cpu()
