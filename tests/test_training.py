@@ -629,16 +629,16 @@ class _InterruptingPolicy(HealthPolicy):
 INTERRUPT_POINTS = ["loss_fn", "after_backward", "step_pre_hook", "step_post_hook", "after_the_step"]
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("policy", ["plain", "device_skip", "host_skip"])
 @pytest.mark.parametrize("point", INTERRUPT_POINTS)
-def test_global_step_agrees_with_the_optimizer_after_an_interrupt(point, fused):
+def test_global_step_agrees_with_the_optimizer_after_an_interrupt(point, policy):
     """A KeyboardInterrupt once left global_step one behind the optimizer's step count."""
     x, y = _data(40)
     model = _mlp()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=policy == "device_skip")
     interrupt = _Interrupt(at=2)
     loss = nn.CrossEntropyLoss()
-    kwargs: dict = {"skip_nonfinite": fused}  # the fused optimizer takes the device-side skip path
+    kwargs: dict = {"skip_nonfinite": policy != "plain"}
     if point == "loss_fn":
         kwargs["loss_fn"] = lambda out, target: (interrupt(), loss(out, target))[1]
     if point == "after_backward":
@@ -673,3 +673,12 @@ def test_global_step_counts_a_step_the_scaler_skips_and_one_interrupted_after_it
         trainer.train_epoch(_loader(x, y, 8))
     assert _adam_steps(opt) == {4}  # step 1 was skipped by the scaler
     assert trainer.global_step == 5  # ... and counted
+
+
+def test_only_fused_optimizers_skip_on_the_device():
+    from torch_gradstats.training._step import device_skip_step
+
+    model = _mlp()
+    assert device_skip_step(torch.optim.Adam(model.parameters(), fused=True)) is not None
+    assert device_skip_step(torch.optim.Adam(model.parameters())) is None
+    assert device_skip_step(torch.optim.SGD(model.parameters(), lr=0.1)) is None
