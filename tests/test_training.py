@@ -682,3 +682,14 @@ def test_only_fused_optimizers_skip_on_the_device():
     assert device_skip_step(torch.optim.Adam(model.parameters(), fused=True)) is not None
     assert device_skip_step(torch.optim.Adam(model.parameters())) is None
     assert device_skip_step(torch.optim.SGD(model.parameters(), lr=0.1)) is None
+
+
+def test_global_step_can_be_set_when_resuming():
+    x, y = _data(16)
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), progress=False)
+    trainer.global_step = 100
+    s = trainer.train_epoch(_loader(x, y, 8))
+    assert trainer.global_step == 102 and [r.step for r in s.history] == [100, 101]
+    with pytest.raises(ValueError, match="global_step"):
+        trainer.global_step = -1

@@ -142,8 +142,14 @@ class Trainer:
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken so far (skipped ones included)."""
+        """Optimizer steps taken so far (skipped ones included); set it when resuming from a checkpoint."""
         return self._stepper.count
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"global_step must be a non-negative int, got {value!r}")
+        self._stepper.count = value
 
     @property
     def device_side_skip(self) -> bool:
