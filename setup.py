@@ -54,7 +54,7 @@ def extension():
     cxx = ["-O3", "-fvisibility=hidden", "-fopenmp"]
     if cpu_capability() == "AVX2":
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    kwargs = dict(name="torch_gradstats._C", include_dirs=[str(ROOT / CSRC)], extra_link_args=["-fopenmp"])
+    kwargs = {"name": "torch_gradstats._C", "include_dirs": [str(ROOT / CSRC)], "extra_link_args": ["-fopenmp"]}
     if not build_cuda():
         return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")

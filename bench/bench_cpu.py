@@ -1,8 +1,8 @@
-"""Issue 2, item 10: the fused CPU op against ``torch._foreach_norm`` and the composite users write today.
+"""The CPU acceptance check: the fused op against ``torch._foreach_norm`` and the composite users write today.
 
 A list of 64 float32 tensors of about 128 MiB (16 transformer-like blocks of four matrices), random normal. Times
 the median of >= 5 interleaved runs of each contender (plus ``torch.sum`` over a flat buffer of the same bytes as the
-memory ceiling) and prints a table with time, GB/s and ratios, then the issue's two targets as PASS/FAIL.
+memory ceiling) and prints a table with time, GB/s and ratios, then the two CPU targets as PASS/FAIL.
 
     .venv/bin/python bench/bench_cpu.py [--repeats 7] [--threads N] [--csv FILE]
 """
@@ -10,8 +10,8 @@ memory ceiling) and prints a table with time, GB/s and ratios, then the issue's 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import torch
 

@@ -19,14 +19,14 @@ import csv
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 import torch_gradstats
-from torch_gradstats.bench import original_collector, machine_description
+from torch_gradstats.bench import machine_description, original_collector
 from torch_gradstats.stats import grad_stats
 
 
@@ -68,8 +68,10 @@ VARIANTS: dict[str, Callable[[nn.Module], object] | None] = {
 
 def run(device: torch.device, rounds: int, steps: int, variants: list[str], size: str = "small") -> list[dict]:
     """Train one model, switching variant every ``steps`` steps; return one result dict per variant."""
-    cfg = {"small": dict(vocab=2048, d_model=128, n_layer=4, n_head=4, seq=64, batch=16),
-           "tiny": dict(vocab=256, d_model=32, n_layer=1, n_head=2, seq=16, batch=4)}[size]  # fmt: skip
+    cfg = {
+        "small": {"vocab": 2048, "d_model": 128, "n_layer": 4, "n_head": 4, "seq": 64, "batch": 16},
+        "tiny": {"vocab": 256, "d_model": 32, "n_layer": 1, "n_head": 2, "seq": 16, "batch": 4},
+    }[size]
     torch.manual_seed(0)
     model = TinyLM(cfg["vocab"], cfg["d_model"], cfg["n_layer"], cfg["n_head"], cfg["seq"]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -108,9 +110,11 @@ def run(device: torch.device, rounds: int, steps: int, variants: list[str], size
     out = []
     for name in variants:
         sps = statistics.median(rates[name])
-        out.append(dict(device=device.type, variant=name, params=n_params, tensors=n_tensors, rounds=rounds,
-                        steps_per_round=steps, steps_per_s=sps, ms_per_step=1e3 / sps,
-                        overhead_pct=100.0 * (base / sps - 1.0)))  # fmt: skip
+        out.append({
+            "device": device.type, "variant": name, "params": n_params, "tensors": n_tensors, "rounds": rounds,
+            "steps_per_round": steps, "steps_per_s": sps, "ms_per_step": 1e3 / sps,
+            "overhead_pct": 100.0 * (base / sps - 1.0),
+        })  # fmt: skip
     return out
 
 

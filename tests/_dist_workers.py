@@ -14,11 +14,11 @@ import math
 import os
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 
 from torch_gradstats.distributed import reduce_across_ranks
@@ -29,7 +29,7 @@ try:
 except ImportError:  # the Python layer is not there yet
     grad_stats = None  # type: ignore[assignment]
 
-# The op accumulates 16/32-bit inputs to within 1e-5 of float64 (DESIGN.md); splitting a tensor changes the order.
+# The op accumulates 16/32-bit inputs to within 1e-5 of float64 (docs/design.md); splitting a tensor changes the order.
 RTOL = 1e-5
 
 
@@ -58,7 +58,7 @@ def _shard_flat(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def _check_stats(what: str, got: tuple, full: list[torch.Tensor]) -> None:
-    """got = (sumsq, amax, counts, ...) of reduce_across_ranks; full = the whole logical tensors."""
+    """got = reduce_across_ranks(...) (or any (sumsq, amax, counts, ...)); full = the whole logical tensors."""
     ref_s, ref_a, ref_c = multi_tensor_stats(full)
     sumsq, amax, counts = got[0], got[1], got[2]
     torch.testing.assert_close(sumsq, ref_s, rtol=RTOL, atol=0, equal_nan=True, msg=lambda m: f"{what} sumsq: {m}")
@@ -113,12 +113,12 @@ def plain_uneven_shards(rank: int, world: int) -> None:
     s, a, c = multi_tensor_stats(local)
     pg = dist.group.WORLD
     before = _seq(pg)
-    got = reduce_across_ranks(local, s, a, c, pg, return_numel=True)
+    got = reduce_across_ranks(local, s, a, c, pg)
     assert _seq(pg) - before == 2, f"expected one SUM and one MAX collective, saw {_seq(pg) - before}"
     _check_stats("uneven", got, full)
-    assert got[3].shape == (len(full), world) and got[3].dtype == torch.int64
-    assert not got[3].any(), f"no non-finite values, rank_nonfinite={got[3].tolist()}"
-    assert got[4].tolist() == [t.numel() for t in full], f"numel {got[4].tolist()}"
+    assert got.rank_nonfinite.shape == (len(full), world) and got.rank_nonfinite.dtype == torch.int64
+    assert not got.rank_nonfinite.any(), f"no non-finite values, rank_nonfinite={got.rank_nonfinite.tolist()}"
+    assert got.numel.tolist() == [t.numel() for t in full], f"numel {got.numel.tolist()}"
     # inputs untouched
     torch.testing.assert_close((s, a, c), tuple(multi_tensor_stats(local)), rtol=0, atol=0)
 
@@ -134,7 +134,7 @@ def plain_uneven_shards(rank: int, world: int) -> None:
         got2 = reduce_across_ranks(local2, s2, a2, c2, pg2)
         assert _seq(pg2) - before == 2
         _check_stats(f"subgroup {pair}", got2, full2)
-        assert got2[3].shape == (len(full2), world)
+        assert got2.rank_nonfinite.shape == (len(full2), world)
         # a group this rank is not in is a clear error, not a silent local result
         try:
             reduce_across_ranks(local2, s2, a2, c2, groups[1 - pair])
@@ -167,7 +167,7 @@ def plain_uneven_grad_stats(rank: int, world: int) -> str | None:
 
 
 def plain_group_numel(rank: int, world: int) -> str | None:
-    """grad_stats(group=...) reports the logical numel of plain sharded tensors (needs return_numel at the call)."""
+    """grad_stats(group=...) reports the logical numel of plain sharded tensors (it travels in the SUM collective)."""
     if grad_stats is None:
         return "skip: torch_gradstats.stats.grad_stats not available"
     full = _test_tensors(torch.Generator().manual_seed(3))
@@ -197,10 +197,10 @@ def dtensor_1d(rank: int, world: int) -> None:
     s, a, c = multi_tensor_stats(local)
     pg = mesh.get_group(0)
     before = _seq(pg)
-    got = reduce_across_ranks(grads, s, a, c, None, return_numel=True)
+    got = reduce_across_ranks(grads, s, a, c, None)
     assert _seq(pg) - before == 2, f"expected 2 collectives on the mesh group, saw {_seq(pg) - before}"
     _check_stats("dtensor 1-D", got, full)
-    assert got[4].tolist() == [t.numel() for t in full]
+    assert got.numel.tolist() == [t.numel() for t in full]
     # grads untouched
     assert all(g.placements == (pl,) for g, pl in zip(grads, placements))
 
@@ -240,12 +240,12 @@ def dtensor_2d(rank: int, world: int) -> None:
     s, a, c = multi_tensor_stats(local)
     pg0, pg1 = mesh.get_group(0), mesh.get_group(1)
     b0, b1 = _seq(pg0), _seq(pg1)
-    got = reduce_across_ranks(grads, s, a, c, None, return_numel=True)
+    got = reduce_across_ranks(grads, s, a, c, None)
     assert _seq(pg0) - b0 == 2, f"mesh dim 0: {_seq(pg0) - b0} collectives, expected 2"
     expected1 = 2 if n_shard > 1 else 0  # a group of one rank is skipped
     assert _seq(pg1) - b1 == expected1, f"mesh dim 1: {_seq(pg1) - b1} collectives, expected {expected1}"
     _check_stats("dtensor 2-D", got, full)
-    assert got[4].tolist() == [t.numel() for t in full]
+    assert got.numel.tolist() == [t.numel() for t in full]
 
     if grad_stats is not None:
         names = ["hsdp", "rep", "both", "dim0"]
@@ -278,13 +278,15 @@ def dtensor_partial(rank: int, world: int) -> None:
     local = [g.to_local() for g in grads]
     s, a, c = multi_tensor_stats(local)
     naive = (s * world)[0].item()
-    got = reduce_across_ranks(grads, s, a, c, None, return_numel=True)
+    got = reduce_across_ranks(grads, s, a, c, None)
     _check_stats("partial", got, full)
     assert got[0][0].item() != naive, "sum of squares of addends is not the square of the sum"
-    assert got[4].tolist() == [t.numel() for t in full]
+    assert got.numel.tolist() == [t.numel() for t in full]
     expected = torch.zeros(3, world, dtype=torch.int64)
     expected[2, bad] = 1
-    assert torch.equal(got[3], expected), f"rank_nonfinite {got[3].tolist()}, expected {expected.tolist()}"
+    assert torch.equal(got.rank_nonfinite, expected), (
+        f"rank_nonfinite {got.rank_nonfinite.tolist()}, expected {expected.tolist()}"
+    )
     # the gradients are still Partial and their addends unchanged
     for g, x in zip(grads, addends):
         assert g.placements == (Partial(),)
@@ -319,7 +321,9 @@ def nan_on_one_rank(rank: int, world: int) -> None:
     expected[0, nan_rank] = 1
     expected[1, inf_rank] = 1
     expected[2, world - 1] = 1
-    assert torch.equal(got[3], expected), f"rank_nonfinite {got[3].tolist()}, expected {expected.tolist()}"
+    assert torch.equal(got.rank_nonfinite, expected), (
+        f"rank_nonfinite {got.rank_nonfinite.tolist()}, expected {expected.tolist()}"
+    )
 
     if grad_stats is not None:
         params = _params_with_grads([("p0", local[0]), ("p1", local[1])])
@@ -481,7 +485,7 @@ def run_worker(rank: int, world: int, port: int, outdir: str, timeout_s: float) 
                     results[name] = {"status": "skip", "detail": outcome[5:].strip()}
                 else:
                     results[name] = {"status": "ok", "detail": ""}
-            except Exception:  # recorded, reported by the test of this scenario
+            except Exception:  # noqa: BLE001 - recorded, reported by the test of this scenario
                 results[name] = {"status": "fail", "detail": traceback.format_exc()}
             results[name]["seconds"] = f"{time.perf_counter() - start:.3f}"
             with open(path, "w") as f:  # after every scenario: a later hang keeps what came before

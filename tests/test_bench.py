@@ -73,7 +73,7 @@ def test_original_collector_baseline_computes_what_the_collector_computed():
     g[:7] = 0.0
     h = torch.randn(4, 5, dtype=torch.bfloat16)
     h[0, 0] = float("inf")
-    total_sq, mn, mx, n_van, n_exp, zeros, nans, infs = bench.original_collector([g, torch.randn(3, 3), h])
+    total_sq, mn, mx, _n_van, _n_exp, zeros, nans, infs = bench.original_collector([g, torch.randn(3, 3), h])
     assert zeros == 7 and nans == 0 and infs == 1
     assert math.isinf(total_sq) and math.isinf(mx)
     total_sq, mn, mx, *_ = bench.original_collector([g])
@@ -86,7 +86,7 @@ def test_contenders_do_not_modify_inputs():
     pt = bench.Point("t", "p", [(8, 4), (16,)], [torch.float32, torch.bfloat16])
     (sample,) = bench._make_samples(pt, torch.device("cpu"), llc=0, seed=1)
     before = [t.clone() for t in sample.tensors]
-    for name, fn in bench.CONTENDERS.items():
+    for fn in bench.CONTENDERS.values():
         fn(sample)
     for a, b in zip(before, sample.tensors):
         assert torch.equal(a, b)

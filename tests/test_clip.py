@@ -141,9 +141,10 @@ def test_error_if_nonfinite_names_parameter_and_leaves_grads():
     ours = model("mlp")
     ours[2].bias.grad[0] = float("nan")
     saved = [g.clone() for g in grads(ours)]
-    with count_host_reads() as counts:
-        with pytest.raises(RuntimeError, match=r"non-finite.*first non-finite gradient: '2\.bias'"):
-            clip_grad_norm_(ours.named_parameters(), 1.0, error_if_nonfinite=True)
+    with count_host_reads() as counts, pytest.raises(
+        RuntimeError, match=r"non-finite.*first non-finite gradient: '2\.bias'"
+    ):
+        clip_grad_norm_(ours.named_parameters(), 1.0, error_if_nonfinite=True)
     assert counts.pop("cpu") == 1 and set(counts) <= {"tolist", "numpy"}
     for a, b in zip(grads(ours), saved):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)

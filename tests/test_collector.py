@@ -25,9 +25,9 @@ except ImportError:  # tests/ imported as a package
 def baseline(params, vt=1e-7, et=10.0):
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return dict(gradient_norm=0.0, gradient_health=1.0, has_vanishing=False, has_exploding=False,
-                    min_layer_norm=0.0, max_layer_norm=0.0, norm_ratio=1.0, zero_grad_fraction=0.0,
-                    nan_count=0, inf_count=0)
+        return {"gradient_norm": 0.0, "gradient_health": 1.0, "has_vanishing": False, "has_exploding": False,
+                "min_layer_norm": 0.0, "max_layer_norm": 0.0, "norm_ratio": 1.0, "zero_grad_fraction": 0.0,
+                "nan_count": 0, "inf_count": 0}
     norms = torch.stack(torch._foreach_norm([g.double() for g in grads], ord=2))
     flat = torch.cat([g.reshape(-1) for g in grads])
     n = len(grads)
@@ -35,18 +35,18 @@ def baseline(params, vt=1e-7, et=10.0):
     n_exp = int((norms > et).sum())
     health = max(0.0, min(1.0, 1.0 - (n_van / n) * 0.5 - (n_exp / n) * 0.8))
     mn, mx = float(norms.min()), float(norms.max())
-    return dict(
-        gradient_norm=float((norms**2).sum()) ** 0.5,
-        gradient_health=health,
-        has_vanishing=n_van > 0,
-        has_exploding=n_exp > 0,
-        min_layer_norm=mn,
-        max_layer_norm=mx,
-        norm_ratio=mx / max(mn, 1e-10),
-        zero_grad_fraction=int((flat == 0).sum()) / max(flat.numel(), 1),
-        nan_count=int(torch.isnan(flat).sum()),
-        inf_count=int(torch.isinf(flat).sum()),
-    )
+    return {
+        "gradient_norm": float((norms**2).sum()) ** 0.5,
+        "gradient_health": health,
+        "has_vanishing": n_van > 0,
+        "has_exploding": n_exp > 0,
+        "min_layer_norm": mn,
+        "max_layer_norm": mx,
+        "norm_ratio": mx / max(mn, 1e-10),
+        "zero_grad_fraction": int((flat == 0).sum()) / max(flat.numel(), 1),
+        "nan_count": int(torch.isnan(flat).sum()),
+        "inf_count": int(torch.isinf(flat).sum()),
+    }
 
 
 def baseline_squared_sum(params):
@@ -188,7 +188,7 @@ def test_nonfinite_is_exploding_with_zero_health(bad, make):
 
 @pytest.mark.parametrize(
     "params",
-    [lambda: iter([]), lambda: [], lambda: nn.Linear(3, 3).parameters(), lambda: (p for p in [nn.Parameter(torch.ones(2))])],
+    [lambda: iter([]), list, lambda: nn.Linear(3, 3).parameters(), lambda: (p for p in [nn.Parameter(torch.ones(2))])],
 )
 def test_empty(params):
     empty = {"gradient_norm": 0.0, "gradient_health": 1.0, "has_vanishing": False, "has_exploding": False}
@@ -234,13 +234,15 @@ def test_dual_matches_original(host, seed):
     assert d.normalized_ratio == pytest.approx(want, rel=1e-6)
     hd = C.collect_host_gradients_async(h.parameters())
     sd = C.collect_seed_gradients_only_async(s.parameters())
-    assert set(hd) == {"_host_squared_sum", "_host_param_count"} and set(sd) == {"_seed_squared_sum", "_seed_param_count"}
+    assert set(hd) == {"_host_squared_sum", "_host_param_count"}
+    assert set(sd) == {"_seed_squared_sum", "_seed_param_count"}
     assert C.materialize_dual_grad_stats({**hd, **sd}) == d
 
 
 def test_dual_accepts_python_numbers():
     d = C.materialize_dual_grad_stats(
-        {"_host_squared_sum": 16.0, "_host_param_count": 4, "_seed_squared_sum": torch.tensor(9.0), "_seed_param_count": 1}
+        {"_host_squared_sum": 16.0, "_host_param_count": 4, "_seed_squared_sum": torch.tensor(9.0),
+         "_seed_param_count": 1}
     )
     assert (d.host_grad_norm, d.seed_grad_norm) == (4.0, 3.0)
 

@@ -105,7 +105,8 @@ def test_empty_tensors_and_lists_of_them():
     sumsq, amax, counts = OP(empties)
     assert torch.equal(sumsq, torch.zeros_like(sumsq)) and torch.equal(amax, torch.zeros_like(amax))
     assert int(counts.abs().sum()) == 0
-    check([torch.empty(0, device="cuda"), torch.ones(5, device="cuda"), torch.empty(0, device="cuda", dtype=torch.half)])
+    check([torch.empty(0, device="cuda"), torch.ones(5, device="cuda"),
+           torch.empty(0, device="cuda", dtype=torch.half)])
 
 
 def test_ten_thousand_small_mixed_tensors(gen):

@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 
-from torch_gradstats.distributed import reduce_across_ranks
+from torch_gradstats.distributed import ReducedStats, reduce_across_ranks
 from torch_gradstats.ops import multi_tensor_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _dist_workers  # noqa: E402  (importable by name in the children too)
+import _dist_workers
 
 pytestmark = [
     pytest.mark.distributed,
@@ -111,9 +111,10 @@ def test_no_group_no_dtensor_is_a_no_op() -> None:
     if torch.distributed.is_initialized():
         pytest.skip("a process group is initialized in this process")
     tensors, (s, a, c) = _local_stats()
-    out = reduce_across_ranks(tensors, s, a, c, None, return_numel=True)
-    assert out[0] is s and out[1] is a and out[2] is c and out[3] is None
-    assert out[4].tolist() == [6, 4]
+    out = reduce_across_ranks(tensors, s, a, c, None)
+    assert isinstance(out, ReducedStats)
+    assert out.sumsq is s and out.amax is a and out.counts is c and out.rank_nonfinite is None
+    assert out.numel.tolist() == [6, 4]
 
 
 def test_group_without_init_process_group_is_a_clear_error() -> None:

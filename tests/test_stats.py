@@ -288,12 +288,14 @@ def test_group_calls_reduce_across_ranks(monkeypatch):
     seen = {}
     fake = types.ModuleType("torch_gradstats.distributed")
 
-    def reduce_across_ranks(grads, sumsq, amax, counts, group, *, return_numel=False):
-        seen.update(grads=grads, group=group, return_numel=return_numel)
+    from torch_gradstats.distributed import ReducedStats
+
+    def reduce_across_ranks(grads, sumsq, amax, counts, group):
+        seen.update(grads=grads, group=group)
         world = 2
         rank_nf = torch.stack([counts[:, 1] + counts[:, 2], torch.zeros_like(counts[:, 1])], dim=1)
         numel = torch.tensor([g.numel() for g in grads], device=sumsq.device) * world
-        return sumsq * world, amax, counts * world, rank_nf, numel
+        return ReducedStats(sumsq * world, amax, counts * world, rank_nf, numel)
 
     fake.reduce_across_ranks = reduce_across_ranks
     monkeypatch.setitem(sys.modules, "torch_gradstats.distributed", fake)
@@ -303,7 +305,7 @@ def test_group_calls_reduce_across_ranks(monkeypatch):
     s = grad_stats(m.named_parameters(), group="g")
     assert seen["group"] == "g" and len(seen["grads"]) == len(local)
     assert seen["grads"][0] is m[0].weight.grad
-    assert seen["return_numel"] and torch.equal(s.numel, local.numel * 2)
+    assert torch.equal(s.numel, local.numel * 2)
     assert torch.equal(s.sumsq, local.sumsq * 2) and s.rank_nonfinite.shape == (len(local), 2)
     r = s.report()
     assert r.nonfinite_ranks == {"2.weight": [0]}
@@ -326,7 +328,7 @@ def test_cuda_no_sync_until_report_and_mixed_devices():
     try:
         s = grad_stats(named)
         s.health()
-        s.total_norm
+        assert s.total_norm.device.type == "cuda"
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert s.device.type == "cuda" and s.names[0] == "cpu.first"

@@ -11,8 +11,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import torch_gradstats.training as training
-from torch_gradstats.training import Trainer, clear_compile_cache, format_epoch_table, validate_device
+from torch_gradstats.health import HealthPolicy
+from torch_gradstats.training import (
+    Trainer,
+    _compile,
+    _device,
+    _trainer,
+    clear_compile_cache,
+    format_epoch_table,
+    validate_device,
+)
 
 
 def _mlp(seed: int = 0, out: int = 3) -> nn.Module:
@@ -64,7 +72,7 @@ class _SyncCounter:
             orig = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
         for owner, label in ((torch.cuda, "cuda.synchronize"), (torch.cuda.Event, "Event.synchronize")):
-            monkeypatch.setattr(owner, "synchronize", self._wrap(label, getattr(owner, "synchronize")))
+            monkeypatch.setattr(owner, "synchronize", self._wrap(label, owner.synchronize))
 
     def _wrap(self, name, orig):
         def wrapper(*args, **kwargs):
@@ -76,13 +84,17 @@ class _SyncCounter:
         return wrapper
 
 
+#: What one transfer of torch_gradstats._transfer costs on the CPU: a .cpu() (a no-op there), one numpy() read.
+ONE_TRANSFER = ["cpu", "numpy"]
+
+
 @pytest.mark.parametrize("fused_skip", [False, True])
 def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
     model = _mlp()
     x, y = _data(40)
     if fused_skip:  # skip_nonfinite on the device through fused Adam's found_inf: still no per-step sync
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
-        kwargs = dict(skip_nonfinite=True, after_backward=_nan_at(2, "2.bias"))
+        kwargs = {"skip_nonfinite": True, "after_backward": _nan_at(2, "2.bias")}
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         kwargs = {}
@@ -91,7 +103,7 @@ def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
     counter = _SyncCounter(monkeypatch)
     summaries = trainer.fit(loader, epochs=3)
     monkeypatch.undo()
-    assert counter.calls == ["tolist"] * 3, counter.calls
+    assert counter.calls == ONE_TRANSFER * 3, counter.calls
     assert [s.steps for s in summaries] == [5, 5, 5]
     assert all(len(s.history) == 5 for s in summaries)
     if fused_skip:
@@ -109,9 +121,9 @@ def test_cuda_one_sync_per_epoch_through_pinned_memory(monkeypatch):
     counter = _SyncCounter(monkeypatch)
     summaries = trainer.fit(_loader(x, y, 8), epochs=2)
     monkeypatch.undo()
-    # Per epoch: one event wait after the non-blocking copy, then tolist() on the pinned host buffer.
-    assert counter.calls == ["Event.synchronize", "tolist"] * 2, counter.calls
-    assert trainer._pinned is not None and trainer._pinned.is_pinned()
+    # Per epoch: one event wait after the non-blocking copy, then numpy() reads the pinned host buffer.
+    assert counter.calls == ["Event.synchronize", "numpy"] * 2, counter.calls
+    assert trainer._staging.tensor is not None and trainer._staging.tensor.is_pinned()
     assert summaries[0].skipped_steps == 1 and summaries[0].first_nonfinite_param == "2.bias"
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -124,7 +136,7 @@ def test_sync_every_is_one_sync_per_interval(monkeypatch):
     counter = _SyncCounter(monkeypatch)
     summary = trainer.train_epoch(_loader(x, y, 8))  # 7 steps: syncs after 3, 6, and at the end
     monkeypatch.undo()
-    assert counter.calls == ["tolist"] * 3
+    assert counter.calls == ONE_TRANSFER * 3
     assert [r.step for r in summary.history] == list(range(7))  # no row lost or duplicated across syncs
 
 
@@ -257,9 +269,11 @@ def test_amp_stats_are_taken_after_unscale(monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         if scaler is not None:
             orig_unscale = scaler.unscale_
-            monkeypatch.setattr(scaler, "unscale_", lambda o: (order.append("unscale_"), orig_unscale(o))[1])
-            orig_stats = training.grad_stats
-            monkeypatch.setattr(training, "grad_stats", lambda p: (order.append("grad_stats"), orig_stats(p))[1])
+            monkeypatch.setattr(scaler, "unscale_",
+                                lambda o, f=orig_unscale: (order.append("unscale_"), f(o))[1])
+            orig_stats = _trainer.grad_stats
+            monkeypatch.setattr(_trainer, "grad_stats",
+                                lambda p, f=orig_stats: (order.append("grad_stats"), f(p))[1])
         trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, progress=False)
         results.append(trainer.train_epoch(_loader(x, y, 8)))
     plain, amp = results
@@ -424,7 +438,7 @@ def test_compiled_step_matches_eager_and_is_cached_per_architecture():
         trainer = Trainer(model, opt, nn.CrossEntropyLoss(), compile=compiled, compile_backend="eager",
                           progress=False)
         results.append((trainer.train_epoch(_loader(x, y, 8)), _params(model)))
-    assert len(training._COMPILE_CACHE) == 1  # two instances of one architecture share an entry
+    assert len(_compile.COMPILE_CACHE) == 1  # two instances of one architecture share an entry
     for s, params in results[1:]:
         assert s.loss == pytest.approx(results[0][0].loss, rel=1e-6)
         for p, q in zip(params, results[0][1]):
@@ -432,8 +446,8 @@ def test_compiled_step_matches_eager_and_is_cached_per_architecture():
     other = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))  # another architecture: another entry
     Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), nn.CrossEntropyLoss(), compile=True,
             compile_backend="eager", progress=False).train_epoch(_loader(x, y, 8))
-    assert len(training._COMPILE_CACHE) == 2
-    assert not any(e.failed for e in training._COMPILE_CACHE.values())
+    assert len(_compile.COMPILE_CACHE) == 2
+    assert not any(e.failed for e in _compile.COMPILE_CACHE.values())
     clear_compile_cache()
 
 
@@ -533,7 +547,7 @@ def test_a_users_error_does_not_turn_compilation_off():
     with pytest.raises(RuntimeError):
         trainer.train_epoch(_loader(torch.randn(16, 5), y, 8))  # wrong input width: the user's error
     trainer.train_epoch(_loader(x, y, 8))
-    assert not any(e.failed for e in training._COMPILE_CACHE.values())
+    assert not any(e.failed for e in _compile.COMPILE_CACHE.values())
     clear_compile_cache()
 
 
@@ -547,5 +561,135 @@ def test_empty_micro_batch_in_an_accumulation_window_is_ignored():
 
 
 def test_batch_size_is_read_inside_dict_inputs():
-    assert training._batch_size({"a": 1, "x": torch.zeros(5, 2), "b": 2}, torch.tensor(0.5)) == 5
-    assert training._batch_size((torch.tensor(1.0), [torch.zeros(7)]), torch.tensor(0.5)) == 7
+    assert _device.batch_size({"a": 1, "x": torch.zeros(5, 2), "b": 2}, torch.tensor(0.5)) == 5
+    assert _device.batch_size((torch.tensor(1.0), [torch.zeros(7)]), torch.tensor(0.5)) == 7
+
+
+# ------------------------------------------------------------------------------------------ empty batches
+@pytest.mark.parametrize("accum", [1, 2])
+def test_an_empty_batch_is_counted_and_skipped(accum):
+    """One empty batch used to abort the whole epoch when accumulation_steps=1 (and a window of empty batches
+    did with more); it is now counted as a batch and makes no optimizer step."""
+    x, y = _data(32)
+    empty = (x[:0], y[:0])
+    full = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)]
+    with_empty = full[:2] + [empty] * accum + full[2:]  # a whole window of empty batches
+    runs = []
+    for batches in (with_empty, full):
+        model = _mlp()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                          accumulation_steps=accum, progress=False)
+        runs.append((trainer.train_epoch(batches), _params(model), trainer))
+    (s, p, trainer), (s_ref, p_ref, _) = runs
+    assert s.batches == len(with_empty) and s.samples == 32
+    assert s.steps == s_ref.steps == 4 // accum and trainer.global_step == s.steps
+    assert s.loss == s_ref.loss
+    for a, b in zip(p, p_ref):
+        assert torch.equal(a, b)
+
+
+def test_only_empty_batches_is_a_clear_error():
+    x, y = _data(8)
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), progress=False)
+    with pytest.raises(ValueError, match="only empty batches"):
+        trainer.train_epoch([(x[:0], y[:0])] * 3)
+    assert trainer.global_step == 0
+
+
+# ------------------------------------------------------------------------------------------ interrupts
+def _adam_steps(opt: torch.optim.Optimizer) -> set[int]:
+    return {int(st["step"]) for st in opt.state.values()}
+
+
+class _Interrupt:
+    """Raises KeyboardInterrupt the ``at``-th time it is called (0-based), once."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.calls += 1
+        if self.calls == self.at + 1:
+            raise KeyboardInterrupt
+
+
+class _InterruptingPolicy(HealthPolicy):
+    """A health policy whose score raises KeyboardInterrupt once: an interrupt after the optimizer step."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_interrupt", _Interrupt(at))
+
+    def score(self, norms):
+        self._interrupt()
+        return super().score(norms)
+
+
+INTERRUPT_POINTS = ["loss_fn", "after_backward", "step_pre_hook", "step_post_hook", "after_the_step"]
+
+
+@pytest.mark.parametrize("policy", ["plain", "device_skip", "host_skip"])
+@pytest.mark.parametrize("point", INTERRUPT_POINTS)
+def test_global_step_agrees_with_the_optimizer_after_an_interrupt(point, policy):
+    """A KeyboardInterrupt once left global_step one behind the optimizer's step count."""
+    x, y = _data(40)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=policy == "device_skip")
+    interrupt = _Interrupt(at=2)
+    loss = nn.CrossEntropyLoss()
+    kwargs: dict = {"skip_nonfinite": policy != "plain"}
+    if point == "loss_fn":
+        kwargs["loss_fn"] = lambda out, target: (interrupt(), loss(out, target))[1]
+    if point == "after_backward":
+        kwargs["after_backward"] = interrupt
+    if point == "after_the_step":
+        kwargs["health_policy"] = _InterruptingPolicy(at=2)
+    trainer = Trainer(model, opt, kwargs.pop("loss_fn", loss), progress=False, **kwargs)
+    if point == "step_pre_hook":
+        opt.register_step_pre_hook(interrupt)
+    if point == "step_post_hook":
+        opt.register_step_post_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_epoch(_loader(x, y, 8))
+    taken = 3 if point in ("step_post_hook", "after_the_step") else 2  # was the third step taken?
+    assert _adam_steps(opt) == {taken}
+    assert trainer.global_step == taken
+    s = trainer.train_epoch(_loader(x, y, 8))  # and training goes on from there
+    assert s.steps == 5 and _adam_steps(opt) == {taken + 5} and trainer.global_step == taken + 5
+    assert [r.step for r in s.history] == list(range(taken, taken + 5))
+
+
+def test_global_step_counts_a_step_the_scaler_skips_and_one_interrupted_after_it():
+    x, y = _data(40)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = _scaler(2.0**8)
+    interrupt = _Interrupt(at=3)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, after_backward=_nan_at(1, "2.bias"),
+                      progress=False)
+    opt.register_step_post_hook(interrupt)  # the optimizer's 4th real step is the trainer's 5th
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_epoch(_loader(x, y, 8))
+    assert _adam_steps(opt) == {4}  # step 1 was skipped by the scaler
+    assert trainer.global_step == 5  # ... and counted
+
+
+def test_only_fused_optimizers_skip_on_the_device():
+    from torch_gradstats.training._step import device_skip_step
+
+    model = _mlp()
+    assert device_skip_step(torch.optim.Adam(model.parameters(), fused=True)) is not None
+    assert device_skip_step(torch.optim.Adam(model.parameters())) is None
+    assert device_skip_step(torch.optim.SGD(model.parameters(), lr=0.1)) is None
+
+
+def test_global_step_can_be_set_when_resuming():
+    x, y = _data(16)
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), progress=False)
+    trainer.global_step = 100
+    s = trainer.train_epoch(_loader(x, y, 8))
+    assert trainer.global_step == 102 and [r.step for r in s.history] == [100, 101]
+    with pytest.raises(ValueError, match="global_step"):
+        trainer.global_step = -1

@@ -7,12 +7,14 @@ device-side, one host transfer in ``report()``), ``HealthPolicy``, the fused ``c
 
 # ops first: it defines the op's schema, then loads the compiled kernels that register against it.
 from torch_gradstats.ops import SUPPORTED_DTYPES, TensorStats, multi_tensor_stats
+
+# isort: split
+from torch_gradstats import collector
 from torch_gradstats._extension import HAS_EXTENSION
+from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
-from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.training import EpochSummary, StepRecord, Trainer
-from torch_gradstats import collector
 
 __version__ = "0.1.0"
 

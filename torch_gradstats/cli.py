@@ -14,11 +14,11 @@ import importlib
 import os
 import platform
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["main", "info"]
+__all__ = ["info", "main"]
 
 OP = "torch_gradstats::multi_tensor_stats"
 
@@ -59,8 +59,10 @@ def _run_op(device: torch.device) -> list[str]:
         and torch.allclose(amax, r_amax, rtol=1e-5, equal_nan=True)
         and torch.equal(counts, r_counts)
     )
-    lines = [f"op on {device}: {len(tensors)} tensors (float32 [3], float16 [4] with NaN/Inf, float32 1e20 x1000, "
-             "empty bfloat16)"]
+    lines = [
+        f"op on {device}: {len(tensors)} tensors (float32 [3], float16 [4] with NaN/Inf, float32 1e20 x1000, "
+        + "empty bfloat16)"
+    ]
     for i in range(len(tensors)):
         lines.append(
             f"  [{i}] sumsq={sumsq[i].item():.6g} amax={amax[i].item():.6g} "
@@ -136,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m torch_gradstats``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after `bench`, --help included, belongs to the benchmark

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats.stats import GradStats, ParamsLike, _named_params, _to_device, grad_stats
+from torch_gradstats._transfer import fetch, to_device, to_host
+from torch_gradstats.stats import GradStats, ParamsLike, _named_params, grad_stats
 
 __all__ = ["clip_grad_norm_"]
 
@@ -41,9 +42,9 @@ def _coef_on(coef: Tensor, device: torch.device, cache: dict[torch.device, Tenso
     if device not in cache:
         if device.type == "cpu" and coef.device.type != "cpu":
             # CPU gradients next to accelerator ones: the CPU multiply needs the value now (a host sync).
-            cache[device] = coef.to(device)
+            cache[device] = fetch(coef)
         else:
-            cache[device] = _to_device(coef, device)
+            cache[device] = to_device(coef, device)
     return cache[device]
 
 
@@ -99,11 +100,11 @@ def clip_grad_norm_(
         total = stats.inf_norm
     else:
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
-        total = _to_device(total.to(torch.float64), home) if total.device != home else total.to(torch.float64)
+        total = to_device(total.to(torch.float64), home) if total.device != home else total.to(torch.float64)
 
     if error_if_nonfinite:
         # The one host sync of this option: the total norm and the per-parameter flags in one transfer.
-        host = torch.cat([total.reshape(1), stats.nonfinite_mask.to(torch.float64)]).cpu().tolist()
+        host, _ = to_host([total.reshape(1), stats.nonfinite_mask], [])
         if not math.isfinite(host[0]):
             bad = [n for n, f in zip(stats.names, host[1:]) if f]
             where = f"; first non-finite gradient: {bad[0]!r} ({len(bad)} in all)" if bad else ""

@@ -21,14 +21,17 @@ by :class:`torch_gradstats.health.HealthPolicy` with this module's thresholds.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator, TypedDict, Union
+from typing import TypedDict
 
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats._transfer import to_host
 from torch_gradstats.health import DEFAULT_EXPLODING_THRESHOLD, DEFAULT_VANISHING_THRESHOLD, HealthPolicy
-from torch_gradstats.stats import GradStats, _named_params, _to_host, grad_stats
+from torch_gradstats.stats import GradStats, _named_params, grad_stats
 
 __all__ = [
     "DEFAULT_EXPLODING_THRESHOLD",
@@ -46,8 +49,8 @@ __all__ = [
     "materialize_grad_stats",
 ]
 
-ParamIter = Union[Iterator[nn.Parameter], Iterable[Tensor]]
-AsyncStats = dict[str, Union[bool, int, float, Tensor]]
+ParamIter = Iterator[nn.Parameter] | Iterable[Tensor]
+AsyncStats = dict[str, bool | int | float | Tensor]
 
 
 class GradientHealthStats(TypedDict):
@@ -114,7 +117,7 @@ class SeedGradientCollector:
     Call after ``loss.backward()`` (before clipping: "exploding" then means "will be clipped hard").
     """
 
-    __slots__ = ("vanishing_threshold", "exploding_threshold")
+    __slots__ = ("exploding_threshold", "vanishing_threshold")
 
     def __init__(
         self,
@@ -146,7 +149,8 @@ class SeedGradientCollector:
         """
         stats = grad_stats(parameters)
         if len(stats) == 0:
-            return {"_empty": True, **_empty_result()}
+            return {"_empty": True, "gradient_norm": 0.0, "gradient_health": 1.0, "has_vanishing": False,
+                    "has_exploding": False}
         norms = stats.norms
         vanishing, exploding = _policy(self.vanishing_threshold, self.exploding_threshold).classify(norms)
         return {
@@ -182,9 +186,9 @@ def materialize_grad_stats(async_stats: AsyncStats) -> GradientHealthStats:
     n_nonfinite_t = async_stats.get("_n_nonfinite")
     if not isinstance(n_nonfinite_t, Tensor):  # a dict built by older code: derive it from the total
         n_nonfinite_t = (~torch.isfinite(total_sq)).to(torch.int64)
-    (total,), (n_van, n_exp, n_nonfinite) = _to_host([total_sq], [n_van_t, n_exp_t, n_nonfinite_t])
+    (total,), (n_van, n_exp, n_nonfinite) = to_host([total_sq], [n_van_t, n_exp_t, n_nonfinite_t])
     norm = total**0.5
-    if norm != norm or norm == float("inf"):
+    if not math.isfinite(norm):
         n_nonfinite = max(n_nonfinite, 1)
     # Penalties are the defaults; thresholds were already applied on the device.
     health = HealthPolicy().score_from_counts_host(n_van, n_exp, n_nonfinite, n_grads)
@@ -231,7 +235,7 @@ def _materialize_enhanced(
 ) -> GradientHealthStats | GradientHealthMetrics:
     norms = stats.norms
     vanishing, exploding = policy.classify(norms)
-    (total_sq, min_norm, max_norm), (n_van, n_exp, n_nonfinite, zeros, nans, infs, numel) = _to_host(
+    (total_sq, min_norm, max_norm), (n_van, n_exp, n_nonfinite, zeros, nans, infs, numel) = to_host(
         [stats.total_sumsq, norms.min(), norms.max()],
         [
             vanishing.sum(),
@@ -259,7 +263,7 @@ def _materialize_enhanced(
         has_exploding=n_exp > 0,
         min_layer_norm=min_norm,
         max_layer_norm=max_norm,
-        norm_ratio=max_norm / max(min_norm, 1e-10) if min_norm == min_norm else float("nan"),
+        norm_ratio=max_norm / max(min_norm, 1e-10) if not math.isnan(min_norm) else float("nan"),
         zero_grad_fraction=zeros / max(numel, 1),
         nan_count=nans,
         inf_count=infs,
@@ -276,7 +280,7 @@ def collect_seed_gradients_async(
     return collector.collect_async(seed_parameters)
 
 
-# ---------------------------------------------------------------------------------------------- host + seed (G2 gate)
+# ---------------------------------------------------------------------------------------------- host + seed networks
 @dataclass(slots=True)
 class DualGradientStats:
     """Gradient norms and element counts of the host and the seed network."""
@@ -373,11 +377,11 @@ def materialize_dual_grad_stats(async_stats: dict[str, Tensor | int]) -> DualGra
         else:
             values[key] = float(v)  # a Python number or a CPU tensor: no device sync
     if len({t.device for _, t in on_device}) == 1:
-        fetched, _ = _to_host([t for _, t in on_device], [])
+        fetched, _ = to_host([t for _, t in on_device], [])
         values.update(zip((k for k, _ in on_device), fetched))
     else:  # the two sums on two different accelerators: one transfer each
         for key, t in on_device:
-            values[key] = float(t.cpu())
+            (values[key],), _ = to_host([t], [])
     return DualGradientStats(
         host_grad_norm=values["host"] ** 0.5,
         host_param_count=host_count,

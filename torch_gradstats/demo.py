@@ -17,16 +17,17 @@ import json
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from torch_gradstats.training import EpochSummary, Trainer, format_epoch_table, validate_device
 
-__all__ = ["DemoResult", "build_parser", "main", "make_model", "make_data", "run"]
+__all__ = ["DemoResult", "build_parser", "main", "make_data", "make_model", "run"]
 
 FEATURES, CLASSES, BATCH, STEPS_PER_EPOCH = 16, 3, 64, 25
 
@@ -64,7 +65,7 @@ class DemoResult:
     summaries: list[EpochSummary]
     accuracy: float  #: accuracy on a held-out synthetic set after training
     seconds: float
-    plot: Optional[Path]
+    plot: Path | None
     log: Path
 
 
@@ -90,7 +91,7 @@ def _write_log(path: Path, summaries: Sequence[EpochSummary], meta: dict[str, An
             f.write(json.dumps({"type": "epoch", **rec}, allow_nan=False) + "\n")
 
 
-def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: Optional[int]) -> None:
+def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: int | None) -> None:
     import matplotlib  # lazy: only the demo needs it
 
     matplotlib.use("Agg")
@@ -146,12 +147,12 @@ def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: Optional[i
 
 def run(
     steps: int = 200,
-    inject_nan: Optional[int] = None,
+    inject_nan: int | None = None,
     inject_param: str = "hidden.weight",
     out: str | Path = "runs/demo",
     seed: int = 0,
-    progress: Optional[bool] = None,
-    device: Optional[str] = None,
+    progress: bool | None = None,
+    device: str | None = None,
     plot: bool = True,
 ) -> DemoResult:
     """Train the demo model for ``steps`` optimizer steps; print the per-epoch table; write the plot and log."""
@@ -176,7 +177,8 @@ def run(
     def inject(trainer: Trainer) -> None:
         if trainer.global_step == inject_nan:
             grad = dict(trainer.model.named_parameters())[inject_param].grad
-            grad.fill_(float("nan"))
+            if grad is not None:
+                grad.fill_(float("nan"))
 
     trainer = Trainer(
         model,
@@ -242,7 +244,7 @@ def run(
         "seconds": seconds,
     }
     _write_log(log_path, summaries, meta)
-    plot_path: Optional[Path] = None
+    plot_path: Path | None = None
     if plot:
         try:
             plot_path = out_dir / "gradstats.png"
@@ -254,7 +256,7 @@ def run(
     return DemoResult(summaries, accuracy, seconds, plot_path, log_path)
 
 
-def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The demo's flags (on ``parser`` if given, e.g. a CLI subcommand)."""
     p = parser or argparse.ArgumentParser(prog="python -m torch_gradstats demo", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
@@ -270,7 +272,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo from command-line arguments; returns the exit status."""
     args = build_parser().parse_args(argv)
     return run_from_args(args)

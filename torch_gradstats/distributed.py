@@ -24,12 +24,12 @@ sharded over), exactly one SUM and one MAX ``all_reduce``, each on one packed bu
 needs that group, never one per parameter. Parameters sharded over several mesh dimensions are reduced over each
 dimension's group in turn (sum and max compose). Groups of one rank are skipped.
 
-The SUM buffer is float64 ``[K, 4 + world (+1)]``: sum of squares, the three counts, the per-rank non-finite counts
-(and the local numel when asked for). Counts travel as float64 because it holds every integer below 2**53 exactly
-and one buffer means one collective; a logical parameter would need 2**53 (9e15) elements to break that, which is
-checked on metadata. NaN and Inf are carried as counts: a MAX all-reduce need not propagate NaN (gloo does not
-guarantee it), so after the reduction every parameter whose reduced NaN count is positive gets NaN for its max |x|
-and its sum of squares, on every rank.
+The SUM buffer is float64 ``[K, 5 + world]``: sum of squares, the three counts, the per-rank non-finite counts and
+the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata).
+Counts travel as float64 because it holds every integer below 2**53 exactly and one buffer means one collective; a
+logical parameter would need 2**53 (9e15) elements to break that, which is checked on metadata. NaN and Inf are
+carried as counts: a MAX all-reduce need not propagate NaN (gloo does not guarantee it), so after the reduction
+every parameter whose reduced NaN count is positive gets NaN for its max |x| and its sum of squares, on every rank.
 
 ``rank_nonfinite[p, r]`` is the number of NaN/Inf elements parameter ``p`` had on global rank ``r`` in what that rank
 held (its shard; for a Partial gradient, its addend before materialization, so the rank that produced the bad value
@@ -43,17 +43,19 @@ host-to-device from pinned memory without blocking.
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Any, Literal, Sequence, overload
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_gradstats._transfer import host_int64, to_device
 from torch_gradstats.ops import INF, NAN, multi_tensor_stats
-from torch_gradstats.stats import _host_int64, _to_device
 
-__all__ = ["reduce_across_ranks"]
+__all__ = ["ReducedStats", "reduce_across_ranks"]
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -63,19 +65,30 @@ _EXACT_F64_INT = 2**53
 # Columns of the packed SUM buffer.
 _SUMSQ_COL = 0
 _COUNTS_COLS = slice(1, 4)
-_RANKS_START = 4
+_RANKS_START = 4  # then one column per global rank, then the local numel
 
 
-def _dtensor_class() -> type | None:
+class ReducedStats(NamedTuple):
+    """What :func:`reduce_across_ranks` returns: statistics of the whole logical parameters, one row each."""
+
+    sumsq: Tensor  #: float64 ``[P]``
+    amax: Tensor  #: float64 ``[P]``
+    counts: Tensor  #: int64 ``[P, 3]``: zeros, NaNs, Infs
+    rank_nonfinite: Tensor | None  #: int64 ``[P, world]``, or None when there was nothing to reduce
+    numel: Tensor  #: int64 ``[P]``: logical element count of each parameter
+
+
+def _dtensor_class() -> type[Any] | None:
     """torch's DTensor class, or None if this torch has none."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5
+    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # new name, then torch < 2.5
         try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+            mod = importlib.import_module(mod_name)
         except ImportError:
-            return None
-    return DTensor
+            continue
+        cls = getattr(mod, "DTensor", None)
+        if isinstance(cls, type):
+            return cls
+    return None
 
 
 def _resolve_group(group: Any) -> Any:
@@ -126,8 +139,8 @@ def _check_inputs(grads: Sequence[Any], sumsq: Tensor, amax: Tensor, counts: Ten
 
 
 def _materialize_partials(
-    grads: Sequence[Tensor], dtensor_cls: type | None, sumsq: Tensor, amax: Tensor, counts: Tensor
-) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    grads: Sequence[Any], dtensor_cls: type[Any] | None, sumsq: Tensor, amax: Tensor, counts: Tensor
+) -> tuple[list[Any], Tensor, Tensor, Tensor]:
     """Replace Partial DTensor gradients by their reduced redistribution and recompute their rows.
 
     Returns the gradients to plan with (materialized where Partial) and the updated statistics. The caller's
@@ -154,15 +167,15 @@ def _materialize_partials(
         planned[i] = g.redistribute(g.device_mesh, [target if pl.is_partial() else pl for pl in g.placements])
     s, a, c = multi_tensor_stats([planned[i].to_local() for i in rows])
     device = sumsq.device
-    idx = _host_int64(rows, device)
-    sumsq = sumsq.index_copy(0, idx, _to_device(s, device))
-    amax = amax.index_copy(0, idx, _to_device(a, device))
-    counts = counts.index_copy(0, idx, _to_device(c, device))
+    idx = host_int64(rows, device)
+    sumsq = sumsq.index_copy(0, idx, to_device(s, device))
+    amax = amax.index_copy(0, idx, to_device(a, device))
+    counts = counts.index_copy(0, idx, to_device(c, device))
     return planned, sumsq, amax, counts
 
 
 def _plan(
-    grads: Sequence[Tensor], dtensor_cls: type | None, group: Any
+    grads: Sequence[Any], dtensor_cls: type[Any] | None, group: Any
 ) -> tuple[list[tuple[Any, list[int]]], list[int]]:
     """For each distinct process group (first-use order, identical on every rank), the rows reduced over it.
 
@@ -199,30 +212,6 @@ def _plan(
     return list(groups.values()), local_numel
 
 
-@overload
-def reduce_across_ranks(
-    grads: Sequence[Tensor],
-    sumsq: Tensor,
-    amax: Tensor,
-    counts: Tensor,
-    group: Any = None,
-    *,
-    return_numel: Literal[False] = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]: ...
-
-
-@overload
-def reduce_across_ranks(
-    grads: Sequence[Tensor],
-    sumsq: Tensor,
-    amax: Tensor,
-    counts: Tensor,
-    group: Any = None,
-    *,
-    return_numel: Literal[True],
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]: ...
-
-
 @torch.no_grad()
 def reduce_across_ranks(
     grads: Sequence[Tensor],
@@ -230,9 +219,7 @@ def reduce_across_ranks(
     amax: Tensor,
     counts: Tensor,
     group: Any = None,
-    *,
-    return_numel: bool = False,
-) -> tuple[Tensor, ...]:
+) -> ReducedStats:
     """Turn per-rank statistics of local gradients into statistics of the whole logical parameters.
 
     Args:
@@ -244,13 +231,12 @@ def reduce_across_ranks(
         group: process group (or 1-D DeviceMesh) the plain-tensor gradients are sharded over (their statistics are
             summed / maxed over it), or None: plain tensors are then not reduced. DTensors always use their own
             mesh.
-        return_numel: also return the logical element count of each parameter (int64 ``[P]``): the local counts
-            summed over the same groups as everything else (for plain tensors with a ``group``, the size of the
-            whole logical tensor, which no rank knows from metadata alone).
 
     Returns:
-        ``(sumsq, amax, counts, rank_nonfinite)`` (``+ (numel,)`` with ``return_numel=True``): new tensors on
-        ``sumsq``'s device, identical on every rank that reduced together. ``rank_nonfinite`` is int64
+        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel)`` of tensors on ``sumsq``'s device,
+        identical on every rank that reduced together. ``numel`` is each parameter's logical element count: the
+        local counts summed over the same groups as everything else (for plain tensors with a ``group``, the size
+        of the whole logical tensor, which no rank knows from metadata alone). ``rank_nonfinite`` is int64
         ``[P, world]`` (world and columns: global ranks), or None when torch.distributed is not initialized and no
         gradient is a DTensor (nothing to reduce: the same sumsq/amax/counts tensors come back).
 
@@ -269,10 +255,7 @@ def reduce_across_ranks(
             "torch.distributed.init_process_group() first, or pass group=None"
         )
     if not initialized and not has_dtensor:
-        out: tuple[Tensor | None, ...] = (sumsq, amax, counts, None)
-        if return_numel:
-            out += (_host_int64([g.numel() for g in grads], sumsq.device),)
-        return out  # type: ignore[return-value]
+        return ReducedStats(sumsq, amax, counts, None, host_int64([g.numel() for g in grads], sumsq.device))
 
     group = _resolve_group(group)
     device = sumsq.device
@@ -287,10 +270,8 @@ def reduce_across_ranks(
     # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer.
     ranks = torch.zeros(p, world, dtype=torch.float64, device=device)
     ranks[:, rank] = local_nonfinite.to(torch.float64)
-    cols = [sumsq.unsqueeze(1), counts.to(torch.float64), ranks]
-    if return_numel:
-        cols.append(_to_device(torch.tensor(local_numel, dtype=torch.float64), device).unsqueeze(1))
-    sum_buf = torch.cat(cols, dim=1)
+    numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device).unsqueeze(1)
+    sum_buf = torch.cat([sumsq.unsqueeze(1), counts.to(torch.float64), ranks, numel_col], dim=1)
     max_buf = amax.clone()
 
     for pg, rows in groups:
@@ -298,7 +279,7 @@ def reduce_across_ranks(
             dist.all_reduce(sum_buf, op=dist.ReduceOp.SUM, group=pg)
             dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=pg)
             continue
-        idx = _host_int64(rows, device)
+        idx = host_int64(rows, device)
         sub_sum = sum_buf.index_select(0, idx)
         sub_max = max_buf.index_select(0, idx)
         dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
@@ -319,7 +300,5 @@ def reduce_across_ranks(
     sumsq_out = torch.where(has_nan, nan, sum_buf[:, _SUMSQ_COL])
     amax_out = torch.where(has_nan, nan, max_buf)  # NaN need not survive a MAX all-reduce; the count does
     rank_nonfinite = sum_buf[:, _RANKS_START : _RANKS_START + world].to(torch.int64)
-    result: tuple[Tensor, ...] = (sumsq_out, amax_out, counts_out, rank_nonfinite)
-    if return_numel:
-        result += (sum_buf[:, _RANKS_START + world].to(torch.int64),)
-    return result
+    numel_out = sum_buf[:, _RANKS_START + world].to(torch.int64)
+    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out)

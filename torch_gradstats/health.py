@@ -17,8 +17,8 @@ the same order, so ``float(policy.score(t)) == policy.score_host(t.tolist())`` e
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor

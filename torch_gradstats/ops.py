@@ -21,7 +21,8 @@ counts     int64 [N, 3]      number of elements == 0 (-0.0 too), NaN, +-inf
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor

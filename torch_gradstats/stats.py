@@ -8,29 +8,32 @@ Where the numbers live: all of a :class:`GradStats`'s tensors are on one device,
 of the first parameter (in the order given) whose gradient is on an accelerator, or the CPU if every gradient is
 on the CPU. Choosing the accelerator means results from other devices are only ever copied *to* it (CPU -> GPU
 through pinned memory, GPU -> GPU on the stream), never from a GPU to the host, so no host sync happens before
-:meth:`GradStats.report`.
+:meth:`GradStats.report`. Those copies and the one transfer are :mod:`torch_gradstats._transfer`'s; the host-side
+summary is :class:`~torch_gradstats.report.GradReport` (re-exported here).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import sys
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence, Union
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from torch_gradstats._transfer import host_int64, to_device, to_host
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, SUPPORTED_DTYPES, ZERO, multi_tensor_stats
+from torch_gradstats.report import GradReport
 
 __all__ = ["GradReport", "GradStats", "ParamsLike", "grad_stats"]
 
 logger = logging.getLogger("torch_gradstats")
 
 #: What :func:`grad_stats` accepts: a tensor, or an iterable of tensors or of ``(name, tensor)`` pairs.
-ParamsLike = Union[Tensor, Iterable[Union[Tensor, "tuple[str, Tensor]"]]]
+ParamsLike = Tensor | Iterable[Tensor | tuple[str, Tensor]]
 
 _DEFAULT_POLICY = HealthPolicy()
 
@@ -139,40 +142,6 @@ def _home_device(devices: Iterable[torch.device]) -> torch.device:
     return first if first is not None else torch.device("cpu")
 
 
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """Copy a small tensor to ``device`` without a host sync.
-
-    CPU -> CUDA goes through pinned memory with ``non_blocking=True`` (a pageable copy would wait for the stream);
-    device -> device copies are ordered on the stream. Never used for device -> CPU (that would need a sync).
-    """
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    if device.type == "cpu":
-        raise RuntimeError("torch_gradstats internal error: refusing a device-to-host copy outside report()")
-    return t.to(device, non_blocking=True)
-
-
-def _to_host(floats: Sequence[Tensor], ints: Sequence[Tensor]) -> tuple[list[float], list[int]]:
-    """Tensors of one device, flattened, as Python numbers in ONE device-to-host transfer (it waits for the device).
-
-    float64 values travel as their int64 bit patterns inside one int64 buffer, so integer counts are never rounded
-    through float64.
-    """
-    packed = torch.cat(
-        [t.reshape(-1).to(torch.float64).view(torch.int64) for t in floats]
-        + [t.reshape(-1).to(torch.int64) for t in ints]
-    ).cpu()
-    n_floats = sum(t.numel() for t in floats)
-    # Already on the host: numpy reads the buffer without another trip through torch.
-    return packed[:n_floats].view(torch.float64).numpy().tolist(), packed[n_floats:].numpy().tolist()
-
-
-def _host_int64(values: Sequence[int], device: torch.device) -> Tensor:
-    return _to_device(torch.tensor(list(values), dtype=torch.int64), device)
-
-
 # ---------------------------------------------------------------------------------------------- GradStats
 @dataclass
 class GradStats:
@@ -263,7 +232,7 @@ class GradStats:
         return (policy or _DEFAULT_POLICY).score(self.norms)
 
     # ---- host side
-    def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> "GradReport":
+    def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> GradReport:
         """Bring the statistics to the host in exactly one device-to-host transfer and summarise them.
 
         Args:
@@ -274,175 +243,12 @@ class GradStats:
         p = len(self.names)
         world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
         ints_in = [self.counts, self.numel] + ([self.rank_nonfinite] if self.rank_nonfinite is not None else [])
-        floats, ints = _to_host([self.sumsq, self.amax, self.total_sumsq], ints_in)
+        floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq], ints_in)
         sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
         counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
         numel = ints[3 * p : 4 * p]
         rank_nf = [ints[4 * p + world * i : 4 * p + world * (i + 1)] for i in range(p)] if world else None
         return GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy)
-
-
-def _nan_max(values: Sequence[float]) -> float:
-    """max() that propagates NaN (Python's max does not)."""
-    if any(math.isnan(v) for v in values):
-        return math.nan
-    return max(values)
-
-
-def _nan_min(values: Sequence[float]) -> float:
-    if any(math.isnan(v) for v in values):
-        return math.nan
-    return min(values)
-
-
-# ---------------------------------------------------------------------------------------------- GradReport
-@dataclass
-class GradReport:
-    """Host-side summary of a :class:`GradStats` (plain Python numbers), made by :meth:`GradStats.report`.
-
-    Attributes:
-        total_norm: global L2 norm (what ``torch.nn.utils.clip_grad_norm_`` returns); NaN/inf if any gradient has one.
-        inf_norm: max |g| over all gradients (NaN if any NaN).
-        numel: total number of gradient elements.
-        zero_count, nan_count, inf_count: totals over all gradients.
-        zero_fraction: ``zero_count / numel`` (0.0 when empty).
-        norms: parameter name -> L2 norm of its gradient, in model order.
-        zero_counts, nan_counts, inf_counts: parameter name -> count, in model order.
-        nonfinite: names of the parameters whose gradient has a NaN or Inf, in model order.
-        first_nonfinite: the first of them, or None.
-        health: health score under the policy given to report() (default HealthPolicy()).
-        vanishing, exploding: names of the parameters the policy calls vanishing / exploding.
-        min_norm, max_norm: smallest and largest per-parameter norm (NaN if any is NaN; 0.0 when empty).
-        top_norms: the k largest ``(name, norm)``, largest first; NaN norms sort first.
-        nonfinite_ranks: parameter name -> ranks where its local gradient had a NaN/Inf (distributed path only).
-    """
-
-    total_norm: float
-    inf_norm: float
-    numel: int
-    zero_count: int
-    nan_count: int
-    inf_count: int
-    zero_fraction: float
-    norms: dict[str, float]
-    zero_counts: dict[str, int]
-    nan_counts: dict[str, int]
-    inf_counts: dict[str, int]
-    nonfinite: list[str]
-    first_nonfinite: str | None
-    health: float
-    vanishing: list[str]
-    exploding: list[str]
-    min_norm: float
-    max_norm: float
-    top_norms: list[tuple[str, float]]
-    nonfinite_ranks: dict[str, list[int]]
-
-    @classmethod
-    def _build(
-        cls,
-        names: list[str],
-        sumsq: list[float],
-        amax: list[float],
-        total_sumsq: float,
-        counts: list[list[int]],
-        numel: list[int],
-        rank_nonfinite: list[list[int]] | None,
-        k: int,
-        policy: HealthPolicy | None,
-    ) -> "GradReport":
-        policy = policy or _DEFAULT_POLICY
-        norm_list = [math.sqrt(s) if not math.isnan(s) else math.nan for s in sumsq]
-        zeros = [c[ZERO] for c in counts]
-        nans = [c[NAN] for c in counts]
-        infs = [c[INF] for c in counts]
-        nonfinite = [n for n, a, b in zip(names, nans, infs) if a + b > 0]
-        total_numel = sum(numel)
-        vanishing_mask, exploding_mask = policy.classify_host(norm_list)
-        # NaN sorts as the largest: a NaN norm is the first thing a reader must see.
-        order = sorted(
-            range(len(names)),
-            key=lambda i: (0, 0.0) if math.isnan(norm_list[i]) else (1, -norm_list[i]),
-        )
-        ranks: dict[str, list[int]] = {}
-        if rank_nonfinite is not None:
-            for n, row in zip(names, rank_nonfinite):
-                bad = [r for r, c in enumerate(row) if c > 0]
-                if bad:
-                    ranks[n] = bad
-        return cls(
-            total_norm=math.sqrt(total_sumsq) if not math.isnan(total_sumsq) else math.nan,
-            inf_norm=_nan_max(amax) if amax else 0.0,
-            numel=total_numel,
-            zero_count=sum(zeros),
-            nan_count=sum(nans),
-            inf_count=sum(infs),
-            zero_fraction=sum(zeros) / total_numel if total_numel else 0.0,
-            norms=dict(zip(names, norm_list)),
-            zero_counts=dict(zip(names, zeros)),
-            nan_counts=dict(zip(names, nans)),
-            inf_counts=dict(zip(names, infs)),
-            nonfinite=nonfinite,
-            first_nonfinite=nonfinite[0] if nonfinite else None,
-            health=policy.score_host(norm_list),
-            vanishing=[n for n, m in zip(names, vanishing_mask) if m],
-            exploding=[n for n, m in zip(names, exploding_mask) if m],
-            min_norm=_nan_min(norm_list) if norm_list else 0.0,
-            max_norm=_nan_max(norm_list) if norm_list else 0.0,
-            top_norms=[(names[i], norm_list[i]) for i in order[: max(k, 0)]],
-            nonfinite_ranks=ranks,
-        )
-
-    def __str__(self) -> str:
-        lines = [
-            f"gradients: {len(self.norms)} tensors, {self.numel:,} elements   health {self.health:.3f}",
-            f"  total norm {self.total_norm:.4g}   inf norm {self.inf_norm:.4g}   "
-            f"min/max tensor norm {self.min_norm:.4g} / {self.max_norm:.4g}",
-            f"  zeros {self.zero_count:,} ({100.0 * self.zero_fraction:.2f}%)   NaN {self.nan_count:,}   "
-            f"Inf {self.inf_count:,}",
-        ]
-        if self.nonfinite:
-            more = f" (+{len(self.nonfinite) - 1} more)" if len(self.nonfinite) > 1 else ""
-            lines.append(f"  first non-finite: {self.first_nonfinite}{more}")
-        if self.top_norms:
-            width = max(len(n) for n, _ in self.top_norms)
-            lines.append(f"  {'largest norms'.ljust(width)}  norm")
-            for name, norm in self.top_norms:
-                flag = ""
-                if name in self.nan_counts and self.nan_counts[name] + self.inf_counts[name] > 0:
-                    flag = f"  NaN {self.nan_counts[name]} Inf {self.inf_counts[name]}"
-                lines.append(f"  {name.ljust(width)}  {norm:.4g}{flag}")
-        return "\n".join(lines)
-
-    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
-        """Flat dict for loggers (TensorBoard, W&B, JSON lines): numbers, except ``first_nonfinite`` (a parameter
-        name or None; skip it when every value must be a scalar, e.g. for ``SummaryWriter.add_scalar``).
-
-        Args:
-            prefix: prepended to every key (e.g. ``"grad/"``).
-            per_param: include ``norm/<name>`` for every parameter.
-        """
-        out: dict[str, float | int | str | None] = {
-            "total_norm": self.total_norm,
-            "inf_norm": self.inf_norm,
-            "numel": self.numel,
-            "zero_count": self.zero_count,
-            "nan_count": self.nan_count,
-            "inf_count": self.inf_count,
-            "zero_fraction": self.zero_fraction,
-            "health": self.health,
-            "min_norm": self.min_norm,
-            "max_norm": self.max_norm,
-            "num_tensors": len(self.norms),
-            "num_nonfinite_tensors": len(self.nonfinite),
-            "num_vanishing_tensors": len(self.vanishing),
-            "num_exploding_tensors": len(self.exploding),
-            "first_nonfinite": self.first_nonfinite,
-        }
-        if per_param:
-            for name, norm in self.norms.items():
-                out[f"norm/{name}"] = norm
-        return {prefix + key: value for key, value in out.items()}
 
 
 # ---------------------------------------------------------------------------------------------- grad_stats
@@ -466,15 +272,15 @@ def _stats_in_model_order(
     parts_s, parts_a, parts_c, order = [], [], [], []
     for idx in by_device.values():
         s, a, c = multi_tensor_stats([local[i] for i in idx])
-        parts_s.append(_to_device(s, home))
-        parts_a.append(_to_device(a, home))
-        parts_c.append(_to_device(c, home))
+        parts_s.append(to_device(s, home))
+        parts_a.append(to_device(a, home))
+        parts_c.append(to_device(c, home))
         order.extend(idx)
     # Scatter the per-device results back into model order.
     inverse = [0] * len(order)
     for pos, i in enumerate(order):
         inverse[i] = pos
-    inv = _host_int64(inverse, home)
+    inv = host_int64(inverse, home)
     sumsq = torch.cat(parts_s).index_select(0, inv)
     amax = torch.cat(parts_a).index_select(0, inv)
     counts = torch.cat(parts_c).index_select(0, inv)
@@ -514,7 +320,7 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
             continue
         if dtensor_types and isinstance(g, dtensor_types):
             any_dtensor = True
-            lg = g.to_local()
+            lg = cast(Any, g).to_local()  # a DTensor (its class is only known at run time)
         else:
             lg = g
         names.append(name)
@@ -541,15 +347,13 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
         _check_grads(names, local)  # the same failure, named by parameter rather than by list index
         raise
 
-    numel = _host_int64([g.numel() for g in grads], home)  # DTensor.numel() is the logical (global) numel
+    numel = host_int64([g.numel() for g in grads], home)  # DTensor.numel() is the logical (global) numel
     rank_nonfinite = None
     if group is not None or any_dtensor:
         from torch_gradstats.distributed import reduce_across_ranks  # only on this path: no import otherwise
 
         # Plain shards: no rank knows a parameter's full size, so numel travels in the same SUM collective.
-        sumsq, amax, counts, rank_nonfinite, numel = reduce_across_ranks(
-            grads, sumsq, amax, counts, group, return_numel=True
-        )
+        sumsq, amax, counts, rank_nonfinite, numel = reduce_across_ranks(grads, sumsq, amax, counts, group)
     return GradStats(
         names=names,
         sumsq=sumsq,

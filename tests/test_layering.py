@@ -1,0 +1,188 @@
+"""The package's import structure: no import cycles, each module imports only layers below it, no private names
+imported across modules. Read from the source with ``ast`` (imports inside functions count too), nothing is run.
+
+The layers (docs/design.md): the op at the bottom, then health and the cross-rank reduction, the host-side report,
+the device-side statistics, the layers built on them (clip, collector), the Trainer, and at the top the entry
+points (cli, demo, bench, the package's ``__init__``). A module not listed here counts as an entry point: it may
+import anything, and nothing listed may import it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "torch_gradstats"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+LAYERS = {
+    "torch_gradstats._extension": 0,
+    "torch_gradstats._transfer": 0,
+    "torch_gradstats.ops": 1,
+    "torch_gradstats.health": 2,
+    "torch_gradstats.distributed": 2,
+    "torch_gradstats.report": 3,
+    "torch_gradstats.stats": 4,
+    "torch_gradstats.clip": 5,
+    "torch_gradstats.collector": 5,
+    "torch_gradstats.training": 6,  # and every module of the training package
+}
+TOP = 100  # entry points: anything not listed
+#: Modules of one package may import each other (cycles are still forbidden).
+SAME_LAYER_OK = {"torch_gradstats.training"}
+
+#: Private names one module may import from another, with the reason.
+ALLOWED_PRIVATE = {
+    # The normaliser of every accepted form of `params` (generators are read once): shared by the layers that take
+    # the same `params` argument as grad_stats.
+    ("torch_gradstats.stats", "_named_params"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_package(name: str, modules: dict[str, Path]) -> bool:
+    return modules[name].name == "__init__.py"
+
+
+def _imports(name: str, modules: dict[str, Path]) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import of a package module in ``name``."""
+    tree = ast.parse(modules[name].read_text(), filename=str(modules[name]))
+    here = name if _is_package(name, modules) else name.rpartition(".")[0]
+    found: list[tuple[str, str | None, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                    found.append((alias.name, None, node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base != PACKAGE and not base.startswith(PACKAGE + "."):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in modules:  # `from package import module`
+                    found.append((sub, None, node.lineno))
+                else:
+                    found.append((base, alias.name, node.lineno))
+    return found
+
+
+def _layer(name: str) -> int:
+    for prefix, layer in LAYERS.items():
+        if name == prefix or name.startswith(prefix + "."):
+            return layer
+    return TOP
+
+
+def _group(name: str) -> str | None:
+    return next((g for g in SAME_LAYER_OK if name == g or name.startswith(g + ".")), None)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for m in modules:
+        for target, _, _ in _imports(m, modules):
+            if target != m and not m.startswith(target + "."):  # a parent package is not an import of its child
+                graph[m].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the checker
+def test_the_checker_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_checker_reads_imports_inside_functions():
+    graph = _graph()
+    assert "torch_gradstats.distributed" in graph["torch_gradstats.stats"]  # imported inside grad_stats()
+    assert "torch_gradstats._transfer" in graph["torch_gradstats.stats"]
+
+
+# ------------------------------------------------------------------------------------------------- the package
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_each_module_imports_only_layers_below_it():
+    bad = []
+    for m, targets in _graph().items():
+        for t in targets:
+            same_group = _group(m) is not None and _group(m) == _group(t)
+            if _layer(t) < _layer(m) or same_group or (_layer(m) == TOP and _layer(t) == TOP):
+                continue
+            bad.append(f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})")
+    assert bad == []
+
+
+def test_no_private_names_imported_across_modules():
+    modules = _modules()
+    bad = []
+    for m in modules:
+        for target, attr, line in _imports(m, modules):
+            if attr is None or not attr.startswith("_") or attr.startswith("__") or target == m:
+                continue
+            if (target, attr) not in ALLOWED_PRIVATE:
+                bad.append(f"{modules[m].relative_to(ROOT.parent)}:{line} imports {attr} from {target}")
+    assert bad == []
+
+
+def test_only_transfer_moves_values_to_the_host():
+    """Library modules below the entry points leave device-to-host copies to torch_gradstats._transfer."""
+    calls = {"cpu", "item", "tolist", "numpy"}
+    bad = []
+    for m, path in _modules().items():
+        if _layer(m) == TOP or m == "torch_gradstats._transfer":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} calls .{node.func.attr}()")
+    assert bad == []

@@ -1,0 +1,185 @@
+"""Host-side summary of gradient statistics: :class:`GradReport`, made by :meth:`GradStats.report`.
+
+Everything here is plain Python numbers that already crossed to the host in the one transfer of
+:meth:`torch_gradstats.stats.GradStats.report`; nothing in this module touches a device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch_gradstats.health import HealthPolicy
+from torch_gradstats.ops import INF, NAN, ZERO
+
+__all__ = ["GradReport"]
+
+_DEFAULT_POLICY = HealthPolicy()
+
+
+def _nan_max(values: Sequence[float]) -> float:
+    """max() that propagates NaN (Python's max does not)."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values)
+
+
+def _nan_min(values: Sequence[float]) -> float:
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return min(values)
+
+
+# ---------------------------------------------------------------------------------------------- GradReport
+@dataclass
+class GradReport:
+    """Host-side summary of a :class:`GradStats` (plain Python numbers), made by :meth:`GradStats.report`.
+
+    Attributes:
+        total_norm: global L2 norm (what ``torch.nn.utils.clip_grad_norm_`` returns); NaN/inf if any gradient has one.
+        inf_norm: max |g| over all gradients (NaN if any NaN).
+        numel: total number of gradient elements.
+        zero_count, nan_count, inf_count: totals over all gradients.
+        zero_fraction: ``zero_count / numel`` (0.0 when empty).
+        norms: parameter name -> L2 norm of its gradient, in model order.
+        zero_counts, nan_counts, inf_counts: parameter name -> count, in model order.
+        nonfinite: names of the parameters whose gradient has a NaN or Inf, in model order.
+        first_nonfinite: the first of them, or None.
+        health: health score under the policy given to report() (default HealthPolicy()).
+        vanishing, exploding: names of the parameters the policy calls vanishing / exploding.
+        min_norm, max_norm: smallest and largest per-parameter norm (NaN if any is NaN; 0.0 when empty).
+        top_norms: the k largest ``(name, norm)``, largest first; NaN norms sort first.
+        nonfinite_ranks: parameter name -> ranks where its local gradient had a NaN/Inf (distributed path only).
+    """
+
+    total_norm: float
+    inf_norm: float
+    numel: int
+    zero_count: int
+    nan_count: int
+    inf_count: int
+    zero_fraction: float
+    norms: dict[str, float]
+    zero_counts: dict[str, int]
+    nan_counts: dict[str, int]
+    inf_counts: dict[str, int]
+    nonfinite: list[str]
+    first_nonfinite: str | None
+    health: float
+    vanishing: list[str]
+    exploding: list[str]
+    min_norm: float
+    max_norm: float
+    top_norms: list[tuple[str, float]]
+    nonfinite_ranks: dict[str, list[int]]
+
+    @classmethod
+    def _build(
+        cls,
+        names: list[str],
+        sumsq: list[float],
+        amax: list[float],
+        total_sumsq: float,
+        counts: list[list[int]],
+        numel: list[int],
+        rank_nonfinite: list[list[int]] | None,
+        k: int,
+        policy: HealthPolicy | None,
+    ) -> GradReport:
+        policy = policy or _DEFAULT_POLICY
+        norm_list = [math.sqrt(s) if not math.isnan(s) else math.nan for s in sumsq]
+        zeros = [c[ZERO] for c in counts]
+        nans = [c[NAN] for c in counts]
+        infs = [c[INF] for c in counts]
+        nonfinite = [n for n, a, b in zip(names, nans, infs) if a + b > 0]
+        total_numel = sum(numel)
+        vanishing_mask, exploding_mask = policy.classify_host(norm_list)
+        # NaN sorts as the largest: a NaN norm is the first thing a reader must see.
+        order = sorted(
+            range(len(names)),
+            key=lambda i: (0, 0.0) if math.isnan(norm_list[i]) else (1, -norm_list[i]),
+        )
+        ranks: dict[str, list[int]] = {}
+        if rank_nonfinite is not None:
+            for n, row in zip(names, rank_nonfinite):
+                bad = [r for r, c in enumerate(row) if c > 0]
+                if bad:
+                    ranks[n] = bad
+        return cls(
+            total_norm=math.sqrt(total_sumsq) if not math.isnan(total_sumsq) else math.nan,
+            inf_norm=_nan_max(amax) if amax else 0.0,
+            numel=total_numel,
+            zero_count=sum(zeros),
+            nan_count=sum(nans),
+            inf_count=sum(infs),
+            zero_fraction=sum(zeros) / total_numel if total_numel else 0.0,
+            norms=dict(zip(names, norm_list)),
+            zero_counts=dict(zip(names, zeros)),
+            nan_counts=dict(zip(names, nans)),
+            inf_counts=dict(zip(names, infs)),
+            nonfinite=nonfinite,
+            first_nonfinite=nonfinite[0] if nonfinite else None,
+            health=policy.score_host(norm_list),
+            vanishing=[n for n, m in zip(names, vanishing_mask) if m],
+            exploding=[n for n, m in zip(names, exploding_mask) if m],
+            min_norm=_nan_min(norm_list) if norm_list else 0.0,
+            max_norm=_nan_max(norm_list) if norm_list else 0.0,
+            top_norms=[(names[i], norm_list[i]) for i in order[: max(k, 0)]],
+            nonfinite_ranks=ranks,
+        )
+
+    def __str__(self) -> str:
+        lines = [
+            f"gradients: {len(self.norms)} tensors, {self.numel:,} elements   health {self.health:.3f}",
+            (
+                f"  total norm {self.total_norm:.4g}   inf norm {self.inf_norm:.4g}   "
+                f"min/max tensor norm {self.min_norm:.4g} / {self.max_norm:.4g}"
+            ),
+            (
+                f"  zeros {self.zero_count:,} ({100.0 * self.zero_fraction:.2f}%)   NaN {self.nan_count:,}   "
+                f"Inf {self.inf_count:,}"
+            ),
+        ]
+        if self.nonfinite:
+            more = f" (+{len(self.nonfinite) - 1} more)" if len(self.nonfinite) > 1 else ""
+            lines.append(f"  first non-finite: {self.first_nonfinite}{more}")
+        if self.top_norms:
+            width = max(len(n) for n, _ in self.top_norms)
+            lines.append(f"  {'largest norms'.ljust(width)}  norm")
+            for name, norm in self.top_norms:
+                flag = ""
+                if name in self.nan_counts and self.nan_counts[name] + self.inf_counts[name] > 0:
+                    flag = f"  NaN {self.nan_counts[name]} Inf {self.inf_counts[name]}"
+                lines.append(f"  {name.ljust(width)}  {norm:.4g}{flag}")
+        return "\n".join(lines)
+
+    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
+        """Flat dict for loggers (TensorBoard, W&B, JSON lines): numbers, except ``first_nonfinite`` (a parameter
+        name or None; skip it when every value must be a scalar, e.g. for ``SummaryWriter.add_scalar``).
+
+        Args:
+            prefix: prepended to every key (e.g. ``"grad/"``).
+            per_param: include ``norm/<name>`` for every parameter.
+        """
+        out: dict[str, float | int | str | None] = {
+            "total_norm": self.total_norm,
+            "inf_norm": self.inf_norm,
+            "numel": self.numel,
+            "zero_count": self.zero_count,
+            "nan_count": self.nan_count,
+            "inf_count": self.inf_count,
+            "zero_fraction": self.zero_fraction,
+            "health": self.health,
+            "min_norm": self.min_norm,
+            "max_norm": self.max_norm,
+            "num_tensors": len(self.norms),
+            "num_nonfinite_tensors": len(self.nonfinite),
+            "num_vanishing_tensors": len(self.vanishing),
+            "num_exploding_tensors": len(self.exploding),
+            "first_nonfinite": self.first_nonfinite,
+        }
+        if per_param:
+            for name, norm in self.norms.items():
+                out[f"norm/{name}"] = norm
+        return {prefix + key: value for key, value in out.items()}

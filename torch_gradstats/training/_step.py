@@ -1,0 +1,149 @@
+"""How the Trainer takes one optimizer step, and how it counts steps.
+
+One step is taken in exactly one of four ways:
+
+* **plain**: ``optimizer.step()``;
+* **by the GradScaler**: ``scaler.step(optimizer)`` (which skips non-finite steps itself) then ``scaler.update()``;
+* **skipped on the device**: an optimizer that accepts a device-side ``found_inf`` (fused Adam, AdamW, SGD, Adagrad)
+  is always stepped and skips the update in its kernel where a gradient was non-finite: no host sync;
+* **skipped from the host**: any other optimizer; whether to call ``optimizer.step()`` is decided in Python, which
+  costs one host sync per step.
+
+The step counter advances exactly when a step is taken or skipped: a step post-hook on the optimizer counts the step
+the moment ``optimizer.step()`` has updated the parameters (even if a later hook or the loop is then interrupted),
+and a step that is skipped without calling ``optimizer.step()`` is counted where it is skipped. So after any
+interrupt (``KeyboardInterrupt`` included) the counter agrees with the optimizer's own step counts. (Post-hooks run
+in registration order: one registered on the optimizer *before* the Trainer was created that raises would run first.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["OptimizerStepper", "device_skip_step"]
+
+
+def device_skip_step(optimizer: torch.optim.Optimizer) -> Callable[[Tensor], None] | None:
+    """``step(found_inf)`` that steps ``optimizer`` and lets it skip the update on the device, or None if it cannot.
+
+    This is the one place that relies on torch's private optimizer protocol, the one ``torch.amp.GradScaler`` uses:
+    optimizers whose ``_step_supports_amp_scaling`` is True (the ``fused=True`` implementations) read the attribute
+    ``found_inf`` (a float32 0-d device tensor) inside ``step()`` and leave the parameters and their step counts
+    unchanged where it is non-zero.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return None
+
+    def step(found_inf: Tensor) -> None:
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # the private protocol above
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+
+    return step
+
+
+class OptimizerStepper:
+    """Takes the Trainer's optimizer steps (see the module docstring) and counts them in :attr:`count`."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, skip_nonfinite: bool
+    ) -> None:
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.skip_nonfinite = skip_nonfinite
+        self.count = 0  #: optimizer steps taken or skipped
+        self._device_skip = device_skip_step(optimizer)
+        self._state_ready = False  # see _state_pending
+        self._armed = False  # a counted call is in progress
+        self._stepped = False  # ... and optimizer.step() has completed inside it
+        register = getattr(optimizer, "register_step_post_hook", None)
+        if callable(register):
+            register(self._on_optimizer_step)
+
+    @property
+    def skips_on_device(self) -> bool:
+        """The optimizer can skip a non-finite step on the device (no host sync)."""
+        return self._device_skip is not None
+
+    def step(self, nonfinite: Tensor | None) -> None:
+        """Take (or skip) one optimizer step.
+
+        Args:
+            nonfinite: float64 0-d device tensor, 1.0 when a gradient is non-finite; None when no gradient was read
+                (the step is then taken as it is).
+        """
+        if self.scaler is not None:
+            self._scaler_step(self.scaler)
+        elif self.skip_nonfinite and nonfinite is not None:
+            if self._device_skip is not None and not self._state_pending():
+                self._device_skipping_step(self._device_skip, nonfinite)
+            else:
+                self._host_skipping_step(nonfinite)
+        else:
+            self._plain_step()
+
+    # ------------------------------------------------------------------------------------------- the four ways
+    def _plain_step(self) -> None:
+        with self._counted():
+            self.optimizer.step()
+
+    def _scaler_step(self, scaler: torch.amp.GradScaler) -> None:
+        with self._counted():
+            scaler.step(self.optimizer)  # calls optimizer.step() unless a gradient is non-finite
+        scaler.update()
+
+    def _device_skipping_step(self, step: Callable[[Tensor], None], nonfinite: Tensor) -> None:
+        with self._counted():
+            step(nonfinite.to(torch.float32))
+
+    def _host_skipping_step(self, nonfinite: Tensor) -> None:
+        if bool(nonfinite):  # the documented host sync: a non-fused optimizer can only be skipped from Python
+            self.count += 1  # skipped: counted here, where it is decided
+        else:
+            self._plain_step()
+
+    # ------------------------------------------------------------------------------------------- counting
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Count the one step of the call inside: when ``optimizer.step()`` completes (the post-hook), or, if the
+        call returns without stepping (the scaler skipped it), when it returns; not at all if it is interrupted
+        before stepping."""
+        self._armed, self._stepped = True, False
+        try:
+            yield
+            if not self._stepped:
+                self.count += 1
+        finally:
+            self._armed = False
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._armed and not self._stepped:
+            self._stepped = True
+            self.count += 1
+
+    def _state_pending(self) -> bool:
+        """True while a fused SGD with momentum has not yet created its momentum buffers.
+
+        Its first step allocates them uninitialised (``empty_like``) and, told to skip by ``found_inf``, leaves them
+        so: a skipped first step would poison every later one. Until the buffers exist, the skip is decided on the
+        host (one sync per step, normally just the first).
+        """
+        if self._state_ready:
+            return False
+        opt = self.optimizer
+        if isinstance(opt, torch.optim.SGD):
+            for group in opt.param_groups:
+                if group.get("momentum", 0) == 0:
+                    continue
+                for p in group["params"]:
+                    if p.grad is not None and "momentum_buffer" not in opt.state.get(p, {}):
+                        return True
+        self._state_ready = True
+        return False

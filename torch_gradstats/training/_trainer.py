@@ -1,0 +1,320 @@
+"""The Trainer loop: epochs of accumulation windows, each ending in one optimizer step; one host sync per epoch."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torch_gradstats._transfer import PinnedBuffer, to_host
+from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.health import HealthPolicy
+from torch_gradstats.stats import GradStats, grad_stats
+from torch_gradstats.training._compile import LossFn, run_forward
+from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
+from torch_gradstats.training._step import OptimizerStepper
+from torch_gradstats.training._summary import EpochState, EpochSummary, fmt
+
+__all__ = ["Trainer"]
+
+logger = logging.getLogger("torch_gradstats")
+
+
+class Trainer:
+    """Train a model epoch by epoch while watching its gradients, with one host sync per epoch.
+
+    Args:
+        model: the model, already on ``device``.
+        optimizer: its optimizer. ``fused=True`` Adam/AdamW/SGD/Adagrad let ``skip_nonfinite`` skip on the device.
+        loss_fn: ``loss_fn(outputs, targets)`` returning the **mean** loss over the batch (a 0-d tensor), e.g.
+            ``nn.CrossEntropyLoss()``; the helper weights it by batch size to average per sample.
+        device: where to train; validated up front (default: the device of the model's first parameter).
+        stats_every: take gradient stats every this many optimizer steps (default 1: every step). Forced to 1 when
+            ``skip_nonfinite`` is set or a ``scaler`` is given, because skipped steps must then be seen.
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation). An empty batch (0 samples)
+            is counted as a batch and adds nothing; a window whose every batch is empty makes no optimizer step.
+        scaler: a :class:`torch.amp.GradScaler` for mixed precision; the stats are taken after ``unscale_``. The
+            scaler skips non-finite steps itself.
+        amp_dtype: run the forward under ``torch.autocast(device.type, dtype=amp_dtype)`` (e.g. ``torch.bfloat16``).
+        max_grad_norm: clip the global L2 norm to this with :func:`torch_gradstats.clip_grad_norm_` (the stats
+            come from the same read). Stats report the norm before clipping.
+        skip_nonfinite: skip the optimizer step when any gradient is NaN/Inf. With a fused optimizer this is done
+            on the device through the optimizer's ``found_inf`` input (no sync); otherwise it costs one host sync
+            per optimizer step (a warning says so once).
+        compile: run forward+loss through ``torch.compile``, cached per model architecture. A compile failure logs
+            a warning and runs eagerly.
+        compile_mode, compile_backend: passed to ``torch.compile``. With ``mode="reduce-overhead"`` (CUDA graphs)
+            the loss output is consumed before the next call, and ``cudagraph_mark_step_begin`` is called per call.
+        health_policy: thresholds of the health score (default :class:`HealthPolicy`).
+        sync_every: also sync every this many optimizer steps (logging interval) and log the epoch so far;
+            ``None`` (default) syncs only at the epoch end.
+        progress: show a tqdm bar; ``None`` (default) shows it when stderr is a terminal and tqdm is installed.
+        keep_history: keep one :class:`StepRecord` per stats step in the summary (for plots and logs).
+        after_backward: optional ``callback(trainer)`` run once per optimizer step after the gradients are
+            accumulated, before the stats; e.g. to inspect or perturb gradients. Under a GradScaler it runs before
+            ``unscale_`` (the gradients are still multiplied by the loss scale), so the scaler sees its changes.
+
+    ``global_step`` counts optimizer steps taken or skipped; it advances exactly when the optimizer steps (or a step
+    is skipped), so after an interrupt it still agrees with the optimizer's own step counts.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        *,
+        device: torch.device | str | int | None = None,
+        stats_every: int = 1,
+        accumulation_steps: int = 1,
+        scaler: torch.amp.GradScaler | None = None,
+        amp_dtype: torch.dtype | None = None,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
+        compile: bool = False,
+        compile_mode: str | None = None,
+        compile_backend: Any = "inductor",
+        health_policy: HealthPolicy | None = None,
+        sync_every: int | None = None,
+        progress: bool | None = None,
+        keep_history: bool = True,
+        after_backward: Callable[[Trainer], None] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        params = list(model.named_parameters())
+        if not params:
+            raise ValueError("model has no parameters to train")
+        if device is None:
+            device = params[0][1].device
+        self.device = validate_device(device)
+        for name, p in params:
+            if not same_device(p.device, self.device):
+                raise ValueError(
+                    f"parameter {name!r} is on {p.device} but the trainer's device is {self.device}; "
+                    f"move the model first (model.to({str(self.device)!r})) and then create the optimizer"
+                )
+        for arg, value in (("stats_every", stats_every), ("accumulation_steps", accumulation_steps)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
+
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scaler = scaler
+        self.amp_dtype = amp_dtype
+        self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.compile = compile
+        self.compile_mode = compile_mode
+        self.compile_backend = compile_backend
+        self.health_policy = health_policy if health_policy is not None else HealthPolicy()
+        self.sync_every = sync_every
+        self.progress = progress
+        self.keep_history = keep_history
+        self.after_backward = after_backward
+        # Skipped steps can only be counted if every step is looked at.
+        self.must_check_every_step = skip_nonfinite or scaler is not None
+        self.stats_every = 1 if self.must_check_every_step else stats_every
+        if self.must_check_every_step and stats_every != 1:
+            logger.info("torch_gradstats: stats_every=%d ignored: skip_nonfinite/GradScaler need stats every step",
+                        stats_every)
+        self.accumulation_steps = accumulation_steps
+        self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite)
+        if skip_nonfinite and scaler is None and not self._stepper.skips_on_device:
+            logger.warning(
+                "torch_gradstats: skip_nonfinite with %s (not fused) costs one host sync per optimizer step; "
+                "create the optimizer with fused=True for a device-side skip",
+                type(optimizer).__name__,
+            )
+        self.epoch = 0  #: index of the next epoch
+        self._staging = PinnedBuffer()  # reused by every host transfer of this trainer
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (skipped ones included); set it when resuming from a checkpoint."""
+        return self._stepper.count
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"global_step must be a non-negative int, got {value!r}")
+        self._stepper.count = value
+
+    @property
+    def device_side_skip(self) -> bool:
+        """``skip_nonfinite`` is done on the device by the optimizer (no host sync per step)."""
+        return self._stepper.skips_on_device
+
+    # ----------------------------------------------------------------------------------------------- public
+    def fit(self, loader: Iterable[Any], epochs: int) -> list[EpochSummary]:
+        """Run ``epochs`` epochs over ``loader``; return their summaries."""
+        return [self.train_epoch(loader) for _ in range(epochs)]
+
+    def train_epoch(self, loader: Iterable[Any]) -> EpochSummary:
+        """Train one epoch over ``loader`` (batches of ``(inputs, targets)``) and return its summary.
+
+        Empty batches are counted and skipped (see ``accumulation_steps``).
+
+        Raises:
+            ValueError: the loader yields no batches or only empty ones, or a batch is not an ``(inputs, targets)``
+                pair.
+        """
+        length = safe_len(loader)
+        if length == 0:
+            raise ValueError(
+                "the data loader is empty (len 0): nothing to train on. Check the dataset size, batch_size and "
+                "drop_last"
+            )
+        state = EpochState(self.epoch, self.device)
+        self.model.train()
+        with _progress_bar(self.progress, length, f"epoch {state.epoch}") as bar:
+            for window in _windows(loader, self.accumulation_steps):
+                if self._train_window(window, state, bar) and self._sync_due(state):
+                    summary = self._sync(state)
+                    logger.info("torch_gradstats: epoch %d, step %d: %s", state.epoch, self.global_step,
+                                summary.to_dict())
+                    _progress_postfix(bar, summary)
+        if state.samples == 0:
+            raise ValueError(
+                f"the data loader yielded {'no' if state.batches == 0 else 'only empty'} batches: nothing to train "
+                "on. Check the dataset size, batch_size and drop_last"
+            )
+        summary = self._sync(state)
+        self.epoch += 1
+        logger.info("torch_gradstats: epoch %d done: %s", state.epoch, summary.to_dict())
+        return summary
+
+    # ----------------------------------------------------------------------------------------------- one step
+    def _train_window(self, window: list[Any], state: EpochState, bar: Any) -> bool:
+        """Accumulate the gradients of one window and take its optimizer step; False if it had no samples."""
+        batches = [as_pair(b, state.batches + i, self.device) for i, b in enumerate(window)]
+        sizes = [batch_size(x, y) for x, y in batches]
+        samples = sum(sizes)
+        if samples == 0:  # nothing to learn from: counted, no optimizer step
+            state.add_empty_window(len(batches))
+            _progress_update(bar, len(batches))
+            return False
+        step = self.global_step
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = self._accumulate_gradients(batches, sizes, samples, bar)
+        state.add_window(len(batches), samples, loss_sum)
+        if self.after_backward is not None:
+            # Before unscale_, so a GradScaler sees whatever the callback did to the gradients.
+            self.after_backward(self)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # stats must see the true gradients, not loss-scaled ones
+        take_stats = self.must_check_every_step or step % self.stats_every == 0
+        stats = self._read_gradients(take_stats)
+        nonfinite = self._nonfinite_flag(stats)
+        self._stepper.step(nonfinite)
+        skipped = nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+        state.add_step(skipped)
+        if stats is not None and take_stats:
+            health = stats.health(self.health_policy)
+            state.add_stats(step, stats, health, skipped, loss_sum / samples, self.keep_history)
+        return True
+
+    def _accumulate_gradients(self, batches: list[tuple[Any, Any]], sizes: list[int], samples: int, bar: Any) -> Tensor:
+        """Forward and backward over the window's batches; returns the sample-weighted loss sum (float64 0-d)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for (inputs, targets), n in zip(batches, sizes):
+            if n > 0:  # an empty micro-batch adds nothing (and its mean loss would be NaN)
+                with self._autocast():
+                    loss = run_forward(self.model, inputs, targets, self.loss_fn, compile=self.compile,
+                                       mode=self.compile_mode, backend=self.compile_backend)
+                if loss.dim() != 0:
+                    raise ValueError(
+                        f"loss_fn must return a 0-d (mean) loss, got shape {tuple(loss.shape)}; use reduction='mean'"
+                    )
+                # Weight each micro-batch by its share of the window's samples: per-sample averaging.
+                scaled = loss if n == samples else loss * (n / samples)
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                loss_sum += loss.detach().to(torch.float64) * n
+            _progress_update(bar, 1)
+        return loss_sum
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def _read_gradients(self, take_stats: bool) -> GradStats | None:
+        """The gradients' stats (clipping them on the way when ``max_grad_norm``), or None when none are read or
+        no parameter has a gradient."""
+        if self.max_grad_norm is not None:
+            stats = clip_grad_norm_(self.model.named_parameters(), self.max_grad_norm)
+        elif take_stats:
+            stats = grad_stats(self.model.named_parameters())
+        else:
+            return None
+        return stats if len(stats) > 0 else None
+
+    def _nonfinite_flag(self, stats: GradStats | None) -> Tensor | None:
+        """float64 0-d, 1.0 when a gradient is non-finite, where the step policy needs it; else None."""
+        if stats is None or not (self.skip_nonfinite or self.scaler is not None):
+            return None
+        return (stats.nonfinite_count > 0).to(torch.float64)
+
+    # ----------------------------------------------------------------------------------------------- host sync
+    def _sync_due(self, state: EpochState) -> bool:
+        return self.sync_every is not None and state.steps % self.sync_every == 0
+
+    def _sync(self, state: EpochState) -> EpochSummary:
+        """The epoch so far, in one device-to-host transfer."""
+        values, _ = to_host([state.buffer()], [], self._staging)
+        return state.summary(values)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _windows(loader: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """The loader's batches in windows of ``size`` (the last one may be shorter)."""
+    it = iter(loader)
+    while window := list(itertools.islice(it, size)):
+        yield window
+
+
+@contextlib.contextmanager
+def _progress_bar(progress: bool | None, total: int | None, desc: str) -> Iterator[Any]:
+    """A tqdm bar, or None: off when asked, when stderr is not a terminal (auto mode), or without tqdm."""
+    bar = None
+    if progress or (progress is None and _stderr_isatty()):
+        try:
+            from tqdm.auto import tqdm  # lazy: tqdm is optional
+        except ImportError:
+            if progress:
+                logger.warning("torch_gradstats: progress=True but tqdm is not installed (pip install tqdm)")
+        else:
+            bar = tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True)
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _stderr_isatty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _progress_update(bar: Any, n: int) -> None:
+    if bar is not None:
+        bar.update(n)
+
+
+def _progress_postfix(bar: Any, summary: EpochSummary) -> None:
+    if bar is not None:
+        bar.set_postfix(loss=f"{summary.loss:.4g}", max_norm=fmt(summary.max_norm), skipped=summary.skipped_steps)
