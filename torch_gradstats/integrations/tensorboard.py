@@ -29,7 +29,7 @@ from typing import Any
 from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.updates import UpdateReport
 
-__all__ = ["TensorBoardSink"]
+__all__ = ["TensorBoardSink", "log_step_records"]
 
 
 class TensorBoardSink:
@@ -70,3 +70,16 @@ class TensorBoardSink:
         if g.first_nonfinite is not None:
             more = f" (+{len(g.nonfinite) - 1} more)" if len(g.nonfinite) > 1 else ""
             self.writer.add_text(self.prefix + "first_nonfinite", f"{g.first_nonfinite}{more}", step)
+
+
+def log_step_records(writer: Any, records: Any, prefix: str = "grad/") -> None:
+    """Write :class:`torch_gradstats.training.StepRecord` rows (an epoch summary's ``history``) to a writer, one point
+    per optimizer step: ``<prefix>total_norm``, ``<prefix>health``, ``<prefix>nan_count``, ``<prefix>inf_count``,
+    ``<prefix>skipped`` and ``train/loss``. Non-finite norms are written as they are (TensorBoard shows a gap)."""
+    for r in records:
+        writer.add_scalar("train/loss", r.loss, r.step)
+        writer.add_scalar(prefix + "total_norm", r.total_norm, r.step)
+        writer.add_scalar(prefix + "health", r.health, r.step)
+        writer.add_scalar(prefix + "nan_count", float(r.nan_count), r.step)
+        writer.add_scalar(prefix + "inf_count", float(r.inf_count), r.step)
+        writer.add_scalar(prefix + "skipped", float(r.skipped), r.step)
