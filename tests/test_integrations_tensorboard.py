@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
-import torch_gradstats as tg  # noqa: E402
-from torch_gradstats.integrations import GradSink, metrics  # noqa: E402
-from torch_gradstats.integrations.tensorboard import TensorBoardSink  # noqa: E402
-from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats  # noqa: E402
+import torch_gradstats as tg
+from torch_gradstats.integrations import GradSink, metrics
+from torch_gradstats.integrations.tensorboard import TensorBoardSink
+from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
 
 
 def _events(logdir: Path) -> EventAccumulator:

@@ -14,9 +14,9 @@ from torch import nn
 wandb = pytest.importorskip("wandb")
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
-import torch_gradstats as tg  # noqa: E402
-from torch_gradstats.integrations import GradSink  # noqa: E402
-from torch_gradstats.integrations.wandb import WandbSink  # noqa: E402
+import torch_gradstats as tg
+from torch_gradstats.integrations import GradSink
+from torch_gradstats.integrations.wandb import WandbSink
 
 
 def _read_records(path: Path) -> list:

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_gradstats as tg
 import torch_gradstats.ops as ops_mod
-import torch_gradstats.updates as updates
+from torch_gradstats import updates
 from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
 
 
