@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
+transformers = pytest.importorskip("transformers")
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
