@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,11 @@ def test_wandb_sink_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     files = list(run_dir.glob("run-*.wandb"))
     assert len(files) == 1
     records = _read_records(files[0])
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):  # written by W&B's own service
+        assert time.monotonic() < deadline, "the offline run file was never completed"
+        time.sleep(0.2)
+        records = _read_records(files[0])
     history = {}
     for rec in records:
         if rec.WhichOneof("record_type") == "history":
