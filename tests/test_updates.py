@@ -169,3 +169,59 @@ def test_no_grads_and_bad_input() -> None:
         grad_and_weight_stats([1, 2])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="no parameters"):
         UpdateRatio([])
+
+
+def _fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        sharded, full = _model(), _model()
+        fully_shard(sharded)
+        results = []
+        for m in (sharded, full):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            m(torch.randn(7, 6, generator=torch.Generator().manual_seed(1))).pow(2).sum().backward()
+            s = grad_and_weight_stats(m.named_parameters(), optimizer=opt)
+            with UpdateRatio(m.named_parameters()) as ratio:
+                opt.step()
+            s.update = ratio.stats
+            r = s.report()
+            results.append({"grads": r.grads.norms, "numel": r.grads.numel, "weights": r.weight_norms,
+                            "lr_ratios": r.lr_update_ratios, "ratios": r.update_ratios})
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_weights_and_updates_are_global(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Under FSDP2 (DTensor shards on 2 CPU ranks) the weight norms and update ratios are those of the whole
+    parameters: equal to an unsharded copy's, on every rank."""
+    import json
+    import socket
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        sharded, full = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sharded["numel"] == full["numel"]
+        for key in ("grads", "weights", "lr_ratios", "ratios"):
+            assert sharded[key].keys() == full[key].keys()
+            for name, v in full[key].items():
+                assert sharded[key][name] == pytest.approx(v, rel=1e-4), (rank, key, name)

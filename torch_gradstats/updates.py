@@ -98,6 +98,15 @@ def _local(t: Tensor, dtensor_types: tuple[type, ...]) -> Tensor:
     return t.to_local() if dtensor_types and isinstance(t, dtensor_types) else t
 
 
+def _to_device_async(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor to ``device`` without waiting for it (pinned memory for CUDA)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
+
+
 def _stats_per_device(tensors: Sequence[Tensor], home: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """One op call per device (one call in the usual single-device case), results on ``home`` in input order."""
     devices = {t.device for t in tensors}
@@ -107,13 +116,12 @@ def _stats_per_device(tensors: Sequence[Tensor], home: torch.device) -> tuple[Te
     for d in devices:
         idx = [i for i, t in enumerate(tensors) if t.device == d]
         s, a, c = multi_tensor_stats([tensors[i] for i in idx])
-        parts.append((idx, (s.to(home, non_blocking=True), a.to(home, non_blocking=True),
-                            c.to(home, non_blocking=True))))
+        parts.append((idx, (_to_device_async(s, home), _to_device_async(a, home), _to_device_async(c, home))))
     sumsq = torch.empty(len(tensors), dtype=torch.float64, device=home)
     amax = torch.empty(len(tensors), dtype=torch.float64, device=home)
     counts = torch.empty(len(tensors), 3, dtype=torch.int64, device=home)
     for idx, (s, a, c) in parts:
-        i = torch.tensor(idx, device=home)
+        i = _to_device_async(torch.tensor(idx), home)
         sumsq[i], amax[i], counts[i] = s, a, c
     return sumsq, amax, counts
 
@@ -130,7 +138,7 @@ def _reduce(originals: Sequence[Tensor], sumsq: Tensor, amax: Tensor, counts: Te
     """Global figures across ranks (only when a DTensor is involved or a group is given), numel included."""
     if group is None and not any_dtensor:
         numel = torch.tensor([t.numel() for t in originals], dtype=torch.int64)
-        return sumsq, amax, counts, None, numel.to(sumsq.device, non_blocking=True)
+        return sumsq, amax, counts, None, _to_device_async(numel, sumsq.device)
     from torch_gradstats.distributed import reduce_across_ranks  # only on this path
 
     return reduce_across_ranks(originals, sumsq, amax, counts, group, return_numel=True)
@@ -345,8 +353,8 @@ class GradWeightStats:
                               else torch.tensor(math.nan if v is None else float(v), dtype=torch.float64,
                                                 device=device) for v in self.lrs])
         else:
-            lr = torch.tensor([math.nan if v is None else float(v) for v in self.lrs], dtype=torch.float64)
-            lr = lr.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else lr.to(device)
+            lr = _to_device_async(torch.tensor([math.nan if v is None else float(v) for v in self.lrs],
+                                               dtype=torch.float64), device)
         return lr * self.grads.norms / self.weight_norms
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:
