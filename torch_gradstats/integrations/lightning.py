@@ -182,9 +182,8 @@ class _GradStatsMixin:
         if self.lightning_names:  # the per-parameter gradient norms are already there under Lightning's names
             ours = {k: v for k, v in ours.items() if not k.startswith(self.prefix + "norm/")}
         values.update(ours)
-        g = grad_report(report)
-        if g.first_nonfinite is not None:
-            logger.warning("torch_gradstats: first non-finite gradient at logger step %d: %s", logger_step,
+        if grad_report(report).first_nonfinite is not None and self.on_nonfinite is None:  # else already said
+            logger.warning("torch_gradstats: non-finite gradient at logger step %d: %s", logger_step,
                            describe_nonfinite(report))
         for lg in trainer.loggers:
             lg.log_metrics(values, step=logger_step)
