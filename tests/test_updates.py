@@ -169,6 +169,10 @@ def test_no_grads_and_bad_input() -> None:
         grad_and_weight_stats([1, 2])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="no parameters"):
         UpdateRatio([])
+    emb = nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="'weight'.*sparse=False"):
+        grad_and_weight_stats(emb.named_parameters())
 
 
 def _fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats.health import HealthPolicy
-from torch_gradstats.ops import multi_tensor_stats
+from torch_gradstats.ops import SUPPORTED_DTYPES, multi_tensor_stats
 from torch_gradstats.stats import GradReport, GradStats, ParamsLike
 
 __all__ = [
@@ -95,7 +95,18 @@ def _dtensor_types() -> tuple[type, ...]:
 
 def _local(t: Tensor, dtensor_types: tuple[type, ...]) -> Tensor:
     t = t.detach()
-    return t.to_local() if dtensor_types and isinstance(t, dtensor_types) else t
+    return t.to_local() if dtensor_types and isinstance(t, dtensor_types) else t  # type: ignore[attr-defined]
+
+
+def _check_named(what: str, named: Sequence[tuple[str, Tensor]]) -> None:
+    """After the op refused its input: the same failure, named by parameter (metadata only)."""
+    for name, t in named:
+        if t.layout != torch.strided:
+            raise ValueError(f"{what}: parameter {name!r} has a {t.layout} tensor; only dense (strided) gradients "
+                             "and weights are supported (for nn.Embedding(sparse=True) use sparse=False)")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{what}: parameter {name!r} has a {t.dtype} tensor; expected float16, bfloat16, "
+                            "float32 or float64")
 
 
 def _to_device_async(t: Tensor, device: torch.device) -> Tensor:
@@ -462,12 +473,17 @@ def grad_and_weight_stats(
         return GradWeightStats(stats, empty_f.clone(), empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64),
                                [] if optimizer is not None else None, update)
     names = _unique([n for n, _ in named])
-    grads = [p.grad for _, p in named]
+    grads: list[Tensor] = [p.grad for _, p in named]  # type: ignore[misc]
     weights = [p.detach() for _, p in named]
     local = [_local(t, dt) for t in grads] + [_local(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
     home = _home(local)
-    sumsq, amax, counts = _stats_per_device(local, home)
+    try:
+        sumsq, amax, counts = _stats_per_device(local, home)
+    except (TypeError, ValueError, RuntimeError):
+        _check_named("grad_and_weight_stats", list(zip(names, local[: len(names)])) +
+                     list(zip(names, local[len(names):])))
+        raise
     sumsq, amax, counts, rank_nf, numel = _reduce(grads + weights, sumsq, amax, counts, group, any_dt)
     n = len(named)
     stats = GradStats(

@@ -71,7 +71,7 @@ logger = logging.getLogger("torch_gradstats")
 def _sync_gradients() -> bool:
     """True while the current micro-batch is the last of its optimizer step (set by the Trainer via accelerate)."""
     try:
-        from accelerate.state import GradientState
+        from accelerate.state import GradientState  # type: ignore[import-not-found,unused-ignore]
     except ImportError:  # the Trainer itself needs accelerate; without it every backward counts
         return True
     return bool(GradientState().sync_gradients)
