@@ -154,6 +154,7 @@ def run(
     progress: bool | None = None,
     device: str | None = None,
     plot: bool = True,
+    tensorboard: str | Path | None = None,
 ) -> DemoResult:
     """Train the demo model for ``steps`` optimizer steps; print the per-epoch table; write the plot and log."""
     if steps < 1:
@@ -194,6 +195,11 @@ def run(
         f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(names)} tensors"
         + (f", NaN injected into {inject_param}'s gradient at step {inject_nan}" if inject_nan is not None else "")
     )
+    writer = None
+    if tensorboard is not None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        writer = SummaryWriter(str(tensorboard))
     g = torch.Generator().manual_seed(seed)
     summaries: list[EpochSummary] = []
     threads = torch.get_num_threads()
@@ -208,11 +214,17 @@ def run(
             n = min(STEPS_PER_EPOCH, remaining)
             summary = trainer.train_epoch(_epoch_batches(x, y, n, g))
             summaries.append(summary)
+            if writer is not None:
+                from torch_gradstats.integrations.tensorboard import log_step_records
+
+                log_step_records(writer, summary.history)
             lines = format_epoch_table([summary]).splitlines()
             print("\n".join(lines if len(summaries) == 1 else lines[2:]), flush=True)
             remaining -= n
     finally:
         torch.set_num_threads(threads)
+        if writer is not None:
+            writer.close()
     seconds = time.perf_counter() - t0
 
     model.eval()
@@ -269,6 +281,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="skip the matplotlib plot")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write per-step TensorBoard scalars to DIR (needs the tensorboard package)")
     return p
 
 
@@ -289,6 +303,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             progress=False if args.no_progress else None,
             device=args.device,
             plot=not args.no_plot,
+            tensorboard=getattr(args, "tensorboard", None),
         )
     except ValueError as exc:
         print(f"error: {exc}")

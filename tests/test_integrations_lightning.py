@@ -1,0 +1,271 @@
+"""Lightning callback, with real Lightning training runs on the CPU (no mocks).
+
+Reference figures are computed independently at the same steps by a callback placed before ours, with plain
+float64 PyTorch and with Lightning's own ``grad_norm`` utility.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import grad_norm
+
+from torch_gradstats.integrations._common import StatsTaker
+from torch_gradstats.integrations.lightning import GradStatsCallback
+
+NAMES = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, nan_at: int | None = None, lr: float = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.nan_at = nan_at
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == self.nan_at:  # a NaN in one gradient at one optimizer step
+            self.net[2].weight.grad[0, 0] = float("nan")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class Recorder(L.Callback):
+    """Independent figures at every optimizer step, before our callback (callbacks run in list order)."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, dict[str, float]] = {}
+        self.nans: dict[int, int] = {}
+        self.lightning: dict[int, dict[str, float]] = {}
+        self.before: dict[int, dict[str, torch.Tensor]] = {}
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+        self.lr: float = 0.0
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        step = trainer.global_step
+        self.norms[step] = {n: float(p.grad.double().norm()) for n, p in pl_module.named_parameters()}
+        self.nans[step] = sum(int(p.grad.isnan().sum()) for p in pl_module.parameters())
+        self.lightning[step] = {k: float(v) for k, v in grad_norm(pl_module, 2).items()}
+        self.before[step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.lr = optimizer.param_groups[0]["lr"]
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.after[trainer.global_step - 1] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def _data(n: int = 96) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=8)
+
+
+def _fit(module: L.LightningModule, callbacks: list, logger: Any, max_steps: int, **kw: Any) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, logger=logger,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
+        **kw,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _data())
+    return trainer
+
+
+def _csv_rows(logger: CSVLogger) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            rows.setdefault(step, {}).update({k: float(v) for k, v in row.items() if v != "" and k != "step"})
+    return rows
+
+
+def test_logged_values_match_independent_figures_and_nan_step_is_skipped(tmp_path: Path) -> None:
+    rec = Recorder()
+    cb = GradStatsCallback(every_n_steps=2, on_nonfinite="skip")
+    logger = CSVLogger(tmp_path)
+    # accumulation 2 and clipping far below the gradients' norm: the figures must be the accumulated,
+    # unclipped gradients that the recorder sees in the same hook.
+    trainer = _fit(Tiny(nan_at=4), [rec, cb], logger, max_steps=6, accumulate_grad_batches=2,
+                   gradient_clip_val=1e-3)
+    assert trainer.global_step == 6
+    rows = _csv_rows(logger)
+    assert sorted(rows) == [0, 2, 4]
+    for step in (0, 2, 4):
+        row = rows[step]
+        # Lightning's own key names, with the values of Lightning's own grad_norm utility
+        lightning_keys = {k for k in row if k.startswith("grad_2.0_norm")}
+        assert lightning_keys == set(rec.lightning[step])
+        for name in NAMES:
+            ref = rec.norms[step][name]
+            got = row[f"grad_2.0_norm/{name}"]
+            assert (math.isnan(ref) and math.isnan(got)) or got == pytest.approx(ref, rel=1e-6), (step, name)
+        assert row["grad_stats/nan_count"] == rec.nans[step]
+    for step in (0, 2):
+        total = math.sqrt(sum(v * v for v in rec.norms[step].values()))
+        assert rows[step]["grad_2.0_norm_total"] == pytest.approx(total, rel=1e-6)
+        assert rows[step]["grad_2.0_norm_total"] == pytest.approx(rec.lightning[step]["grad_2.0_norm_total"],
+                                                                   rel=1e-5)
+        assert total > 100 * 1e-3  # so clipping was active and the figures are from before it
+        assert rows[step]["grad_stats/health"] == 1.0
+        assert rows[step]["grad_stats/first_nonfinite_index"] == -1
+    bad = rows[4]
+    assert bad["grad_stats/nan_count"] == 1 and bad["grad_stats/health"] == 0.0
+    assert bad["grad_stats/first_nonfinite_index"] == NAMES.index("net.2.weight")
+    assert math.isnan(bad["grad_2.0_norm_total"])
+    # the NaN step was skipped: weights unchanged by it, and finite at the end
+    assert cb.skipped_steps == [4]
+    for name in NAMES:
+        torch.testing.assert_close(rec.after[4][name], rec.before[4][name], rtol=0, atol=0)
+        assert not torch.equal(rec.after[3][name], rec.before[3][name])  # a normal step did update
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+def test_stop_on_nonfinite(tmp_path: Path) -> None:
+    rec = Recorder()
+    cb = GradStatsCallback(every_n_steps=100, on_nonfinite="stop")
+    trainer = _fit(Tiny(nan_at=2), [rec, cb], CSVLogger(tmp_path), max_steps=10)
+    assert trainer.should_stop
+    assert trainer.global_step == 3  # steps 0, 1, and the skipped step 2; nothing after
+    assert cb.skipped_steps == [2]
+    for name in NAMES:
+        torch.testing.assert_close(rec.after[2][name], rec.before[2][name], rtol=0, atol=0)
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts reads of a tensor value into Python (.item(), bool(), float(): aten::_local_scalar_dense) and copies
+    to the CPU from another device (none exist on a CPU-only run, but the mode would see them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default or func is torch.ops.aten._to_copy.default and args and args[0].device.type != "cpu" \
+                and str(kwargs.get("device", "")) == "cpu":
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _instrument(cb: GradStatsCallback) -> dict[str, int]:
+    """Count, per optimizer step, the callback's transfer points (report: one packed copy; nonfinite: one
+    .item()) and every scalar read made anywhere inside its hooks."""
+    counts = {"report": 0, "check": 0, "scalar_reads": 0}
+    taker: StatsTaker = cb.taker
+    real_report, real_check = taker.report, taker.nonfinite
+
+    def report(stats: Any) -> Any:
+        counts["report"] += 1
+        return real_report(stats)
+
+    def check(stats: Any) -> bool:
+        counts["check"] += 1
+        return real_check(stats)
+
+    taker.report = report  # type: ignore[method-assign]
+    taker.nonfinite = check  # type: ignore[method-assign]
+    for hook in ("on_before_optimizer_step", "on_train_batch_end"):
+        real = getattr(cb, hook)
+
+        def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            with _ScalarReads() as mode:
+                out = _real(*args, **kwargs)
+            counts["scalar_reads"] += mode.count
+            return out
+
+        setattr(cb, hook, wrapped)
+    return counts
+
+
+@pytest.mark.parametrize("on_nonfinite", [None, "skip"])
+def test_host_syncs_only_when_logging_or_checking(tmp_path: Path, on_nonfinite: str | None) -> None:
+    cb = GradStatsCallback(every_n_steps=3, on_nonfinite=on_nonfinite)  # type: ignore[arg-type]
+    counts = _instrument(cb)
+    _fit(Tiny(), [cb], CSVLogger(tmp_path), max_steps=6)
+    assert counts["report"] == 2  # steps 0 and 3: one packed transfer each
+    if on_nonfinite is None:
+        assert counts["check"] == 0 and counts["scalar_reads"] == 0  # nothing else reads the device
+    else:
+        assert counts["check"] == 4 and counts["scalar_reads"] == 4  # one .item() on each non-logging step
+
+
+def test_weight_norms_and_update_ratio_with_tensorboard_logger(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rec = Recorder()
+    cb = GradStatsCallback(every_n_steps=1, log_weight_norms=True, log_update_ratio=True)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    _fit(Tiny(lr=0.2), [rec, cb], logger, max_steps=3)
+    logger.experiment.flush()
+    acc = EventAccumulator(logger.log_dir)
+    acc.Reload()
+
+    def scalar(tag: str) -> dict[int, float]:
+        return {e.step: e.value for e in acc.Scalars(tag)}
+
+    for name in NAMES:
+        wn, ur = scalar(f"grad_stats/weight_norm/{name}"), scalar(f"grad_stats/update_ratio/{name}")
+        lr_ur, gn = scalar(f"grad_stats/lr_update_ratio/{name}"), scalar(f"grad_2.0_norm/{name}")
+        assert sorted(wn) == [0, 1, 2]
+        for step in range(3):
+            w0, w1 = rec.before[step][name].double(), rec.after[step][name].double()
+            assert wn[step] == pytest.approx(float(w0.norm()), rel=1e-5)
+            assert ur[step] == pytest.approx(float((w1 - w0).norm() / w1.norm()), rel=1e-4)
+            assert lr_ur[step] == pytest.approx(rec.lr * rec.norms[step][name] / float(w0.norm()), rel=1e-5)
+            assert gn[step] == pytest.approx(rec.norms[step][name], rel=1e-5)
+
+
+def test_pytorch_lightning_namespace(tmp_path: Path) -> None:
+    pl = pytest.importorskip("pytorch_lightning")
+    from torch_gradstats.integrations.lightning import PLGradStatsCallback
+
+    class PLTiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(6, 3)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = PLGradStatsCallback(every_n_steps=1)
+    assert isinstance(cb, pl.Callback)
+    logger = pl.loggers.CSVLogger(tmp_path)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, callbacks=[cb], logger=logger, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(PLTiny(), _data())
+    rows = _csv_rows(logger)
+    assert sorted(rows) == [0, 1]
+    assert rows[1]["grad_2.0_norm_total"] == pytest.approx(cb.last_report.total_norm, rel=1e-12)
+    assert "grad_2.0_norm/net.weight" in rows[0]
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        GradStatsCallback(on_nonfinite="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="every_n_steps"):
+        GradStatsCallback(every_n_steps=0)

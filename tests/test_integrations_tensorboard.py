@@ -1,0 +1,107 @@
+"""TensorBoard sink and the demo's --tensorboard option: event files written, then read back with TensorBoard."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+import torch_gradstats as tg
+from torch_gradstats.integrations import GradSink, metrics
+from torch_gradstats.integrations.tensorboard import TensorBoardSink
+from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
+
+
+def _events(logdir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _scalar(acc: EventAccumulator, tag: str) -> dict[int, float]:
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_sink_scalars_histograms_and_text(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = SummaryWriter(str(tmp_path))
+    sink = TensorBoardSink(writer, histograms=True)
+    assert isinstance(sink, GradSink)
+    expected = {}
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        if step == 2:
+            model[2].weight.grad[0, 0] = float("nan")
+        report = tg.grad_stats(model.named_parameters()).report()
+        expected[step] = report
+        sink.log(report, step)
+        opt.step()
+    writer.close()
+
+    acc = _events(tmp_path)
+    tags = acc.Tags()
+    total = _scalar(acc, "grad/total_norm")
+    for step in (0, 1):
+        assert total[step] == pytest.approx(expected[step].total_norm, rel=1e-6)
+        for name, norm in expected[step].norms.items():
+            assert _scalar(acc, f"grad/norm/{name}")[step] == pytest.approx(norm, rel=1e-6)
+    assert math.isnan(total[2])
+    assert _scalar(acc, "grad/nan_count") == {0: 0.0, 1: 0.0, 2: 1.0}
+    assert _scalar(acc, "grad/first_nonfinite_index") == {0: -1.0, 1: -1.0, 2: 2.0}  # "2.weight" is third
+    assert _scalar(acc, "grad/health")[2] == 0.0
+    # every numeric figure of the report became a scalar
+    assert set(metrics(expected[0])) <= set(tags["scalars"])
+    # histogram over parameters of the per-parameter norms; the NaN norm left out at step 2
+    hist = {e.step: e.histogram_value for e in acc.Histograms("grad/norms")}
+    assert hist[0].num == 4 and hist[2].num == 3
+    assert hist[0].max == pytest.approx(expected[0].max_norm, rel=1e-6)
+    # the name of the bad parameter, as text, only at the bad step
+    texts = acc.Tensors("grad/first_nonfinite/text_summary")
+    assert [t.step for t in texts] == [2]
+    assert b"2.weight" in texts[0].tensor_proto.string_val[0]
+
+
+def test_sink_with_update_report(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    model(torch.randn(4, 3)).sum().backward()
+    s = grad_and_weight_stats(model.named_parameters(), optimizer=opt)
+    with UpdateRatio(model.named_parameters()) as ratio:
+        opt.step()
+    s.update = ratio.stats
+    report = s.report()
+    with SummaryWriter(str(tmp_path)) as writer:
+        TensorBoardSink(writer, prefix="gs/", histograms=True).log(report, 7)
+    acc = _events(tmp_path)
+    assert _scalar(acc, "gs/weight_norm/weight")[7] == pytest.approx(report.weight_norms["weight"], rel=1e-6)
+    assert _scalar(acc, "gs/update_ratio/bias")[7] == pytest.approx(report.update_ratios["bias"], rel=1e-6)
+    assert _scalar(acc, "gs/lr_update_ratio/bias")[7] == pytest.approx(report.lr_update_ratios["bias"], rel=1e-6)
+    assert {e.step for e in acc.Histograms("gs/update_ratios")} == {7}
+
+
+def test_demo_writes_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torch_gradstats import demo
+
+    tb = tmp_path / "tb"
+    code = demo.main(["--steps", "6", "--inject-nan", "3", "--out", str(tmp_path / "out"), "--no-plot",
+                      "--no-progress", "--device", "cpu", "--tensorboard", str(tb)])
+    assert code == 0
+    capsys.readouterr()
+    acc = _events(tb)
+    norms = _scalar(acc, "grad/total_norm")
+    assert sorted(norms) == list(range(6))
+    assert math.isnan(norms[3]) and all(math.isfinite(norms[s]) for s in (0, 1, 2, 4, 5))
+    assert _scalar(acc, "grad/skipped") == {s: float(s == 3) for s in range(6)}
+    assert _scalar(acc, "grad/nan_count")[3] > 0
+    assert set(_scalar(acc, "train/loss")) == set(range(6))

@@ -1,0 +1,122 @@
+"""W&B sink in offline mode (no network): the run file is read back record by record."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+wandb = pytest.importorskip("wandb")
+pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
+
+import torch_gradstats as tg
+from torch_gradstats.integrations import GradSink
+from torch_gradstats.integrations.wandb import WandbSink
+
+
+def _read_records(path: Path) -> list:
+    """Records of a ``.wandb`` file: a 7-byte header, then LevelDB-log framing (32 KiB blocks; each chunk has a
+    crc32, a 2-byte length and a type: 1 full, 2 first, 3 middle, 4 last) around protobuf ``Record`` messages."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pending, raws = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:  # block padding
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            raws.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            raws.append(pending + chunk)
+    records = []
+    for raw in raws:
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        records.append(rec)
+    return records
+
+
+def _key(item) -> str:  # type: ignore[no-untyped-def]
+    return item.key or "/".join(item.nested_key)
+
+
+def test_wandb_sink_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    run = wandb.init(project="torch-gradstats-test", dir=str(tmp_path))
+    sink = WandbSink(run)
+    assert isinstance(sink, GradSink)
+    reports = {}
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        if step == 1:
+            model[0].bias.grad[3] = float("inf")
+        reports[step] = tg.grad_stats(model.named_parameters()).report()
+        sink.log(reports[step], step)
+        opt.step()
+    assert run.summary["grad/first_nonfinite"] == "0.bias"
+    assert run.summary["grad/first_nonfinite_step"] == 1
+    run_dir = Path(run.dir).parent
+    run.finish()
+
+    files = list(run_dir.glob("run-*.wandb"))
+    assert len(files) == 1
+    records = _read_records(files[0])
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):  # written by W&B's own service
+        assert time.monotonic() < deadline, "the offline run file was never completed"
+        time.sleep(0.2)
+        records = _read_records(files[0])
+    history = {}
+    for rec in records:
+        if rec.WhichOneof("record_type") == "history":
+            row = {_key(i): json.loads(i.value_json) for i in rec.history.item}
+            history[rec.history.step.num] = row
+    assert sorted(history) == [0, 1, 2]
+    for step, report in reports.items():
+        row = history[step]
+        for name, norm in report.norms.items():
+            got = row[f"grad/norm/{name}"]
+            assert (math.isinf(got) and math.isinf(norm)) or got == pytest.approx(norm, rel=1e-12)
+        assert row["grad/inf_count"] == report.inf_count
+        assert row["grad/nan_count"] == 0
+        assert row["grad/health"] == report.health
+        assert row["grad/first_nonfinite_index"] == (1 if step == 1 else -1)  # "0.bias" is second
+    assert math.isinf(history[1]["grad/total_norm"]) and history[1]["grad/health"] == 0.0
+    assert history[0]["grad/total_norm"] == pytest.approx(reports[0].total_norm, rel=1e-12)
+    summary = {}
+    for rec in records:
+        if rec.WhichOneof("record_type") == "summary":
+            summary.update({_key(i): json.loads(i.value_json) for i in rec.summary.update})
+    assert summary["grad/first_nonfinite"] == "0.bias"
+
+
+def test_wandb_sink_needs_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wandb, "run", None)
+    report = tg.grad_stats([]).report()
+    with pytest.raises(RuntimeError, match="wandb.init"):
+        WandbSink().log(report, 0)

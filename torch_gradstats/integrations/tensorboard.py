@@ -1,0 +1,85 @@
+"""TensorBoard sink: write gradient reports to a ``SummaryWriter``.
+
+Example::
+
+    from torch.utils.tensorboard import SummaryWriter
+    from torch_gradstats.integrations.tensorboard import TensorBoardSink
+
+    sink = TensorBoardSink(SummaryWriter("runs/exp"), histograms=True)
+    ...
+    sink.log(tg.grad_stats(model.named_parameters()).report(), step)
+
+What it writes at each step (``prefix`` defaults to ``"grad/"``):
+
+* one scalar per figure of :func:`torch_gradstats.integrations.metrics`: ``grad/total_norm``, ``grad/health``,
+  ``grad/nan_count``, ... and ``grad/first_nonfinite_index`` (-1 while everything is finite);
+* with ``per_param``: ``grad/norm/<parameter>`` (and, from an ``UpdateReport``, ``grad/weight_norm/<parameter>``,
+  ``grad/lr_update_ratio/<parameter>``, ``grad/update_ratio/<parameter>``);
+* with ``histograms``: ``grad/norms`` (and ``grad/update_ratios``), a histogram over parameters of the per-parameter
+  values at that step (non-finite values left out; their count is in the scalars);
+* when a gradient is non-finite: a text entry ``grad/first_nonfinite`` naming the first such parameter.
+
+The writer is not closed by the sink; call ``writer.flush()`` or ``close()`` as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
+from torch_gradstats.updates import UpdateReport
+
+__all__ = ["TensorBoardSink", "log_step_records"]
+
+
+class TensorBoardSink:
+    """Write reports to a ``torch.utils.tensorboard.SummaryWriter`` (or anything with its ``add_scalar``,
+    ``add_histogram`` and ``add_text`` methods, e.g. ``tensorboardX``).
+
+    Args:
+        writer: a SummaryWriter, or a log directory (a SummaryWriter is created there).
+        prefix: tag prefix (default ``"grad/"``).
+        per_param: write one scalar per parameter and figure.
+        histograms: also write histograms over parameters of the per-parameter norms.
+    """
+
+    def __init__(self, writer: Any, prefix: str = "grad/", per_param: bool = True, histograms: bool = False) -> None:
+        if isinstance(writer, str) or hasattr(writer, "__fspath__"):
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            writer = SummaryWriter(str(writer))
+        self.writer = writer
+        self.prefix = prefix
+        self.per_param = per_param
+        self.histograms = histograms
+
+    def log(self, report: AnyReport, step: int) -> None:
+        for tag, value in metrics(report, self.prefix, self.per_param).items():
+            self.writer.add_scalar(tag, value, step)
+        g = grad_report(report)
+        if self.histograms:
+            import numpy as np
+
+            norms = finite_values(list(g.norms.values()))
+            if norms:
+                self.writer.add_histogram(self.prefix + "norms", np.asarray(norms), step)
+            if isinstance(report, UpdateReport) and report.update_ratios:
+                ratios = finite_values(list(report.update_ratios.values()))
+                if ratios:
+                    self.writer.add_histogram(self.prefix + "update_ratios", np.asarray(ratios), step)
+        if g.first_nonfinite is not None:
+            more = f" (+{len(g.nonfinite) - 1} more)" if len(g.nonfinite) > 1 else ""
+            self.writer.add_text(self.prefix + "first_nonfinite", f"{g.first_nonfinite}{more}", step)
+
+
+def log_step_records(writer: Any, records: Any, prefix: str = "grad/") -> None:
+    """Write :class:`torch_gradstats.training.StepRecord` rows (an epoch summary's ``history``) to a writer, one point
+    per optimizer step: ``<prefix>total_norm``, ``<prefix>health``, ``<prefix>nan_count``, ``<prefix>inf_count``,
+    ``<prefix>skipped`` and ``train/loss``. Non-finite norms are written as they are (TensorBoard shows a gap)."""
+    for r in records:
+        writer.add_scalar("train/loss", r.loss, r.step)
+        writer.add_scalar(prefix + "total_norm", r.total_norm, r.step)
+        writer.add_scalar(prefix + "health", r.health, r.step)
+        writer.add_scalar(prefix + "nan_count", float(r.nan_count), r.step)
+        writer.add_scalar(prefix + "inf_count", float(r.inf_count), r.step)
+        writer.add_scalar(prefix + "skipped", float(r.skipped), r.step)

@@ -1,0 +1,246 @@
+"""Hugging Face ``transformers.Trainer`` callback: gradient statistics from one read, logged through the Trainer.
+
+Example::
+
+    from transformers import Trainer
+    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    add_to_trainer(trainer, GradStatsCallback(on_nonfinite="skip"))   # first in line, see "Logging" below
+    trainer.train()
+
+When the figures are taken. The Trainer calls ``on_pre_optimizer_step`` *after* it has clipped the gradients (and,
+in recent versions, after computing ``grad_norm`` with ``clip_grad_norm_(params, inf)``, which multiplies every
+gradient by the coefficient, so a NaN anywhere turns every gradient into NaN). Figures taken there would be of
+clipped gradients and could not name the parameter that went bad. So the callback reads the gradients at the end of
+the backward pass of the **last micro-batch** of each optimizer step (gradient accumulation complete, found through
+accelerate's ``GradientState.sync_gradients``, which the Trainer sets before each micro-batch), from a
+``register_post_accumulate_grad_hook`` on each trainable parameter that queues one autograd-engine callback. That is
+**before clipping** (the Trainer's ``max_grad_norm``): the logged ``grad/total_norm`` equals the Trainer's own
+``grad_norm`` log entry (its pre-clip norm). Under DDP the callback is queued to run after DDP's own end-of-backward
+callback, so the gradients are already averaged. Under ``fp16`` (a ``GradScaler``), gradients are still multiplied
+by the loss scale at that point: norms are divided by the scaler's current scale on the device (no sync); counts
+need no unscaling (an overflow shows as Inf, exactly what makes the scaler skip the step). DeepSpeed keeps its
+gradients outside ``param.grad``, so it is not supported.
+
+Which steps: the ones the Trainer logs (``logging_strategy="steps"``: every ``logging_steps``, and the first with
+``logging_first_step``); with ``logging_strategy="epoch"`` every step is read on the device and the last one is
+reported when the Trainer logs. ``on_nonfinite`` reads every step.
+
+Logging: in ``on_log`` the figures of the step being logged are added to the Trainer's ``logs`` dict (the one
+every ``report_to`` integration receives) and to ``trainer.state.log_history``, under ``grad/``: ``total_norm``,
+``inf_norm``, ``zero_count``, ``nan_count``, ``inf_count``, ``zero_fraction``, ``health``, ``min_norm``,
+``max_norm``, ``num_nonfinite_tensors``, ..., ``first_nonfinite_index`` (-1 if all finite; the name goes to the
+Python log) and ``norm/<parameter>``; with ``log_weight_norms=True`` also ``weight_norm/<parameter>``,
+``weight_norm_total``, ``lr_update_ratio/<parameter>``; with ``log_update_ratio=True`` also
+``update_ratio/<parameter>`` (measured around ``optimizer.step()``, in ``on_optimizer_step``; one copy of the
+weights is kept). The Trainer calls callbacks in order and puts ``report_to`` integrations (TensorBoard, W&B, ...)
+before the ones passed as ``callbacks=[...]``; :func:`add_to_trainer` puts this one first so they all see the
+figures (passed through ``callbacks=``, the figures reach ``log_history`` and the callbacks after it only).
+
+Host syncs: exactly one device-to-host transfer per logging step (in ``on_log``, only on the main process; the
+figures are the same on every rank), none on other steps; with ``on_nonfinite`` one small transfer per optimizer
+step on every rank (so all ranks agree).
+
+Non-finite gradients (``on_nonfinite``): ``"skip"`` sets every gradient to None before the Trainer clips and
+steps, so the optimizer leaves every parameter untouched (the LR scheduler still steps, as it does when AMP skips);
+under fp16 the ``GradScaler`` already skips such steps and nothing more is done. ``"stop"`` skips the step too and
+sets ``control.should_training_stop``. Skipped steps are in ``callback.skipped_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from torch_gradstats.health import HealthPolicy
+from torch_gradstats.integrations import AnyReport, grad_report, metrics
+from torch_gradstats.integrations._common import OnNonfinite, StatsTaker, check_options, describe_nonfinite
+from torch_gradstats.stats import GradStats
+from torch_gradstats.updates import GradWeightStats
+
+__all__ = ["GradStatsCallback", "add_to_trainer"]
+
+logger = logging.getLogger("torch_gradstats")
+
+
+def _sync_gradients() -> bool:
+    """True while the current micro-batch is the last of its optimizer step (set by the Trainer via accelerate)."""
+    try:
+        from accelerate.state import GradientState  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # the Trainer itself needs accelerate; without it every backward counts
+        return True
+    return bool(GradientState().sync_gradients)
+
+
+def _unscaled(stats: GradStats | GradWeightStats, scale: torch.Tensor) -> GradStats | GradWeightStats:
+    """The statistics of ``grads / scale`` from those of ``grads`` (on the device; counts are unchanged)."""
+    g = stats.grads if isinstance(stats, GradWeightStats) else stats
+    s = scale.to(device=g.device, dtype=torch.float64)
+    unscaled = dataclasses.replace(g, sumsq=g.sumsq / (s * s), amax=g.amax / s)
+    if isinstance(stats, GradWeightStats):
+        return dataclasses.replace(stats, grads=unscaled)
+    return unscaled
+
+
+class GradStatsCallback(TrainerCallback):
+    """Gradient statistics of each logged optimizer step, added to the Trainer's logs (see the module docstring).
+
+    Args:
+        per_param: log one value per parameter (norms, and weight norms / ratios when asked for).
+        prefix: key prefix (default ``"grad/"``).
+        on_nonfinite: None, ``"skip"`` or ``"stop"``; checks every step.
+        log_weight_norms: log weight norms and ``lr * ||g|| / ||w||``, from the same op call as the gradients.
+        log_update_ratio: log the measured ``||Δw|| / ||w||`` of the logged steps (keeps one copy of the weights).
+        group: process group for plain-tensor shards (FSDP1 with flat parameters); None otherwise.
+        policy: health policy (default ``HealthPolicy()``).
+    """
+
+    def __init__(
+        self,
+        *,
+        per_param: bool = True,
+        prefix: str = "grad/",
+        on_nonfinite: OnNonfinite = None,
+        log_weight_norms: bool = False,
+        log_update_ratio: bool = False,
+        group: Any = None,
+        policy: HealthPolicy | None = None,
+    ) -> None:
+        check_options(None, on_nonfinite)
+        self.per_param = per_param
+        self.prefix = prefix
+        self.on_nonfinite = on_nonfinite
+        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5)
+        self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
+        self.last_report: AnyReport | None = None  #: the last report logged (main process)
+        self._handles: list[Any] = []
+        self._model: Any = None
+        self._optimizer: Any = None
+        self._args: Any = None
+        self._state: Any = None
+        self._queued = False
+        self._pending: tuple[int, GradStats | GradWeightStats] | None = None  # (global step after it, stats)
+        self._measure_after_step = False
+        self._stop = False
+
+    # ----------------------------------------------------------------------------------------------- hooks
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        if model is None:
+            raise ValueError("GradStatsCallback: the Trainer passed no model to on_train_begin")
+        self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
+        self._remove_hooks()
+        for _, p in StatsTaker.trainable(model):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._remove_hooks()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._stop:
+            control.should_training_stop = True
+            self._stop = False
+        return control
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._measure_after_step and self._pending is not None:
+            self.taker.measure(self._pending[1])
+        self._measure_after_step = False
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        if self._pending is None or logs is None or "loss" not in logs:
+            return
+        step, stats = self._pending
+        if step != state.global_step:  # figures of another step: never attach them to this one
+            return
+        self._pending = None
+        if not state.is_world_process_zero:
+            return
+        report = self.taker.report(stats)  # the one transfer of this logging step
+        figures = metrics(report, self.prefix, self.per_param)
+        logs.update(figures)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(figures)
+        if grad_report(report).first_nonfinite is not None:
+            logger.warning("torch_gradstats: first non-finite gradient at step %d: %s", step,
+                           describe_nonfinite(report))
+        self.last_report = report
+
+    # ----------------------------------------------------------------------------------------------- internals
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        # Called for each parameter as its gradient is accumulated; queue one callback per backward, only on the
+        # last micro-batch of an optimizer step.
+        if self._queued or not _sync_gradients():
+            return
+        self._queued = True
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        # Queued from a queued callback, it runs after every callback queued during the backward, DDP's
+        # end-of-backward reduction included.
+        engine.queue_callback(lambda: engine.queue_callback(self._after_backward))
+
+    def _will_log(self, next_step: int) -> bool:
+        args, state = self._args, self._state
+        strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
+        if strategy == "no":
+            return False
+        if strategy != "steps":
+            return True  # e.g. "epoch": read every step on the device, report the last one when it logs
+        every = max(int(getattr(state, "logging_steps", None) or args.logging_steps or 1), 1)
+        return next_step % every == 0 or (next_step == 1 and bool(args.logging_first_step))
+
+    def _scale(self) -> torch.Tensor | None:
+        scaler = getattr(self._optimizer, "scaler", None)  # accelerate's optimizer wrapper under fp16
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)  # the scale as a device tensor (get_scale() would sync)
+
+    def _after_backward(self) -> None:
+        self._queued = False
+        next_step = self._state.global_step + 1  # the global step once this optimizer step is done
+        log_now = self._will_log(next_step)
+        if not log_now and self.on_nonfinite is None:
+            return
+        with torch.no_grad():
+            stats = self.taker.take(self._model, self._optimizer)
+            scale = self._scale()
+            if scale is not None:
+                stats = _unscaled(stats, scale)
+        if self.on_nonfinite is not None and self.taker.nonfinite(stats):
+            self._handle_nonfinite(next_step - 1, scale is not None)
+        if log_now:
+            self._pending = (next_step, stats)
+            if self.taker.log_update_ratio:
+                self.taker.snapshot(self._model)
+                self._measure_after_step = True
+
+    def _handle_nonfinite(self, step: int, scaler_skips: bool) -> None:
+        if scaler_skips:
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d; the GradScaler skips it", step)
+        else:
+            for _, p in StatsTaker.trainable(self._model):
+                p.grad = None  # the optimizer then leaves every parameter untouched
+            self.skipped_steps.append(step)
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d; step skipped%s", step,
+                           ", stopping" if self.on_nonfinite == "stop" else "")
+        if self.on_nonfinite == "stop":
+            self._stop = True
+
+
+def add_to_trainer(trainer: Any, callback: GradStatsCallback | None = None, **kwargs: Any) -> GradStatsCallback:
+    """Add ``callback`` (or ``GradStatsCallback(**kwargs)``) to ``trainer`` as its *first* callback, so the
+    ``report_to`` integrations that log after it receive its figures. Returns the callback."""
+    cb = callback if callback is not None else GradStatsCallback(**kwargs)
+    trainer.callback_handler.callbacks.insert(0, cb)
+    return cb
+

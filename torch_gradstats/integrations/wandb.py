@@ -1,0 +1,71 @@
+"""Weights & Biases sink: log gradient reports to a W&B run with an explicit step.
+
+Example::
+
+    import wandb
+    from torch_gradstats.integrations.wandb import WandbSink
+
+    run = wandb.init(project="my-project")
+    sink = WandbSink(run)
+    ...
+    sink.log(tg.grad_stats(model.named_parameters()).report(), step)
+
+Each call is one ``run.log(figures, step=step)`` with the figures of :func:`torch_gradstats.integrations.metrics`
+(``grad/total_norm``, ``grad/health``, ``grad/nan_count``, ..., ``grad/norm/<parameter>``), all numbers, so every
+one becomes a line chart. The name of the first parameter whose gradient went non-finite is a string: it goes to
+the run's summary (``run.summary["grad/first_nonfinite"]``, with ``grad/first_nonfinite_step``), not to the
+history. W&B requires steps that never decrease across all ``run.log`` calls of a run; pass ``commit=False`` to
+let the figures join the row your own next ``run.log`` call completes.
+
+Compared with ``wandb.watch(model, log="gradients")``: ``watch`` hooks every parameter and uploads a histogram of
+each gradient's *values* every ``log_freq`` batches; this sink uploads per-parameter *norms* and the counts computed
+on the device in one read, at the steps you choose. Both can run together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch_gradstats.integrations import AnyReport, grad_report, metrics
+
+__all__ = ["WandbSink"]
+
+
+class WandbSink:
+    """Log reports to a W&B run.
+
+    Args:
+        run: a ``wandb`` run (``wandb.init(...)``); None uses the current ``wandb.run`` at each call.
+        prefix: key prefix (default ``"grad/"``).
+        per_param: log one value per parameter and figure.
+        commit: passed to ``run.log`` (None: W&B's default).
+    """
+
+    def __init__(self, run: Any = None, prefix: str = "grad/", per_param: bool = True,
+                 commit: bool | None = None) -> None:
+        self.run = run
+        self.prefix = prefix
+        self.per_param = per_param
+        self.commit = commit
+        self._first_recorded = False
+
+    def _run(self) -> Any:
+        if self.run is not None:
+            return self.run
+        import wandb
+
+        if wandb.run is None:
+            raise RuntimeError("WandbSink: no W&B run; call wandb.init() first or pass run=")
+        return wandb.run
+
+    def log(self, report: AnyReport, step: int) -> None:
+        run = self._run()
+        kwargs: dict[str, Any] = {"step": step}
+        if self.commit is not None:
+            kwargs["commit"] = self.commit
+        run.log(metrics(report, self.prefix, self.per_param), **kwargs)
+        g = grad_report(report)
+        if g.first_nonfinite is not None and not self._first_recorded:
+            self._first_recorded = True
+            run.summary[self.prefix + "first_nonfinite"] = g.first_nonfinite
+            run.summary[self.prefix + "first_nonfinite_step"] = step

@@ -1,0 +1,502 @@
+"""Weight norms and update-to-weight ratios, from the same single read as the gradient statistics.
+
+:func:`grad_and_weight_stats` calls :func:`torch_gradstats.multi_tensor_stats` **once** over the gradients *and* the
+weights of the parameters (one call per device), so the weight norms cost no extra launch and no extra pass over
+the gradients. With an optimizer it also gives the usual estimate of the update-to-weight ratio,
+``lr * ||g|| / ||w||`` per parameter, using each parameter's learning rate from the optimizer's param groups. That
+estimate is the real ratio only for plain SGD (no momentum); for Adam and friends the update is normalised per
+element, so measure the true ratio with :class:`UpdateRatio`.
+
+:class:`UpdateRatio` measures ``||Δw|| / ||w||`` around an optimizer step: before the step it copies the weights
+once (one ``torch._foreach_copy_`` into buffers it keeps between steps), after the step it turns the copy into
+``w_before - w_after`` in place (one ``torch._foreach_sub_``) and reads the differences and the new weights in one
+op call. Memory cost: one copy of the measured parameters (``UpdateRatio.nbytes``: the sum of their sizes, in their
+own dtypes, on their own devices), kept between steps to avoid reallocating it; :meth:`UpdateRatio.release` frees it.
+
+Everything stays on the device until :meth:`GradWeightStats.report`, which makes exactly one device-to-host
+transfer for the gradient statistics, the weight norms, the learning rates and the measured updates together.
+
+Under FSDP2 (DTensor parameters) or with ``group=`` (plain shards), weights and updates are reduced across ranks in
+the same way as the gradients (:func:`torch_gradstats.distributed.reduce_across_ranks`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.health import HealthPolicy
+from torch_gradstats.ops import SUPPORTED_DTYPES, multi_tensor_stats
+from torch_gradstats.stats import GradReport, GradStats, ParamsLike
+
+__all__ = [
+    "GradWeightStats",
+    "UpdateRatio",
+    "UpdateReport",
+    "UpdateStats",
+    "grad_and_weight_stats",
+]
+
+
+# ---------------------------------------------------------------------------------------------- small helpers
+def _named(params: ParamsLike, what: str) -> list[tuple[str, Tensor]]:
+    """``[(name, param)]`` from what grad_stats accepts; unnamed items are named by their position, as grad_stats
+    names them."""
+    if isinstance(params, Tensor):
+        items: Iterable[Any] = [params]
+    elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+        raise TypeError(f"{what}: expected parameters (model.named_parameters(), model.parameters(), tensors), "
+                        f"got a {type(params).__name__}")
+    else:
+        items = params
+    out: list[tuple[str, Tensor]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, Tensor):
+            out.append((str(i), item))
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) \
+                and isinstance(item[1], Tensor):
+            out.append((item[0], item[1]))
+        else:
+            raise TypeError(f"{what}: item {i} is a {type(item).__name__}; expected a parameter tensor or a "
+                            "(name, tensor) pair")
+    return out
+
+
+def _unique(names: list[str]) -> list[str]:
+    """A repeated name becomes ``name#1``, ``name#2``... (grad_stats' rule), so two parameters never merge."""
+    if len(set(names)) == len(names):
+        return names
+    given, seen, out = set(names), set(), []
+    for name in names:
+        unique, k = name, 0
+        while unique in seen or (unique != name and unique in given):
+            k += 1
+            unique = f"{name}#{k}"
+        seen.add(unique)
+        out.append(unique)
+    return out
+
+
+def _dtensor_types() -> tuple[type, ...]:
+    """DTensor classes, only if torch's DTensor module is already imported (a tensor can only be one if so)."""
+    types = []
+    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        cls = getattr(sys.modules.get(mod_name), "DTensor", None)
+        if isinstance(cls, type) and cls not in types:
+            types.append(cls)
+    return tuple(types)
+
+
+def _local(t: Tensor, dtensor_types: tuple[type, ...]) -> Tensor:
+    t = t.detach()
+    return t.to_local() if dtensor_types and isinstance(t, dtensor_types) else t  # type: ignore[attr-defined]
+
+
+def _check_named(what: str, named: Sequence[tuple[str, Tensor]]) -> None:
+    """After the op refused its input: the same failure, named by parameter (metadata only)."""
+    for name, t in named:
+        if t.layout != torch.strided:
+            raise ValueError(f"{what}: parameter {name!r} has a {t.layout} tensor; only dense (strided) gradients "
+                             "and weights are supported (for nn.Embedding(sparse=True) use sparse=False)")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{what}: parameter {name!r} has a {t.dtype} tensor; expected float16, bfloat16, "
+                            "float32 or float64")
+
+
+def _to_device_async(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor to ``device`` without waiting for it (pinned memory for CUDA)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=True)
+
+
+def _stats_per_device(tensors: Sequence[Tensor], home: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """One op call per device (one call in the usual single-device case), results on ``home`` in input order."""
+    devices = {t.device for t in tensors}
+    if len(devices) == 1:
+        return multi_tensor_stats(tensors)
+    parts: list[tuple[list[int], tuple[Tensor, Tensor, Tensor]]] = []
+    for d in devices:
+        idx = [i for i, t in enumerate(tensors) if t.device == d]
+        s, a, c = multi_tensor_stats([tensors[i] for i in idx])
+        parts.append((idx, (_to_device_async(s, home), _to_device_async(a, home), _to_device_async(c, home))))
+    sumsq = torch.empty(len(tensors), dtype=torch.float64, device=home)
+    amax = torch.empty(len(tensors), dtype=torch.float64, device=home)
+    counts = torch.empty(len(tensors), 3, dtype=torch.int64, device=home)
+    for idx, (s, a, c) in parts:
+        i = _to_device_async(torch.tensor(idx), home)
+        sumsq[i], amax[i], counts[i] = s, a, c
+    return sumsq, amax, counts
+
+
+def _home(tensors: Sequence[Tensor]) -> torch.device:
+    for t in tensors:
+        if t.device.type != "cpu":
+            return t.device
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _reduce(originals: Sequence[Tensor], sumsq: Tensor, amax: Tensor, counts: Tensor, group: Any,
+            any_dtensor: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Global figures across ranks (only when a DTensor is involved or a group is given), numel included."""
+    if group is None and not any_dtensor:
+        numel = torch.tensor([t.numel() for t in originals], dtype=torch.int64)
+        return sumsq, amax, counts, None, _to_device_async(numel, sumsq.device)
+    from torch_gradstats.distributed import reduce_across_ranks  # only on this path
+
+    return reduce_across_ranks(originals, sumsq, amax, counts, group, return_numel=True)
+
+
+def _fetch(floats: Sequence[Tensor], ints: Sequence[Tensor]) -> tuple[list[float], list[int]]:
+    """Device tensors as Python numbers in ONE device-to-host transfer (float64 travel as int64 bit patterns, so
+    integer counts are never rounded)."""
+    device = (list(floats) + list(ints))[0].device
+    packed = torch.cat(
+        [t.reshape(-1).to(device=device, dtype=torch.float64).view(torch.int64) for t in floats]
+        + [t.reshape(-1).to(device=device, dtype=torch.int64) for t in ints]
+    ).cpu()
+    n = sum(t.numel() for t in floats)
+    return packed[:n].view(torch.float64).tolist(), packed[n:].tolist()
+
+
+def _ratio(num_sumsq: float, den_sumsq: float) -> float:
+    """sqrt(num) / sqrt(den); NaN if either is NaN, inf for a nonzero change of an all-zero tensor, 0 for 0/0."""
+    if math.isnan(num_sumsq) or math.isnan(den_sumsq):
+        return math.nan
+    num, den = math.sqrt(num_sumsq), math.sqrt(den_sumsq)
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+# ---------------------------------------------------------------------------------------------- UpdateRatio
+@dataclass
+class UpdateStats:
+    """One measured optimizer step, as device tensors (float64 ``[P]``): ``delta_sumsq`` is ``||w_before -
+    w_after||²`` and ``weight_sumsq`` is ``||w_after||²`` of each parameter, named by ``names``."""
+
+    names: list[str]
+    delta_sumsq: Tensor
+    weight_sumsq: Tensor
+
+    @property
+    def ratios(self) -> Tensor:
+        """float64 ``[P]``: ``||Δw|| / ||w||`` (weights after the step), on the device."""
+        return self.delta_sumsq.sqrt() / self.weight_sumsq.sqrt()
+
+
+class UpdateRatio:
+    """Measure the true ``||Δw|| / ||w||`` of each parameter around an optimizer step.
+
+    Example::
+
+        ratio = UpdateRatio(model.named_parameters())    # once
+        ...
+        with ratio:                  # snapshot: one foreach copy of the weights
+            optimizer.step()
+        ratio.stats.ratios           # device tensor, no sync; or grad_and_weight_stats(..., update=ratio.stats)
+
+    Or without ``with``: :meth:`snapshot` before the step, :meth:`measure` after it. The ratio's denominator is the
+    norm of the weights *after* the step (so a zero-initialised bias gets a finite ratio after its first update).
+
+    Memory: :attr:`nbytes`, one copy of the parameters, kept between steps (:meth:`release` frees it).
+    Parameters are read through ``.detach()`` (DTensors through their local shard) and never modified.
+    """
+
+    def __init__(self, params: ParamsLike, *, group: Any = None) -> None:
+        self._named = _named(params, "UpdateRatio")
+        if not self._named:
+            raise ValueError("UpdateRatio: no parameters given")
+        self.names = _unique([n for n, _ in self._named])
+        self.group = group
+        self._buffers: list[Tensor] | None = None
+        self._armed = False
+        self.stats: UpdateStats | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the snapshot buffers (allocated at the first snapshot)."""
+        return sum(p.numel() * p.element_size() for _, p in self._named) if self._buffers is None else \
+            sum(b.numel() * b.element_size() for b in self._buffers)
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        """Copy the current weights (one foreach copy into kept buffers). Call right before ``optimizer.step()``."""
+        dt = _dtensor_types()
+        local = [_local(p, dt) for _, p in self._named]
+        if self._buffers is None or any(b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
+                                        for b, t in zip(self._buffers, local)):
+            self._buffers = [torch.empty_like(t) for t in local]
+        torch._foreach_copy_(self._buffers, local)
+        self._armed = True
+
+    @torch.no_grad()
+    def measure(self) -> UpdateStats:
+        """After the step: ``||Δw||²`` and ``||w||²`` of each parameter from one op call (device tensors)."""
+        if not self._armed or self._buffers is None:
+            raise RuntimeError("UpdateRatio.measure() called without a snapshot() before the optimizer step")
+        dt = _dtensor_types()
+        local = [_local(p, dt) for _, p in self._named]
+        torch._foreach_sub_(self._buffers, local)  # buffers := w_before - w_after
+        self._armed = False
+        n = len(local)
+        tensors = self._buffers + local
+        sumsq, amax, counts = _stats_per_device(tensors, _home(local))
+        originals = [p for _, p in self._named]
+        any_dt = bool(dt) and any(isinstance(p, dt) for p in originals)
+        sumsq, *_ = _reduce(originals + originals, sumsq, amax, counts, self.group, any_dt)
+        self.stats = UpdateStats(self.names, sumsq[:n], sumsq[n:])
+        return self.stats
+
+    def release(self) -> None:
+        """Free the snapshot buffers (the next snapshot allocates them again)."""
+        self._buffers = None
+        self._armed = False
+
+    def __enter__(self) -> UpdateRatio:  # noqa: PYI034 (typing.Self needs Python 3.11)
+        self.snapshot()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.measure()
+        else:
+            self._armed = False
+
+
+# ---------------------------------------------------------------------------------------------- combined stats
+@dataclass
+class UpdateReport:
+    """Host-side figures of :meth:`GradWeightStats.report` (plain Python numbers), from one transfer.
+
+    Attributes:
+        grads: the :class:`~torch_gradstats.GradReport` of the gradients (same as ``GradStats.report()``).
+        weight_norms: parameter name -> L2 norm of its weights, for the parameters that have a gradient.
+        weight_norm_total: L2 norm of all those weights together.
+        weight_nonfinite: names of parameters whose *weights* hold a NaN/Inf.
+        lrs: parameter name -> learning rate (from the optimizer's param groups), or empty without an optimizer.
+        lr_update_ratios: parameter name -> ``lr * ||g|| / ||w||`` (SGD's update over the weights), empty without
+            an optimizer. A parameter the optimizer does not hold is left out.
+        update_ratios: parameter name -> measured ``||Δw|| / ||w_after||``, empty unless an update was given.
+        delta_norms: parameter name -> ``||Δw||``, empty unless an update was given.
+    """
+
+    grads: GradReport
+    weight_norms: dict[str, float]
+    weight_norm_total: float
+    weight_nonfinite: list[str]
+    lrs: dict[str, float] = field(default_factory=dict)
+    lr_update_ratios: dict[str, float] = field(default_factory=dict)
+    update_ratios: dict[str, float] = field(default_factory=dict)
+    delta_norms: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
+        """Flat dict: the gradient figures of ``GradReport.to_dict`` plus ``weight_norm_total``,
+        ``num_nonfinite_weights``, ``lr_update_ratio_max`` / ``update_ratio_max`` (largest finite... or NaN) and,
+        with ``per_param``, ``weight_norm/<name>``, ``lr_update_ratio/<name>``, ``update_ratio/<name>``."""
+        out: dict[str, float | int | str | None] = dict(self.grads.to_dict(per_param=per_param))
+        out["weight_norm_total"] = self.weight_norm_total
+        out["num_nonfinite_weights"] = len(self.weight_nonfinite)
+        if self.lr_update_ratios:
+            out["lr_update_ratio_max"] = _nan_max(self.lr_update_ratios.values())
+        if self.update_ratios:
+            out["update_ratio_max"] = _nan_max(self.update_ratios.values())
+        if per_param:
+            for key, values in (("weight_norm", self.weight_norms), ("lr_update_ratio", self.lr_update_ratios),
+                                ("update_ratio", self.update_ratios)):
+                for name, v in values.items():
+                    out[f"{key}/{name}"] = v
+        return {prefix + k: v for k, v in out.items()}
+
+
+def _nan_max(values: Iterable[float]) -> float:
+    vals = list(values)
+    if any(math.isnan(v) for v in vals):
+        return math.nan
+    return max(vals) if vals else 0.0
+
+
+@dataclass
+class GradWeightStats:
+    """Gradient statistics plus weight statistics of the same parameters, all on ``grads.device`` (no sync).
+
+    Attributes:
+        grads: the :class:`~torch_gradstats.GradStats` (identical to what ``grad_stats`` returns).
+        weight_sumsq, weight_amax: float64 ``[P]``, of the weights of the parameters in ``grads.names``.
+        weight_counts: int64 ``[P, 3]``: zeros, NaNs, Infs in the weights.
+        lrs: learning rate per parameter in ``grads.names`` order (a float, a 0-d tensor, or None where the
+            optimizer does not hold that parameter); None without an optimizer.
+        update: measured update of the last optimizer step (:class:`UpdateStats`), if one was attached.
+    """
+
+    grads: GradStats
+    weight_sumsq: Tensor
+    weight_amax: Tensor
+    weight_counts: Tensor
+    lrs: list[Any] | None = None
+    update: UpdateStats | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return self.grads.names
+
+    @property
+    def weight_norms(self) -> Tensor:
+        """float64 ``[P]``: L2 norm of each parameter's weights (device)."""
+        return self.weight_sumsq.sqrt()
+
+    def lr_update_ratios(self) -> Tensor | None:
+        """float64 ``[P]``: ``lr * ||g|| / ||w||`` on the device (NaN where the optimizer lacks the parameter); None
+        without learning rates. Moving the learning rates to an accelerator goes through pinned memory (no sync)."""
+        if self.lrs is None:
+            return None
+        device = self.grads.device
+        if any(isinstance(v, Tensor) for v in self.lrs):  # e.g. capturable optimizers keep lr on the device
+            lr = torch.stack([v.reshape(()).to(device, torch.float64) if isinstance(v, Tensor)
+                              else torch.tensor(math.nan if v is None else float(v), dtype=torch.float64,
+                                                device=device) for v in self.lrs])
+        else:
+            lr = _to_device_async(torch.tensor([math.nan if v is None else float(v) for v in self.lrs],
+                                               dtype=torch.float64), device)
+        return lr * self.grads.norms / self.weight_norms
+
+    def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:
+        """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update."""
+        g = self.grads
+        p = len(g.names)
+        floats: list[Tensor] = [g.sumsq, g.amax, self.weight_sumsq]
+        tensor_lrs = [i for i, v in enumerate(self.lrs or []) if isinstance(v, Tensor)]
+        if tensor_lrs:
+            floats.append(torch.stack([self.lrs[i].reshape(()).to(torch.float64) for i in tensor_lrs]))  # type: ignore[index]
+        upd = self.update
+        if upd is not None:
+            floats += [upd.delta_sumsq, upd.weight_sumsq]
+        ints: list[Tensor] = [g.counts, g.numel, self.weight_counts]
+        world = 0 if g.rank_nonfinite is None else int(g.rank_nonfinite.shape[1])
+        if g.rank_nonfinite is not None:
+            ints.append(g.rank_nonfinite)
+        fl, it = _fetch(floats, ints)
+
+        sumsq, amax, wsumsq = fl[:p], fl[p:2 * p], fl[2 * p:3 * p]
+        pos = 3 * p
+        lr_values = list(self.lrs) if self.lrs is not None else None
+        if tensor_lrs and lr_values is not None:
+            for i, v in zip(tensor_lrs, fl[pos:pos + len(tensor_lrs)]):
+                lr_values[i] = v
+            pos += len(tensor_lrs)
+        counts = it[:3 * p]
+        numel = it[3 * p:4 * p]
+        wcounts = it[4 * p:7 * p]
+        rank_nf = it[7 * p:7 * p + world * p]
+
+        # The gradient report, built by GradStats.report() itself from host tensors (a host-side copy, no sync).
+        host = GradStats(
+            names=list(g.names),
+            sumsq=torch.tensor(sumsq, dtype=torch.float64),
+            amax=torch.tensor(amax, dtype=torch.float64),
+            counts=torch.tensor(counts, dtype=torch.int64).reshape(p, 3),
+            numel=torch.tensor(numel, dtype=torch.int64),
+            rank_nonfinite=torch.tensor(rank_nf, dtype=torch.int64).reshape(p, world) if world else None,
+            device=torch.device("cpu"),
+        )
+        grads_report = host.report(k, policy=policy)
+
+        names = g.names
+        weight_norms = {n: (math.sqrt(s) if not math.isnan(s) else math.nan) for n, s in zip(names, wsumsq)}
+        total = math.fsum(wsumsq) if not any(math.isnan(s) for s in wsumsq) else math.nan
+        weight_nonfinite = [n for i, n in enumerate(names) if wcounts[3 * i + 1] + wcounts[3 * i + 2] > 0]
+        report = UpdateReport(
+            grads=grads_report,
+            weight_norms=weight_norms,
+            weight_norm_total=math.sqrt(total) if not math.isnan(total) else math.nan,
+            weight_nonfinite=weight_nonfinite,
+        )
+        if lr_values is not None:
+            for n, lr, gs, ws in zip(names, lr_values, sumsq, wsumsq):
+                if lr is None:
+                    continue
+                report.lrs[n] = float(lr)
+                report.lr_update_ratios[n] = float(lr) * _ratio(gs, ws)
+        if upd is not None:
+            q = len(upd.names)
+            dsumsq, asumsq = fl[pos:pos + q], fl[pos + q:pos + 2 * q]
+            for n, d, w in zip(upd.names, dsumsq, asumsq):
+                report.delta_norms[n] = math.sqrt(d) if not math.isnan(d) else math.nan
+                report.update_ratios[n] = _ratio(d, w)
+        return report
+
+
+def _lr_by_param(optimizer: Any) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for group in getattr(optimizer, "param_groups", []):
+        for p in group["params"]:
+            out[id(p)] = group.get("lr")
+    return out
+
+
+@torch.no_grad()
+def grad_and_weight_stats(
+    params: ParamsLike,
+    *,
+    optimizer: Any = None,
+    update: UpdateStats | None = None,
+    group: Any = None,
+) -> GradWeightStats:
+    """Gradient and weight statistics of ``params`` from ONE :func:`~torch_gradstats.multi_tensor_stats` call
+    (per device) over the gradients and the weights together; device tensors only, no host sync.
+
+    Args:
+        params: what :func:`~torch_gradstats.grad_stats` accepts. Parameters without a gradient are skipped (as in
+            ``grad_stats``), for the weights too.
+        optimizer: if given, each parameter's learning rate is read from its param group (for
+            :meth:`GradWeightStats.lr_update_ratios` and the report's ``lr_update_ratios``).
+        update: a measured :class:`UpdateStats` (from :class:`UpdateRatio`) to report in the same transfer.
+        group: as in ``grad_stats``: process group over which plain tensors are shards of one set.
+
+    Returns:
+        :class:`GradWeightStats`; ``.grads`` equals ``grad_stats(params, group=group)`` value for value.
+    """
+    named = [(n, p) for n, p in _named(params, "grad_and_weight_stats") if p.grad is not None]
+    dt = _dtensor_types()
+    if not named:
+        empty_f = torch.zeros(0, dtype=torch.float64)
+        stats = GradStats(names=[], sumsq=empty_f, amax=empty_f.clone(), counts=torch.zeros(0, 3, dtype=torch.int64),
+                          numel=torch.zeros(0, dtype=torch.int64))
+        return GradWeightStats(stats, empty_f.clone(), empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64),
+                               [] if optimizer is not None else None, update)
+    names = _unique([n for n, _ in named])
+    grads: list[Tensor] = [p.grad for _, p in named]  # type: ignore[misc]
+    weights = [p.detach() for _, p in named]
+    local = [_local(t, dt) for t in grads] + [_local(t, dt) for t in weights]
+    any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
+    home = _home(local)
+    try:
+        sumsq, amax, counts = _stats_per_device(local, home)
+    except (TypeError, ValueError, RuntimeError):
+        _check_named("grad_and_weight_stats", list(zip(names, local[: len(names)])) +
+                     list(zip(names, local[len(names):])))
+        raise
+    sumsq, amax, counts, rank_nf, numel = _reduce(grads + weights, sumsq, amax, counts, group, any_dt)
+    n = len(named)
+    stats = GradStats(
+        names=names,
+        sumsq=sumsq[:n],
+        amax=amax[:n],
+        counts=counts[:n],
+        numel=numel[:n],
+        rank_nonfinite=rank_nf[:n] if rank_nf is not None else None,
+        device=home,
+    )
+    lrs = None
+    if optimizer is not None:
+        by_id = _lr_by_param(optimizer)
+        lrs = [by_id.get(id(p)) for _, p in named]
+    return GradWeightStats(stats, sumsq[n:], amax[n:], counts[n:], lrs, update)
