@@ -6,8 +6,8 @@ import contextlib
 import itertools
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch_gradstats._transfer import PinnedBuffer, to_host
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.health import HealthPolicy
+from torch_gradstats.report import GradReport
 from torch_gradstats.stats import GradStats, grad_stats
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
@@ -59,6 +60,12 @@ class Trainer:
         after_backward: optional ``callback(trainer)`` run once per optimizer step after the gradients are
             accumulated, before the stats; e.g. to inspect or perturb gradients. Under a GradScaler it runs before
             ``unscale_`` (the gradients are still multiplied by the loss scale), so the scaler sees its changes.
+        log_to: sinks for per-step gradient reports: objects with a ``log(report, step)`` method, such as
+            :class:`~torch_gradstats.integrations.tensorboard.TensorBoardSink` or
+            :class:`~torch_gradstats.integrations.wandb.WandbSink` (see docs/integrations.md). Every ``log_every``
+            optimizer steps the gradients' :class:`~torch_gradstats.GradReport` (before clipping) is sent to each
+            sink: one host transfer per logging step, on top of the per-epoch sync.
+        log_every: optimizer steps between two reports to ``log_to`` (default 1; ignored without ``log_to``).
 
     ``global_step`` counts optimizer steps taken or skipped; it advances exactly when the optimizer steps (or a step
     is skipped), so after an interrupt it still agrees with the optimizer's own step counts.
@@ -85,6 +92,8 @@ class Trainer:
         progress: bool | None = None,
         keep_history: bool = True,
         after_backward: Callable[[Trainer], None] | None = None,
+        log_to: Sequence[GradSink] = (),
+        log_every: int = 1,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -100,7 +109,11 @@ class Trainer:
                     f"parameter {name!r} is on {p.device} but the trainer's device is {self.device}; "
                     f"move the model first (model.to({str(self.device)!r})) and then create the optimizer"
                 )
-        for arg, value in (("stats_every", stats_every), ("accumulation_steps", accumulation_steps)):
+        for arg, value in (
+            ("stats_every", stats_every),
+            ("accumulation_steps", accumulation_steps),
+            ("log_every", log_every),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
@@ -123,6 +136,8 @@ class Trainer:
         self.progress = progress
         self.keep_history = keep_history
         self.after_backward = after_backward
+        self.log_to = _check_sinks(log_to)
+        self.log_every = log_every
         # Skipped steps can only be counted if every step is looked at.
         self.must_check_every_step = skip_nonfinite or scaler is not None
         self.stats_every = 1 if self.must_check_every_step else stats_every
@@ -214,7 +229,8 @@ class Trainer:
             self.after_backward(self)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # stats must see the true gradients, not loss-scaled ones
-        take_stats = self.must_check_every_step or step % self.stats_every == 0
+        log_due = bool(self.log_to) and step % self.log_every == 0
+        take_stats = self.must_check_every_step or log_due or step % self.stats_every == 0
         stats = self._read_gradients(take_stats)
         nonfinite = self._nonfinite_flag(stats)
         self._stepper.step(nonfinite)
@@ -223,6 +239,10 @@ class Trainer:
         if stats is not None and take_stats:
             health = stats.health(self.health_policy)
             state.add_stats(step, stats, health, skipped, loss_sum / samples, self.keep_history)
+        if stats is not None and log_due:
+            report = stats.report(policy=self.health_policy)  # the one transfer of this logging step
+            for sink in self.log_to:
+                sink.log(report, step)
         return True
 
     def _accumulate_gradients(self, batches: list[tuple[Any, Any]], sizes: list[int], samples: int, bar: Any) -> Tensor:
@@ -277,6 +297,24 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+class GradSink(Protocol):
+    """What ``log_to`` accepts (torch_gradstats.integrations defines the same protocol for its sinks)."""
+
+    def log(self, report: GradReport, step: int) -> None: ...
+
+
+def _check_sinks(sinks: Sequence[GradSink]) -> list[GradSink]:
+    if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
+        raise TypeError(f"log_to must be a list of sinks (objects with a log(report, step) method), got {sinks!r}")
+    for i, sink in enumerate(sinks):
+        if not callable(getattr(sink, "log", None)):
+            raise TypeError(
+                f"log_to[{i}] is a {type(sink).__name__} without a log(report, step) method; use e.g. "
+                "torch_gradstats.integrations.tensorboard.TensorBoardSink(writer)"
+            )
+    return list(sinks)
+
+
 def _windows(loader: Iterable[Any], size: int) -> Iterator[list[Any]]:
     """The loader's batches in windows of ``size`` (the last one may be shorter)."""
     it = iter(loader)
