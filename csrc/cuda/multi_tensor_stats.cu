@@ -376,8 +376,9 @@ size_t metadata_bytes(int64_t n, int64_t num_tiles) {
 //     event and stream creation) are made under cudaStreamCaptureModeRelaxed for this thread.
 class MetadataCache {
  public:
-  // Device pointer of the metadata for `meta` (hash `hash`), filled on `stream` if missing; nullptr if this device
-  // cannot hold cached metadata (no CUDA memory pools), in which case the caller takes the per-call path.
+  // Device pointer of the metadata for `meta` (hash `hash`), filled on `stream` if missing; nullptr if it cannot be
+  // cached (no CUDA memory pools on this device, or no memory left for it), in which case the caller takes the
+  // per-call path.
   const uint8_t* get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
                      cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -404,7 +405,14 @@ class MetadataCache {
     e->meta = meta;
     e->bytes = metadata_bytes(int64_t(meta.size()), num_tiles);
     void* ptr = nullptr;
-    C10_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr, std::max<size_t>(e->bytes, 1), ds.pool, stream));
+    const cudaError_t alloc = cudaMallocFromPoolAsync(&ptr, e->bytes, ds.pool, stream);
+    if (alloc == cudaErrorMemoryAllocation) {
+      // The GPU is full, possibly of blocks PyTorch's caching allocator keeps free: take the per-call path, whose
+      // allocation that allocator can serve (or free its cache for and retry).
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    C10_CUDA_CHECK(alloc);
     e->data = static_cast<uint8_t*>(ptr);
     fill_launches_ += fill_metadata(meta.data(), int64_t(meta.size()), e->data, stream);
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&e->ready, cudaEventDisableTiming));
