@@ -512,13 +512,13 @@ class MetadataCache {
   // Frees an entry once every kernel that may read it has run. Recording an event on a stream that another thread
   // is capturing would add it to that capture, so such an entry waits (in retired_) for a later call.
   bool try_free(Entry& e) {
+    const c10::cuda::CUDAGuard on_entry_device(e.device);
     for (cudaStream_t s : e.users) {
       cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
       const cudaError_t err = cudaStreamIsCapturing(s, &status);
       if (err != cudaSuccess) (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures
       if (err != cudaSuccess || status != cudaStreamCaptureStatusNone) return false;
     }
-    const c10::cuda::CUDAGuard on_entry_device(e.device);
     DeviceState& ds = devices_[e.device];
     for (cudaStream_t s : e.users) {
       C10_CUDA_CHECK(cudaEventRecord(ds.user_done, s));
