@@ -1,39 +1,83 @@
 #!/usr/bin/env bash
-# The one script to run on a lent H100/H200 in a single device call (see docs/cuda.md):
-#   versions -> build -> CUDA parity tests -> timing record (op vs launch floor) -> CPU tests
-#   -> compute-sanitizer memcheck + racecheck -> benchmark.
+# The one script to run on an H100/H200 in a single device call (see docs/cuda.md, "On a GPU"):
+#   versions -> toolchain -> build -> registration -> CUDA tests -> timing record -> compute-sanitizer memcheck and
+#   racecheck -> CPU tests -> `python -m torch_gradstats bench --device cuda` -> bench/bench_training.py --device cuda.
 # Every step runs even if an earlier one failed (its exit status is recorded); the script exits non-zero if any did.
-# Output: "$OUT" (default ./gpu_check_out), at most 8 files so all of them come back from the device tool:
-#   gpu_check.log (everything), test_cuda.xml, test_cpu.xml, memcheck.log, racecheck.log, bench.txt, bench.csv,
-#   summary.txt (which also holds the timing record's table)
-# and a copy of them under bench/results/gpu_check-<gpu>-<date>/ for committing.
-# Usage on the device:  bash bench/gpu_check.sh        (TORCH_CUDA_ARCH_LIST defaults to 9.0, Hopper)
-# GPU_CHECK_BUDGET_S (default 560) caps the whole run so it ends, with its summary, inside one 600 s device call:
-# each step gets min(its own limit, what is left). GPU_CHECK_SKIP="test_cpu bench" skips the steps named.
+# Steps run in that order of priority under one time budget (GPU_CHECK_BUDGET_S, default 560 s, so the summary is
+# written inside a 600 s device call): each step gets min(its own limit, what is left), and steps that no longer fit
+# are skipped with a note in the summary.
+#
+# Output, in "$OUT" (default ./gpu_check_out) and copied to bench/results/<device>/ for committing:
+#   summary.txt (device, driver, torch, CUDA, commit, per-step status, timing table), gpu_check.log (everything),
+#   test_cuda.xml and test_cpu.xml (JUnit), memcheck.log, racecheck.log, timing.txt, bench.txt, bench.csv,
+#   bench_training.txt.
+#
+# Environment:
+#   TORCH_CUDA_ARCH_LIST   default: the device's compute capability (nvidia-smi), else 9.0
+#   MAX_JOBS               default 16
+#   CXX / CC               replaced by /usr/bin/g++ / /usr/bin/gcc when those exist and differ: a compiler driver
+#                          that links its own static libstdc++ into the extension makes every C++ error message
+#                          crash the process (the build step checks the library for it afterwards)
+#   GPU_CHECK_COMMIT       commit to record when the tree has no .git (default: git rev-parse, else "unknown")
+#   GPU_CHECK_SKIP         space-separated step names to skip, e.g. "test_cpu bench_training"
+#   GPU_CHECK_DRY_RUN=1    print the plan (environment, steps, limits, commands) and run nothing; also --dry-run
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT="${OUT:-$PWD/gpu_check_out}"
+REPO="$PWD"
+DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
+[[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
+OUT="${OUT:-$REPO/gpu_check_out}"
+if [[ "$DRY_RUN" == 1 ]]; then OUT="$(mktemp -d)"; fi
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : >"$LOG"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export MAX_JOBS="${MAX_JOBS:-16}"
 PY="${PYTHON:-python3}"
 FAILED=()
+SKIPPED=()
 T0=$SECONDS
-STEPS="$(mktemp -d)"  # each step's own output (the sanitizer logs are copied from here)
-
-log() { echo "[gpu_check] $*" | tee -a "$LOG"; }
-# run NAME TIMEOUT CMD...: runs a step with a time limit, logs its output and duration, records failures.
 BUDGET="${GPU_CHECK_BUDGET_S:-560}"
 SKIP=" ${GPU_CHECK_SKIP:-} "
+STEPS="$(mktemp -d)"  # each step's own output and the scripts it runs
+
+log() { echo "[gpu_check] $*" | tee -a "$LOG"; }
+
+# The package is imported from temporary directories too (sanitizer and timing cases): find the in-place build.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
+  CAP="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' ')"
+  export TORCH_CUDA_ARCH_LIST="${CAP:-9.0}"
+fi
+# The system compiler, when the default one is something else (see the header).
+if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
+  CURRENT_CXX="$(command -v "${CXX:-c++}" 2>/dev/null || true)"
+  if [[ -z "$CURRENT_CXX" || "$(readlink -f "$CURRENT_CXX")" != "$(readlink -f /usr/bin/g++)" ]]; then
+    log "CXX was '${CXX:-c++}' (${CURRENT_CXX:-not found}); building with the system compiler /usr/bin/g++ instead"
+    export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+  fi
+fi
+if [[ -z "${CUDA_HOME:-}" ]] && command -v nvcc >/dev/null; then
+  # `nvcc --dryrun` names the directory the real nvcc runs from (the one on PATH may be a wrapper script).
+  NVCC_BIN="$(nvcc --dryrun -x cu /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -n1)"
+  [[ -n "$NVCC_BIN" ]] || NVCC_BIN="$(dirname "$(readlink -f "$(command -v nvcc)")")"
+  export CUDA_HOME="$(cd "$NVCC_BIN/.." && pwd)"
+fi
+COMMIT="${GPU_CHECK_COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+if git -C "$REPO" rev-parse HEAD >/dev/null 2>&1 && [[ -n "$(git -C "$REPO" status --porcelain 2>/dev/null)" ]]; then
+  COMMIT="$COMMIT (with uncommitted changes)"
+fi
+log "commit $COMMIT; CXX=${CXX:-default} CUDA_HOME=${CUDA_HOME:-unset} TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" \
+  "MAX_JOBS=$MAX_JOBS PYTHONPATH=$PYTHONPATH budget ${BUDGET} s"
+
+# run NAME LIMIT CMD...: a step with a time limit; logs its output and duration, records failures and skips.
 run() {
   local name=$1 limit=$2; shift 2
   local t=$SECONDS left=$(( BUDGET - 15 - (SECONDS - T0) ))  # 15 s kept for the summary
-  if [[ "$SKIP" == *" $name "* ]]; then log "=== $name: skipped (GPU_CHECK_SKIP)"; return 0; fi
-  if (( left < 10 )); then log "=== $name: not run, time budget spent"; FAILED+=("$name(no time)"); return 0; fi
+  if [[ "$SKIP" == *" $name "* ]]; then log "=== $name: skipped (GPU_CHECK_SKIP)"; SKIPPED+=("$name(asked)"); return 0; fi
+  if (( left < 10 )); then log "=== $name: not run, time budget spent"; SKIPPED+=("$name(no time)"); return 0; fi
   (( limit > left )) && limit=$left
+  if [[ "$DRY_RUN" == 1 ]]; then log "=== $name (limit $limit s): $*"; return 0; fi
   log "=== $name (limit $limit s)"
   timeout "$limit" "$@" 2>&1 | tee "$STEPS/$name.out" | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
@@ -43,30 +87,34 @@ run() {
 }
 
 # 1. Versions.
-run versions 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv;
-  nvcc --version | tail -n 2; $PY -c 'import sys, torch; print(\"python\", sys.version.split()[0], \"torch\", torch.__version__,
-  \"cuda\", torch.version.cuda, \"device\", torch.cuda.get_device_name(0), \"capability\", torch.cuda.get_device_capability(0))'"
+run versions 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv;
+  nvcc --version | tail -n 2; \${CXX:-c++} --version | head -n1; $PY -c 'import sys, torch; print(\"python\",
+  sys.version.split()[0], \"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"device\",
+  torch.cuda.get_device_name(0), \"capability\", torch.cuda.get_device_capability(0))'"
 
-# 2. Build in place (the device image has the CUDA torch; no network needed).
-if [[ -z "${CUDA_HOME:-}" ]]; then
-  NVCC_BIN="$(dirname "$(readlink -f "$(command -v nvcc)")" 2>/dev/null || true)"
-  [[ -n "$NVCC_BIN" ]] && export CUDA_HOME="$(cd "$NVCC_BIN/.." && pwd)"
-fi
-log "CUDA_HOME=${CUDA_HOME:-unset} TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
-rm -f torch_gradstats/_C*.so
+# 2. Build in place, then check that the library uses the shared libstdc++ (a static copy inside it is what made
+#    C++ error messages crash).
+[[ "$DRY_RUN" == 1 ]] || rm -f torch_gradstats/_C*.so
 run build 240 $PY setup.py build_ext --inplace
+run toolchain 30 bash -c 'so=$(ls torch_gradstats/_C*.so) || exit 1
+  echo "std::ostream symbols defined inside the library: $(nm -C --defined-only "$so" 2>/dev/null | grep -c "std::basic_ostream")"
+  readelf -d "$so" | grep NEEDED
+  readelf -d "$so" | grep -q "NEEDED.*libstdc++" || { echo "libstdc++ is linked statically into $so"; exit 1; }'
 run registration 60 $PY -c "
 import torch, torch_gradstats
 assert torch_gradstats.HAS_EXTENSION, 'extension did not load'
 assert torch._C._dispatch_has_kernel_for_dispatch_key('torch_gradstats::multi_tensor_stats', 'CUDA'), 'no CUDA kernel'
-print('extension loaded, CUDA kernel registered')"
+print('extension loaded, CUDA kernel registered; metadata cache:', torch.ops.torch_gradstats._cuda_metadata_cache_info())
+try:  # a C++ error message must come back as a Python exception, not a crash
+    torch.ops.torch_gradstats.multi_tensor_stats([torch.zeros(3, device='cuda'), torch.zeros(3, dtype=torch.long, device='cuda')])
+except TypeError as exc:
+    print('bad input raised TypeError:', str(exc).splitlines()[0])
+else:
+    raise SystemExit('a long tensor was accepted')"
 
-# 3. Tests: CUDA parity (slow ones included), then the rest of the suite.
-run test_cuda 240 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml"
+# 3. CUDA tests (slow ones included).
+run test_cuda 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml"
 
-# 3b. Timing record: device and host time per call of the op next to the launch floor (empty-ish kernels), so the
-# GPU session sees scheduling overheads. Each case rotates over 4 copies of its inputs (no copy fits in L2 after
-# the others), device time from CUDA-graph replays (no host launch cost), kernel time from torch.profiler.
 TIMING="$STEPS/timing_case.py"
 cat >"$TIMING" <<'EOF_TIMING'
 import time
@@ -80,7 +128,10 @@ print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA 
 
 
 def graph_us(calls, reps):
-    """Device time per call: one CUDA graph holding every call, replayed back to back, timed by events."""
+    """Device time per call: one CUDA graph holding every call, replayed back to back, timed by events.
+
+    A captured call of the op carries its own metadata (fill kernels in the graph), so this includes them; the
+    `kernels` column is the eager steady state (cache hit: the two kernels only)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -166,59 +217,86 @@ else:
     floor2 = rows[1][2]
     print(f"two-launch floor (graph) {floor2:.2f} us; op device time / floor: "
           + ", ".join(f"{r[0][3:]}: {r[2] / floor2:.1f}x" for r in rows[2:]))
+    print("note: a captured call of the op carries its metadata (fill launches in the graph), so device(graph)"
+          " includes them; 'kernels' is the eager steady state (cache hit: the two kernels only)")
 EOF_TIMING
 run timing 90 $PY "$TIMING"
-run test_cpu 120 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py -m "not distributed" \
-  --junitxml="$OUT/test_cpu.xml"
+[[ -s "$STEPS/timing.out" ]] && cp "$STEPS/timing.out" "$OUT/timing.txt"
 
-# 4. compute-sanitizer on a small case: unaligned views, odd lengths, empty tensors, mixed dtypes, several tiles.
+# 5. compute-sanitizer on a small case: unaligned views, odd lengths, empty tensors, mixed dtypes, several tiles,
+#    a cache miss and hit, and a captured call (per-call metadata) replayed.
 CASE="$STEPS/sanitizer_case.py"
-cat >"$CASE" <<'EOF'
+cat >"$CASE" <<'EOF_CASE'
+import os
 import torch, torch_gradstats
 from torch_gradstats.ops import reference_multi_tensor_stats
 dts = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 base = [torch.randn(70_001, device="cuda").to(dt) for dt in dts]
 ts = [b[1:] for b in base] + [b[3:10] for b in base] + [torch.empty(0, device="cuda"), torch.randn(5, 7, device="cuda").t()]
 ts[0][5] = float("nan"); ts[2][0] = float("inf")
-for _ in range(2):
-    got = torch_gradstats.multi_tensor_stats(ts)
-ref = reference_multi_tensor_stats(ts)
-assert torch.equal(got.counts, ref[2]) and torch.allclose(got.sumsq, ref[0], rtol=1e-5, equal_nan=True)
+def check(got):
+    ref = reference_multi_tensor_stats(ts)
+    assert torch.equal(got.counts, ref[2]) and torch.allclose(got.sumsq, ref[0], rtol=1e-5, equal_nan=True)
+for _ in range(2):  # a cache miss, then a hit
+    check(torch_gradstats.multi_tensor_stats(ts))
+if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":  # CUDA graphs need the caching allocator
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = torch_gradstats.multi_tensor_stats(ts)
+    ts[3][7] = float("-inf")
+    g.replay()
+    torch.cuda.synchronize()
+    check(captured)
+    print("captured call replayed")
 torch.cuda.synchronize()
 print("sanitizer case ok")
-EOF
-if command -v compute-sanitizer >/dev/null || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ]]; then
-  CS="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
-  # No caching allocator under memcheck, so an out-of-bounds read cannot hide inside a larger cached block.
-  for tool in memcheck racecheck; do
-    run "$tool" 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool "$tool" --error-exitcode 9 $PY "$CASE"
-    cp "$STEPS/$tool.out" "$OUT/$tool.log"
-  done
+EOF_CASE
+CS="$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
+if [[ -x "$CS" || "$DRY_RUN" == 1 ]]; then
+  # memcheck without the caching allocator, so an out-of-bounds read cannot hide inside a larger cached block;
+  # racecheck with it, so the captured path runs too.
+  run memcheck 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool memcheck --error-exitcode 9 $PY "$CASE"
+  run racecheck 120 "$CS" --tool racecheck --error-exitcode 9 $PY "$CASE"
+  for tool in memcheck racecheck; do [[ -s "$STEPS/$tool.out" ]] && cp "$STEPS/$tool.out" "$OUT/$tool.log"; done
 else
   log "compute-sanitizer not found"; FAILED+=("sanitizer(missing)")
 fi
 
-# 5. Benchmark, if the CLI has it (written separately): stdout to bench.txt, its first CSV to bench.csv.
-if $PY -m torch_gradstats bench --help >/dev/null 2>&1; then
-  ARGS=""
-  $PY -m torch_gradstats bench --help 2>/dev/null | grep -q -- "--device" && ARGS="--device cuda --no-plots --no-progress --out $STEPS/bench"
-  run bench 150 bash -c "set -o pipefail; $PY -m torch_gradstats bench $ARGS 2>&1 | tee '$OUT/bench.txt'"
-  CSV="$(ls "$STEPS"/bench/*.csv 2>/dev/null | head -n1)"
-  [[ -n "$CSV" ]] && cp "$CSV" "$OUT/bench.csv"
-else
-  log "no 'python -m torch_gradstats bench' yet: benchmark skipped" | tee "$OUT/bench.txt"
-fi
+# 6. CPU tests (the rest of the suite).
+run test_cpu 120 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py -m "not distributed" \
+  --junitxml="$OUT/test_cpu.xml"
 
-# 6. Summary and a copy for bench/results/.
+# 7. Benchmarks: the CLI's (bounded by its own --budget-s), then the training-overhead one.
+run bench 150 bash -c "$PY -m torch_gradstats bench --device cuda --no-plots --no-progress --budget-s 120 \
+  --out '$STEPS/bench' > '$OUT/bench.txt' 2>&1; rc=\$?; cat '$OUT/bench.txt'; exit \$rc"
+CSV="$(ls "$STEPS"/bench/*.csv 2>/dev/null | head -n1)"
+[[ -n "$CSV" ]] && cp "$CSV" "$OUT/bench.csv"
+run bench_training 120 bash -c "$PY bench/bench_training.py --device cuda --rounds 3 --csv '$STEPS/bench_training.csv' \
+  > '$OUT/bench_training.txt' 2>&1; rc=\$?; cat '$OUT/bench_training.txt'; exit \$rc"
+
+# 8. Summary, and a copy under bench/results/<device>/.
+DEVICE="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)"
 {
-  echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) total $(( SECONDS - T0 )) s"
-  grep -E "^(NVIDIA|name|python|Cuda compilation|Build cuda)|^[A-Z].*, [0-9.]+, " "$LOG" | head -n 6
-  grep -E "=== .*: rc=" "$LOG"
+  echo "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ), total $(( SECONDS - T0 )) s of a ${BUDGET} s budget"
+  echo "device: ${DEVICE:-none}, driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1)"
+  echo "commit: $COMMIT"
+  $PY -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null
+  echo "nvcc: $(nvcc --version 2>/dev/null | tail -n1); CXX=${CXX:-default}; TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+  grep -E "=== .*: (rc=|skipped|not run)" "$LOG"
+  for xml in "$OUT"/test_cuda.xml "$OUT"/test_cpu.xml; do
+    [[ -s "$xml" ]] && grep -o '<testsuite [^>]*' "$xml" | head -n1 | sed "s|<testsuite|$(basename "$xml"):|"
+  done
   [[ -s "$STEPS/timing.out" ]] && { echo "--- timing (per call)"; grep -vE "^\[gpu_check\]" "$STEPS/timing.out"; }
-  if [[ ${#FAILED[@]} -eq 0 ]]; then echo "ALL STEPS PASSED"; else echo "FAILED: ${FAILED[*]}"; fi
+  [[ ${#SKIPPED[@]} -eq 0 ]] || echo "SKIPPED: ${SKIPPED[*]}"
+  if [[ ${#FAILED[@]} -eq 0 ]]; then echo "ALL STEPS THAT RAN PASSED"; else echo "FAILED: ${FAILED[*]}"; fi
 } | tee "$OUT/summary.txt"
-GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr -c 'A-Za-z0-9\n' '_' | tr -s '_')"
-DEST="bench/results/gpu_check-${GPU:-gpu}-$(date -u +%Y%m%d-%H%M)"
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo "[gpu_check] dry run: nothing was run; plan and summary in $OUT"
+  exit 0
+fi
+SLUG="$(echo "${DEVICE:-unknown_gpu}" | tr -c 'A-Za-z0-9\n' '_' | tr -s '_' | sed 's/_$//')"
+DEST="bench/results/$SLUG"
 mkdir -p "$DEST" && cp "$OUT"/*.log "$OUT"/*.txt "$OUT"/*.xml "$OUT"/*.csv "$DEST"/ 2>/dev/null
 echo "[gpu_check] copies in $DEST"
 [[ ${#FAILED[@]} -eq 0 ]]

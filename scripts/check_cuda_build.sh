@@ -8,7 +8,7 @@
 #      negative control: the fallback-only registration must NOT count), the CPU op still matches the reference,
 #      and tests/test_cuda.py collects and skips cleanly.
 # Environment: TORCH_GRADSTATS_CUDA_VENV (venv path), TORCH_GRADSTATS_CUDA_BUILD_DIR (build dir),
-#              TORCH_CUDA_ARCH_LIST (default 9.0 here: one arch keeps CI fast), MAX_JOBS (default 2).
+#              TORCH_CUDA_ARCH_LIST (default 9.0 here: one arch keeps CI fast), MAX_JOBS (default 1).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,7 +17,7 @@ VENV="${TORCH_GRADSTATS_CUDA_VENV:-$CACHE/venv-cuda}"
 BUILD_DIR="${TORCH_GRADSTATS_CUDA_BUILD_DIR:-$CACHE/cuda-build-tree}"
 TORCH_VERSION="2.14.1"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
-export MAX_JOBS="${MAX_JOBS:-2}"
+export MAX_JOBS="${MAX_JOBS:-1}"
 
 T_START=$SECONDS
 step_start=$SECONDS
@@ -87,6 +87,9 @@ op = "torch_gradstats::multi_tensor_stats"
 assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), "no CUDA kernel registered"
 print("[check_cuda_build]   extension loaded; CUDA kernel registered; CPU kernel registered:",
       torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"))
+schema = str(torch.ops.torch_gradstats._cuda_metadata_cache_info.default._schema)
+assert schema == "torch_gradstats::_cuda_metadata_cache_info() -> int[]", schema
+print("[check_cuda_build]   debug query registered:", schema)
 assert not torch.cuda.is_available()  # this check is about the build, on a machine without a GPU
 g = torch.Generator().manual_seed(0)
 ts = [torch.randn(n, generator=g).to(dt) for n, dt in

@@ -188,8 +188,8 @@ def test_cuda_graph_capture_and_replay(gen):
 
 
 def test_capture_of_tensors_never_seen_eagerly(gen):
-    # As under torch.compile(mode="reduce-overhead"), whose graphs read inputs from fresh static buffers.
-    OP([randn(10, torch.float32, gen)])  # some eager call in this process came first
+    # As under torch.compile(mode="reduce-overhead"), whose graphs read inputs from fresh static buffers: the graph
+    # carries its own metadata, so no eager call has to come first.
     fresh = [randn(12345, torch.float32, gen), randn(77, torch.bfloat16, gen), randn(70_001, torch.float16, gen)]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -231,7 +231,7 @@ def test_at_most_two_kernel_launches(shape, gen):
         tensors = [randn(64 + i % 100, DTYPES[i % 4], gen) for i in range(10_000)]
     else:
         tensors = [randn(1 << 22, DTYPES[i % 4], gen) for i in range(5)]
-    OP(tensors)  # warm-up: uploads the metadata once
+    OP(tensors)  # warm-up: writes the metadata once
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
@@ -247,7 +247,7 @@ def test_at_most_two_kernel_launches(shape, gen):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Helpers for the tests of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache).
+# Utilities for the tests of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache).
 
 
 def cuda_activity(fn) -> list[str]:
@@ -261,9 +261,21 @@ def cuda_activity(fn) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def htod_copies(names: list[str]) -> list[str]:
+def memcpys(names: list[str]) -> list[str]:
     # CUPTI names them "Memcpy HtoD (Pinned -> Device)" and the like.
-    return [n for n in names if n.lower().startswith("memcpy htod")]
+    return [n for n in names if n.lower().startswith("memcpy")]
+
+
+def fills(names: list[str]) -> list[str]:
+    """Launches of the kernel that writes tensor metadata (from its parameters) to the device."""
+    return [n for n in names if "fill_metadata" in n]
+
+
+def cache_info() -> dict[str, int]:
+    """State of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache::info)."""
+    values = torch.ops.torch_gradstats._cuda_metadata_cache_info()
+    keys = ("entries", "bytes", "retired", "captured_calls", "fill_launches", "pool_reserved")
+    return dict(zip(keys, values))
 
 
 def distinct_lists(gen, count: int, base: int) -> list[list[torch.Tensor]]:
@@ -277,38 +289,39 @@ GPU_SLEEP_CYCLES = 100_000_000
 
 @needs_cuda_kernel
 @pytest.mark.parametrize("shape", ["10000_small", "5_large"])
-def test_steady_state_copies_nothing(shape, gen):
+def test_steady_state_writes_no_metadata(shape, gen):
     # Sizes unique to this test: the first call must miss the metadata cache (a positive control for the filter).
     if shape == "10000_small":
         tensors = [randn(65 + i % 97, DTYPES[i % 4], gen) for i in range(10_000)]
     else:
         tensors = [randn((1 << 22) + 5 + i, DTYPES[i % 4], gen) for i in range(5)]
     miss = cuda_activity(lambda: OP(tensors))
-    assert len(htod_copies(miss)) == 1, miss  # one upload of the metadata on a miss
+    assert fills(miss), miss  # a miss writes the metadata with fill kernels...
+    assert not memcpys(miss), miss  # ...from their parameters: no copy from host memory
     hit = cuda_activity(lambda: OP(tensors))
-    assert not htod_copies(hit), hit  # steady state: the cached device buffer is reused, nothing is copied
-    assert not [n for n in hit if n.lower().startswith("memcpy")], hit  # nor copied back (no host sync)
+    assert not fills(hit) and not memcpys(hit), hit  # steady state: the cached metadata is read as it is
+    assert len(hit) == 2, hit  # the two kernels of the op and nothing else
     assert_matches(OP(tensors), tensors)
 
 
-@pytest.mark.parametrize("upload_on", ["default_stream", "side_stream"])
-def test_cache_hit_from_another_stream_than_the_upload(upload_on, gen):
-    # The miss uploads on one stream, behind a long sleep, so the upload is still pending when the other stream's
-    # call hits the cache: that call must wait for the upload (cudaStreamWaitEvent), not read a half-written buffer.
-    base = 40_000 if upload_on == "default_stream" else 50_000
+@pytest.mark.parametrize("fill_on", ["default_stream", "side_stream"])
+def test_cache_hit_from_another_stream_than_the_fill(fill_on, gen):
+    # The miss fills the metadata on one stream, behind a long sleep, so the fill is still pending when the other
+    # stream's call hits the cache: that call must wait for it (cudaStreamWaitEvent), not read a half-written buffer.
+    base = 40_000 if fill_on == "default_stream" else 50_000
     tensors = [randn(base + i, DTYPES[i % 4], gen) for i in range(6)] + [randn(3 << 20, torch.bfloat16, gen)]
     tensors[2][7] = float("nan")
     tensors[5][0] = 0.0
     default, side = torch.cuda.current_stream(), torch.cuda.Stream()
     side.wait_stream(default)  # the inputs are ready on both streams before the sleep below
-    first_stream, second_stream = (default, side) if upload_on == "default_stream" else (side, default)
+    first_stream, second_stream = (default, side) if fill_on == "default_stream" else (side, default)
     with torch.cuda.stream(first_stream):
         torch.cuda._sleep(GPU_SLEEP_CYCLES)
-        first = OP(tensors)  # miss: upload enqueued behind the sleep
+        first = OP(tensors)  # miss: fill enqueued behind the sleep
     with torch.cuda.stream(second_stream):
         second = OP(tensors)  # hit, on another stream
-    if has_cuda_kernel():  # (the pure-PyTorch kernel has no upload to wait for)
-        assert not first_stream.query(), "the upload finished before the second call: the test checked nothing"
+    if has_cuda_kernel():  # (the pure-PyTorch kernel has no fill to wait for)
+        assert not first_stream.query(), "the fill finished before the second call: the test checked nothing"
     default.wait_stream(side)
     torch.cuda.synchronize()
     assert_matches(first, tensors)
@@ -327,18 +340,18 @@ def test_cache_eviction_then_reuse_of_evicted_lists(gen):
             for t in ts:
                 t.mul_(-3.0)
             ts[k % 3][k] = float("inf") if k % 2 else 0.0
-    if has_cuda_kernel():  # proof that the first list was evicted: calling it again uploads its metadata again
+    if has_cuda_kernel():  # proof that the first list was evicted: calling it again writes its metadata again
         got = []
         names = cuda_activity(lambda: got.append(OP(lists[0])))
-        assert len(htod_copies(names)) == 1, names
+        assert len(fills(names)) == 1, names
         assert_matches(got[0], lists[0])
     for ts in lists[:6] + lists[-4:]:
         assert_matches(OP(ts), ts)
 
 
 def test_cache_eviction_while_kernels_in_flight(gen):
-    # Everything below is enqueued while the GPU sleeps: the big list's entry is evicted (its device buffer freed,
-    # its pinned source pending) before its upload and kernels have run, then it is uploaded again.
+    # Everything below is enqueued while the GPU sleeps: the big list's entry is evicted (its memory freed
+    # stream-ordered) before its fill and kernels have run, then it is filled again.
     big = [randn(1 << 26, torch.bfloat16, gen), randn((1 << 24) + 3, torch.float32, gen)]
     big[0][-1] = 1e4
     lists = distinct_lists(gen, 20, 9_000)
@@ -419,12 +432,12 @@ def test_mixed_tiny_and_normal_values(dtype, gen):
 
 @pytest.mark.parametrize("pool_asserts", [False, True], ids=["results", "inductor_pool_asserts"])
 def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(pool_asserts, gen):
-    # torch.compile(mode="reduce-overhead") runs its warm-up calls eagerly with allocations routed to the cudagraph
-    # trees' private pool. A metadata-cache miss there allocates the cached device buffer from that pool; cudagraph
-    # trees don't know the cache holds it and may hand the block to a later recording, whose replays would overwrite
-    # the metadata that later eager calls (and graphs captured on a hit) read. "results" checks every output and an
-    # eager call after each step; "inductor_pool_asserts" turns on inductor's own check that every live block of
-    # the pool is one it tracks (failing there means: a cache buffer sits in the cudagraph pool).
+    # torch.compile(mode="reduce-overhead") runs its warm-up calls eagerly with every allocation of the thread routed
+    # to the cudagraph trees' private pool. Anything the op kept from such a call (a cached metadata buffer) would be
+    # a live block the trees do not track: their checkpoint restore frees it ("could not find <ptr>") or hands it to
+    # a later recording, whose replays overwrite it. "results" checks every output and an eager call after each
+    # step; "inductor_pool_asserts" turns on inductor's own check that every live block of the pool is one it tracks
+    # (docs/cuda.md, "Why the previous design failed under reduce-overhead").
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
@@ -461,6 +474,7 @@ def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(p
     def make(sizes):  # sizes differ between the two variants, so neither hits the other's cache entries
         return [randn(n + 2 * pool_asserts, DTYPES[i % 4], gen) for i, n in enumerate(sizes)]
 
+    captured_before = cache_info()["captured_calls"] if has_cuda_kernel() else 0
     with inductor_config.patch({"triton.slow_path_cudagraph_asserts": pool_asserts}):
         grads_a = make([7, 1 << 17, 999, 70_013, 4096])
         for step in range(6):  # warm-up, recording, replays; gradients changed in place between steps
@@ -478,6 +492,340 @@ def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(p
         for grads in (grads_a, fresh_a, grads_b):
             check(grads)
     assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs were skipped: the test did not test them"
+    if has_cuda_kernel():  # two recordings (two graphs), two op calls in each
+        assert cache_info()["captured_calls"] >= captured_before + 4, "the op never ran under capture"
+    torch._dynamo.reset()
+
+
+@needs_cuda_kernel
+def test_capture_of_lists_longer_than_one_fill_launch(gen):
+    # 2,000 tensors need several fill launches (816 entries per launch with 32 KB of parameters, 100 with 4 KB), all
+    # captured into the graph: replays after in-place changes must see every tensor's metadata.
+    tensors = [randn(1 + (i * 37) % 300, DTYPES[i % 4], gen) for i in range(2_000)]
+    torch.cuda.synchronize()
+    before = cache_info()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = OP(tensors)
+    after = cache_info()
+    assert after["captured_calls"] == before["captured_calls"] + 1
+    assert after["fill_launches"] - before["fill_launches"] >= 3, (before, after)
+    for step in range(2):
+        with torch.no_grad():
+            for i, t in enumerate(tensors):
+                t.copy_(randn(t.numel(), t.dtype, gen, scale=2.0**step))
+            tensors[1999][-1] = float("inf")
+            tensors[817][0] = float("nan")  # in the second fill launch's range
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(captured, tensors)
+
+
+def settle() -> None:
+    # The memory pool trims its free memory at a synchronization; the first one may come before the last frees ran.
+    torch.cuda.synchronize()
+    torch.cuda.synchronize()
+
+
+@needs_cuda_kernel
+def test_memory_bounded_over_1000_distinct_lists(gen):
+    # Every list is new (a cache miss): views at 1,000 offsets of one 256 MB buffer, each with 4,096 tiles, so an
+    # entry holds ~16 KB of metadata and 1,000 entries kept alive would hold ~16 MB. Memory measured: the caching
+    # allocator's (per-call temporaries must die with their call) and the cache's own (its entries, its pool).
+    big = randn(1 << 26, torch.float32, gen)
+    small = randn(77, torch.bfloat16, gen)
+    n = (1 << 26) - 4096
+    lists = [[big[16 * k : 16 * k + n], small] for k in range(1_020)]
+    for ts in lists[:20]:  # reach the steady state (full cache, caching-allocator blocks for the temporaries)
+        OP(ts)
+    settle()
+    start, allocated0 = cache_info(), torch.cuda.memory_allocated()
+    peak_bytes = peak_entries = 0
+    for k, ts in enumerate(lists[20:]):
+        got = OP(ts)
+        info = cache_info()
+        peak_bytes, peak_entries = max(peak_bytes, info["bytes"]), max(peak_entries, info["entries"])
+        if k % 199 == 0:
+            assert_matches(got, ts)
+        del got
+    settle()
+    end = cache_info()
+    assert end["fill_launches"] - start["fill_launches"] >= 1_000, (start, end)  # they really were misses
+    assert peak_entries <= 16 and end["retired"] == 0, end
+    entry_bytes = 2 * 40 + (4096 + 1) * 4
+    assert peak_bytes <= 16 * entry_bytes, (peak_bytes, entry_bytes)
+    assert torch.cuda.memory_allocated() == allocated0, "a per-call temporary outlived its call"
+    # Evicted entries return to the cache's memory pool, stream-ordered; 1,000 entries kept would be ~16 MB.
+    assert end["pool_reserved"] - start["pool_reserved"] <= 4 << 20, (start, end)
+
+
+@needs_cuda_kernel
+def test_captured_graph_replays_after_1000_lists_evicted_everything(gen):
+    grads = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([5, 70_001, 1 << 16, 333])]
+    OP(grads)  # an eager call first: its cache entry is then evicted by the lists below
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = OP(grads)
+    for ts in distinct_lists(gen, 1_000, 200_000):  # 1,000 misses: every earlier entry is evicted, its memory reused
+        OP(ts)
+    with torch.no_grad():
+        for g in grads:
+            g.copy_(randn(g.numel(), g.dtype, gen, scale=7.0))
+        grads[2][9] = float("nan")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(captured, grads)
+
+
+@needs_cuda_kernel
+def test_capture_on_one_thread_while_another_misses_the_cache(gen):
+    # Thread B captures in the default (global) mode while thread A's eager calls miss the cache, which allocates
+    # and creates events: done under the relaxed capture mode, they must not invalidate B's capture.
+    import threading
+
+    fresh = distinct_lists(gen, 20, 310_000)
+    side_a = torch.cuda.Stream()
+    side_a.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_a):  # the caching allocator then holds blocks (for side_a) for every call below
+        for ts in fresh:
+            OP(ts)
+    fresh = [[t.clone() for t in ts] for ts in fresh]  # new addresses: misses again, 20 of them (evictions too)
+    grads = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([11, 4097, 50_000])]
+    torch.cuda.synchronize()
+    capturing, done = threading.Event(), threading.Event()
+    results, errors = [], []
+
+    def eager_thread():
+        try:
+            capturing.wait(timeout=30)
+            with torch.cuda.stream(side_a):
+                results.extend((ts, OP(ts)) for ts in fresh)
+        except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # reported on the main thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    graph = torch.cuda.CUDAGraph()
+    capture_stream = torch.cuda.Stream()
+    thread = threading.Thread(target=eager_thread)
+    thread.start()
+    with torch.cuda.stream(capture_stream):
+        graph.capture_begin()  # global mode; no empty_cache before it (unlike torch.cuda.graph)
+        try:
+            captured = OP(grads)
+            capturing.set()
+            done.wait(timeout=60)
+        finally:
+            graph.capture_end()
+    thread.join()
+    assert not errors, errors
+    side_a.synchronize()
+    for ts, got in results:
+        assert_matches(got, ts)
+    with torch.no_grad():
+        grads[1][3] = float("-inf")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(captured, grads)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.compile with CUDA graphs (cudagraph trees) around real training steps.
+#
+# The models below compute exactly: integer inputs and targets, weights on a grid of 1/4 (re-rounded after every
+# optimizer step), a loss linear in the output. Every product and sum of the forward and backward passes is then
+# exact in float32 whatever the kernel or summation order, so the gradients of the compiled model and of its eager
+# twin are the same bits, and so must be every statistic the op returns on them.
+
+
+def exact_model(seed: int, device: str = "cuda") -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU(), torch.nn.Linear(32, 8, bias=False)
+    ).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-8, 9, p.shape, generator=gen).float() / 4)
+    return model
+
+
+def exact_batches(steps: int, nan_step: int, inf_step: int, device: str = "cuda") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    batches = []
+    for step in range(steps):
+        x = torch.randint(-3, 4, (4, 16), generator=gen).float()
+        y = torch.randint(-2, 3, (4, 8), generator=gen).float()
+        if step == nan_step:
+            x[0, 0] = float("nan")
+        if step == inf_step:
+            x[1, 2] = float("inf")
+        batches.append((x.to(device), y.to(device)))
+    return batches
+
+
+def train_step(model, optimizer, x, y):
+    """One real step: forward, backward, the raw op, grad_stats, fused clipping, optimizer step."""
+    loss = (model(x) * y).sum()
+    loss.backward()
+    params = list(model.parameters())
+    raw = torch_gradstats.multi_tensor_stats([p.grad for p in params])
+    stats = torch_gradstats.grad_stats(model.named_parameters())
+    clipped = torch_gradstats.clip_grad_norm_(model.named_parameters(), max_norm=40.0)
+    with torch.no_grad():
+        for p in params:
+            p.grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a non-finite step changes nothing
+    optimizer.step()
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.round(p * 4) / 4)  # back onto the grid: the next step computes exactly again
+    return (raw.sumsq, raw.amax, raw.counts, stats.sumsq, stats.amax, stats.counts, stats.total_norm,
+            clipped.clip_norm, clipped.clip_coef)
+
+
+def run_training(mode: str | None, device: str = "cuda", steps: int = 20, nan_step: int = 5, inf_step: int = 9):
+    """Per-step outputs of train_step, compiled with `mode` (None: eager), and the model's final weights."""
+    model = exact_model(0, device)
+    # Gradients with fixed addresses, marked static: compiled optimizers then read them in place under CUDA graphs.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+        if mode is not None:
+            torch._dynamo.mark_static_address(p.grad)
+    optimizer = torch.optim.SGD(model.parameters(), lr=2.0**-3)
+    step_fn = train_step if mode is None else torch.compile(train_step, mode=mode)
+    history = []
+    for x, y in exact_batches(steps, nan_step, inf_step, device):
+        if mode is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = step_fn(model, optimizer, x, y)
+        history.append([o.detach().clone() for o in out])  # CUDA-graph outputs are overwritten by the next replay
+        optimizer.zero_grad(set_to_none=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return history, [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Equal bit for bit, except that any NaN equals any NaN (NaN payloads are the producing kernel's business)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    if a.is_floating_point():
+        assert torch.equal(a.isnan(), b.isnan()), f"{what}: {a} != {b}"
+        a, b = a.nan_to_num(nan=0.0), b.nan_to_num(nan=0.0)
+        bits = {torch.float64: torch.int64, torch.float32: torch.int32}[a.dtype]
+        a, b = a.view(bits), b.view(bits)
+    assert torch.equal(a, b), f"{what}: {a} != {b}"
+
+
+@needs_cuda_kernel
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compiled_training_loop_matches_eager_bit_for_bit(mode):
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, eager_weights = run_training(None)
+    before = cache_info()
+    # GEMMs stay cuBLAS under max-autotune (its Triton templates are not under test here); CUDA graphs stay on.
+    with inductor_config.patch({"max_autotune_gemm_backends": "ATEN", "triton.slow_path_cudagraph_asserts": True}):
+        compiled, compiled_weights = run_training(mode)
+    after = cache_info()
+    torch._dynamo.reset()
+    assert after["captured_calls"] > before["captured_calls"], (
+        "the op never ran inside a captured CUDA graph, so this test checked nothing about CUDA graphs; "
+        f"cudagraph skips: {dict(counters['inductor'])}"
+    )
+    names = ["raw.sumsq", "raw.amax", "raw.counts", "sumsq", "amax", "counts", "total_norm", "clip_norm", "clip_coef"]
+    for step, (e, c) in enumerate(zip(eager, compiled)):
+        for name, a, b in zip(names, e, c):
+            assert_same_bits(a, b, f"step {step}: {name}")
+    for a, b in zip(eager_weights, compiled_weights):
+        assert_same_bits(a, b, "final weights")
+    # The run saw what it was meant to: changing gradients, one NaN step, one Inf step, finite steps otherwise.
+    nan_counts = [int(h[2][:, NAN].sum()) for h in eager]
+    inf_counts = [int(h[2][:, INF].sum()) for h in eager]
+    assert nan_counts[5] > 0 and sum(nan_counts) == nan_counts[5] + nan_counts[9], nan_counts
+    assert inf_counts[9] > 0 or nan_counts[9] > 0, (inf_counts, nan_counts)
+    finite = [float(h[6]) for k, h in enumerate(eager) if k not in (5, 9)]
+    assert len(set(finite)) > 10, finite  # the gradients changed from step to step
+    assert any(float(h[8]) < 1.0 for h in eager), "clipping never scaled: max_norm too large to test it"
+    assert max(float(w.abs().max()) for w in eager_weights) <= 16, "weights grew past the range computed exactly"
+
+
+@needs_cuda_kernel
+def test_trainer_compiled_reduce_overhead_matches_eager():
+    from torch_gradstats.training import Trainer, clear_compile_cache
+
+    def fit(compile_mode):
+        model = exact_model(1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=2.0**-3)
+        trainer = Trainer(
+            model, optimizer, lambda out, y: (out * y).mean(), max_grad_norm=40.0, skip_nonfinite=True,
+            compile=compile_mode is not None, compile_mode=compile_mode, progress=False,
+        )
+        return trainer.fit(exact_batches(12, nan_step=3, inf_step=7), epochs=2)
+
+    clear_compile_cache()
+    torch._dynamo.reset()
+    eager = fit(None)
+    compiled = fit("reduce-overhead")
+    clear_compile_cache()
+    torch._dynamo.reset()
+    for e, c in zip(eager, compiled):
+        assert (e.nan_count, e.inf_count, e.nonfinite_steps, e.skipped_steps) == (
+            c.nan_count, c.inf_count, c.nonfinite_steps, c.skipped_steps)
+        assert e.first_nonfinite_step == c.first_nonfinite_step == e.epoch * 12 + 3
+        assert e.first_nonfinite_param == c.first_nonfinite_param
+        assert len(e.history) == len(c.history) == 12
+        for re, rc in zip(e.history, c.history):
+            assert (re.nan_count, re.inf_count, re.skipped) == (rc.nan_count, rc.inf_count, rc.skipped)
+            if re.nan_count == re.inf_count == 0:
+                # The compiled forward may round differently from the eager one once the weights leave the grid.
+                assert rc.total_norm == pytest.approx(re.total_norm, rel=1e-5)
+    assert eager[0].skipped_steps == 2
+
+
+@needs_cuda_kernel
+def test_reduce_overhead_two_lists_alternating_and_a_list_that_changes_shape(gen):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def stats_fn(grads):
+        s = torch_gradstats.multi_tensor_stats(grads)
+        return s.sumsq.sqrt(), s.amax, s.counts
+
+    compiled = torch.compile(stats_fn, mode="reduce-overhead")
+    list_a = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([9, 70_000, 4099])]
+    list_b = [randn(n, DTYPES[(i + 1) % 4], gen) for i, n in enumerate([1 << 17, 3, 333, 12_345])]
+    before = cache_info()
+
+    def call_and_check(grads, label):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = [o.clone() for o in compiled(grads)]
+        ref_sumsq, ref_amax, ref_counts = reference_multi_tensor_stats(grads)
+        assert torch.equal(out[2], ref_counts), label
+        torch.testing.assert_close(out[1], ref_amax, rtol=0, atol=0, equal_nan=True, msg=label)
+        torch.testing.assert_close(out[0], ref_sumsq.sqrt(), rtol=1e-5, atol=0, equal_nan=True, msg=label)
+
+    for step in range(8):  # two graphs in one tree, alternating; contents change in place between calls
+        for name, grads in (("a", list_a), ("b", list_b)):
+            with torch.no_grad():
+                for g in grads:
+                    g.copy_(randn(g.numel(), g.dtype, gen, scale=3.0 ** (step % 3)))
+                if step == 4:
+                    grads[-1][1] = float("nan")
+                if step == 6:
+                    grads[0][0] = float("inf")
+            call_and_check(grads, f"{name}{step}")
+    for step in range(6):  # new shapes: dynamic-shape graph, re-recorded per shape; then a shape seen before
+        size = [1000, 1001, 5000, 70_001, 1001, 1000][step]
+        grads = [randn(size, torch.float32, gen), randn(size // 2 + 1, torch.bfloat16, gen)]
+        grads[1][-1] = float("inf") if step % 2 else 0.0
+        call_and_check(grads, f"shape {size}")
+    assert cache_info()["captured_calls"] >= before["captured_calls"] + 3, "the op never ran under capture"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()
 
 

@@ -1,4 +1,4 @@
-// The fused CUDA kernel of torch_gradstats::multi_tensor_stats (contract: DESIGN.md; design notes: docs/cuda.md).
+// The fused CUDA kernel of torch_gradstats::multi_tensor_stats (contract: docs/design.md; design notes: docs/cuda.md).
 //
 // Two launches for any number of tensors, deterministic, no host sync:
 //  1. `tile_stats_kernel`: a persistent grid (sized from the SM count) walks a flattened list of tiles; a tile is a
@@ -8,15 +8,19 @@
 //     counts into the special values of sumsq/amax and writes the outputs.
 // Which block handles which tile never changes a result, so the bits are the same on every call and every GPU.
 //
-// Tensor metadata (pointer, numel, dtype, tiling) for an unbounded number of tensors lives in a device buffer that
-// is cached by content (see MetadataCache): in steady state (same gradients, same addresses) nothing is copied at
-// all; a cache miss costs one cudaMemcpyAsync from an immutable pinned buffer. Both are CUDA-graph capturable.
+// Tensor metadata (pointer, numel, dtype, tiling) is written to the device by `fill_metadata_kernel`, whose kernel
+// parameters carry it (no memcpy, no host buffer to keep alive). Eager calls keep it in a content-addressed cache
+// whose memory is the cache's own (a CUDA memory pool, never PyTorch's caching allocator, so never a CUDA-graph
+// pool): in steady state nothing is written at all. A capturing stream never touches the cache: its graph gets its
+// own copy, filled by the captured kernels into a per-call temporary of the graph's pool (docs/cuda.md, "Metadata
+// and CUDA graphs").
 #include "multi_tensor_stats.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -267,165 +271,292 @@ int sm_count(c10::DeviceIndex device) {
   return cache[device];
 }
 
-// Device metadata: [TensorMeta x N][int32 tile -> tensor x T], built on the host from the key.
-struct DeviceMetadata {
-  at::Tensor buffer;  // uint8 on the device
-  int64_t num_tiles;
+// ----------------------------------------------------------------------------------------------------------------
+// Metadata upload by kernel parameters.
+//
+// The metadata buffer is [TensorMeta x N][int32 tile -> tensor x T]. It is written by `fill_metadata_kernel`, whose
+// parameters carry up to K TensorMeta entries: the launch copies them (a captured launch copies them into the
+// graph's kernel node), so no host buffer has to outlive the call, pinned or not, and no memcpy is involved. The
+// tile table is expanded on the device from the entries (it is far larger than them for big tensors).
+template <int K>
+struct FillArgs {
+  TensorMeta* meta_out;      // TensorMeta[N]
+  int32_t* tile_tensor_out;  // int32[T]
+  int32_t first;             // index in the whole list of m[0]
+  int32_t count;             // entries of m in use
+  TensorMeta m[K];
 };
+// 4 KB of kernel parameters everywhere; 32 KB (32,764 bytes) with CUDA 12.1+ at build time and run time.
+constexpr int kFillSmall = 100;
+static_assert(sizeof(FillArgs<kFillSmall>) <= 4096, "kernel parameters are limited to 4 KB before CUDA 12.1");
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+#define TORCH_GRADSTATS_LARGE_PARAMS 1
+constexpr int kFillLarge = 816;
+static_assert(sizeof(FillArgs<kFillLarge>) <= 32764, "kernel parameters are limited to 32,764 bytes");
+#endif
+constexpr int kFillThreads = 128;
 
-// Why a content-addressed cache: kernel parameters hold at most ~32 KB (about 800 tensors) and a per-call copy from
-// pinned memory is not capture-safe unless its source stays unchanged and alive as long as the graph. Keyed by
-// (device, pointer, numel, dtype of every tensor), the metadata is immutable; a training loop that reuses its
-// gradient buffers hits every step and copies nothing, and a captured graph only ever reads a device buffer that
-// the cache keeps alive (entries used under capture are never evicted). A miss while capturing copies from a slice
-// of a pinned arena reserved by the first eager call and never reused; with no eager call before, it is an error.
+// One block per tensor: thread 0 writes its TensorMeta, all threads write its range of the tile table.
+// __grid_constant__: the parameters are read in place (no per-thread copy of up to 32 KB).
+template <int K>
+__global__ void __launch_bounds__(kFillThreads) fill_metadata_kernel(const __grid_constant__ FillArgs<K> args) {
+  const int j = blockIdx.x;
+  if (j >= args.count) return;
+  const TensorMeta& m = args.m[j];
+  const int32_t index = args.first + j;
+  if (threadIdx.x == 0) args.meta_out[index] = m;
+  const int64_t n_tiles = m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
+  for (int64_t k = threadIdx.x; k < n_tiles; k += kFillThreads) args.tile_tensor_out[m.first_tile + k] = index;
+}
+
+template <int K>
+int64_t launch_fill(const TensorMeta* host_meta, int64_t n, TensorMeta* meta_out, int32_t* tile_tensor_out,
+                    cudaStream_t stream) {
+  // Up to 32 KB: kept off the stack, one per thread; reusable as soon as a launch returns (it copied them).
+  thread_local std::unique_ptr<FillArgs<K>> buf(new FillArgs<K>());
+  FillArgs<K>& a = *buf;
+  a.meta_out = meta_out;
+  a.tile_tensor_out = tile_tensor_out;
+  int64_t launches = 0;
+  for (int64_t first = 0; first < n; first += K) {
+    const int count = int(std::min<int64_t>(K, n - first));
+    a.first = int32_t(first);
+    a.count = count;
+    std::memcpy(a.m, host_meta + first, size_t(count) * sizeof(TensorMeta));
+    fill_metadata_kernel<K><<<unsigned(count), kFillThreads, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    ++launches;
+  }
+  return launches;
+}
+
+bool driver_takes_large_params() {
+#ifdef TORCH_GRADSTATS_LARGE_PARAMS
+  static const bool large = [] {
+    int version = 0;
+    return cudaDriverGetVersion(&version) == cudaSuccess && version >= 12010;
+  }();
+  return large;
+#else
+  return false;
+#endif
+}
+
+// Writes the metadata of `n` tensors to `meta_out` (and the tile table after it) on `stream`; returns the number
+// of launches.
+int64_t fill_metadata(const TensorMeta* host_meta, int64_t n, uint8_t* out, cudaStream_t stream) {
+  auto* meta_out = reinterpret_cast<TensorMeta*>(out);
+  auto* tile_out = reinterpret_cast<int32_t*>(out + size_t(n) * sizeof(TensorMeta));
+#ifdef TORCH_GRADSTATS_LARGE_PARAMS
+  if (n > kFillSmall && driver_takes_large_params()) {
+    return launch_fill<kFillLarge>(host_meta, n, meta_out, tile_out, stream);
+  }
+#endif
+  return launch_fill<kFillSmall>(host_meta, n, meta_out, tile_out, stream);
+}
+
+size_t metadata_bytes(int64_t n, int64_t num_tiles) {
+  return size_t(n) * sizeof(TensorMeta) + size_t(num_tiles) * sizeof(int32_t);
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// The metadata cache (eager calls only).
+//
+// Rules it relies on (docs/cuda.md, "Metadata and CUDA graphs"):
+//  1. Nothing it keeps comes from PyTorch's caching allocator: cudagraph trees route every allocation of the thread
+//     that runs their warm-up and recording to their private pool, and a block kept there is one they do not track.
+//     Its memory comes from a CUDA memory pool of its own (cudaMemPoolCreate), allocated and freed stream-ordered
+//     (cudaMallocFromPoolAsync / cudaFreeAsync), only while the calling stream is not capturing.
+//  2. A capturing stream never reads it: the caller takes the per-call path instead, whose buffer and parameters
+//     belong to the graph. So no graph ever depends on an entry, and any entry can be evicted.
+//  3. An entry is filled on the stream of its first call; a call from another stream waits on `ready` once and is
+//     remembered in `users`. Eviction records an event on every user stream and frees on the cache's own stream
+//     after waiting on them: the memory is reused only after every kernel that read it.
+//  4. Calls to CUDA that could invalidate another thread's capture in cudaStreamCaptureModeGlobal (allocation,
+//     event and stream creation) are made under cudaStreamCaptureModeRelaxed for this thread.
 class MetadataCache {
  public:
-  DeviceMetadata get(const std::vector<int64_t>& key, const std::vector<TensorMeta>& host_meta, int64_t num_tiles,
-                     c10::DeviceIndex device, const c10::cuda::CUDAStream& stream, bool capturing) {
+  // Device pointer of the metadata for `meta` (hash `hash`), filled on `stream` if missing; nullptr if it cannot be
+  // cached (no CUDA memory pools on this device, or no memory left for it), in which case the caller takes the
+  // per-call path.
+  const uint8_t* get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
+                     cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
     ++clock_;
-    if (!capturing && !arena_.defined()) {
-      arena_ = at::empty({int64_t(kArenaBytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    }
     for (auto& e : entries_) {
-      if (e->device == device && e->key == key) {
+      if (e->device == device && e->hash == hash && e->meta.size() == meta.size() &&
+          std::memcmp(e->meta.data(), meta.data(), meta.size() * sizeof(TensorMeta)) == 0) {
         e->last_use = clock_;
-        if (capturing) {
-          e->used_by_graph = true;
-        } else if (stream != e->stream) {
-          // Used on another stream than the upload's: order this use after the upload, and keep the memory from
-          // being reused before this use ends.
-          C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), e->copied, 0));
-          c10::cuda::CUDACachingAllocator::recordStream(e->device_buf.storage().data_ptr(), stream);
+        if (std::find(e->users.begin(), e->users.end(), stream) == e->users.end()) {
+          // First use from this stream: order it after the fill (once is enough: later uses follow in stream order).
+          C10_CUDA_CHECK(cudaStreamWaitEvent(stream, e->ready, 0));
+          e->users.push_back(stream);
         }
-        return {e->device_buf, e->num_tiles};
+        return e->data;
       }
     }
-    const size_t meta_bytes = host_meta.size() * sizeof(TensorMeta);
-    const size_t bytes = meta_bytes + size_t(num_tiles) * sizeof(int32_t);
-    const auto device_options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device);
-
-    if (capturing) {
-      // A miss under capture (e.g. torch.compile's cudagraphs copy inputs to static buffers): no allocation of
-      // pinned memory nor event call is legal now, so the source is carved from the arena reserved by an earlier
-      // eager call, never reused or freed (a graph may replay it forever); the copy becomes a node of the graph.
-      // The device buffer comes from the graph's pool like any temporary and is not cached: it is only filled
-      // when the graph replays.
-      const size_t need = (bytes + 15) & ~size_t(15);
-      TORCH_CHECK(arena_.defined() && arena_used_ + need <= kArenaBytes,
-                  "multi_tensor_stats: these tensors (this combination of addresses, sizes and dtypes) are seen for "
-                  "the first time while the CUDA stream is capturing a graph, and ",
-                  arena_.defined() ? "the reserve for such uploads is used up" : "no eager call came before",
-                  ". Call multi_tensor_stats once on the same tensors before capture (a warm-up call): the metadata "
-                  "it uploads is then reused by the captured graph without any copy.");
-      uint8_t* h = arena_.data_ptr<uint8_t>() + arena_used_;
-      arena_used_ += need;
-      fill_host(h, host_meta);
-      at::Tensor device_buf = at::empty({int64_t(bytes)}, device_options);
-      C10_CUDA_CHECK(cudaMemcpyAsync(device_buf.data_ptr(), h, bytes, cudaMemcpyHostToDevice, stream.stream()));
-      return {device_buf, num_tiles};
+    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    DeviceState& ds = device_state(device);
+    if (!ds.pools_supported) return nullptr;
+    retry_retired();
+    auto e = std::make_unique<Entry>();
+    e->device = device;
+    e->hash = hash;
+    e->meta = meta;
+    e->bytes = metadata_bytes(int64_t(meta.size()), num_tiles);
+    void* ptr = nullptr;
+    const cudaError_t alloc = cudaMallocFromPoolAsync(&ptr, e->bytes, ds.pool, stream);
+    if (alloc == cudaErrorMemoryAllocation) {
+      // The GPU is full, possibly of blocks PyTorch's caching allocator keeps free: take the per-call path, whose
+      // allocation that allocator can serve (or free its cache for and retry).
+      (void)cudaGetLastError();
+      return nullptr;
     }
-    release_finished();
+    C10_CUDA_CHECK(alloc);
+    e->data = static_cast<uint8_t*>(ptr);
+    fill_launches_ += fill_metadata(meta.data(), int64_t(meta.size()), e->data, stream);
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e->ready, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(e->ready, stream));
+    e->users.push_back(stream);
+    e->last_use = clock_;
+    live_bytes_ += e->bytes;
+    const uint8_t* data = e->data;
+    entries_.push_back(std::move(e));
+    if (entries_.size() > kCapacity) evict_lru();
+    return data;
+  }
 
-    // The cached buffer outlives this call, so it is allocated for a side stream of its own and uploaded there:
-    // the calling stream's allocations may be routed to a CUDA-graph private pool (torch.compile's cudagraph trees
-    // run their warm-up that way), which must never hold a buffer the cache keeps. The calling stream waits for the
-    // upload, and is recorded as a user of the buffer so the allocator never recycles it under a running kernel.
-    const c10::cuda::CUDAStream upload = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device);
-    auto entry = std::make_unique<Entry>();
-    entry->device = device;
-    entry->key = key;
-    entry->num_tiles = num_tiles;
-    entry->stream = upload;
-    entry->host_buf = at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    uint8_t* h = entry->host_buf.data_ptr<uint8_t>();
-    fill_host(h, host_meta);
-    {
-      const c10::cuda::CUDAStreamGuard on_upload_stream(upload);
-      entry->device_buf = at::empty({int64_t(bytes)}, device_options);
+  void count_per_call(bool capturing, int64_t launches) {
+    std::lock_guard<std::mutex> lock(mu_);
+    captured_calls_ += capturing ? 1 : 0;
+    fill_launches_ += launches;
+  }
+
+  // For tests and debugging: [entries, bytes they hold, entries waiting to be freed, calls made while capturing,
+  // fill launches so far, bytes reserved by the memory pool of `device`].
+  std::vector<int64_t> info(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t reserved = 0;
+    if (size_t(device) < devices_.size() && devices_[device].initialized && devices_[device].pools_supported) {
+      uint64_t value = 0;
+      C10_CUDA_CHECK(cudaMemPoolGetAttribute(devices_[device].pool, cudaMemPoolAttrReservedMemCurrent, &value));
+      reserved = int64_t(value);
     }
-    C10_CUDA_CHECK(cudaMemcpyAsync(entry->device_buf.data_ptr(), h, bytes, cudaMemcpyHostToDevice, upload.stream()));
-    // The pinned source must not be freed (and reused) before the copy has run: remember when it has.
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&entry->copied, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(entry->copied, upload.stream()));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), entry->copied, 0));
-    c10::cuda::CUDACachingAllocator::recordStream(entry->device_buf.storage().data_ptr(), stream);
-    entry->last_use = clock_;
-    DeviceMetadata result{entry->device_buf, num_tiles};
-    entries_.push_back(std::move(entry));
-    evict_if_full();
-    return result;
+    return {int64_t(entries_.size()), int64_t(live_bytes_), int64_t(retired_.size()), captured_calls_,
+            fill_launches_, reserved};
   }
 
  private:
   static constexpr size_t kCapacity = 16;
-  static constexpr size_t kArenaBytes = size_t(4) << 20;  // pinned reserve for misses under capture (~10k tensors)
-
-  static void fill_host(uint8_t* h, const std::vector<TensorMeta>& host_meta) {
-    const size_t meta_bytes = host_meta.size() * sizeof(TensorMeta);
-    std::memcpy(h, host_meta.data(), meta_bytes);
-    int32_t* tile_tensor = reinterpret_cast<int32_t*>(h + meta_bytes);
-    for (size_t i = 0; i < host_meta.size(); ++i) {
-      const TensorMeta& m = host_meta[i];
-      const int64_t n = m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
-      std::fill(tile_tensor + m.first_tile, tile_tensor + m.first_tile + n, int32_t(i));
-    }
-  }
 
   struct Entry {
     c10::DeviceIndex device = 0;
-    std::vector<int64_t> key;
-    int64_t num_tiles = 0;
-    at::Tensor device_buf, host_buf;
-    cudaEvent_t copied = nullptr;
-    c10::cuda::CUDAStream stream = c10::cuda::getDefaultCUDAStream();
+    uint64_t hash = 0;
+    std::vector<TensorMeta> meta;  // the key: a pure function of (pointer, numel, dtype) of every tensor
+    uint8_t* data = nullptr;       // from the cache's CUDA memory pool
+    size_t bytes = 0;
+    cudaEvent_t ready = nullptr;       // recorded after the fill, on users[0]
+    std::vector<cudaStream_t> users;   // every stream that has read it
     uint64_t last_use = 0;
-    bool used_by_graph = false;
-  };
-  struct PendingHost {
-    at::Tensor host_buf;
-    cudaEvent_t copied;
   };
 
-  // Evicts the least recently used entry no captured graph refers to. Its device buffer goes back to the caching
-  // allocator (stream-ordered, so safe); its pinned buffer waits for its copy to have run.
-  void evict_if_full() {
-    if (entries_.size() <= kCapacity) return;
-    auto victim = entries_.end();
-    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (!(*it)->used_by_graph && (victim == entries_.end() || (*it)->last_use < (*victim)->last_use)) victim = it;
+  struct DeviceState {
+    bool initialized = false;
+    bool pools_supported = false;
+    cudaMemPool_t pool = nullptr;
+    cudaStream_t free_stream = nullptr;  // frees wait here on the users' events, never on the callers' streams
+    cudaEvent_t user_done = nullptr;     // re-recorded per user stream at eviction
+  };
+
+  // Created once per device and never destroyed (no CUDA calls during static destruction).
+  DeviceState& device_state(c10::DeviceIndex device) {
+    if (devices_.size() <= size_t(device)) devices_.resize(size_t(device) + 1);
+    DeviceState& ds = devices_[device];
+    if (ds.initialized) return ds;
+    int supported = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
+    if (supported) {
+      cudaMemPoolProps props = {};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = device;
+      C10_CUDA_CHECK(cudaMemPoolCreate(&ds.pool, &props));
+      // Reuse freed memory only once its free has completed (or by event dependencies), never by making an
+      // allocating stream wait on the cache's free stream (which waits on other streams' work).
+      int no = 0;
+      C10_CUDA_CHECK(cudaMemPoolSetAttribute(ds.pool, cudaMemPoolReuseAllowInternalDependencies, &no));
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&ds.free_stream, cudaStreamNonBlocking));
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ds.user_done, cudaEventDisableTiming));
     }
-    if (victim == entries_.end()) return;
-    pending_.push_back({std::move((*victim)->host_buf), (*victim)->copied});
-    entries_.erase(victim);
+    ds.pools_supported = supported != 0;
+    ds.initialized = true;
+    return ds;
   }
 
-  void release_finished() {
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      const cudaError_t status = cudaEventQuery(it->copied);
-      if (status == cudaErrorNotReady) {
-        (void)cudaGetLastError();  // cudaEventQuery's "not ready" is not an error; don't leave it sticky
-        ++it;
-        continue;
-      }
-      C10_CUDA_CHECK(status);
-      C10_CUDA_CHECK(cudaEventDestroy(it->copied));
-      it = pending_.erase(it);
+  void evict_lru() {
+    auto victim = entries_.begin();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if ((*it)->last_use < (*victim)->last_use) victim = it;
     }
+    std::unique_ptr<Entry> e = std::move(*victim);
+    entries_.erase(victim);
+    if (!try_free(*e)) retired_.push_back(std::move(e));
+  }
+
+  void retry_retired() {
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      it = try_free(**it) ? retired_.erase(it) : it + 1;
+    }
+  }
+
+  // Frees an entry once every kernel that may read it has run. Recording an event on a stream that another thread
+  // is capturing would add it to that capture, so such an entry waits (in retired_) for a later call.
+  bool try_free(Entry& e) {
+    const c10::cuda::CUDAGuard on_entry_device(e.device);
+    for (cudaStream_t s : e.users) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      const cudaError_t err = cudaStreamIsCapturing(s, &status);
+      if (err != cudaSuccess) (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures
+      if (err != cudaSuccess || status != cudaStreamCaptureStatusNone) return false;
+    }
+    DeviceState& ds = devices_[e.device];
+    for (cudaStream_t s : e.users) {
+      C10_CUDA_CHECK(cudaEventRecord(ds.user_done, s));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(ds.free_stream, ds.user_done, 0));
+    }
+    C10_CUDA_CHECK(cudaFreeAsync(e.data, ds.free_stream));
+    C10_CUDA_CHECK(cudaEventDestroy(e.ready));  // legal while pending: released when it completes
+    live_bytes_ -= e.bytes;
+    return true;
   }
 
   std::mutex mu_;
   uint64_t clock_ = 0;
-  at::Tensor arena_;  // pinned; slices handed out under capture are never reused
-  size_t arena_used_ = 0;
+  size_t live_bytes_ = 0;
+  int64_t captured_calls_ = 0;
+  int64_t fill_launches_ = 0;
+  std::vector<DeviceState> devices_;
   std::vector<std::unique_ptr<Entry>> entries_;
-  std::vector<PendingHost> pending_;
+  std::vector<std::unique_ptr<Entry>> retired_;
 };
 
 MetadataCache& metadata_cache() {
   static auto* cache = new MetadataCache();  // leaked on purpose: no CUDA calls during static destruction
   return *cache;
+}
+
+// Tile size of a tensor: 64 KB, or larger so that no tensor has more than kMaxTilesPerTensor tiles.
+int64_t tile_elems_for(int64_t numel, int64_t es) {
+  const int64_t vec_elems = kVecBytes / es;
+  int64_t tile_elems = kTileBytes / es;
+  const int64_t needed = (numel + kMaxTilesPerTensor - 1) / kMaxTilesPerTensor;
+  if (needed > tile_elems) tile_elems = (needed + vec_elems - 1) / vec_elems * vec_elems;
+  return tile_elems;
+}
+
+inline uint64_t mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h;
 }
 
 Stats multi_tensor_stats_cuda(at::TensorList tensors) {
@@ -441,8 +572,9 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
   // contiguous first. `dense_copies` keeps those copies alive until both kernels are enqueued, after which the
   // caching allocator (stream-ordered) may recycle them safely.
   std::vector<at::Tensor> dense_copies;
-  std::vector<TensorMeta> host_meta(static_cast<size_t>(n));
-  std::vector<int64_t> key(static_cast<size_t>(n) * 3);
+  thread_local std::vector<TensorMeta> host_meta;  // reused across calls: no allocation in steady state
+  host_meta.resize(size_t(n));
+  uint64_t hash = uint64_t(n);
   int64_t num_tiles = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
@@ -457,37 +589,49 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
     const void* ptr = numel == 0 ? nullptr : t->const_data_ptr();
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(ptr) % uintptr_t(es) == 0, "multi_tensor_stats: tensors[", i,
                       "] has a data pointer that is not aligned to its element size");
-    const int64_t vec_elems = kVecBytes / es;
-    int64_t tile_elems = kTileBytes / es;
-    const int64_t needed = (numel + kMaxTilesPerTensor - 1) / kMaxTilesPerTensor;
-    if (needed > tile_elems) tile_elems = (needed + vec_elems - 1) / vec_elems * vec_elems;
+    const int64_t tile_elems = tile_elems_for(numel, es);
     const int32_t tag = dtype_tag(t->scalar_type());
-    host_meta[i] = TensorMeta{ptr, numel, tile_elems, num_tiles, tag, 0};
+    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, num_tiles, tag, 0};
     num_tiles += numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
-    key[3 * i] = int64_t(reinterpret_cast<uintptr_t>(ptr));
-    key[3 * i + 1] = numel;
-    key[3 * i + 2] = tag;
+    hash = mix(mix(mix(hash, reinterpret_cast<uintptr_t>(ptr)), uint64_t(numel)), uint64_t(tag));
   }
   TORCH_CHECK_VALUE(num_tiles < std::numeric_limits<int32_t>::max(), "multi_tensor_stats: too many tiles (",
                     num_tiles, ")");
 
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
-  const DeviceMetadata md = metadata_cache().get(key, host_meta, num_tiles, device.index(), stream,
-                                                 capture != cudaStreamCaptureStatusNone);
-  const auto* d_meta = reinterpret_cast<const TensorMeta*>(md.buffer.const_data_ptr());
-  const auto* d_tile_tensor = reinterpret_cast<const int32_t*>(
-      static_cast<const uint8_t*>(md.buffer.const_data_ptr()) + size_t(n) * sizeof(TensorMeta));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  MetadataCache& cache = metadata_cache();
+
+  // Partials workspace, structure of arrays: sumsq[T], amax[T], counts[3][T] (5 x 8 bytes per tile). Like the
+  // outputs it comes from the caching allocator; unlike them it dies at the end of the call.
+  const size_t workspace_bytes = size_t(num_tiles) * 5 * sizeof(double);
+  const auto byte_options = at::TensorOptions().dtype(at::kByte).device(device);
+  at::Tensor scratch;
+  const uint8_t* d_metadata = nullptr;
+  if (!capturing) d_metadata = cache.get(host_meta, hash, num_tiles, device.index(), stream.stream());
+  if (d_metadata != nullptr) {
+    if (workspace_bytes > 0) scratch = at::empty({int64_t(workspace_bytes)}, byte_options);
+  } else {
+    // Per call (always under capture): the metadata sits after the workspace in one temporary and is written by
+    // fill kernels on this stream; a captured graph owns both (its pool holds the buffer, its nodes the
+    // parameters), and they are rewritten by every replay.
+    const size_t bytes = workspace_bytes + metadata_bytes(n, num_tiles);
+    scratch = at::empty({int64_t(bytes)}, byte_options);
+    uint8_t* md = static_cast<uint8_t*>(scratch.data_ptr()) + workspace_bytes;
+    const int64_t launches = fill_metadata(host_meta.data(), n, md, stream.stream());
+    cache.count_per_call(capturing, launches);
+    d_metadata = md;
+  }
+  const auto* d_meta = reinterpret_cast<const TensorMeta*>(d_metadata);
+  const auto* d_tile_tensor = reinterpret_cast<const int32_t*>(d_metadata + size_t(n) * sizeof(TensorMeta));
 
   Stats out = empty_stats(n, device);
-  // Partials workspace, structure of arrays: sumsq[T], amax[T], counts[3][T] (5 x 8 bytes per tile).
-  at::Tensor workspace;
   double* p_sumsq = nullptr;
   double* p_amax = nullptr;
   int64_t* p_counts = nullptr;
   if (num_tiles > 0) {
-    workspace = at::empty({5 * num_tiles}, at::TensorOptions().dtype(at::kDouble).device(device));
-    p_sumsq = workspace.data_ptr<double>();
+    p_sumsq = reinterpret_cast<double*>(scratch.data_ptr());
     p_amax = p_sumsq + num_tiles;
     p_counts = reinterpret_cast<int64_t*>(p_amax + num_tiles);
     const int64_t grid = std::min<int64_t>(num_tiles, int64_t(sm_count(device.index())) * kBlocksPerSM);
@@ -503,8 +647,18 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
   return out;
 }
 
+// Debug query (tests): the metadata cache's state for the current device; see MetadataCache::info.
+std::vector<int64_t> metadata_cache_info() {
+  return metadata_cache().info(c10::cuda::current_device());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_gradstats, CUDA, m) { m.impl("multi_tensor_stats", &multi_tensor_stats_cuda); }
+
+// A second op of the namespace, defined here because only the CUDA build has the cache it reports on.
+TORCH_LIBRARY_FRAGMENT(torch_gradstats, m) {
+  m.def("_cuda_metadata_cache_info() -> int[]", &metadata_cache_info);
+}
 
 }  // namespace torch_gradstats
