@@ -152,7 +152,8 @@ def _reduce(originals: Sequence[Tensor], sumsq: Tensor, amax: Tensor, counts: Te
         return sumsq, amax, counts, None, _to_device_async(numel, sumsq.device)
     from torch_gradstats.distributed import reduce_across_ranks  # only on this path
 
-    return reduce_across_ranks(originals, sumsq, amax, counts, group, return_numel=True)
+    r = reduce_across_ranks(originals, sumsq, amax, counts, group)
+    return r.sumsq, r.amax, r.counts, r.rank_nonfinite, r.numel
 
 
 def _fetch(floats: Sequence[Tensor], ints: Sequence[Tensor]) -> tuple[list[float], list[int]]:

@@ -70,7 +70,7 @@ from torch_gradstats.updates import GradWeightStats
 try:
     from lightning.pytorch import Callback as _Callback
 except ImportError:  # only the older package name is installed
-    from pytorch_lightning import Callback as _Callback  # type: ignore[no-redef,assignment]
+    from pytorch_lightning import Callback as _Callback
 
 __all__ = ["GradStatsCallback", "PLGradStatsCallback", "lightning_keys"]  # noqa: F822 (module __getattr__)
 
@@ -190,7 +190,7 @@ class _GradStatsMixin:
         self.last_report = report
 
 
-class GradStatsCallback(_GradStatsMixin, _Callback):  # type: ignore[misc,valid-type]
+class GradStatsCallback(_GradStatsMixin, _Callback):
     """Gradient statistics every N optimizer steps, logged to the trainer's loggers (see the module docstring)."""
 
 
@@ -209,7 +209,7 @@ def __getattr__(name: str) -> Any:
             _PL_CLASS = GradStatsCallback
         else:
 
-            class PLGradStatsCallback(_GradStatsMixin, pytorch_lightning.Callback):  # type: ignore[misc]
+            class PLGradStatsCallback(_GradStatsMixin, pytorch_lightning.Callback):
                 """:class:`GradStatsCallback` for ``pytorch_lightning.Trainer``."""
 
             _PL_CLASS = PLGradStatsCallback

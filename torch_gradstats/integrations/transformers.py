@@ -71,7 +71,7 @@ logger = logging.getLogger("torch_gradstats")
 def _sync_gradients() -> bool:
     """True while the current micro-batch is the last of its optimizer step (set by the Trainer via accelerate)."""
     try:
-        from accelerate.state import GradientState  # type: ignore[import-not-found,unused-ignore]
+        from accelerate.state import GradientState
     except ImportError:  # the Trainer itself needs accelerate; without it every backward counts
         return True
     return bool(GradientState().sync_gradients)
@@ -184,7 +184,7 @@ class GradStatsCallback(TrainerCallback):
         if self._queued or not _sync_gradients():
             return
         self._queued = True
-        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        engine = torch.autograd.Variable._execution_engine
         # Queued from a queued callback, it runs after every callback queued during the backward, DDP's
         # end-of-backward reduction included.
         engine.queue_callback(lambda: engine.queue_callback(self._after_backward))
