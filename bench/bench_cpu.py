@@ -10,8 +10,8 @@ memory ceiling) and prints a table with time, GB/s and ratios, then the issue's 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import torch
 

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", type=_names(DTYPES), default=list(DTYPES),
                    help=f"dtypes of the large lists (gpt2, big4): comma list of {', '.join(DTYPES)} (default: all)")
     p.add_argument("--contenders", type=_names(CONTENDERS), default=None,
-                   help="comma list (default: all; with --quick all but compiled_composite)")
+                   help="comma list (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions (smoke test)")
     p.add_argument("--repeats", type=_positive_int, default=None,
                    help="minimum interleaved repetitions per point (default 5 on CPU, 9 on CUDA, 3 with --quick); "
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     cuda = device.type == "cuda"
     repeats = args.repeats or (3 if args.quick else (9 if cuda else 5))
-    names = args.contenders or [n for n in CONTENDERS if not (args.quick and n == COMPILED)]
+    names = args.contenders or list(CONTENDERS)
     contenders = {n: CONTENDERS[n] for n in CONTENDERS if n in names}
     compile_budget = args.compile_budget_s if args.compile_budget_s is not None else (0.0 if args.quick else 120.0)
     if args.threads:
@@ -211,9 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "absolute times will be noisy; the interleaved ratios hold better.")  # fmt: skip
     if "fallback" in info["fused op kernel"]:
         print("NOTE: the fused op runs its pure-PyTorch fallback here; its timings are not the fused kernel's.")
-    if args.quick and args.contenders is None:
-        print("NOTE: --quick leaves compiled_composite out (torch.compile takes tens of seconds); name it in "
-              "--contenders to include it.")
+    if args.quick:
+        print("NOTE: --quick: tiny lists read from cache, few repetitions, no torch.compile (unless "
+              "--compile-budget-s is given): a smoke test; its goal lines mean little.")
 
     out = Path(args.out) if args.out else None
     csv_path = out / f"bench_{device.type}.csv" if out else None
