@@ -20,7 +20,8 @@ from .targets import evaluate_targets
 from .timing import run_point
 from .workloads import DTYPES, LARGE_WORKLOADS, WORKLOADS, Point, build_points, sizes_for
 
-#: Before a first compile, its time is guessed as this (seconds) plus this per tensor; later ones scale the last.
+#: A compile's time is guessed as at least the first number (seconds; the smaller of it and the last compile's
+#: time once one ran), else per tensor as the second (before a first compile) or as the last compile took.
 _COMPILE_GUESS = {"cpu": (20.0, 0.25), "cuda": (10.0, 0.2)}
 
 
@@ -115,7 +116,7 @@ class _CompilePlan:
     def skip_reason(self, pt: Point, run_left_s: float | None) -> str | None:
         if pt.workload not in LARGE_WORKLOADS:
             return "skipped: compiled only on the large lists (compile time grows with the tensor count)"
-        guess = self.fixed + self.per_tensor * len(pt.shapes)
+        guess = max(self.fixed, self.per_tensor * len(pt.shapes))
         left = self.left if run_left_s is None else min(self.left, run_left_s / 2)
         if guess > left:
             return f"skipped: compile would take ~{guess:.0f} s, {max(left, 0):.0f} s of compile budget left"
@@ -125,7 +126,7 @@ class _CompilePlan:
         took = next((r.compile_s for r in rows if r.contender == COMPILED and r.compile_s == r.compile_s), None)
         if took is not None:
             self.left -= took
-            self.fixed, self.per_tensor = 0.0, took / len(pt.shapes)
+            self.fixed, self.per_tensor = min(self.fixed, took), took / len(pt.shapes)
 
 
 def run(

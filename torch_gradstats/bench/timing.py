@@ -30,6 +30,9 @@ from .workloads import Point, Sample, last_level_cache_bytes, make_samples
 
 NAN = float("nan")
 T = TypeVar("T")
+#: A contender whose calls (one per input copy) take longer than this is not captured in a CUDA graph: capturing
+#: costs about what the calls cost, and tens of thousands of per-tensor launches make a graph slow to build.
+MAX_CAPTURE_S = 0.25
 
 
 class _Skip(Exception):
@@ -164,7 +167,9 @@ def run_point(
             for _ in range(warmup):
                 one_call, _ = _guarded(m, device, _eager_block, m, samples, 0, device)
             m.n_inner = max(1, min(256 if not cuda else 64, round(block_s / max(one_call, 1e-7))))
-            if cuda and m.c.graph_safe:
+            if cuda and m.c.graph_safe and one_call * len(samples) > MAX_CAPTURE_S:
+                m.note = f"no device time: host-bound ({one_call * 1e3:.0f} ms a call), not captured"
+            elif cuda and m.c.graph_safe:
                 try:
                     _capture(m, samples, one_call, block_s)
                 except Exception as exc:  # noqa: BLE001 (any capture failure only costs the device-time column)
