@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", type=_names(DTYPES), default=list(DTYPES),
                    help=f"dtypes of the large lists (gpt2, big4): comma list of {', '.join(DTYPES)} (default: all)")
     p.add_argument("--contenders", type=_names(CONTENDERS), default=None,
-                   help="comma list (default: all)")
+                   help=f"comma list of {', '.join(CONTENDERS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions (smoke test)")
     p.add_argument("--repeats", type=_positive_int, default=None,
                    help="minimum interleaved repetitions per point (default 5 on CPU, 9 on CUDA, 3 with --quick); "
