@@ -191,10 +191,18 @@ def as_params(tensors: Sequence[Tensor]) -> list[tuple[str, Tensor]]:
     return out
 
 
+#: At most this many input copies on CUDA: the op keeps the metadata of its last 16 tensor lists on the device, and
+#: a training loop (same gradient buffers every step) always finds its list there; more copies than that would time
+#: a metadata upload on every call. Lists under ~12 MB are then partly read from the GPU's L2.
+CUDA_MAX_COPIES = 8
+
+
 def make_samples(point: Point, device: torch.device, llc: int, seed: int, copy_target: bool = True) -> list[Sample]:
-    """Random-normal inputs (never zeros), in enough copies that the rotated working set exceeds twice the LLC."""
+    """Random-normal inputs (never zeros), in enough copies that the rotated working set exceeds twice the LLC
+    (within the limits: at most 256 copies, 200,000 tensors in all, and CUDA_MAX_COPIES on CUDA)."""
     total = point.total_bytes
-    max_copies = max(1, min(256, 200_000 // max(1, len(point.shapes))))
+    limit = CUDA_MAX_COPIES if device.type == "cuda" else 256
+    max_copies = max(1, min(limit, 200_000 // max(1, len(point.shapes))))
     copies = max(1, min(max_copies, math.ceil(2 * llc / max(total, 1))))
     gen = torch.Generator(device=device).manual_seed(seed)
     flat_numel = max(1, total // 4)
