@@ -170,6 +170,8 @@ def run(
                         count_launches=pt.workload not in ("sweep", "count"), rotate=not quick,
                         skipped=skipped_c)  # fmt: skip
         plan.spent(pt, new)
+        order = list(contenders)
+        new.sort(key=lambda r: order.index(r.contender))  # a skipped contender keeps its place in the table
         rows += new
         if on_point is not None:
             on_point(new)

@@ -137,7 +137,7 @@ def format_table(rows: Sequence[Row], markdown: bool = False, header: bool = Tru
     lines = [_cells(r, cols) for r in rows]
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] if header else []
-        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in lines])
+        return "\n".join(out + ["| " + " | ".join(x.replace("|", "\\|") for x in c) + " |" for c in lines])
     # Fixed widths, so that tables printed point by point line up.
     widths = [w for _, w in _LEAD] + [max(9, len(h)) for h, _, _ in cols] + [0]
     out = []
