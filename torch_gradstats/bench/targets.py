@@ -123,7 +123,7 @@ def evaluate_targets(rows: Sequence[Row], device: str, large_workloads: Sequence
         out += _wrappers(rows, "GPU", "host_ms")
         return out
 
-    cores = f"CPU ({threads} threads; goals set for 2 cores)" if threads else "CPU"
+    cores = f"CPU ({threads} thread{'s' if threads != 1 else ''}; goals set for 2 cores)" if threads else "CPU"
     for wl, dt in _large_points(rows, large_workloads):
         need = 0.9 if dt in ("float32", "float64") else 0.8
         f = _get(rows, FUSED, wl, dt)
