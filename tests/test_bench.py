@@ -61,6 +61,23 @@ def test_every_contender_agrees_with_the_reference(name):
     check_contender(contender, plain, contender(plain))
 
 
+def test_lightning_grad_norm_reimplementation_matches_the_reference_and_lightning():
+    from torch_gradstats.bench.contenders import grad_norm_reimplementation
+
+    sample = _special_sample()
+    ours = grad_norm_reimplementation(sample.module, 2)
+    label = dataclasses.replace(bench.CONTENDERS["lightning_grad_norm"], fn=lambda s: None)
+    check_contender(label, sample, ours)
+    try:
+        from lightning.pytorch.utilities import grad_norm
+    except ImportError:
+        pytest.skip("lightning is not installed")
+    theirs = grad_norm(sample.module, 2)
+    assert list(theirs) == list(ours)
+    for a, b in zip(theirs.values(), ours.values()):
+        assert torch.equal(a, b) or (a.isnan() and b.isnan())
+
+
 def test_the_check_fails_on_a_wrong_answer():
     sample = _special_sample()
     fused = bench.CONTENDERS["fused"]

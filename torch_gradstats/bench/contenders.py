@@ -104,6 +104,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 def grad_norm_reimplementation(module: GradsAsModule, norm_type: float = 2.0) -> dict[str, Tensor]:
     """What ``lightning.pytorch.utilities.grad_norm`` does (used only when lightning is not installed): the norm of
     each parameter's gradient, then the total norm of a host-built tensor of those values (a sync per parameter)."""
+    norm_type = float(norm_type)
     norms = {f"grad_{norm_type}_norm/{name}": p.grad.data.norm(norm_type)
              for name, p in module.named_parameters() if p.grad is not None}  # fmt: skip
     if norms:
