@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.contender != FUSED:
             print(f"fused vs {r.contender}: {r.vs_fused:.2f}x")
     print(f"fused read rate: {fused.gbps:.2f} GB/s = {fused.pct_ceiling:.0f}% of torch.sum over the same bytes")
-    targets = evaluate_targets(rows, "cpu", large_workload="cpu64")
+    targets = evaluate_targets(rows, "cpu", large_workloads=("cpu64",))
     for t in targets:
         print(t.line())
     if args.csv:
