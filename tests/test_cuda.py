@@ -650,7 +650,9 @@ def exact_model(seed: int, device: str = "cuda") -> torch.nn.Module:
     return model
 
 
-def exact_batches(steps: int, nan_step: int, inf_step: int, device: str = "cuda") -> list[tuple[torch.Tensor, torch.Tensor]]:
+def exact_batches(
+    steps: int, nan_step: int, inf_step: int, device: str = "cuda"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(7)
     batches = []
     for step in range(steps):

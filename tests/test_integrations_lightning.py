@@ -160,8 +160,11 @@ class _ScalarReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default or func is torch.ops.aten._to_copy.default and args and args[0].device.type != "cpu" \
-                and str(kwargs.get("device", "")) == "cpu":
+        to_host = (
+            func is torch.ops.aten._to_copy.default and args and args[0].device.type != "cpu"
+            and str(kwargs.get("device", "")) == "cpu"
+        )
+        if func is torch.ops.aten._local_scalar_dense.default or to_host:
             self.count += 1
         return func(*args, **kwargs)
 

@@ -174,6 +174,11 @@ def _sum_facts(s: Sample, out: Any) -> Facts:
     return {"flat_sum": (float(out), float(s.flat.double().sum()), float(s.flat.double().abs().sum()))}
 
 
+def _copy(s: Sample) -> Tensor:
+    assert s.dst is not None, "the copy ceiling needs a destination buffer (make_samples(copy_target=True))"
+    return s.dst.copy_(s.flat)
+
+
 def _copy_facts(s: Sample, out: Any) -> Facts:
     return {"copied": bool(torch.equal(out, s.flat))}
 
@@ -265,7 +270,7 @@ def _all_contenders() -> dict[str, Contender]:
     c += [
         Contender("orig_collector", lambda s: original_collector(s.tensors), _collector_facts, graph_safe=False),
         Contender(SUM_CEILING, lambda s: torch.sum(s.flat), _sum_facts),
-        Contender(COPY_CEILING, lambda s: s.dst.copy_(s.flat), _copy_facts),
+        Contender(COPY_CEILING, _copy, _copy_facts),
     ]
     return {x.name: x for x in c}
 

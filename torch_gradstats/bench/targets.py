@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
+from typing import TypeGuard
 
 from .contenders import FOREACH, FUSED, GRAD_STATS, RAW_OP
 from .report import Row
@@ -39,14 +40,14 @@ class Target:
         return f"[{status}] {self.name}: {self.detail}"
 
 
-def _finite(x: float | None) -> bool:
+def _finite(x: float | None) -> TypeGuard[float]:
     return x is not None and not math.isnan(x)
 
 
 def _get(rows: Iterable[Row], contender: str, workload: str, dtype: str | None = None, n: int | None = None
          ) -> Row | None:  # fmt: skip
     for r in rows:
-        if r.contender == contender and r.workload == workload and dtype in (None, r.dtype) and n in (None, r.n_tensors):
+        if (r.contender, r.workload) == (contender, workload) and dtype in (None, r.dtype) and n in (None, r.n_tensors):
             return r
     return None
 
@@ -73,8 +74,8 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 
 
 def _host_fit(rows: Sequence[Row]) -> list[Target]:
-    pts = sorted({(r.n_tensors, r.host_ms) for r in rows
-                  if r.contender == RAW_OP and r.workload in ("count", "small_many") and _finite(r.host_ms)})  # fmt: skip
+    measured = [r for r in rows if r.contender == RAW_OP and r.workload in ("count", "small_many")]
+    pts = sorted({(r.n_tensors, r.host_ms) for r in measured if _finite(r.host_ms)})
     per, fixed = "GPU host: raw op <= 60 ns per tensor", "GPU host: raw op fixed cost < 15 us"
     if len({n for n, _ in pts}) < 2:
         return [Target(per, None, "needs two or more list sizes (count, small_many)"), Target(fixed, None, "idem")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -155,10 +155,10 @@ class GradsAsModule:
     def __init__(self, params: list[tuple[str, Tensor]]) -> None:
         self._params = params
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
         return iter(self._params)
 
-    def parameters(self):
+    def parameters(self) -> Iterator[Tensor]:
         return (p for _, p in self._params)
 
 
