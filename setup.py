@@ -98,7 +98,7 @@ def extension():
     sources.append(str(CSRC / "cpu" / "stats_kernel_default.cpp"))
     if X86:
         sources += [str(CSRC / "cpu" / f"stats_kernel_{isa}.cpp") for isa in ISA_FLAGS]
-    kwargs = dict(name="torch_gradstats._C", include_dirs=[str(ROOT / CSRC)])
+    kwargs = {"name": "torch_gradstats._C", "include_dirs": [str(ROOT / CSRC)]}
     if not build_cuda():
         return cpp_extension.CppExtension(sources=sources, extra_compile_args={"cxx": []}, **kwargs)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")

@@ -15,8 +15,8 @@
 // and wherever it sits in the list.
 //
 // Flush-to-zero. torch.set_flush_denormal(True) sets FTZ/DAZ in the calling thread only, not in the OpenMP workers,
-// so a kernel that inherited it would give results that depend on which thread ran which segment. Every task runs
-// with FTZ/DAZ cleared (the caller's mode is restored afterwards): subnormal inputs count as the non-zero values they
+// so a kernel that inherited it would give results that depend on which thread ran which segment. The op and every
+// task run with FTZ/DAZ cleared (each thread's mode is restored afterwards): subnormal inputs count as the non-zero values they
 // are and their squares are summed, identically with or without flush-denormal and for any thread count.
 //
 // Dense tensors, permuted ones included, are read in place as a flat span (the statistics do not depend on element
@@ -107,9 +107,10 @@ class IeeeDenormals {
 };
 
 struct Segment {
+  const char* data;  // first element
+  int64_t numel;
   int64_t tensor;  // index into the input list
-  int64_t begin;   // element range within that tensor
-  int64_t end;
+  c10::ScalarType dtype;
 };
 
 }  // namespace
@@ -117,27 +118,34 @@ struct Segment {
 Stats multi_tensor_stats_cpu(at::TensorList tensors) {
   check_inputs(tensors);
   const int64_t n = static_cast<int64_t>(tensors.size());
-
-  // Flat views: dense tensors in place (any permutation), others copied. The neg bit of a view can be ignored: every
-  // statistic is symmetric in the sign.
-  std::vector<at::Tensor> flat;
-  flat.reserve(n);
-  for (const at::Tensor& t : tensors) {
-    flat.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
-  }
+  const IeeeDenormals ieee;  // this thread's part, and the final combination (comparisons of subnormal amax)
 
   // Cut every tensor into segments of kChunkElems elements counted from its own start (so its result does not
   // depend on its place in the list), then group consecutive segments into tasks of at least kChunkElems elements
-  // (the last one may be smaller); task_first[k] is task k's first segment.
+  // (the last one may be smaller); task_first[k] is task k's first segment. Dense tensors (any permutation) are read
+  // in place as a flat span, others from a contiguous copy. The neg bit of a view can be ignored: every statistic is
+  // symmetric in the sign.
+  std::vector<at::Tensor> copies;  // keeps the copies of non-dense tensors alive
   std::vector<Segment> segments;
+  segments.reserve(n);
   std::vector<size_t> task_first{0};
   int64_t task_elems = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t numel = flat[i].numel();
+    const at::Tensor* t = &tensors[i];
+    if (!t->is_non_overlapping_and_dense()) {
+      copies.push_back(t->contiguous());
+      t = &copies.back();
+    }
+    const int64_t numel = t->numel();
+    if (numel == 0) {
+      continue;
+    }
+    const char* data = static_cast<const char*>(t->const_data_ptr());
+    const int64_t elem_size = static_cast<int64_t>(t->element_size());
     for (int64_t begin = 0; begin < numel; begin += kChunkElems) {
-      const int64_t end = std::min(numel, begin + kChunkElems);
-      segments.push_back({i, begin, end});
-      task_elems += end - begin;
+      const int64_t len = std::min(numel - begin, kChunkElems);
+      segments.push_back({data + begin * elem_size, len, i, t->scalar_type()});
+      task_elems += len;
       if (task_elems >= kChunkElems) {
         task_first.push_back(segments.size());
         task_elems = 0;
@@ -152,12 +160,10 @@ Stats multi_tensor_stats_cpu(at::TensorList tensors) {
   const cpu::AccumulateFn accumulate = kernel().fn;
   std::vector<Partial> partials(segments.size());
   at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
-    const IeeeDenormals ieee;
+    const IeeeDenormals ieee_in_worker;
     for (size_t s = task_first[task_begin]; s < task_first[task_end]; ++s) {
       const Segment& seg = segments[s];
-      const at::Tensor& t = flat[seg.tensor];
-      const char* base = static_cast<const char*>(t.const_data_ptr()) + seg.begin * t.element_size();
-      partials[s] = accumulate(t.scalar_type(), base, seg.end - seg.begin);
+      partials[s] = accumulate(seg.dtype, seg.data, seg.numel);
     }
   });
 
