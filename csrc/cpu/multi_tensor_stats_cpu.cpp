@@ -6,7 +6,8 @@
 // Instruction set. The kernels are compiled for the baseline CPU and, on x86-64, for AVX2 (+FMA, F16C) and AVX512
 // (F, BW, VL, DQ). The op uses the one ATen's own CPU kernels use (at::get_cpu_capability(), which honours
 // ATEN_CPU_CAPABILITY=default|avx2|avx512), provided the running CPU has its features, so a build made on any
-// machine runs on every x86-64 CPU. cpu_kernel_capability() names the choice.
+// machine runs on every x86-64 CPU. cpu_kernel_capability() names the choice. The variants add in different orders,
+// so sumsq's last bits may differ between them (within the accuracy contract); counts and amax do not.
 //
 // Work split. Each tensor is cut into segments of kChunkElems elements from its own start, and consecutive segments
 // are grouped into parallel tasks of about kChunkElems elements (near-equal work, so at::parallel_for's static split
@@ -16,8 +17,8 @@
 //
 // Flush-to-zero. torch.set_flush_denormal(True) sets FTZ/DAZ in the calling thread only, not in the OpenMP workers,
 // so a kernel that inherited it would give results that depend on which thread ran which segment. The op and every
-// task run with FTZ/DAZ cleared (each thread's mode is restored afterwards): subnormal inputs count as the non-zero values they
-// are and their squares are summed, identically with or without flush-denormal and for any thread count.
+// task run with FTZ/DAZ cleared (each thread's mode is restored afterwards): subnormal inputs count as the non-zero
+// values they are and their squares are summed, identically with or without flush-denormal and for any thread count.
 //
 // Dense tensors, permuted ones included, are read in place as a flat span (the statistics do not depend on element
 // order); only non-dense tensors (expanded, sliced with gaps) are copied to a contiguous buffer first.
@@ -118,7 +119,8 @@ struct Segment {
 Stats multi_tensor_stats_cpu(at::TensorList tensors) {
   check_inputs(tensors);
   const int64_t n = static_cast<int64_t>(tensors.size());
-  const IeeeDenormals ieee;  // this thread's part, and the final combination (comparisons of subnormal amax)
+  // Covers this thread's share of the tasks and the final combination (which compares subnormal amax values).
+  [[maybe_unused]] const IeeeDenormals ieee;
 
   // Cut every tensor into segments of kChunkElems elements counted from its own start (so its result does not
   // depend on its place in the list), then group consecutive segments into tasks of at least kChunkElems elements
@@ -160,7 +162,7 @@ Stats multi_tensor_stats_cpu(at::TensorList tensors) {
   const cpu::AccumulateFn accumulate = kernel().fn;
   std::vector<Partial> partials(segments.size());
   at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
-    const IeeeDenormals ieee_in_worker;
+    [[maybe_unused]] const IeeeDenormals ieee_in_worker;
     for (size_t s = task_first[task_begin]; s < task_first[task_end]; ++s) {
       const Segment& seg = segments[s];
       partials[s] = accumulate(seg.dtype, seg.data, seg.numel);

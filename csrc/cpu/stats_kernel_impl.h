@@ -46,11 +46,17 @@
 namespace torch_gradstats::cpu::CPU_CAPABILITY {
 namespace {
 
-constexpr int64_t kBlockElems = 2048;  // float partial sums: at most 64 adds per accumulator lane, error <= ~70 ulp
+// Block length: 4 accumulator chains of 8 (AVX2, DEFAULT) or 16 (AVX512) float lanes, so at most 64 adds per lane
+// and a float block sum's relative error <= ~70 ulp (< 1e-5) either way.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kBlockElems = 4096;
+#else
+constexpr int64_t kBlockElems = 2048;
+#endif
 
 // A float block whose max |x| is below 2^-40 is summed again scaled by 2^90. Below the threshold, squares of its
 // elements may fall under FLT_MIN and lose precision; above it, what such elements lose is < 1e-9 of the block's
-// largest square. Scaled, any float (subnormals included) squares to a normal float and 2048 squares stay < 2^111.
+// largest square. Scaled, any float (subnormals included) squares to a normal float and 4096 squares stay < 2^112.
 constexpr double kTinyThreshold = 0x1p-40;
 constexpr float kTinyScale = 0x1p90f;
 
