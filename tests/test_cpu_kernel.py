@@ -59,7 +59,8 @@ def special_inputs() -> list[torch.Tensor]:
         out.append(torch.randn(64, 33, generator=g).to(dtype).t())  # permuted, read in place
         out.append(torch.randn(40, 70, generator=g).to(dtype)[:, ::3])  # strided, copied
         out.append(torch.empty(0, dtype=dtype))
-    # Runs whose float32 partial sums overflow although every value is finite in float16 / bfloat16.
+    # float16's largest values (their squares fit a float) and bfloat16 runs whose float32 squares overflow although
+    # every value is finite (the block is redone in double).
     out.append(torch.full((5000,), 65504.0, dtype=torch.float16))
     out.append(torch.full((5000,), 1e30, dtype=torch.bfloat16))
     big = torch.randn(5000, generator=g).to(torch.bfloat16)
@@ -101,10 +102,9 @@ def supported_variants() -> list[str]:
 
 
 def test_capability_follows_aten():
-    assert cpu_capability() in ("AVX512", "AVX2", "DEFAULT")
-    for variant in supported_variants():
-        out = run_with_capability(variant, "print(cpu_capability())")
-        assert out.strip() == variant.upper()
+    # The variants forced through ATEN_CPU_CAPABILITY are checked in test_variant_matches_reference.
+    best = torch.backends.cpu.get_cpu_capability()
+    assert cpu_capability() == {"AVX512": "AVX512", "AVX2": "AVX2"}.get(best, "DEFAULT")
 
 
 @pytest.mark.parametrize("variant", ["default", "avx2", "avx512"])
