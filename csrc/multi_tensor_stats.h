@@ -1,7 +1,7 @@
 // The op every layer relies on: torch_gradstats::multi_tensor_stats(Tensor[] tensors)
 //   -> (Tensor sumsq, Tensor amax, Tensor counts)
 // The schema is defined in Python (torch_gradstats/ops.py); each backend registers its kernel with
-// TORCH_LIBRARY_IMPL in its own source file. See DESIGN.md for the contract.
+// TORCH_LIBRARY_IMPL in its own source file. See docs/design.md for the contract.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,5 +25,9 @@ Stats empty_stats(int64_t n, const at::Device& device);
 
 // The fused CPU kernel (csrc/cpu/). Registered for the CPU dispatch key.
 Stats multi_tensor_stats_cpu(at::TensorList tensors);
+
+// The instruction set the CPU kernel runs with on this machine: "AVX512", "AVX2" or "DEFAULT" (the baseline).
+// Follows ATen's choice, so ATEN_CPU_CAPABILITY=default (set before torch is loaded) forces the baseline.
+const char* cpu_kernel_capability();
 
 }  // namespace torch_gradstats

@@ -1,5 +1,13 @@
 // Fused CPU kernel of torch_gradstats::multi_tensor_stats: one read of every element gives its square, |x|, and
-// whether it is zero, NaN or Inf.
+// whether it is zero, NaN or Inf. This file (compiled for the baseline CPU) holds the op: input checks, the work
+// split, the choice of instruction set and the final combination; the per-element kernels are in
+// stats_kernel_impl.h, compiled once per instruction set.
+//
+// Instruction set. The kernels are compiled for the baseline CPU and, on x86-64, for AVX2 (+FMA, F16C) and AVX512
+// (F, BW, VL, DQ). The op uses the one ATen's own CPU kernels use (at::get_cpu_capability(), which honours
+// ATEN_CPU_CAPABILITY=default|avx2|avx512), provided the running CPU has its features, so a build made on any
+// machine runs on every x86-64 CPU. cpu_kernel_capability() names the choice. The variants add in different orders,
+// so sumsq's last bits may differ between them (within the accuracy contract); counts and amax do not.
 //
 // Work split. Each tensor is cut into segments of kChunkElems elements from its own start, and consecutive segments
 // are grouped into parallel tasks of about kChunkElems elements (near-equal work, so at::parallel_for's static split
@@ -7,205 +15,103 @@
 // partials are combined in segment order afterwards, so its result is bitwise the same whatever the thread count
 // and wherever it sits in the list.
 //
-// Accumulation. Inside a segment, blocks of kBlockElems elements are summed in the accumulation type (float for
-// 16/32-bit inputs, double for float64) with several independent vector accumulators, and block sums are added in
-// double. A block sum that is not finite means the block holds a NaN or an Inf, or its squares overflowed float: that
-// block alone is redone exactly in double, element by element, which also counts its NaNs and Infs. So the fast loop
-// needs no NaN/Inf test at all, and float32 inputs up to FLT_MAX give finite sums. A float block of only tiny values
-// (vanishing gradients) is summed again scaled by a power of two, so its squares do not underflow. The final NaN/Inf
-// semantics of sumsq and amax are derived from the counts.
+// Flush-to-zero. torch.set_flush_denormal(True) sets FTZ/DAZ in the calling thread only, not in the OpenMP workers,
+// so a kernel that inherited it would give results that depend on which thread ran which segment. The op and every
+// task run with FTZ/DAZ cleared (each thread's mode is restored afterwards): subnormal inputs count as the non-zero
+// values they are and their squares are summed, identically with or without flush-denormal and for any thread count.
 //
 // Dense tensors, permuted ones included, are read in place as a flat span (the statistics do not depend on element
 // order); only non-dense tensors (expanded, sliced with gaps) are copied to a contiguous buffer first.
 #include "multi_tensor_stats.h"
 
+#include "cpu/stats_kernel.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
+#include <ATen/Version.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
-#include <type_traits>
+#include <string>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
 
 namespace torch_gradstats {
 namespace {
 
-using at::vec::Vectorized;
+using cpu::Partial;
 
 constexpr int64_t kChunkElems = int64_t{1} << 16;  // segment and task size: 256 KiB of float32, fits in L2
-constexpr int64_t kBlockElems = 2048;  // float partial sums: 64 adds per accumulator lane, error <= ~70 ulp
 
-// A float block whose max |x| is below 2^-40 is summed again scaled by 2^90. Below the threshold, squares of its
-// elements may fall under FLT_MIN and lose precision; above it, what such elements lose is < 1e-9 of the block's
-// largest square. Scaled, any float (subnormals included) squares to a normal float and 2048 squares stay < 2^111.
-constexpr double kTinyThreshold = 0x1p-40;
-constexpr double kTinyScale = 0x1p90;
-
-struct Partial {
-  double sumsq = 0.0;  // sum of squares of the finite elements
-  double amax = 0.0;   // max |x| over the finite elements
-  int64_t zeros = 0;
-  int64_t nans = 0;
-  int64_t infs = 0;
-
-  void merge(const Partial& o) {
-    sumsq += o.sumsq;
-    amax = std::max(amax, o.amax);
-    zeros += o.zeros;
-    nans += o.nans;
-    infs += o.infs;
-  }
+struct Kernel {
+  cpu::AccumulateFn fn;
+  const char* name;
 };
 
-// Exact path: every element in double, with NaN/Inf classified. Used for blocks the fast path rejects.
-template <typename scalar_t>
-void accumulate_exact(const scalar_t* x, int64_t n, Partial& p) {
-  for (int64_t i = 0; i < n; ++i) {
-    const double v = static_cast<double>(x[i]);
-    if (std::isnan(v)) {
-      ++p.nans;
-    } else if (std::isinf(v)) {
-      ++p.infs;
-    } else {
-      p.sumsq += v * v;
-      p.amax = std::max(p.amax, std::abs(v));
-      p.zeros += (v == 0.0);
+// The running CPU's features, checked directly as well: ATen trusts ATEN_CPU_CAPABILITY as given.
+bool cpu_has(const char* isa) {
+#if defined(TORCH_GRADSTATS_X86_KERNELS) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (std::string(isa) == "AVX512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  (void)isa;
+  return true;  // MSVC: ATen's cpuinfo-based decision alone
+#endif
+}
+
+Kernel choose_kernel() {
+#if defined(TORCH_GRADSTATS_X86_KERNELS)
+  const std::string aten = at::get_cpu_capability();  // "DEFAULT", "AVX2", "AVX512", "NO AVX", ...
+  if (aten == "AVX512" && cpu_has("AVX512")) {
+    return {&cpu::AVX512::accumulate, "AVX512"};
+  }
+  if ((aten == "AVX512" || aten == "AVX2") && cpu_has("AVX2")) {
+    return {&cpu::AVX2::accumulate, "AVX2"};
+  }
+#endif
+  return {&cpu::DEFAULT::accumulate, "DEFAULT"};
+}
+
+const Kernel& kernel() {
+  static const Kernel k = choose_kernel();
+  return k;
+}
+
+// Clears FTZ/DAZ in this thread for its lifetime (see "Flush-to-zero" above).
+class IeeeDenormals {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  IeeeDenormals() : saved_(_mm_getcsr()) {
+    if (saved_ & kFtzDaz) {
+      _mm_setcsr(saved_ & ~kFtzDaz);
     }
   }
-}
-
-// Accumulation type and vector loads for each input dtype: two vectors of acc_t per step.
-template <typename scalar_t>
-struct Loader {  // float, double: load as is
-  using acc_t = scalar_t;
-  using Vec = Vectorized<acc_t>;
-  static constexpr int64_t kStep = 2 * Vec::size();
-  static void load(const scalar_t* x, Vec& a, Vec& b) {
-    a = Vec::loadu(x);
-    b = Vec::loadu(x + Vec::size());
-  }
-};
-
-template <typename half_t>
-struct ReducedLoader {  // float16, bfloat16: one 16-bit vector widened to two float vectors
-  using acc_t = float;
-  using Vec = Vectorized<float>;
-  static constexpr int64_t kStep = Vectorized<half_t>::size();
-  static_assert(kStep == 2 * Vec::size(), "a 16-bit vector must widen to exactly two float vectors");
-  static void load(const half_t* x, Vec& a, Vec& b) {
-    std::tie(a, b) = at::vec::convert_to_float<half_t>(Vectorized<half_t>::loadu(x));
-  }
-};
-template <>
-struct Loader<at::Half> : ReducedLoader<at::Half> {};
-template <>
-struct Loader<at::BFloat16> : ReducedLoader<at::BFloat16> {};
-
-template <typename acc_t>
-struct BlockSums {
-  acc_t sumsq;
-  acc_t amax;
-  acc_t zeros;
-};
-
-// Sums of one block of at most kBlockElems elements in acc_t, no NaN/Inf test. With kScaled, every value is first
-// multiplied by kTinyScale (a power of two, so exactly) to keep tiny squares out of float's subnormal range.
-template <typename scalar_t, bool kScaled>
-BlockSums<typename Loader<scalar_t>::acc_t> sum_block(const scalar_t* x, int64_t n) {
-  using L = Loader<scalar_t>;
-  using acc_t = typename L::acc_t;
-  using Vec = typename L::Vec;
-  const Vec zero(acc_t(0));
-  const Vec scale(acc_t(kScaled ? kTinyScale : 1.0));
-  // Four independent chains of each accumulator hide the FMA/add latency.
-  Vec sq[4] = {zero, zero, zero, zero}, mx[4] = {zero, zero, zero, zero}, zc[4] = {zero, zero, zero, zero};
-  const auto update = [&](Vec v, int k) {
-    if constexpr (kScaled) {
-      v = v * scale;
+  ~IeeeDenormals() {
+    if (saved_ & kFtzDaz) {
+      _mm_setcsr(saved_);
     }
-    sq[k] = at::vec::fmadd(v, v, sq[k]);
-    // clamp_min(v, m) is max(v, m) in one instruction; it need not propagate NaN, the exact path handles those.
-    mx[k] = at::vec::clamp_min(v.abs(), mx[k]);
-    // eq() yields 1.0 where equal (not a mask): counts stay exact in acc_t, at most kBlockElems per lane.
-    zc[k] = zc[k] + v.eq(zero);
-  };
-  int64_t i = 0;
-  for (; i + 2 * L::kStep <= n; i += 2 * L::kStep) {
-    Vec v0, v1, v2, v3;
-    L::load(x + i, v0, v1);
-    L::load(x + i + L::kStep, v2, v3);
-    update(v0, 0);
-    update(v1, 1);
-    update(v2, 2);
-    update(v3, 3);
   }
-  for (; i + L::kStep <= n; i += L::kStep) {
-    Vec v0, v1;
-    L::load(x + i, v0, v1);
-    update(v0, 0);
-    update(v1, 1);
-  }
-  const auto add = [](Vec u, Vec v) { return u + v; };
-  const auto max = [](Vec u, Vec v) { return at::vec::clamp_min(u, v); };
-  BlockSums<acc_t> r{
-      at::vec::vec_reduce_all<acc_t>(add, (sq[0] + sq[1]) + (sq[2] + sq[3])),
-      at::vec::vec_reduce_all<acc_t>(max, at::vec::clamp_min(at::vec::clamp_min(mx[0], mx[1]),
-                                                              at::vec::clamp_min(mx[2], mx[3]))),
-      at::vec::vec_reduce_all<acc_t>(add, (zc[0] + zc[1]) + (zc[2] + zc[3]))};
-  for (; i < n; ++i) {
-    const acc_t v = static_cast<acc_t>(x[i]) * (kScaled ? acc_t(kTinyScale) : acc_t(1));
-    r.sumsq += v * v;
-    r.amax = std::max(r.amax, std::abs(v));
-    r.zeros += (v == acc_t(0));
-  }
-  return r;
-}
 
-// One block: the vector fast path, redone exactly in double if its sum is not finite (NaN, Inf or float overflow),
-// or redone scaled if all its values are so small that their float squares would lose precision.
-template <typename scalar_t>
-void accumulate_block(const scalar_t* x, int64_t n, Partial& p) {
-  using acc_t = typename Loader<scalar_t>::acc_t;
-  auto r = sum_block<scalar_t, false>(x, n);
-  if (!std::isfinite(r.sumsq)) {
-    accumulate_exact(x, n, p);
-    return;
-  }
-  double unscale = 1.0;
-  if (std::is_same_v<acc_t, float> && r.amax > 0 && r.amax < kTinyThreshold) {
-    r = sum_block<scalar_t, true>(x, n);
-    unscale = 1.0 / kTinyScale;
-  }
-  p.sumsq += static_cast<double>(r.sumsq) * unscale * unscale;
-  p.amax = std::max(p.amax, static_cast<double>(r.amax) * unscale);
-  p.zeros += static_cast<int64_t>(r.zeros);
-}
-
-template <typename scalar_t>
-Partial accumulate_span(const scalar_t* x, int64_t n) {
-  Partial p;
-  for (int64_t b = 0; b < n; b += kBlockElems) {
-    accumulate_block(x + b, std::min(kBlockElems, n - b), p);
-  }
-  return p;
-}
-
-Partial accumulate_any(const at::Tensor& t, int64_t begin, int64_t end) {
-  Partial p;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "multi_tensor_stats_cpu", [&] {
-    p = accumulate_span(t.const_data_ptr<scalar_t>() + begin, end - begin);
-  });
-  return p;
-}
+ private:
+  static constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bits 15 (flush to zero) and 6 (denormals are zero)
+  unsigned saved_;
+#endif
+};
 
 struct Segment {
+  const char* data;  // first element
+  int64_t numel;
   int64_t tensor;  // index into the input list
-  int64_t begin;   // element range within that tensor
-  int64_t end;
+  c10::ScalarType dtype;
 };
 
 }  // namespace
@@ -213,27 +119,35 @@ struct Segment {
 Stats multi_tensor_stats_cpu(at::TensorList tensors) {
   check_inputs(tensors);
   const int64_t n = static_cast<int64_t>(tensors.size());
-
-  // Flat views: dense tensors in place (any permutation), others copied. The neg bit of a view can be ignored: every
-  // statistic is symmetric in the sign.
-  std::vector<at::Tensor> flat;
-  flat.reserve(n);
-  for (const at::Tensor& t : tensors) {
-    flat.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
-  }
+  // Covers this thread's share of the tasks and the final combination (which compares subnormal amax values).
+  [[maybe_unused]] const IeeeDenormals ieee;
 
   // Cut every tensor into segments of kChunkElems elements counted from its own start (so its result does not
   // depend on its place in the list), then group consecutive segments into tasks of at least kChunkElems elements
-  // (the last one may be smaller); task_first[k] is task k's first segment.
+  // (the last one may be smaller); task_first[k] is task k's first segment. Dense tensors (any permutation) are read
+  // in place as a flat span, others from a contiguous copy. The neg bit of a view can be ignored: every statistic is
+  // symmetric in the sign.
+  std::vector<at::Tensor> copies;  // keeps the copies of non-dense tensors alive
   std::vector<Segment> segments;
+  segments.reserve(n);
   std::vector<size_t> task_first{0};
   int64_t task_elems = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t numel = flat[i].numel();
+    const at::Tensor* t = &tensors[i];
+    if (!t->is_non_overlapping_and_dense()) {
+      copies.push_back(t->contiguous());
+      t = &copies.back();
+    }
+    const int64_t numel = t->numel();
+    if (numel == 0) {
+      continue;
+    }
+    const char* data = static_cast<const char*>(t->const_data_ptr());
+    const int64_t elem_size = static_cast<int64_t>(t->element_size());
     for (int64_t begin = 0; begin < numel; begin += kChunkElems) {
-      const int64_t end = std::min(numel, begin + kChunkElems);
-      segments.push_back({i, begin, end});
-      task_elems += end - begin;
+      const int64_t len = std::min(numel - begin, kChunkElems);
+      segments.push_back({data + begin * elem_size, len, i, t->scalar_type()});
+      task_elems += len;
       if (task_elems >= kChunkElems) {
         task_first.push_back(segments.size());
         task_elems = 0;
@@ -245,11 +159,13 @@ Stats multi_tensor_stats_cpu(at::TensorList tensors) {
   }
   const int64_t num_tasks = static_cast<int64_t>(task_first.size()) - 1;
 
+  const cpu::AccumulateFn accumulate = kernel().fn;
   std::vector<Partial> partials(segments.size());
   at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
+    [[maybe_unused]] const IeeeDenormals ieee_in_worker;
     for (size_t s = task_first[task_begin]; s < task_first[task_end]; ++s) {
       const Segment& seg = segments[s];
-      partials[s] = accumulate_any(flat[seg.tensor], seg.begin, seg.end);
+      partials[s] = accumulate(seg.dtype, seg.data, seg.numel);
     }
   });
 
@@ -276,6 +192,8 @@ Stats multi_tensor_stats_cpu(at::TensorList tensors) {
   }
   return {sumsq, amax, counts};
 }
+
+const char* cpu_kernel_capability() { return kernel().name; }
 
 TORCH_LIBRARY_IMPL(torch_gradstats, CPU, m) { m.impl("multi_tensor_stats", &multi_tensor_stats_cpu); }
 

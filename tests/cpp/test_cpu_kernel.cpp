@@ -2,6 +2,7 @@
 #include "multi_tensor_stats.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <iostream>
@@ -69,6 +70,27 @@ int main() {
 
   auto [sumsq, amax, counts] = torch_gradstats::multi_tensor_stats_cpu({huge});
   expect(std::isfinite(sumsq[0].item<double>()), "FLT_MAX squares stay finite");
+
+  // Flush-denormal sets FTZ/DAZ in this thread only; neither counts nor sums may change, whatever the thread count.
+  const at::Tensor sub = at::full({100000}, 1e-310, at::kDouble);
+  const auto want = torch_gradstats::multi_tensor_stats_cpu({sub});
+  std::vector<torch_gradstats::Stats> flushed;
+  if (at::globalContext().setFlushDenormal(true)) {
+    for (int threads : {1, 2, 3}) {
+      at::set_num_threads(threads);
+      flushed.push_back(torch_gradstats::multi_tensor_stats_cpu({sub}));
+    }
+    at::globalContext().setFlushDenormal(false);
+  }
+  for (const auto& got : flushed) {  // compared with flush-denormal off
+    expect(std::get<2>(got).equal(std::get<2>(want)) && std::get<2>(got)[0][0].item<int64_t>() == 0,
+           "flush-denormal: subnormals are not zeros");
+    expect(std::get<0>(got).equal(std::get<0>(want)) && std::get<1>(got).equal(std::get<1>(want)),
+           "flush-denormal: same sums and amax");
+  }
+  const std::string capability = torch_gradstats::cpu_kernel_capability();
+  expect(capability == "AVX512" || capability == "AVX2" || capability == "DEFAULT", "capability " + capability);
+  std::cout << "CPU kernel: " << capability << "\n";
 
   bool threw = false;
   try {

@@ -1,0 +1,521 @@
+// The per-element kernels of the CPU op, compiled once per instruction set: stats_kernel_<isa>.cpp defines
+// CPU_CAPABILITY (DEFAULT, AVX2 or AVX512) and includes this file, which puts everything in
+// torch_gradstats::cpu::<CPU_CAPABILITY> (as ATen does with its CPU_CAPABILITY kernels). Only the AVX2/AVX512
+// translation units are compiled with their instruction-set flags.
+//
+// Accumulation. A span is summed in blocks of kBlockElems elements in the accumulation type (float for 16/32-bit
+// inputs, double for float64) with several independent vector accumulators; block sums are added in double. A block
+// that holds a NaN or an Inf, or whose float sum overflowed, is redone exactly in double element by element. A float
+// block of only tiny values (vanishing gradients) is summed again scaled by a power of two, so that its squares do not
+// underflow.
+//
+// Classification. Zeros, NaNs and Infs are recognised from the bit patterns (integer compares of |bits| with the
+// exponent mask), never from float compares, which the DAZ mode (torch.set_flush_denormal) would change.
+//
+// Two block kernels:
+//  - the x86 SIMD one (AVX2, AVX512) for float32, float16 and bfloat16 works on the integer bits: |bits| by a mask,
+//    their integer max and min per block (for non-negative IEEE values the integer order is the value order, NaN
+//    above Inf), and squares of the values widened to float: bfloat16 by a 16-bit shift (unpack with zeros), float16
+//    by F16C. Max bits >= Inf bits means a NaN or an Inf (exact path); min bits == 0 means the block holds a zero,
+//    and only then are its zeros counted (again from the bits, the block is still in L1). amax is exact (the
+//    largest |x| itself).
+//    float64 likewise, with max |x| in double and a zero detected by an integer compare.
+//  - the generic one (at::vec) for every dtype in the DEFAULT build: sums and max |x| in vectors, zeros counted
+//    from the bits in a second loop over the block.
+#pragma once
+
+#include "stats_kernel.h"
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define TORCH_GRADSTATS_SIMD 1
+#endif
+
+namespace torch_gradstats::cpu::CPU_CAPABILITY {
+namespace {
+
+// Block length: 4 accumulator chains of 8 (AVX2, DEFAULT) or 16 (AVX512) float lanes, so at most 64 adds per lane
+// and a float block sum's relative error <= ~70 ulp (< 1e-5) either way.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kBlockElems = 4096;
+#else
+constexpr int64_t kBlockElems = 2048;
+#endif
+
+// A float block whose max |x| is below 2^-40 is summed again scaled by 2^90. Below the threshold, squares of its
+// elements may fall under FLT_MIN and lose precision; above it, what such elements lose is < 1e-9 of the block's
+// largest square. Scaled, any float (subnormals included) squares to a normal float and 4096 squares stay < 2^112.
+constexpr double kTinyThreshold = 0x1p-40;
+constexpr float kTinyScale = 0x1p90f;
+
+// Bit layout of each input dtype: U holds the bits, kAbs clears the sign, kInf is +Inf (all exponent bits).
+template <typename T>
+struct Bits;
+template <>
+struct Bits<double> {
+  using U = uint64_t;
+  static constexpr U kAbs = 0x7fffffffffffffffULL, kInf = 0x7ff0000000000000ULL;
+};
+template <>
+struct Bits<float> {
+  using U = uint32_t;
+  static constexpr U kAbs = 0x7fffffffU, kInf = 0x7f800000U;
+};
+template <>
+struct Bits<c10::Half> {
+  using U = uint16_t;
+  static constexpr U kAbs = 0x7fff, kInf = 0x7c00;
+};
+template <>
+struct Bits<c10::BFloat16> {
+  using U = uint16_t;
+  static constexpr U kAbs = 0x7fff, kInf = 0x7f80;
+};
+
+template <typename T>
+typename Bits<T>::U abs_bits(const T* x) {
+  typename Bits<T>::U u;
+  std::memcpy(&u, x, sizeof(u));
+  return u & Bits<T>::kAbs;
+}
+
+template <typename T>
+int64_t count_zero_bits(const T* x, int64_t n) {
+  int64_t zeros = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    zeros += abs_bits(x + i) == 0;
+  }
+  return zeros;
+}
+
+// Exact path: every element in double, classified from its bits. Used for blocks the fast paths reject.
+template <typename T>
+void accumulate_exact(const T* x, int64_t n, Partial& p) {
+  for (int64_t i = 0; i < n; ++i) {
+    const auto a = abs_bits(x + i);
+    if (a > Bits<T>::kInf) {
+      ++p.nans;
+    } else if (a == Bits<T>::kInf) {
+      ++p.infs;
+    } else {
+      const double v = static_cast<double>(x[i]);
+      p.sumsq += v * v;
+      p.amax = std::max(p.amax, std::abs(v));
+      p.zeros += a == 0;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Generic block kernel (at::vec): every dtype in the DEFAULT build.
+// ---------------------------------------------------------------------------------------------------------------
+using at::vec::Vectorized;
+
+// Accumulation type and vector loads for each input dtype: two vectors of acc_t per step.
+template <typename T>
+struct Loader {  // float, double: load as is
+  using acc_t = T;
+  using Vec = Vectorized<acc_t>;
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static void load(const T* x, Vec& a, Vec& b) {
+    a = Vec::loadu(x);
+    b = Vec::loadu(x + Vec::size());
+  }
+};
+
+template <typename half_t>
+struct ReducedLoader {  // float16, bfloat16: one 16-bit vector widened to two float vectors
+  using acc_t = float;
+  using Vec = Vectorized<float>;
+  static constexpr int64_t kStep = Vectorized<half_t>::size();
+  static_assert(kStep == 2 * Vec::size(), "a 16-bit vector must widen to exactly two float vectors");
+  static void load(const half_t* x, Vec& a, Vec& b) {
+    std::tie(a, b) = at::vec::convert_to_float<half_t>(Vectorized<half_t>::loadu(x));
+  }
+};
+template <>
+struct Loader<c10::Half> : ReducedLoader<c10::Half> {};
+template <>
+struct Loader<c10::BFloat16> : ReducedLoader<c10::BFloat16> {};
+
+template <typename acc_t>
+struct BlockSums {
+  acc_t sumsq;
+  acc_t amax;
+};
+
+// Sum of squares and max |x| of one block in acc_t, no NaN/Inf test (a NaN or Inf makes the sum non-finite). With
+// kScaled, every value is first multiplied by kTinyScale (a power of two, so exactly).
+template <typename T, bool kScaled>
+BlockSums<typename Loader<T>::acc_t> sum_block_generic(const T* x, int64_t n) {
+  using L = Loader<T>;
+  using acc_t = typename L::acc_t;
+  using Vec = typename L::Vec;
+  const Vec zero(acc_t(0));
+  const Vec scale(acc_t(kScaled ? kTinyScale : 1.0f));
+  // Four independent chains of each accumulator hide the FMA/add latency.
+  Vec sq[4] = {zero, zero, zero, zero}, mx[4] = {zero, zero, zero, zero};
+  const auto update = [&](Vec v, int k) {
+    if constexpr (kScaled) {
+      v = v * scale;
+    }
+    sq[k] = at::vec::fmadd(v, v, sq[k]);
+    // clamp_min(v, m) is max(v, m) in one instruction; it need not propagate NaN, the exact path handles those.
+    mx[k] = at::vec::clamp_min(v.abs(), mx[k]);
+  };
+  int64_t i = 0;
+  for (; i + 2 * L::kStep <= n; i += 2 * L::kStep) {
+    Vec v0, v1, v2, v3;
+    L::load(x + i, v0, v1);
+    L::load(x + i + L::kStep, v2, v3);
+    update(v0, 0);
+    update(v1, 1);
+    update(v2, 2);
+    update(v3, 3);
+  }
+  for (; i + L::kStep <= n; i += L::kStep) {
+    Vec v0, v1;
+    L::load(x + i, v0, v1);
+    update(v0, 0);
+    update(v1, 1);
+  }
+  const auto add = [](Vec u, Vec v) { return u + v; };
+  const auto max = [](Vec u, Vec v) { return at::vec::clamp_min(u, v); };
+  BlockSums<acc_t> r{
+      at::vec::vec_reduce_all<acc_t>(add, (sq[0] + sq[1]) + (sq[2] + sq[3])),
+      at::vec::vec_reduce_all<acc_t>(max, at::vec::clamp_min(at::vec::clamp_min(mx[0], mx[1]),
+                                                              at::vec::clamp_min(mx[2], mx[3])))};
+  for (; i < n; ++i) {
+    const acc_t v = static_cast<acc_t>(x[i]) * (kScaled ? acc_t(kTinyScale) : acc_t(1));
+    r.sumsq += v * v;
+    r.amax = std::max(r.amax, std::abs(v));
+  }
+  return r;
+}
+
+template <typename T>
+void accumulate_block_generic(const T* x, int64_t n, Partial& p) {
+  using acc_t = typename Loader<T>::acc_t;
+  auto r = sum_block_generic<T, false>(x, n);
+  if (!std::isfinite(r.sumsq)) {  // a NaN or an Inf, or float overflow
+    accumulate_exact(x, n, p);
+    return;
+  }
+  double unscale = 1.0;
+  if (std::is_same_v<acc_t, float> && r.amax > 0 && r.amax < kTinyThreshold) {
+    r = sum_block_generic<T, true>(x, n);
+    unscale = 1.0 / kTinyScale;
+  }
+  p.sumsq += static_cast<double>(r.sumsq) * unscale * unscale;
+  p.amax = std::max(p.amax, static_cast<double>(r.amax) * unscale);
+  p.zeros += count_zero_bits(x, n);
+}
+
+#if defined(TORCH_GRADSTATS_SIMD)
+// ---------------------------------------------------------------------------------------------------------------
+// x86 SIMD block kernels: the few operations they need, per register width.
+// ---------------------------------------------------------------------------------------------------------------
+#if defined(CPU_CAPABILITY_AVX512)
+using VI = __m512i;
+using VF = __m512;
+inline VI loadi(const void* p) { return _mm512_loadu_si512(p); }
+inline VI set1_32(uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); }
+inline VI set1_16(uint16_t v) { return _mm512_set1_epi16(static_cast<short>(v)); }
+inline VI zero_i() { return _mm512_setzero_si512(); }
+inline VI and_i(VI a, VI b) { return _mm512_and_si512(a, b); }
+inline VI max32(VI a, VI b) { return _mm512_max_epi32(a, b); }
+inline VI min32(VI a, VI b) { return _mm512_min_epi32(a, b); }
+inline VI max16(VI a, VI b) { return _mm512_max_epi16(a, b); }
+inline VI min16(VI a, VI b) { return _mm512_min_epi16(a, b); }
+inline VF zero_f() { return _mm512_setzero_ps(); }
+inline VF set1_f(float v) { return _mm512_set1_ps(v); }
+inline VF as_float(VI a) { return _mm512_castsi512_ps(a); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF add(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+// bfloat16 -> float: each 16-bit value moved to the top half of a 32-bit lane (the lane order does not matter).
+inline VF bf16_lo(VI a) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), a)); }
+inline VF bf16_hi(VI a) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), a)); }
+inline VF f16_lo(VI a) { return _mm512_cvtph_ps(_mm512_castsi512_si256(a)); }
+inline VF f16_hi(VI a) { return _mm512_cvtph_ps(_mm512_extracti64x4_epi64(a, 1)); }
+// Halves of a register combined down to 128 bits, for the horizontal reductions.
+#define TORCH_GRADSTATS_NARROW_I(name, op256, op128)                                              \
+  inline __m128i name(VI a) {                                                                      \
+    const __m256i h = op256(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));           \
+    return op128(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));                       \
+  }
+TORCH_GRADSTATS_NARROW_I(narrow_max32, _mm256_max_epi32, _mm_max_epi32)
+TORCH_GRADSTATS_NARROW_I(narrow_min32, _mm256_min_epi32, _mm_min_epi32)
+TORCH_GRADSTATS_NARROW_I(narrow_max16, _mm256_max_epi16, _mm_max_epi16)
+TORCH_GRADSTATS_NARROW_I(narrow_min16, _mm256_min_epi16, _mm_min_epi16)
+#undef TORCH_GRADSTATS_NARROW_I
+inline __m128 narrow_add(VF a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+using VD = __m512d;
+inline VI set1_64(uint64_t v) { return _mm512_set1_epi64(static_cast<long long>(v)); }
+inline VD zero_d() { return _mm512_setzero_pd(); }
+inline VD as_double(VI a) { return _mm512_castsi512_pd(a); }
+inline VD max_d(VD a, VD b) { return _mm512_max_pd(a, b); }
+inline VD add_d(VD a, VD b) { return _mm512_add_pd(a, b); }
+inline VD fmadd_d(VD a, VD b, VD c) { return _mm512_fmadd_pd(a, b, c); }
+inline double hsum_d(VD v) { return _mm512_reduce_add_pd(v); }
+inline double hmax_d(VD v) { return _mm512_reduce_max_pd(v); }
+// Whether any of the 64-bit |bits| seen was 0: their minimum.
+struct ZeroTracker64 {
+  VI m = set1_64(~uint64_t{0} >> 1);
+  void add(VI a) { m = _mm512_min_epi64(m, a); }
+  bool any() const { return _mm512_reduce_min_epi64(m) == 0; }
+};
+#else  // AVX2
+using VI = __m256i;
+using VF = __m256;
+inline VI loadi(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline VI set1_32(uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); }
+inline VI set1_16(uint16_t v) { return _mm256_set1_epi16(static_cast<short>(v)); }
+inline VI zero_i() { return _mm256_setzero_si256(); }
+inline VI and_i(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI max32(VI a, VI b) { return _mm256_max_epi32(a, b); }
+inline VI min32(VI a, VI b) { return _mm256_min_epi32(a, b); }
+inline VI max16(VI a, VI b) { return _mm256_max_epi16(a, b); }
+inline VI min16(VI a, VI b) { return _mm256_min_epi16(a, b); }
+inline VF zero_f() { return _mm256_setzero_ps(); }
+inline VF set1_f(float v) { return _mm256_set1_ps(v); }
+inline VF as_float(VI a) { return _mm256_castsi256_ps(a); }
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF add(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF bf16_lo(VI a) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), a)); }
+inline VF bf16_hi(VI a) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), a)); }
+inline VF f16_lo(VI a) { return _mm256_cvtph_ps(_mm256_castsi256_si128(a)); }
+inline VF f16_hi(VI a) { return _mm256_cvtph_ps(_mm256_extracti128_si256(a, 1)); }
+inline __m128i narrow_max32(VI a) { return _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
+inline __m128i narrow_min32(VI a) { return _mm_min_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
+inline __m128i narrow_max16(VI a) { return _mm_max_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
+inline __m128i narrow_min16(VI a) { return _mm_min_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
+inline __m128 narrow_add(VF a) { return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); }
+using VD = __m256d;
+inline VI set1_64(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
+inline VD zero_d() { return _mm256_setzero_pd(); }
+inline VD as_double(VI a) { return _mm256_castsi256_pd(a); }
+inline VD max_d(VD a, VD b) { return _mm256_max_pd(a, b); }
+inline VD add_d(VD a, VD b) { return _mm256_add_pd(a, b); }
+inline VD fmadd_d(VD a, VD b, VD c) { return _mm256_fmadd_pd(a, b, c); }
+inline double hsum_d(VD v) {
+  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+inline double hmax_d(VD v) {
+  __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
+}
+// Whether any of the 64-bit |bits| seen was 0 (AVX2 has no 64-bit integer min): an OR of equality masks.
+struct ZeroTracker64 {
+  VI m = _mm256_setzero_si256();
+  void add(VI a) { m = _mm256_or_si256(m, _mm256_cmpeq_epi64(a, _mm256_setzero_si256())); }
+  bool any() const { return !_mm256_testz_si256(m, m); }
+};
+#endif
+
+// Horizontal reductions of 128 bits, in a fixed order (the result depends on the data only).
+inline float hsum(VF v) {
+  __m128 s = narrow_add(v);
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#define TORCH_GRADSTATS_HREDUCE(name, op, last)               \
+  inline uint32_t name(__m128i m) {                           \
+    m = op(m, _mm_shuffle_epi32(m, 0x4e));                    \
+    m = op(m, _mm_shuffle_epi32(m, 0xb1));                    \
+    last;                                                     \
+  }
+TORCH_GRADSTATS_HREDUCE(hmax32, _mm_max_epi32, return static_cast<uint32_t>(_mm_cvtsi128_si32(m)))
+TORCH_GRADSTATS_HREDUCE(hmin32, _mm_min_epi32, return static_cast<uint32_t>(_mm_cvtsi128_si32(m)))
+TORCH_GRADSTATS_HREDUCE(hmax16, _mm_max_epi16, m = _mm_max_epi16(m, _mm_srli_epi32(m, 16));
+                        return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffU)
+TORCH_GRADSTATS_HREDUCE(hmin16, _mm_min_epi16, m = _mm_min_epi16(m, _mm_srli_epi32(m, 16));
+                        return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffU)
+#undef TORCH_GRADSTATS_HREDUCE
+
+// |x| of a dtype's |bits|, as float.
+template <typename T>
+float value_of_abs_bits(uint32_t a) {
+  if constexpr (std::is_same_v<T, float>) {
+    float f;
+    std::memcpy(&f, &a, sizeof(f));
+    return f;
+  } else {
+    return static_cast<float>(T(static_cast<uint16_t>(a), T::from_bits()));
+  }
+}
+
+struct SimdBlock {
+  float sumsq;       // sum of squares (scaled by kTinyScale^2 with kScaled), meaningless if max_bits >= Inf bits
+  uint32_t max_bits;  // largest |bits|: the largest |x|, or a NaN/Inf when >= the dtype's Inf bits
+  uint32_t min_bits;  // smallest |bits|: 0 when the block holds a zero
+};
+
+// One block of float32, float16 or bfloat16: |bits| extrema on the integer registers, squares in float.
+template <typename T, bool kScaled>
+SimdBlock simd_block(const T* x, int64_t n) {
+  constexpr bool k16 = sizeof(T) == 2;
+  constexpr int64_t kElems = static_cast<int64_t>(sizeof(VI) / sizeof(T));  // elements per register
+  constexpr int kRegs = k16 ? 2 : 4;  // registers per iteration: 4 float vectors either way
+  const VI mask = k16 ? set1_16(Bits<T>::kAbs) : set1_32(Bits<T>::kAbs);
+  const VF scale = set1_f(kTinyScale);
+  VF sq[4] = {zero_f(), zero_f(), zero_f(), zero_f()};
+  VI mx[2] = {zero_i(), zero_i()}, mn[2] = {mask, mask};  // the mask is above every |bits|
+  const auto square = [&](VF f, int k) {
+    if constexpr (kScaled) {
+      f = mul(f, scale);
+    }
+    sq[k] = fmadd(f, f, sq[k]);
+  };
+  int64_t i = 0;
+  for (; i + kRegs * kElems <= n; i += kRegs * kElems) {
+    for (int r = 0; r < kRegs; ++r) {
+      const VI a = and_i(loadi(x + i + r * kElems), mask);
+      if constexpr (k16) {
+        mx[r & 1] = max16(mx[r & 1], a);
+        mn[r & 1] = min16(mn[r & 1], a);
+      } else {
+        mx[r & 1] = max32(mx[r & 1], a);
+        mn[r & 1] = min32(mn[r & 1], a);
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        square(as_float(a), r);
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        square(bf16_lo(a), 2 * r);
+        square(bf16_hi(a), 2 * r + 1);
+      } else {
+        square(f16_lo(a), 2 * r);
+        square(f16_hi(a), 2 * r + 1);
+      }
+    }
+  }
+  SimdBlock b;
+  b.sumsq = hsum(add(add(sq[0], sq[1]), add(sq[2], sq[3])));
+  if constexpr (k16) {
+    b.max_bits = hmax16(narrow_max16(max16(mx[0], mx[1])));
+    b.min_bits = hmin16(narrow_min16(min16(mn[0], mn[1])));
+  } else {
+    b.max_bits = hmax32(narrow_max32(max32(mx[0], mx[1])));
+    b.min_bits = hmin32(narrow_min32(min32(mn[0], mn[1])));
+  }
+  for (; i < n; ++i) {
+    const uint32_t a = abs_bits(x + i);
+    b.max_bits = std::max(b.max_bits, a);
+    b.min_bits = std::min(b.min_bits, a);
+    const float v = value_of_abs_bits<T>(a) * (kScaled ? kTinyScale : 1.0f);
+    b.sumsq += v * v;
+  }
+  return b;
+}
+
+template <typename T>
+void accumulate_block_simd(const T* x, int64_t n, Partial& p) {
+  const SimdBlock b = simd_block<T, false>(x, n);
+  if (b.max_bits >= Bits<T>::kInf || !std::isfinite(b.sumsq)) {  // a NaN or an Inf, or float overflow
+    accumulate_exact(x, n, p);
+    return;
+  }
+  const double amax = value_of_abs_bits<T>(b.max_bits);
+  double sumsq = b.sumsq;
+  if (amax > 0 && amax < kTinyThreshold) {
+    constexpr double kUnscale = 1.0 / (static_cast<double>(kTinyScale) * kTinyScale);
+    sumsq = static_cast<double>(simd_block<T, true>(x, n).sumsq) * kUnscale;
+  }
+  p.sumsq += sumsq;
+  p.amax = std::max(p.amax, amax);
+  if (b.min_bits == 0) {
+    p.zeros += count_zero_bits(x, n);
+  }
+}
+
+// One block of float64, summed in double: |bits| by a mask, squares and max |x| of those values, whether a zero
+// occurs from the bits. A NaN or an Inf makes the sum non-finite (exact path).
+template <>
+void accumulate_block_simd<double>(const double* x, int64_t n, Partial& p) {
+  constexpr int64_t kElems = static_cast<int64_t>(sizeof(VI) / sizeof(double));
+  const VI mask = set1_64(Bits<double>::kAbs);
+  VD sq[4] = {zero_d(), zero_d(), zero_d(), zero_d()}, mx[2] = {zero_d(), zero_d()};
+  ZeroTracker64 zeros;
+  int64_t i = 0;
+  for (; i + 4 * kElems <= n; i += 4 * kElems) {
+    for (int r = 0; r < 4; ++r) {
+      const VI a = and_i(loadi(x + i + r * kElems), mask);
+      const VD v = as_double(a);
+      sq[r] = fmadd_d(v, v, sq[r]);
+      mx[r & 1] = max_d(mx[r & 1], v);
+      zeros.add(a);
+    }
+  }
+  double sumsq = hsum_d(add_d(add_d(sq[0], sq[1]), add_d(sq[2], sq[3])));
+  double amax = hmax_d(max_d(mx[0], mx[1]));
+  bool has_zero = zeros.any();
+  for (; i < n; ++i) {
+    const uint64_t a = abs_bits(x + i);
+    double v;
+    std::memcpy(&v, &a, sizeof(v));
+    sumsq += v * v;
+    amax = std::max(amax, v);
+    has_zero |= a == 0;
+  }
+  if (!std::isfinite(sumsq)) {
+    accumulate_exact(x, n, p);
+    return;
+  }
+  p.sumsq += sumsq;
+  p.amax = std::max(p.amax, amax);
+  if (has_zero) {
+    p.zeros += count_zero_bits(x, n);
+  }
+}
+#endif  // TORCH_GRADSTATS_SIMD
+
+template <typename T>
+Partial accumulate_span(const T* x, int64_t n) {
+  Partial p;
+  for (int64_t b = 0; b < n; b += kBlockElems) {
+    const int64_t len = std::min(kBlockElems, n - b);
+#if defined(TORCH_GRADSTATS_SIMD)
+    accumulate_block_simd(x + b, len, p);
+#else
+    accumulate_block_generic(x + b, len, p);
+#endif
+  }
+  return p;
+}
+
+}  // namespace
+
+Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n) {
+  switch (dtype) {
+    case c10::ScalarType::Float:
+      return accumulate_span(static_cast<const float*>(data), n);
+    case c10::ScalarType::Double:
+      return accumulate_span(static_cast<const double*>(data), n);
+    case c10::ScalarType::Half:
+      return accumulate_span(static_cast<const c10::Half*>(data), n);
+    case c10::ScalarType::BFloat16:
+      return accumulate_span(static_cast<const c10::BFloat16*>(data), n);
+    default:
+      return Partial{};  // unreachable: the op checks the dtypes first
+  }
+}
+
+}  // namespace torch_gradstats::cpu::CPU_CAPABILITY
