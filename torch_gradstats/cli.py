@@ -88,12 +88,12 @@ REBUILD_HINT = (
 )
 
 
-def check_cpp_errors(command: Optional[Sequence[str]] = None, timeout: float = 120.0) -> tuple[bool, str]:
+def check_cpp_errors(command: Sequence[str] | None = None, timeout: float = 120.0) -> tuple[bool, str]:
     """Feed a bad input to the raw op in a child process; ``(ok, one line)``. A crash there cannot take this
     process down. ``command`` replaces the child (tests point it at one that dies by a signal)."""
     cmd = list(command) if command is not None else [sys.executable, "-c", _CPP_ERROR_CHILD]
     try:
-        child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return False, f"the child process hung for {timeout:g} s on a bad input; {REBUILD_HINT}"
     if child.returncode < 0:
@@ -116,7 +116,7 @@ def info() -> str:
     return info_report()[0]
 
 
-def info_report(cpp_check_command: Optional[Sequence[str]] = None) -> tuple[str, bool]:
+def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bool]:
     """The ``info`` report and whether every check in it passed (the exit status of ``info``)."""
     import torch_gradstats
     from torch_gradstats import _extension
