@@ -14,8 +14,8 @@ import os
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
