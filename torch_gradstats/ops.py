@@ -264,11 +264,12 @@ def fallback_multi_tensor_stats(
     of small tensors cost a few ops, not a few per tensor, and only one batch is ever upcast to float64.
 
     Memory: besides its outputs and O(number of tensors) bookkeeping, the extra memory at any time is that of one
-    batch: at most ``chunk_elems * (8 + 3 * itemsize + 1 + 8)`` bytes (a float64 copy, the stacked batch and its
-    bits, one boolean mask, the padding index), 8.3 MiB for float32 at the default 2**18, whatever the tensors'
-    sizes. Non-dense tensors larger than a chunk are read in views of at most ``chunk_elems`` elements.
+    batch, at most ``(3 * itemsize + 16) * chunk_elems`` bytes (the stacked batch, its bits and one integer
+    temporary, or the batch's float64 squares, or the int64 padding index), whatever the tensors' sizes: 7 MiB for
+    float32 and 10 MiB for float64 at the default 2**18. Tensors larger than a chunk are read in views of at most
+    ``chunk_elems`` elements (a non-dense one is copied one such view at a time).
 
-    Results: squares of 16/32-bit values are exact in float64 and summed in float64 (relative error ~1e-15);
+    Results: squares of 16/32-bit values are exact in float64 and summed in float64 (float64 rounding only);
     max |x| and the counts are exact. Every float sum has an order fixed by the shapes alone (see
     :func:`_row_sums`), zero/NaN/Inf are read from the bits, so the bits of the results do not depend on the
     thread count or on torch.set_flush_denormal, with one exception: on a thread that flushes denormals, float32
