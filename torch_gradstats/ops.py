@@ -224,30 +224,48 @@ def _fixed_order_sum(v: Tensor) -> Tensor:
     return _row_sums(v.view(1, -1))[0]
 
 
-def _count_at_least(bits: Tensor, threshold: int) -> Tensor:
+class _Workspace:
+    """Buffers reused by every batch of one call. Fresh large allocations come back from the OS as untouched pages,
+    and faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
+    role, viewed as whatever dtype the batch needs, so mixed dtypes share it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, Tensor] = {}
+
+    def get(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        buf = self.buffers.get(role)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.buffers[role] = buf
+        return buf[:nbytes].view(dtype).view(shape)
+
+
+def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
     """Per row, how many of the non-negative ``bits`` are >= ``threshold`` (clamped to 0/1 and summed in int32,
     which torch vectorizes, unlike comparisons to bool and int64 sums)."""
-    return (bits - (threshold - 1)).clamp_(0, 1).sum(dim=1, dtype=torch.int32)
+    return torch.sub(bits, threshold - 1, out=tmp).clamp_(0, 1).sum(dim=1, dtype=torch.int32)
 
 
-def _batch_stats(m: Tensor, pad: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def _batch_stats(m: Tensor, pad: Tensor | None, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
     """Statistics of each row of ``m`` ([r, L], one dtype); ``pad[j]`` zero elements of row j are padding."""
     int_dtype, abs_mask, inf_bits = _BITS[m.dtype]
-    bits = m.view(int_dtype) & abs_mask  # |x| as bits: ordered like |x|, NaN above +inf
-    length = m.shape[1]
-    max_bits = bits.amax(dim=1)
-    zeros = length - bits.clamp(max=1).sum(dim=1, dtype=torch.int32).to(torch.int64)
-    if pad is not None:
-        zeros = zeros - pad
-    nonfinite = _count_at_least(bits, inf_bits).to(torch.int64)
-    nans = _count_at_least(bits, inf_bits + 1).to(torch.int64)
-    infs = nonfinite - nans
-    counts = torch.stack([zeros, nans, infs], dim=1)
+    shape = (m.shape[0], m.shape[1])
+    bits = torch.bitwise_and(m.view(int_dtype), abs_mask, out=ws.get("bits", int_dtype, shape))  # |x|, as bits
+    tmp = ws.get("tmp", int_dtype, shape)
+    max_bits = bits.amax(dim=1)  # bits of non-negative floats are ordered like the floats, NaN above +inf
+    nonzero = torch.clamp(bits, max=1, out=tmp).sum(dim=1, dtype=torch.int32)
+    nonfinite = _count_at_least(bits, inf_bits, tmp)
+    nans = _count_at_least(bits, inf_bits + 1, tmp)
+    zeros = shape[1] - nonzero if pad is None else shape[1] - nonzero - pad
+    counts = torch.stack([zeros.to(torch.int64), nans.to(torch.int64), (nonfinite - nans).to(torch.int64)], dim=1)
     amax = max_bits.view(m.dtype).to(torch.float64)  # the max of exact values: no order to fix
+    squares = ws.get("squares", torch.float64, shape)
     if m.dtype == torch.float64:
-        squares = m * m  # m may be the caller's tensor: never in place
+        torch.mul(m, m, out=squares)
     else:
-        squares = m.to(torch.float64)  # exact; our own copy, squared in place
+        squares.copy_(m)  # exact
         squares.mul_(squares)
     return _row_sums(squares), amax, counts
 
@@ -263,11 +281,12 @@ def fallback_multi_tensor_stats(
     ``chunk_elems`` elements per batch), and each batch is reduced by a dozen whole-batch torch ops: so thousands
     of small tensors cost a few ops, not a few per tensor, and only one batch is ever upcast to float64.
 
-    Memory: besides its outputs and O(number of tensors) bookkeeping, the extra memory at any time is that of one
-    batch, at most ``(3 * itemsize + 16) * chunk_elems`` bytes (the stacked batch, its bits and one integer
-    temporary, or the batch's float64 squares, or the int64 padding index), whatever the tensors' sizes: 7 MiB for
-    float32 and 10 MiB for float64 at the default 2**18. Tensors larger than a chunk are read in views of at most
-    ``chunk_elems`` elements (a non-dense one is copied one such view at a time).
+    Memory: besides its outputs and O(number of tensors) bookkeeping, the extra memory is at most
+    ``56 * chunk_elems`` bytes (14 MiB at the default 2**18), whatever the tensors' sizes: four reused buffers of
+    at most 8 bytes per element of a batch (the stacked rows, their bits, an integer temporary, the float64
+    squares), and while a batch of small tensors is stacked, one more copy of it and its int64 padding index.
+    Tensors larger than a chunk are read in views of at most ``chunk_elems`` elements (a non-dense one is copied
+    one such view at a time).
 
     Results: squares of 16/32-bit values are exact in float64 and summed in float64 (float64 rounding only);
     max |x| and the counts are exact. Every float sum has an order fixed by the shapes alone (see
@@ -298,11 +317,12 @@ def fallback_multi_tensor_stats(
 
     owners_all: list[int] = []
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
+    ws = _Workspace(device)
     for (dtype, length), (owners, rows) in groups.items():
         per_batch = max(1, chunk_elems // length)
         for start in range(0, len(rows), per_batch):
             batch = rows[start : start + per_batch]
-            parts.append(_batch_stats(*_stack_rows(batch, length, device)))
+            parts.append(_batch_stats(*_stack_rows(batch, length, ws), ws))
             owners_all.extend(owners[start : start + per_batch])
 
     sumsq = torch.zeros(n, dtype=torch.float64, device=device)
@@ -319,24 +339,28 @@ def fallback_multi_tensor_stats(
     return sumsq, amax, counts
 
 
-def _stack_rows(rows: list[Tensor], length: int, device: torch.device) -> tuple[Tensor, Tensor | None]:
+def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
     """The rows as one ``[len(rows), length]`` tensor (zero-padded) and each row's number of padding zeros."""
-    if len(rows) == 1 and rows[0].numel() == length:
+    r, device = len(rows), ws.device
+    if r == 1 and rows[0].numel() == length:
         return rows[0].reshape(1, length), None  # a view when the piece is contiguous
+    lengths = [x.numel() for x in rows]
+    m = ws.get("rows", rows[0].dtype, (r, length))
+    if all(k == length for k in lengths) and r <= 64:  # a few full rows: copied straight into place
+        torch.cat([x.reshape(-1) for x in rows], out=m.view(-1))
+        return m, None
     flat = torch._utils._flatten_dense_tensors(rows)  # one copy, made in C++ (no per-tensor Python op)
-    lengths = [r.numel() for r in rows]
     if all(k == length for k in lengths):
-        return flat.view(len(rows), length), None
+        return flat.view(r, length), None
     # Where each element goes: row j's k-th element to j * length + k. Built on the device from the lengths
     # (output_size given, so repeat_interleave needs no sync).
     total = flat.numel()
     lens = torch.tensor(lengths, dtype=torch.int64, device=device)
-    shift = torch.arange(len(rows), dtype=torch.int64, device=device) * length - (torch.cumsum(lens, 0) - lens)
+    shift = torch.arange(r, dtype=torch.int64, device=device) * length - (torch.cumsum(lens, 0) - lens)
     dest = torch.arange(total, dtype=torch.int64, device=device)
     dest += torch.repeat_interleave(shift, lens, output_size=total)
-    m = flat.new_zeros(len(rows) * length)
-    m.index_copy_(0, dest, flat)  # distinct indices: no accumulation, deterministic
-    return m.view(len(rows), length), length - lens
+    m.zero_().view(-1).index_copy_(0, dest, flat)  # distinct indices: no accumulation, deterministic
+    return m, length - lens
 
 
 def _combine_rows(
