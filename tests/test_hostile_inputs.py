@@ -424,3 +424,26 @@ def test_bad_values_give_right_answers_everywhere(dtype):
     if dtype != torch.float64:
         assert all(torch.isfinite(p.grad).all() for _, p in finite)
         assert not all(torch.equal(bits(p.grad), b) for (_, p), b in zip(finite, grads_before))  # it did clip
+
+
+def test_freed_storage_of_a_tensor_subclass_is_named_too():
+    """Subclasses sharing a real storage get the same storage check as plain tensors (in a child: the old code
+    read the freed memory)."""
+    code = (
+        "import torch, torch_gradstats as tg\n"
+        "class Marked(torch.Tensor): pass\n"
+        "x = torch.ones(1000).as_subclass(Marked)\n"
+        "x.untyped_storage().resize_(0)\n"
+        "try:\n"
+        "    tg.multi_tensor_stats([x])\n"
+        "except ValueError as e:\n"
+        "    print('ok' if 'tensors[0] needs 4000 bytes' in str(e) else e)\n"
+    )
+    for fallback in (False, True):
+        env = dict(os.environ)
+        env.pop("TORCH_GRADSTATS_FORCE_FALLBACK", None)
+        if fallback:
+            env["TORCH_GRADSTATS_FORCE_FALLBACK"] = "1"
+        child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                               check=False)  # fmt: skip
+        assert child.returncode == 0 and child.stdout.strip() == "ok", (fallback, child.stdout, child.stderr[-2000:])
