@@ -6,12 +6,36 @@
 
 namespace torch_gradstats {
 
+namespace {
+
+// The storage must hold every element the view addresses: a storage freed or shrunk with
+// untyped_storage().resize_() would otherwise be read out of bounds. Metadata only.
+void check_storage(const at::Tensor& t, size_t i) {
+  if (t.numel() == 0 || !t.has_storage() || t.device().is_meta()) {
+    return;
+  }
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  const int64_t needed = (last + 1) * static_cast<int64_t>(t.element_size());
+  const int64_t have = static_cast<int64_t>(t.storage().nbytes());
+  TORCH_CHECK_VALUE(have >= needed, "multi_tensor_stats: tensors[", i, "] needs ", needed,
+                    " bytes of storage but its storage holds ", have,
+                    " (it was freed or resized, e.g. by untyped_storage().resize_(0)); pass a tensor with allocated "
+                    "data");
+}
+
+}  // namespace
+
 void check_inputs(at::TensorList tensors) {
   TORCH_CHECK_VALUE(!tensors.empty(), "multi_tensor_stats: expected at least one tensor, got an empty list");
   const at::Device device = tensors[0].device();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK_VALUE(t.defined(), "multi_tensor_stats: tensors[", i, "] is undefined");
+    TORCH_CHECK_VALUE(!t.is_nested(), "multi_tensor_stats: tensors[", i,
+                      "] is a nested tensor; pass its components instead (t.unbind())");
     TORCH_CHECK_VALUE(t.layout() == at::kStrided, "multi_tensor_stats: tensors[", i, "] has layout ", t.layout(),
                       "; only strided (dense) tensors are supported, convert it with .to_dense()");
     const at::ScalarType dtype = t.scalar_type();
@@ -21,6 +45,7 @@ void check_inputs(at::TensorList tensors) {
     TORCH_CHECK_VALUE(t.device() == device, "multi_tensor_stats: tensors[", i, "] is on ", t.device(),
                       " but tensors[0] is on ", device,
                       "; all tensors of one call must be on one device (group them by device)");
+    check_storage(t, i);
   }
 }
 

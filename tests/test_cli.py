@@ -108,7 +108,58 @@ def test_demo_bad_arguments(tmp_path, capsys, args, message):
     if args[0] == "--device" and torch.cuda.device_count() > 7:  # pragma: no cover
         pytest.skip("this machine has a cuda:7")
     assert main(["demo", "--out", str(tmp_path), "--no-progress", *args]) == 2
-    assert message in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert message in captured.err and "demo: error:" in captured.err
+    assert "error" not in captured.out
+
+
+@pytest.mark.parametrize("out", ["/proc/forbidden", "{file}/sub"], ids=["proc", "under-a-file"])
+def test_demo_unwritable_out_is_one_line_on_stderr(tmp_path, capsys, out):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    out = out.format(file=a_file)
+    assert main(["demo", "--steps", "2", "--out", out, "--no-progress", "--no-plot"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("demo: error: cannot write the outputs to") and out in err[0]
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_bench_bad_threads_is_one_line_on_stderr(capsys):
+    assert main(["bench", "--threads", "-3", "--quick", "--no-progress", "--workloads", "large_f32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bench: error:") and "positive" in err[0]
+
+
+def test_info_checks_the_cpp_error_path():
+    from torch_gradstats.cli import check_cpp_errors, info_report
+
+    text, ok = info_report()
+    assert ok
+    line = next(x for x in text.splitlines() if x.startswith("C++ error path"))
+    if torch_gradstats.HAS_EXTENSION:
+        assert "ok (a bad input raises TypeError)" in line
+        ok, msg = check_cpp_errors()  # the real child: an integer tensor through the compiled kernel
+        assert ok, msg
+    else:
+        assert "not checked" in line
+
+
+def test_info_reports_a_child_killed_by_a_signal():
+    """The crash branch, with a child that really dies by SIGSEGV (a stand-in for an extension whose C++
+    exceptions crash), passed through the check's command parameter."""
+    from torch_gradstats.cli import check_cpp_errors, info_report
+
+    dies = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+    ok, msg = check_cpp_errors(dies)
+    assert not ok
+    assert "CRASHED" in msg and "SIGSEGV" in msg and "CXX=/usr/bin/g++ CC=/usr/bin/gcc pip install" in msg
+    no_error = [sys.executable, "-c", "print('no exception')"]
+    ok, msg = check_cpp_errors(no_error)
+    assert not ok and "did not raise TypeError" in msg
+    if torch_gradstats.HAS_EXTENSION:
+        text, ok = info_report(cpp_check_command=dies)
+        assert not ok and "CRASHED" in text
 
 
 def test_bench_forwards_its_arguments(monkeypatch):

@@ -196,3 +196,70 @@ def test_group_allows_only_norm_2_or_inf():
     with pytest.raises(ValueError, match="norm_type must be 2 or inf"):
         clip_grad_norm_(m.parameters(), 1.0, norm_type=1.0, group=object())
     assert torch.equal(m.weight.grad, before)
+
+
+# ---------------------------------------------------------------------------------------------- where it differs
+def _param_with_grad(grad):
+    p = nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad.clone()
+    return p
+
+
+def test_float32_squares_that_overflow_the_documented_difference():
+    """torch squares float32 gradients in float32: 1e20**2 overflows, its norm is inf and it zeroes the gradients
+    (or raises). Ours is the true norm, and the gradients are scaled to max_norm. Pinned on both sides, so a change
+    in either shows up here."""
+    grad = torch.full((4,), 1e20)
+    ours, theirs = _param_with_grad(grad), _param_with_grad(grad)
+    stats = clip_grad_norm_([ours], max_norm=1.0)
+    torch_norm = torch.nn.utils.clip_grad_norm_([theirs], max_norm=1.0)
+    assert torch_norm.item() == math.inf and torch.equal(theirs.grad, torch.zeros(4))
+    assert stats.clip_norm.item() == pytest.approx(2 * grad[0].item(), rel=1e-12)  # float32's 1e20, doubled
+    torch.testing.assert_close(ours.grad, torch.full((4,), 0.5))
+    # error_if_nonfinite: torch raises on its overflowed norm; ours is finite, so it clips without raising
+    with pytest.raises(RuntimeError):
+        torch.nn.utils.clip_grad_norm_([_param_with_grad(grad)], max_norm=1.0, error_if_nonfinite=True)
+    p = _param_with_grad(grad)
+    clip_grad_norm_([p], max_norm=1.0, error_if_nonfinite=True)
+    torch.testing.assert_close(p.grad, torch.full((4,), 0.5))
+
+
+def test_float16_norm_above_65504_the_documented_difference():
+    grad = torch.full((4,), 60000.0, dtype=torch.float16)  # norm 120000 > float16 max
+    ours, theirs = _param_with_grad(grad), _param_with_grad(grad)
+    stats = clip_grad_norm_([ours], max_norm=1.0)
+    torch_norm = torch.nn.utils.clip_grad_norm_([theirs], max_norm=1.0)
+    assert torch_norm.item() == math.inf and torch.equal(theirs.grad, torch.zeros(4, dtype=torch.float16))
+    assert stats.clip_norm.item() == pytest.approx(120000.0, rel=1e-12)
+    torch.testing.assert_close(ours.grad.float(), torch.full((4,), 0.5), rtol=1e-3, atol=0)
+
+
+def test_bfloat16_norm_differs_by_at_most_bfloat16_rounding():
+    grad = (torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    exact = grad.double().square().sum().sqrt().item()
+    stats = clip_grad_norm_([_param_with_grad(grad)], max_norm=1.0)
+    torch_norm = torch.nn.utils.clip_grad_norm_([_param_with_grad(grad)], max_norm=1.0).item()
+    assert stats.clip_norm.item() == pytest.approx(exact, rel=1e-5)  # the op's contract for 16/32-bit inputs
+    assert abs(torch_norm - exact) <= 2**-8 * exact  # bfloat16 keeps 8 significant bits
+
+
+def test_inf_norm_and_representable_float32_norms_agree_with_torch():
+    grad = torch.full((4,), 1e20)
+    s = clip_grad_norm_([_param_with_grad(grad)], max_norm=1.0, norm_type=math.inf)
+    t = torch.nn.utils.clip_grad_norm_([_param_with_grad(grad)], max_norm=1.0, norm_type=math.inf)
+    assert s.clip_norm.item() == t.item() == grad[0].item()
+    grad = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    ours, theirs = _param_with_grad(grad), _param_with_grad(grad)
+    s = clip_grad_norm_([ours], max_norm=1.0)
+    t = torch.nn.utils.clip_grad_norm_([theirs], max_norm=1.0)
+    assert s.clip_norm.item() == pytest.approx(t.item(), rel=1e-6)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=0)
+
+
+def test_nan_gradient_behaves_like_torch():
+    grad = torch.tensor([1.0, float("nan"), 2.0])
+    ours, theirs = _param_with_grad(grad), _param_with_grad(grad)
+    s = clip_grad_norm_([ours], max_norm=1.0)
+    t = torch.nn.utils.clip_grad_norm_([theirs], max_norm=1.0)
+    assert math.isnan(s.clip_norm.item()) and math.isnan(t.item())
+    assert torch.isnan(ours.grad).all() and torch.isnan(theirs.grad).all()

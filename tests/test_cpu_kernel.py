@@ -170,7 +170,8 @@ def test_flush_denormal_does_not_change_counts_or_sums():
 def test_thread_count_and_flush_denormal_do_not_change_bits():
     g = torch.Generator().manual_seed(3)
     tensors = [torch.randn(n, generator=g).to(dt) for n, dt in
-               [(300_000, torch.float32), (200_001, torch.bfloat16), (131_073, torch.float16), (150_000, torch.float64)]]  # fmt: skip
+               [(300_000, torch.float32), (200_001, torch.bfloat16), (131_073, torch.float16),
+                (150_000, torch.float64)]]  # fmt: skip
     for t in tensors:  # subnormals, zeros and tiny values scattered over every segment
         t[::7] *= torch.finfo(t.dtype).smallest_normal
         t[::11] = 0.0

@@ -72,10 +72,68 @@ def test_nonfinite_counts_as_exploding_not_vanishing():
 
 
 def test_bad_policy_rejected():
-    with pytest.raises(ValueError, match="vanishing_threshold"):
+    with pytest.raises(TypeError, match="vanishing_threshold"):
         HealthPolicy(vanishing_threshold=None)
     with pytest.raises(ValueError, match="exploding_penalty"):
         HealthPolicy(exploding_penalty=float("nan"))
+
+
+@pytest.mark.parametrize("field", ["vanishing_threshold", "exploding_threshold", "vanishing_penalty",
+                                   "exploding_penalty"])
+@pytest.mark.parametrize(
+    "value,error",
+    [
+        (float("inf"), ValueError),
+        (float("-inf"), ValueError),
+        (float("nan"), ValueError),
+        (-1e-9, ValueError),
+        (-3, ValueError),
+        (torch.tensor(-1.0), ValueError),
+        ("10", TypeError),
+        (b"10", TypeError),
+        (True, TypeError),
+        (False, TypeError),
+        (None, TypeError),
+        ([1.0], TypeError),
+        (1 + 2j, TypeError),
+        (torch.tensor([1.0, 2.0]), TypeError),
+        (torch.tensor(True), TypeError),
+    ],
+    ids=lambda v: repr(v)[:20],
+)
+def test_nonsense_is_rejected_naming_the_field(field, value, error):
+    with pytest.raises(error, match=f"HealthPolicy.{field} must be"):
+        HealthPolicy(**{field: value})
+
+
+def test_numpy_bool_is_rejected():
+    import numpy as np
+
+    with pytest.raises(TypeError, match="exploding_threshold"):
+        HealthPolicy(exploding_threshold=np.True_)
+
+
+def test_accepted_values_keep_host_and_device_scores_identical():
+    """What the validation protects: with every accepted policy the device and host scores agree bit for bit (an
+    inf penalty used to give 0.0 on one and NaN on the other)."""
+    import numpy as np
+
+    norms = torch.tensor([0.0, 1e-9, 0.5, 11.0, 1e30], dtype=torch.float64)
+    for policy in [
+        HealthPolicy(0, 0, 0, 0),
+        HealthPolicy(np.float64(1e-3), np.int64(5), torch.tensor(2.0), 1e300),
+        HealthPolicy(exploding_penalty=1e308, vanishing_penalty=1e308),
+    ]:
+        assert float(policy.score(norms)) == policy.score_host(norms.tolist())
+
+
+def test_trainer_rejects_a_policy_that_is_not_one():
+    from torch_gradstats.training import Trainer
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="health_policy must be a HealthPolicy or None, got str"):
+        Trainer(model, opt, torch.nn.MSELoss(), health_policy="x")
 
 
 _norm = st.one_of(
@@ -109,5 +167,5 @@ def test_numpy_and_tensor_scalars_and_unordered_thresholds_are_accepted():
     # a norm between the two is both vanishing and exploding, as in the original collector
     norms = torch.tensor([5e-4, 1.0], dtype=torch.float64)
     assert p.score_host(norms.tolist()) == float(p.score(norms)) == max(0.0, 1 - 0.5 * 0.5 - 0.8 * 1.0)
-    with pytest.raises(ValueError, match="vanishing_threshold must be a real number"):
+    with pytest.raises(TypeError, match="vanishing_threshold must be a real number"):
         HealthPolicy(vanishing_threshold="small")

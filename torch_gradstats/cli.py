@@ -1,8 +1,9 @@
 """Command line: ``python -m torch_gradstats info | demo | bench``.
 
 * ``info``: versions, whether the compiled extension loaded (and why not), which dispatch keys have a compiled
-  kernel of the op, whether the fallback is forced, and one run of the op on CPU (and CUDA when present) checked
-  against the float64 reference.
+  kernel of the op, whether the fallback is forced, one run of the op on CPU (and CUDA when present) checked
+  against the float64 reference, and whether a C++ error (a bad input) comes back as a Python exception, checked
+  in a child process because some toolchains make it crash the process. Exit status 1 if a check fails.
 * ``demo``: train a small model on synthetic data and watch its gradients (see :mod:`torch_gradstats.demo`).
 * ``bench``: the benchmark (:mod:`torch_gradstats.bench`); every argument after ``bench`` is passed to it.
 """
@@ -13,12 +14,14 @@ import argparse
 import importlib
 import os
 import platform
+import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["info", "main"]
+__all__ = ["check_cpp_errors", "info", "info_report", "main"]
 
 OP = "torch_gradstats::multi_tensor_stats"
 
@@ -72,8 +75,51 @@ def _run_op(device: torch.device) -> list[str]:
     return lines
 
 
+#: What the C++ error-path check runs in a child process: an integer tensor through the raw op must come back as a
+#: TypeError. A toolchain that links its own static libstdc++ into the extension makes C++ exceptions crash instead.
+_CPP_ERROR_CHILD = (
+    "import torch, torch_gradstats\n"
+    "try:\n"
+    "    torch.ops.torch_gradstats.multi_tensor_stats.default([torch.arange(3)])\n"
+    "except TypeError:\n"
+    "    print('ok')\n"
+)
+
+REBUILD_HINT = (
+    "rebuild it with the system compiler: CXX=/usr/bin/g++ CC=/usr/bin/gcc pip install --no-build-isolation -e ."
+)
+
+
+def check_cpp_errors(command: Sequence[str] | None = None, timeout: float = 120.0) -> tuple[bool, str]:
+    """Feed a bad input to the raw op in a child process; ``(ok, one line)``. A crash there cannot take this
+    process down. ``command`` replaces the child (tests point it at one that dies by a signal)."""
+    cmd = list(command) if command is not None else [sys.executable, "-c", _CPP_ERROR_CHILD]
+    try:
+        child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return False, f"the child process hung for {timeout:g} s on a bad input; {REBUILD_HINT}"
+    if child.returncode < 0:
+        try:
+            name = signal.Signals(-child.returncode).name
+        except ValueError:
+            name = f"signal {-child.returncode}"
+        return False, (
+            f"CRASHED: a C++ error (bad input to the op) killed the process with {name}; the extension was built "
+            f"with a toolchain whose C++ exceptions do not work with torch's; {REBUILD_HINT}"
+        )
+    if child.returncode != 0 or child.stdout.strip() != "ok":
+        last = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"a bad input did not raise TypeError (exit status {child.returncode}: {last})"
+    return True, "ok (a bad input raises TypeError)"
+
+
 def info() -> str:
     """The ``info`` report as a string (also what ``python -m torch_gradstats info`` prints)."""
+    return info_report()[0]
+
+
+def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bool]:
+    """The ``info`` report and whether every check in it passed (the exit status of ``info``)."""
     import torch_gradstats
     from torch_gradstats import _extension
 
@@ -105,7 +151,14 @@ def info() -> str:
     lines += _run_op(torch.device("cpu"))
     if torch.cuda.is_available():
         lines += _run_op(torch.device("cuda"))
-    return "\n".join(lines)
+    ok = all("matches the float64 reference: yes" in line for line in lines if "matches the float64" in line)
+    if torch_gradstats.HAS_EXTENSION:
+        cpp_ok, cpp_line = check_cpp_errors(cpp_check_command)
+        ok = ok and cpp_ok
+    else:
+        cpp_line = "not checked (the compiled extension is not loaded)"
+    lines.append(f"C++ error path   {cpp_line}")
+    return "\n".join(lines), ok
 
 
 def _bench(argv: Sequence[str]) -> int:
@@ -118,6 +171,9 @@ def _bench(argv: Sequence[str]) -> int:
         return int(bench.main(list(argv)) or 0)
     except SystemExit as exc:  # its argparse exits on --help and on bad arguments
         return _exit_code(exc)
+    except (RuntimeError, ValueError, OSError) as exc:  # e.g. --threads -3, an --out it cannot write
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -148,8 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits on --help and on errors; report that as a status instead
         return _exit_code(exc)
     if args.command == "info":
-        print(info())
-        return 0
+        text, ok = info_report()
+        print(text)
+        return 0 if ok else 1
     if args.command == "demo":
         from torch_gradstats import demo
 

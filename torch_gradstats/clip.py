@@ -7,11 +7,21 @@ Same clipping rule as PyTorch: ``coef = min(max_norm / (total_norm + 1e-6), 1.0)
 ``torch._foreach_mul_`` per (device, dtype) group, with no host sync. A NaN/Inf total norm gives a NaN/0 coefficient
 and therefore NaN gradients, exactly as in PyTorch (use ``error_if_nonfinite=True`` or skip the step instead).
 
-One deliberate difference: for ``norm_type`` 2 and inf the total norm comes from the fused op, accumulated in
-float64, while PyTorch computes it in the gradients' dtype. For float32/float64 gradients the clipped gradients agree
-with PyTorch's to a few ulps; for float16/bfloat16 PyTorch's total norm is itself rounded to 16 bits (bf16 keeps 3
-significant digits, and an fp16 norm above 65504 becomes inf, which makes PyTorch zero every gradient), so ours is
-the more accurate coefficient and can differ from PyTorch's by up to that rounding.
+Where it differs from PyTorch, on purpose: for ``norm_type`` 2 and inf the total norm comes from the fused op,
+which squares and sums in float64, while PyTorch computes it in the gradients' dtype. So:
+
+* float32/float64 gradients whose norm PyTorch can represent: the same total norm and clipped gradients to a few
+  ulps (the rounding of PyTorch's float32 sum) for norm_type 2;
+* float32 gradients whose squares overflow float32 (some |g| above about 1.8e19, or a sum of squares above
+  3.4e38, e.g. ``torch.full((4,), 1e20)``): PyTorch's total norm is inf, so it multiplies every gradient by 0
+  (``error_if_nonfinite=True`` raises instead). Here the total norm is the true, finite one (2e20 in that example),
+  ``error_if_nonfinite`` does not raise, and the gradients are scaled to ``max_norm`` (each 1e20 becomes 0.5);
+* float16 gradients whose norm exceeds 65504: the same, PyTorch's float16 norm is inf;
+* bfloat16 gradients: PyTorch's norm is rounded to bfloat16 (3 significant digits), ours is not, so the
+  coefficients can differ by that rounding (up to 0.2%);
+* ``norm_type=inf``: max |g| is exact in every dtype, so both agree.
+
+A NaN or Inf *element* gives a non-finite norm in both, with the same effect (NaN gradients, or the error).
 """
 
 from __future__ import annotations
@@ -75,10 +85,13 @@ def clip_grad_norm_(
     Returns:
         The :class:`~torch_gradstats.stats.GradStats` of the gradients *before* clipping, with ``clip_norm`` (the
         total norm used, float64 0-d) and ``clip_coef`` (the clamped coefficient applied) set. ``clip_norm``
-        equals what ``torch.nn.utils.clip_grad_norm_`` returns (as float64).
+        equals what ``torch.nn.utils.clip_grad_norm_`` returns (as float64), except where PyTorch's norm, computed
+        in the gradients' dtype, overflows or rounds (see the module docstring): there ``clip_norm`` is the true
+        finite norm, and gradients PyTorch would zero are scaled to ``max_norm`` instead.
 
     Raises:
-        RuntimeError: ``error_if_nonfinite`` and the total norm is not finite (gradients are left untouched), or
+        RuntimeError: ``error_if_nonfinite`` and the total norm is not finite, which happens only when a gradient
+            holds a NaN or Inf (gradients are left untouched), or
             ``foreach=True`` on a device without foreach support.
     """
     max_norm = float(max_norm)

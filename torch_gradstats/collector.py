@@ -130,6 +130,7 @@ class SeedGradientCollector:
             exploding_threshold: a tensor whose gradient norm is above this, or not finite, is exploding
                 (default 10.0).
         """
+        _policy(vanishing_threshold, exploding_threshold)  # validates both now (TypeError/ValueError naming it)
         self.vanishing_threshold = vanishing_threshold
         self.exploding_threshold = exploding_threshold
 
@@ -211,6 +212,7 @@ def collect_seed_gradients(
     Returns:
         A :class:`GradientHealthStats` dict, or :class:`GradientHealthMetrics` when ``return_enhanced``.
     """
+    policy = _policy(vanishing_threshold, exploding_threshold)  # bad thresholds fail even without gradients
     stats = grad_stats(seed_parameters)
     if len(stats) == 0:
         if return_enhanced:
@@ -227,7 +229,7 @@ def collect_seed_gradients(
                 inf_count=0,
             )
         return _empty_result()
-    return _materialize_enhanced(stats, _policy(vanishing_threshold, exploding_threshold), return_enhanced)
+    return _materialize_enhanced(stats, policy, return_enhanced)
 
 
 def _materialize_enhanced(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -306,6 +307,10 @@ def run_from_args(args: argparse.Namespace) -> int:
             tensorboard=getattr(args, "tensorboard", None),
         )
     except ValueError as exc:
-        print(f"error: {exc}")
+        print(f"demo: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --out not writable, disk full...
+        print(f"demo: error: cannot write the outputs to {args.out!r}: {exc.strerror or exc}; pass a writable --out",
+              file=sys.stderr)  # fmt: skip
         return 2
     return 0

@@ -1,4 +1,4 @@
-"""Gradient health: the score of the collector reviewed in the seeds, with named, documented defaults.
+"""Gradient health: the score of the original gradient collector, with named, documented defaults.
 
 The score looks at per-tensor (per-parameter) L2 norms:
 
@@ -17,6 +17,7 @@ the same order, so ``float(policy.score(t)) == policy.score_host(t.tolist())`` e
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,9 +42,29 @@ DEFAULT_VANISHING_PENALTY = 0.5
 DEFAULT_EXPLODING_PENALTY = 0.8
 
 
+def _finite_non_negative(name: str, value: object) -> float:
+    """``value`` as a float, or a TypeError/ValueError naming the field."""
+    number = value
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"HealthPolicy.{name} must be a real number; got a {value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        number = value.item()
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
+        raise TypeError(f"HealthPolicy.{name} must be a real number, got {value!r} ({type(value).__name__})")
+    number = float(number)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"HealthPolicy.{name} must be finite and >= 0, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class HealthPolicy:
     """Thresholds and penalties of the gradient health score (see the module docstring for the formula).
+
+    Every field must be a finite real number >= 0 (int, float, numpy scalar or one-element tensor); anything else
+    raises a TypeError (strings, bools, non-numbers) or ValueError (negative, inf, NaN) naming the field.
 
     Attributes:
         vanishing_threshold: per-tensor norm below which a tensor counts as vanishing (strictly below).
@@ -58,18 +79,13 @@ class HealthPolicy:
     exploding_penalty: float = DEFAULT_EXPLODING_PENALTY
 
     def __post_init__(self) -> None:
-        # Any real scalar is accepted (numpy and 0-d tensor scalars too) and stored as a Python float. Thresholds
-        # are not required to be ordered: like the original collector, a norm can then be both vanishing and
-        # exploding, and counts in both shares.
+        # Each field must be a finite, non-negative real number: a Python int/float, a numpy scalar or a one-element
+        # real tensor, stored as a Python float. Strings and bools are rejected rather than converted, and inf/NaN
+        # because they would make the device and host scores differ (inf * 0 is NaN). Thresholds are not required
+        # to be ordered: like the original collector, a norm can then be both vanishing and exploding, and counts
+        # in both shares.
         for name in ("vanishing_threshold", "exploding_threshold", "vanishing_penalty", "exploding_penalty"):
-            value = getattr(self, name)
-            try:
-                number = float(value)
-            except (TypeError, ValueError, RuntimeError):
-                number = math.nan
-            if isinstance(value, bool) or math.isnan(number):
-                raise ValueError(f"HealthPolicy.{name} must be a real number, got {value!r}")
-            object.__setattr__(self, name, number)
+            object.__setattr__(self, name, _finite_non_negative(name, getattr(self, name)))
 
     # ------------------------------------------------------------------ device side (no host sync)
     def classify(self, norms: Tensor) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ summary is :class:`~torch_gradstats.report.GradReport` (re-exported here).
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from torch_gradstats._transfer import host_int64, to_device, to_host
 from torch_gradstats.health import HealthPolicy
-from torch_gradstats.ops import INF, NAN, SUPPORTED_DTYPES, ZERO, multi_tensor_stats
+from torch_gradstats.ops import INF, NAN, OP_NAME, SUPPORTED_DTYPES, ZERO, check_inputs, multi_tensor_stats
 from torch_gradstats.report import GradReport
 
 __all__ = ["GradReport", "GradStats", "ParamsLike", "grad_stats"]
@@ -129,6 +130,11 @@ def _check_grad(name: str, grad: Any) -> None:
             f"grad_stats: parameter {name!r} has a {grad.dtype} gradient; expected float16, bfloat16, float32 "
             "or float64"
         )
+    try:  # the op's own checks (nested tensor, freed storage), reworded to name the parameter
+        check_inputs([grad])
+    except (TypeError, ValueError) as exc:
+        detail = str(exc).replace(f"{OP_NAME}: tensors[0] ", "", 1)
+        raise type(exc)(f"grad_stats: parameter {name!r} has a gradient that {detail}") from None
 
 
 def _home_device(devices: Iterable[torch.device]) -> torch.device:
@@ -236,10 +242,21 @@ class GradStats:
         """Bring the statistics to the host in exactly one device-to-host transfer and summarise them.
 
         Args:
-            k: how many of the largest per-parameter norms to list in ``top_norms``.
+            k: how many of the largest per-parameter norms to list in ``top_norms`` (an int >= 0).
             policy: health policy (default :class:`HealthPolicy()`); the score is computed on the host from the
                 transferred norms and equals :meth:`health` bit for bit.
         """
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise TypeError(f"GradStats.report: k must be a non-negative int, got {k!r} ({type(k).__name__})")
+        if k < 0:
+            raise ValueError(f"GradStats.report: k must be a non-negative int, got {k}")
+        if self.device.type == "meta":
+            raise ValueError(
+                "GradStats.report: these statistics are of meta tensors, which have shapes but no values, so there "
+                "are no numbers to report; compute them on gradients with data (e.g. after model.to_empty(device=...) "
+                "and a backward pass)"
+            )
+        k = int(k)
         p = len(self.names)
         world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
         ints_in = [self.counts, self.numel] + ([self.rank_nonfinite] if self.rank_nonfinite is not None else [])
@@ -306,7 +323,7 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
     Raises:
         TypeError: an item that is neither a tensor nor a (name, tensor) pair, or a gradient of an unsupported
             dtype (both errors name the item or parameter).
-        ValueError: a sparse gradient (named).
+        ValueError: a sparse or nested gradient, or one whose storage was freed (named).
     """
     named = _named_params(params)
     dtensor_types = _dtensor_types()

@@ -131,6 +131,10 @@ class Trainer:
         self.compile = compile
         self.compile_mode = compile_mode
         self.compile_backend = compile_backend
+        if health_policy is not None and not isinstance(health_policy, HealthPolicy):
+            raise TypeError(
+                f"Trainer: health_policy must be a HealthPolicy or None, got {type(health_policy).__name__}"
+            )
         self.health_policy = health_policy if health_policy is not None else HealthPolicy()
         self.sync_every = sync_every
         self.progress = progress
