@@ -25,17 +25,28 @@ LAYERS = {
     "torch_gradstats.stats": 4,
     "torch_gradstats.clip": 5,
     "torch_gradstats.collector": 5,
+    "torch_gradstats.updates": 5,
     "torch_gradstats.training": 6,  # and every module of the training package
+    "torch_gradstats.integrations": 7,  # and every module of the integrations package
 }
 TOP = 100  # entry points: anything not listed
 #: Modules of one package may import each other (cycles are still forbidden).
-SAME_LAYER_OK = {"torch_gradstats.training"}
+SAME_LAYER_OK = {"torch_gradstats.training", "torch_gradstats.integrations"}
 
 #: Private names one module may import from another, with the reason.
 ALLOWED_PRIVATE = {
     # The normaliser of every accepted form of `params` (generators are read once): shared by the layers that take
     # the same `params` argument as grad_stats.
     ("torch_gradstats.stats", "_named_params"),
+    # Parameter naming and DTensor detection, shared with updates.py, which reads the same parameters.
+    ("torch_gradstats.stats", "_unique_names"),
+    ("torch_gradstats.stats", "_dtensor_types"),
+}
+
+#: Host reads outside torch_gradstats._transfer, with the reason they are not on a per-step path.
+ALLOWED_HOST_READS = {
+    # A HealthPolicy field given as a one-element tensor is read once, when the policy is built.
+    ("torch_gradstats.health", "item"),
 }
 
 
@@ -183,6 +194,11 @@ def test_only_transfer_moves_values_to_the_host():
         if _layer(m) == TOP or m == "torch_gradstats._transfer":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in calls
+                and (m, node.func.attr) not in ALLOWED_HOST_READS
+            ):
                 bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} calls .{node.func.attr}()")
     assert bad == []

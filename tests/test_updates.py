@@ -141,13 +141,13 @@ def test_report_is_one_transfer_and_names_nonfinite(monkeypatch: pytest.MonkeyPa
         p["2.bias"][0] = float("inf")  # a non-finite weight
     s = grad_and_weight_stats(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     fetches = []
-    real = updates._fetch
+    real = updates.to_host
 
     def counting(floats, ints):  # type: ignore[no-untyped-def]
         fetches.append(1)
         return real(floats, ints)
 
-    monkeypatch.setattr(updates, "_fetch", counting)
+    monkeypatch.setattr(updates, "to_host", counting)
     with _ScalarReads() as reads:
         report = s.report()
     assert len(fetches) == 1 and reads.count == 0

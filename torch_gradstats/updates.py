@@ -23,17 +23,17 @@ the same way as the gradients (:func:`torch_gradstats.distributed.reduce_across_
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from torch_gradstats._transfer import to_device, to_host
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import SUPPORTED_DTYPES, multi_tensor_stats
-from torch_gradstats.stats import GradReport, GradStats, ParamsLike
+from torch_gradstats.stats import GradReport, GradStats, ParamsLike, _dtensor_types, _unique_names
 
 __all__ = [
     "GradWeightStats",
@@ -68,29 +68,6 @@ def _named(params: ParamsLike, what: str) -> list[tuple[str, Tensor]]:
     return out
 
 
-def _unique(names: list[str]) -> list[str]:
-    """A repeated name becomes ``name#1``, ``name#2``... (grad_stats' rule), so two parameters never merge."""
-    if len(set(names)) == len(names):
-        return names
-    given, seen, out = set(names), set(), []
-    for name in names:
-        unique, k = name, 0
-        while unique in seen or (unique != name and unique in given):
-            k += 1
-            unique = f"{name}#{k}"
-        seen.add(unique)
-        out.append(unique)
-    return out
-
-
-def _dtensor_types() -> tuple[type, ...]:
-    """DTensor classes, only if torch's DTensor module is already imported (a tensor can only be one if so)."""
-    types = []
-    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        cls = getattr(sys.modules.get(mod_name), "DTensor", None)
-        if isinstance(cls, type) and cls not in types:
-            types.append(cls)
-    return tuple(types)
 
 
 def _local(t: Tensor, dtensor_types: tuple[type, ...]) -> Tensor:
@@ -109,15 +86,6 @@ def _check_named(what: str, named: Sequence[tuple[str, Tensor]]) -> None:
                             "float32 or float64")
 
 
-def _to_device_async(t: Tensor, device: torch.device) -> Tensor:
-    """A small host tensor to ``device`` without waiting for it (pinned memory for CUDA)."""
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device, non_blocking=True)
-
-
 def _stats_per_device(tensors: Sequence[Tensor], home: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """One op call per device (one call in the usual single-device case), results on ``home`` in input order."""
     devices = {t.device for t in tensors}
@@ -127,12 +95,12 @@ def _stats_per_device(tensors: Sequence[Tensor], home: torch.device) -> tuple[Te
     for d in devices:
         idx = [i for i, t in enumerate(tensors) if t.device == d]
         s, a, c = multi_tensor_stats([tensors[i] for i in idx])
-        parts.append((idx, (_to_device_async(s, home), _to_device_async(a, home), _to_device_async(c, home))))
+        parts.append((idx, (to_device(s, home), to_device(a, home), to_device(c, home))))
     sumsq = torch.empty(len(tensors), dtype=torch.float64, device=home)
     amax = torch.empty(len(tensors), dtype=torch.float64, device=home)
     counts = torch.empty(len(tensors), 3, dtype=torch.int64, device=home)
     for idx, (s, a, c) in parts:
-        i = _to_device_async(torch.tensor(idx), home)
+        i = to_device(torch.tensor(idx), home)
         sumsq[i], amax[i], counts[i] = s, a, c
     return sumsq, amax, counts
 
@@ -149,23 +117,11 @@ def _reduce(originals: Sequence[Tensor], sumsq: Tensor, amax: Tensor, counts: Te
     """Global figures across ranks (only when a DTensor is involved or a group is given), numel included."""
     if group is None and not any_dtensor:
         numel = torch.tensor([t.numel() for t in originals], dtype=torch.int64)
-        return sumsq, amax, counts, None, _to_device_async(numel, sumsq.device)
+        return sumsq, amax, counts, None, to_device(numel, sumsq.device)
     from torch_gradstats.distributed import reduce_across_ranks  # only on this path
 
     r = reduce_across_ranks(originals, sumsq, amax, counts, group)
     return r.sumsq, r.amax, r.counts, r.rank_nonfinite, r.numel
-
-
-def _fetch(floats: Sequence[Tensor], ints: Sequence[Tensor]) -> tuple[list[float], list[int]]:
-    """Device tensors as Python numbers in ONE device-to-host transfer (float64 travel as int64 bit patterns, so
-    integer counts are never rounded)."""
-    device = (list(floats) + list(ints))[0].device
-    packed = torch.cat(
-        [t.reshape(-1).to(device=device, dtype=torch.float64).view(torch.int64) for t in floats]
-        + [t.reshape(-1).to(device=device, dtype=torch.int64) for t in ints]
-    ).cpu()
-    n = sum(t.numel() for t in floats)
-    return packed[:n].view(torch.float64).tolist(), packed[n:].tolist()
 
 
 def _ratio(num_sumsq: float, den_sumsq: float) -> float:
@@ -216,7 +172,7 @@ class UpdateRatio:
         self._named = _named(params, "UpdateRatio")
         if not self._named:
             raise ValueError("UpdateRatio: no parameters given")
-        self.names = _unique([n for n, _ in self._named])
+        self.names = _unique_names([n for n, _ in self._named])
         self.group = group
         self._buffers: list[Tensor] | None = None
         self._armed = False
@@ -365,7 +321,7 @@ class GradWeightStats:
                               else torch.tensor(math.nan if v is None else float(v), dtype=torch.float64,
                                                 device=device) for v in self.lrs])
         else:
-            lr = _to_device_async(torch.tensor([math.nan if v is None else float(v) for v in self.lrs],
+            lr = to_device(torch.tensor([math.nan if v is None else float(v) for v in self.lrs],
                                                dtype=torch.float64), device)
         return lr * self.grads.norms / self.weight_norms
 
@@ -376,7 +332,8 @@ class GradWeightStats:
         floats: list[Tensor] = [g.sumsq, g.amax, self.weight_sumsq]
         tensor_lrs = [i for i, v in enumerate(self.lrs or []) if isinstance(v, Tensor)]
         if tensor_lrs:
-            floats.append(torch.stack([self.lrs[i].reshape(()).to(torch.float64) for i in tensor_lrs]))  # type: ignore[index]
+            lrs = cast(list[Tensor], [self.lrs[i] for i in tensor_lrs])  # type: ignore[index]
+            floats.append(torch.stack([to_device(v.reshape(()).to(torch.float64), g.device) for v in lrs]))
         upd = self.update
         if upd is not None:
             floats += [upd.delta_sumsq, upd.weight_sumsq]
@@ -384,7 +341,7 @@ class GradWeightStats:
         world = 0 if g.rank_nonfinite is None else int(g.rank_nonfinite.shape[1])
         if g.rank_nonfinite is not None:
             ints.append(g.rank_nonfinite)
-        fl, it = _fetch(floats, ints)
+        fl, it = to_host(floats, ints)
 
         sumsq, amax, wsumsq = fl[:p], fl[p:2 * p], fl[2 * p:3 * p]
         pos = 3 * p
@@ -473,7 +430,7 @@ def grad_and_weight_stats(
                           numel=torch.zeros(0, dtype=torch.int64))
         return GradWeightStats(stats, empty_f.clone(), empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64),
                                [] if optimizer is not None else None, update)
-    names = _unique([n for n, _ in named])
+    names = _unique_names([n for n, _ in named])
     grads: list[Tensor] = [p.grad for _, p in named]  # type: ignore[misc]
     weights = [p.detach() for _, p in named]
     local = [_local(t, dt) for t in grads] + [_local(t, dt) for t in weights]

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
+from torch_gradstats._transfer import to_host
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report
 from torch_gradstats.stats import GradStats, grad_stats
@@ -67,7 +68,10 @@ class StatsTaker:
     def nonfinite(stats: GradStats | GradWeightStats) -> bool:
         """Whether any gradient is NaN/Inf: one small device-to-host transfer."""
         g = stats.grads if isinstance(stats, GradWeightStats) else stats
-        return bool(g.nonfinite_count.item()) if len(g.names) else False
+        if not len(g.names):
+            return False
+        _, (count,) = to_host([], [g.nonfinite_count])
+        return count > 0
 
 
 def describe_nonfinite(report: AnyReport) -> str:
