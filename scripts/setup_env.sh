@@ -27,9 +27,10 @@ die() { echo "[setup_env] ERROR: $*" >&2; exit 1; }
 
 # 1. The venv.
 if [ ! -x "$VENV/bin/python" ]; then
-  command -v "$PYTHON" >/dev/null || die "no '$PYTHON' on PATH: install Python 3.10+ or set PYTHON=/path/to/python3"
+  "$PYTHON" -c 'import sys' 2>/dev/null \
+    || die "cannot run '$PYTHON': install Python 3.10+ or set PYTHON=/path/to/python3.11 (say)"
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-    || die "$("$PYTHON" -V 2>&1) is too old: torch_gradstats needs Python 3.10+ (set PYTHON=python3.11, say)"
+    || die "$("$PYTHON" -V 2>&1) is too old: torch_gradstats needs Python 3.10+ (set PYTHON=/path/to/python3.11, say)"
   say "creating $VENV with $("$PYTHON" -V 2>&1)"
   "$PYTHON" -m venv "$VENV" || die "'$PYTHON -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)"
 fi
