@@ -49,14 +49,14 @@ try_torch() {  # try_torch DESCRIPTION PIP-ARGS...: one install attempt, its pip
   return 1
 }
 if "$PY" -c "import torch" 2>/dev/null; then
-  :
+  [ -z "${TORCH_SPEC:-}" ] || say "TORCH_SPEC is ignored: $VENV already has torch (remove $VENV to install another)"
 elif [ -n "${TORCH_SPEC:-}" ]; then
   # shellcheck disable=SC2086  # word splitting on purpose: TORCH_SPEC may carry pip options
   try_torch "TORCH_SPEC=$TORCH_SPEC" $TORCH_SPEC || die "could not install TORCH_SPEC=$TORCH_SPEC"
 elif try_torch "$CPU_TORCH from pip's configured sources" "$CPU_TORCH"; then
   :
 elif say "  -> not there; next: PyTorch's CPU index (a failure there falls through at once)" &&
-     try_torch "$CPU_TORCH from $CPU_INDEX" --index-url "$CPU_INDEX" --retries 0 --timeout 30 "$CPU_TORCH"; then
+     try_torch "$CPU_TORCH from $CPU_INDEX" --index-url "$CPU_INDEX" --retries 1 --timeout 30 "$CPU_TORCH"; then
   :
 elif say "  -> no CPU build reachable; falling back to torch>=2.6 from the default index (on Linux: the CUDA build)" &&
      try_torch "torch>=2.6 from the default index" "torch>=2.6"; then
@@ -64,7 +64,7 @@ elif say "  -> no CPU build reachable; falling back to torch>=2.6 from the defau
 else
   die "no torch could be installed: set TORCH_SPEC (see https://pytorch.org/get-started/locally/) or put a venv with torch at $VENV"
 fi
-TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
+TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)  # (numpy may not be there yet)
 
 # The build needs [build-system] requires in the venv (Python 3.12+ venvs come without setuptools).
 if ! "$PY" -c "
