@@ -4,7 +4,7 @@
 # Python versions and EXTRAS, and that the compiled extension still loads.
 #   PYTHON       the interpreter that creates a new venv (default: python3; 3.10 or newer)
 #   TORCH_SPEC   the torch to install when the venv has none: a pip requirement, with pip options if needed, e.g.
-#                TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128". Default: the CPU build
+#                TORCH_SPEC="torch==2.14.1" or TORCH_SPEC="torch --index-url URL". Default: the CPU build
 #                torch==2.13.0+cpu from pip's configured sources (a local wheel directory or mirror), else from
 #                PyTorch's CPU index, else torch>=2.6 from the default index (on Linux that is the CUDA build, GBs).
 #   EXTRAS       extras to install (default: dev,demo,integrations)
