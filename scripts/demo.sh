@@ -4,5 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+echo "== python -m torch_gradstats info"
 .venv/bin/python -m torch_gradstats info
+echo "== python -m torch_gradstats demo $*"
 .venv/bin/python -m torch_gradstats demo "$@"

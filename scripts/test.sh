@@ -1,19 +1,47 @@
 #!/usr/bin/env bash
 # Sets up ./.venv (scripts/setup_env.sh) and runs every CPU test: the libtorch-only C++ build with its ctest, then
 # pytest with the compiled extension, then pytest again on the pure-PyTorch kernel (TORCH_GRADSTATS_FORCE_FALLBACK=1).
+# Arguments go to both pytest runs (e.g. `bash scripts/test.sh -x tests/test_ops.py`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SECONDS=0
+say() { echo "[test ${SECONDS}s] $*"; }
+
 bash scripts/setup_env.sh
 PY=.venv/bin/python
 
-echo "== CMake build against libtorch, ctest"
-cmake -S . -B build-cmake -DCMAKE_PREFIX_PATH="$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
-cmake --build build-cmake -j2 >/dev/null
-ctest --test-dir build-cmake --output-on-failure
+# The CMake build: configured once per torch (configuring finds Torch, which takes a while); `cmake --build` is
+# incremental and re-runs the configure step itself when CMakeLists.txt changes. CMake's Torch package of a CUDA
+# build of torch insists on a CUDA toolkit: without one (torch>=2.6 from the default index on a machine without
+# CUDA) the C++ build and ctest are skipped, loudly; pytest below still tests the same kernel.
+read -r TORCH_CUDA PREFIX < <("$PY" -c 'import torch; print(int(bool(torch.version.cuda)), torch.utils.cmake_prefix_path)')
+NO_TOOLKIT="uses CUDA but I cannot find the CUDA"  # CMake's error for that case (Caffe2Config.cmake)
+if [ "$(cat build-cmake/.torch-prefix 2>/dev/null)" != "$PREFIX" ] || [ ! -f build-cmake/CMakeCache.txt ]; then
+  say "== CMake configure against libtorch in $PREFIX"
+  rm -rf build-cmake && mkdir build-cmake
+  if cmake -S . -B build-cmake -DCMAKE_PREFIX_PATH="$PREFIX" >build-cmake/configure.log 2>&1; then
+    echo "$PREFIX" >build-cmake/.torch-prefix
+  elif [ "$TORCH_CUDA" = 1 ] && grep -q "$NO_TOOLKIT" build-cmake/configure.log; then
+    echo "$PREFIX" >build-cmake/.torch-prefix  # remembered: the next run skips at once
+  else
+    cat build-cmake/configure.log >&2
+    exit 1
+  fi
+fi
+if grep -qs "$NO_TOOLKIT" build-cmake/configure.log; then
+  say "== CMake build and ctest SKIPPED: this torch is a CUDA build and CMake found no CUDA toolkit, which its Torch"
+  say "   package requires (build-cmake/configure.log). Install the toolkit, or use the CPU build of torch (README)."
+else
+  say "== CMake build (incremental)"
+  cmake --build build-cmake -j"${MAX_JOBS:-2}"
+  say "== ctest"
+  ctest --test-dir build-cmake --output-on-failure
+fi
 
-echo "== pytest, compiled extension"
+say "== pytest, compiled extension"
 "$PY" -c "import torch_gradstats as tg, sys; sys.exit(0 if tg.HAS_EXTENSION else 'extension failed to load')"
-"$PY" -m pytest -q -p no:cacheprovider
+"$PY" -m pytest -q -p no:cacheprovider "$@"  # exits non-zero on a failure and on no test collected (5)
 
-echo "== pytest, pure-PyTorch fallback"
-TORCH_GRADSTATS_FORCE_FALLBACK=1 "$PY" -m pytest -q -p no:cacheprovider
+say "== pytest, pure-PyTorch fallback"
+TORCH_GRADSTATS_FORCE_FALLBACK=1 "$PY" -m pytest -q -p no:cacheprovider "$@"
+say "all tests passed"
