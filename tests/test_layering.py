@@ -1,7 +1,8 @@
 """The package's import structure: no import cycles, each module imports only layers below it, no private names
 imported across modules. Read from the source with ``ast`` (imports inside functions count too), nothing is run.
 
-The layers (docs/design.md): the op at the bottom, then health and the cross-rank reduction, the host-side report,
+The layers (docs/design.md): the input checks and the pure-PyTorch fallback at the bottom, the op, then health and
+the cross-rank reduction, the host-side report,
 the device-side statistics, the layers built on them (clip, collector), the Trainer, and at the top the entry
 points (cli, demo, bench, the package's ``__init__``). A module not listed here counts as an entry point: it may
 import anything, and nothing listed may import it.
@@ -18,16 +19,18 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS = {
     "torch_gradstats._extension": 0,
     "torch_gradstats._transfer": 0,
-    "torch_gradstats.ops": 1,
-    "torch_gradstats.health": 2,
-    "torch_gradstats.distributed": 2,
-    "torch_gradstats.report": 3,
-    "torch_gradstats.stats": 4,
-    "torch_gradstats.clip": 5,
-    "torch_gradstats.collector": 5,
-    "torch_gradstats.updates": 5,
-    "torch_gradstats.training": 6,  # and every module of the training package
-    "torch_gradstats.integrations": 7,  # and every module of the integrations package
+    "torch_gradstats._checks": 0,
+    "torch_gradstats.fallback": 1,
+    "torch_gradstats.ops": 2,
+    "torch_gradstats.health": 3,
+    "torch_gradstats.distributed": 3,
+    "torch_gradstats.report": 4,
+    "torch_gradstats.stats": 5,
+    "torch_gradstats.clip": 6,
+    "torch_gradstats.collector": 6,
+    "torch_gradstats.updates": 6,
+    "torch_gradstats.training": 7,  # and every module of the training package
+    "torch_gradstats.integrations": 8,  # and every module of the integrations package
 }
 TOP = 100  # entry points: anything not listed
 #: Modules of one package may import each other (cycles are still forbidden).

@@ -3,10 +3,10 @@
 This module owns everything every layer relies on:
 
 * the schema, defined once, here (so the op exists and traces even without the compiled library);
-* the input checks (:func:`check_inputs`), on metadata only, shared by every Python path;
 * the fake kernel (fixed output shapes, so torch.compile and CUDA graphs see one node and never a host sync);
-* the pure-PyTorch kernel :func:`fallback_multi_tensor_stats`, which the dispatcher runs on any device that has no
-  compiled kernel (MPS, XPU, a CPU without the extension; everywhere under ``TORCH_GRADSTATS_FORCE_FALLBACK=1``);
+* the registration of the pure-PyTorch kernel :func:`~torch_gradstats.fallback.fallback_multi_tensor_stats`
+  (:mod:`torch_gradstats.fallback`), which the dispatcher runs on any device that has no compiled kernel (MPS, XPU,
+  a CPU without the extension; everywhere under ``TORCH_GRADSTATS_FORCE_FALLBACK=1``);
 * the float64 reference :func:`reference_multi_tensor_stats`, which the tests compare every kernel with;
 * the typed Python wrapper :func:`multi_tensor_stats`.
 
@@ -29,29 +29,30 @@ counts     int64 [N, 3]      number of elements == 0 (-0.0 too), NaN, +-inf
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from torch_gradstats import fallback
+from torch_gradstats._checks import OP_NAME, SUPPORTED_DTYPES, check_inputs
+from torch_gradstats.fallback import fallback_multi_tensor_stats
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "TensorStats",
     "check_inputs",
+    "fallback_multi_tensor_stats",
     "multi_tensor_stats",
     "reference_multi_tensor_stats",
 ]
 
 OP_NAMESPACE = "torch_gradstats"
-OP_NAME = "multi_tensor_stats"
 OP_QUALNAME = f"{OP_NAMESPACE}::{OP_NAME}"
 
 #: Index of each column of ``counts``.
 ZERO, NAN, INF = 0, 1, 2
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class TensorStats(NamedTuple):
@@ -60,92 +61,6 @@ class TensorStats(NamedTuple):
     sumsq: Tensor  #: float64 [N]: sum of squares (norm of tensor i is ``sumsq[i].sqrt()``)
     amax: Tensor  #: float64 [N]: max |x|
     counts: Tensor  #: int64 [N, 3]: zeros, NaNs, Infs
-
-
-def check_inputs(tensors: Sequence[Tensor], *, check_storage: bool = True) -> None:
-    """Raise a clear error naming the offending tensor if ``tensors`` breaks the op's input contract.
-
-    The same rules are enforced by the compiled kernels (csrc/ops.cpp); this copy runs before dispatch and
-    inside the fake kernel, on metadata only, so it never syncs. ``check_storage=False`` skips the storage-size
-    check (fake and meta tensors have no data to check).
-    """
-    _checked_numels(tensors, check_storage)
-
-
-_BARE_TENSOR_MSG = (
-    f"{OP_NAME}: expected a list of tensors, got a single tensor of shape {{shape}}; "
-    "wrap it in a list ([t]) for its statistics as one tensor"
-)
-
-
-def _checked_numels(tensors: Sequence[Tensor], check_storage: bool = True) -> list[int]:
-    """:func:`check_inputs`, returning each tensor's number of elements (one tight pass: the fallback runs it on
-    every call, and for 100,000s of small tensors each attribute read counts)."""
-    if isinstance(tensors, Tensor):
-        raise TypeError(_BARE_TENSOR_MSG.format(shape=tuple(tensors.shape)))
-    if len(tensors) == 0:
-        raise ValueError(f"{OP_NAME}: expected at least one tensor, got an empty list")
-    first = tensors[0]
-    device = first.device if isinstance(first, Tensor) else None
-    check_storage = check_storage and device is not None and device.type != "meta"
-    numels = []
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor) or t.dtype not in _BITS or t.layout != torch.strided or t.is_nested:
-            _raise_for(i, t)
-        if t.device != device:
-            raise ValueError(
-                f"{OP_NAME}: tensors[{i}] is on {t.device} but tensors[0] is on {device}; "
-                "all tensors of one call must be on one device (group them by device)"
-            )
-        numel = t.numel()
-        if check_storage and numel:
-            _check_storage(i, t, numel)
-        numels.append(numel)
-    return numels
-
-
-def _raise_for(i: int, t: object) -> None:
-    """The error for ``tensors[i]``, which is not a dense tensor of a supported dtype."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{OP_NAME}: tensors[{i}] is a {type(t).__name__}, expected a torch.Tensor")
-    if t.is_nested:
-        raise ValueError(f"{OP_NAME}: tensors[{i}] is a nested tensor; pass its components instead (t.unbind())")
-    if t.layout != torch.strided:
-        raise ValueError(
-            f"{OP_NAME}: tensors[{i}] has layout {t.layout}; only strided (dense) tensors are supported, "
-            "convert it with .to_dense()"
-        )
-    raise TypeError(f"{OP_NAME}: tensors[{i}] has dtype {t.dtype}; expected float16, bfloat16, float32 or float64")
-
-
-def _check_storage(i: int, t: Tensor, numel: int) -> None:
-    """The storage must hold every element the view can address: a freed or shrunk storage would be read out of
-    bounds. Metadata only."""
-    try:
-        have = t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return  # a wrapper subclass with no storage of its own: the kernels it dispatches to check their inputs
-    if t.is_contiguous():
-        extent = numel
-    else:
-        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    needed = (t.storage_offset() + extent) * t.element_size()
-    if have < needed:
-        raise ValueError(
-            f"{OP_NAME}: tensors[{i}] needs {needed} bytes of storage but its storage holds {have} "
-            "(it was freed or resized, e.g. by untyped_storage().resize_(0)); pass a tensor with allocated data"
-        )
-
-
-# Per dtype: the integer dtype of the same width, the mask that clears the sign bit, and the bits of +inf. Zero,
-# NaN and Inf are told apart from these bits: comparisons on floats would see subnormals as zero on a thread that
-# flushes denormals (torch.set_flush_denormal applies to the calling thread only).
-_BITS = {
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
-    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
-}
 
 
 def reference_multi_tensor_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -173,219 +88,6 @@ def reference_multi_tensor_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Ten
     return torch.stack(sumsq), torch.stack(amax), torch.stack(counts)
 
 
-# ---------------------------------------------------------------------------------------------- the fallback
-#: Elements in one batch of the fallback; bounds its extra memory (see :func:`fallback_multi_tensor_stats`).
-FALLBACK_CHUNK_ELEMS = 1 << 18
-#: Row sums longer than this are cut into blocks first (see :func:`_row_sums`).
-_SUM_BLOCK = 1 << 12
-
-
-def _is_dense(t: Tensor) -> bool:
-    """True if ``t``'s elements fill a contiguous range of its storage in some order (contiguous or permuted)."""
-    expected = 1
-    dims = sorted(((st, s) for s, st in zip(t.shape, t.stride()) if s != 1))
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _pieces(t: Tensor, chunk: int) -> list[Tensor]:
-    """Views of ``t`` of at most ``chunk`` elements each that together hold each of its elements exactly once."""
-    n = t.numel()
-    if n <= chunk:
-        return [t]
-    if _is_dense(t):  # one flat view in storage order (the statistics do not depend on element order)
-        return list(t.as_strided((n,), (1,)).split(chunk))
-    dim = next(d for d, s in enumerate(t.shape) if s > 1)
-    per_slice = n // t.shape[dim]
-    if per_slice <= chunk:
-        return list(t.split(chunk // per_slice, dim=dim))
-    return [p for s in t.unbind(dim) for p in _pieces(s, chunk)]
-
-
-def _row_sums(x: Tensor) -> Tensor:
-    """Sums of the rows of a contiguous float64 ``[r, L]`` tensor, in an order fixed by its shape alone.
-
-    torch's CPU reductions split work between threads only across outputs when there are several, and run
-    serially below 32,768 elements: so each sum here either has several outputs or fewer elements than that, and
-    each output's order of addition does not depend on the thread count.
-    """
-    r, length = x.shape
-    if length > _SUM_BLOCK:
-        x = x.reshape(r * (length // _SUM_BLOCK), _SUM_BLOCK).sum(dim=1).reshape(r, length // _SUM_BLOCK)
-    return x.sum(dim=1)
-
-
-def _fixed_order_sum(v: Tensor) -> Tensor:
-    """Sum of a 1-d float64 tensor in an order fixed by its length (zero padding adds nothing)."""
-    if v.numel() > _SUM_BLOCK:
-        v = torch.cat([v, v.new_zeros(-v.numel() % _SUM_BLOCK)])
-    return _row_sums(v.view(1, -1))[0]
-
-
-class _Workspace:
-    """Buffers reused by every batch of one call. Fresh large allocations come back from the OS as untouched pages,
-    and faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
-    role, viewed as whatever dtype the batch needs, so mixed dtypes share it."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.buffers: dict[str, Tensor] = {}
-
-    def get(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        buf = self.buffers.get(role)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.buffers[role] = buf
-        return buf[:nbytes].view(dtype).view(shape)
-
-
-def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
-    """Per row, how many of the non-negative ``bits`` are >= ``threshold`` (clamped to 0/1 and summed in int32,
-    which torch vectorizes, unlike comparisons to bool and int64 sums)."""
-    return torch.sub(bits, threshold - 1, out=tmp).clamp_(0, 1).sum(dim=1, dtype=torch.int32)
-
-
-def _batch_stats(m: Tensor, pad: Tensor | None, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
-    """Statistics of each row of ``m`` ([r, L], one dtype); ``pad[j]`` zero elements of row j are padding."""
-    int_dtype, abs_mask, inf_bits = _BITS[m.dtype]
-    shape = (m.shape[0], m.shape[1])
-    bits = torch.bitwise_and(m.view(int_dtype), abs_mask, out=ws.get("bits", int_dtype, shape))  # |x|, as bits
-    tmp = ws.get("tmp", int_dtype, shape)
-    max_bits = bits.amax(dim=1)  # bits of non-negative floats are ordered like the floats, NaN above +inf
-    nonzero = torch.clamp(bits, max=1, out=tmp).sum(dim=1, dtype=torch.int32)
-    nonfinite = _count_at_least(bits, inf_bits, tmp)
-    nans = _count_at_least(bits, inf_bits + 1, tmp)
-    zeros = shape[1] - nonzero if pad is None else shape[1] - nonzero - pad
-    counts = torch.stack([zeros.to(torch.int64), nans.to(torch.int64), (nonfinite - nans).to(torch.int64)], dim=1)
-    amax = max_bits.view(m.dtype).to(torch.float64)  # the max of exact values: no order to fix
-    squares = ws.get("squares", torch.float64, shape)
-    if m.dtype == torch.float64:
-        torch.mul(m, m, out=squares)
-    else:
-        squares.copy_(m)  # exact
-        squares.mul_(squares)
-    return _row_sums(squares), amax, counts
-
-
-@torch.no_grad()
-def fallback_multi_tensor_stats(
-    tensors: Sequence[Tensor], chunk_elems: int = FALLBACK_CHUNK_ELEMS
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Pure-PyTorch kernel of the op: what the dispatcher runs on any device without a compiled kernel.
-
-    Tensors are cut into pieces of at most ``chunk_elems`` elements, pieces of one dtype and similar length are
-    stacked as the rows of a ``[rows, L]`` batch (``L`` the next power of two of the length, zero-padded; at most
-    ``chunk_elems`` elements per batch), and each batch is reduced by a dozen whole-batch torch ops: so thousands
-    of small tensors cost a few ops, not a few per tensor, and only one batch is ever upcast to float64.
-
-    Memory: besides its outputs and O(number of tensors) bookkeeping, the extra memory is at most
-    ``56 * chunk_elems`` bytes (14 MiB at the default 2**18), whatever the tensors' sizes: four reused buffers of
-    at most 8 bytes per element of a batch (the stacked rows, their bits, an integer temporary, the float64
-    squares), and while a batch of small tensors is stacked, one more copy of it and its int64 padding index.
-    Tensors larger than a chunk are read in views of at most ``chunk_elems`` elements (a non-dense one is copied
-    one such view at a time).
-
-    Results: squares of 16/32-bit values are exact in float64 and summed in float64 (float64 rounding only);
-    max |x| and the counts are exact. Every float sum has an order fixed by the shapes alone (see
-    :func:`_row_sums`), zero/NaN/Inf are read from the bits, so the bits of the results do not depend on the
-    thread count or on torch.set_flush_denormal, with one exception: on a thread that flushes denormals, float32
-    and bfloat16 subnormals (|x| < 1.2e-38) are read as zero by the float64 conversion, so their squares (below
-    1.4e-76) may be missing from ``sumsq`` and ``amax`` of a tensor holding only such values may be 0.
-    """
-    numels = _checked_numels(tensors)
-    if chunk_elems < 1 or chunk_elems & (chunk_elems - 1):
-        raise ValueError(f"{OP_NAME}: chunk_elems must be a power of two, got {chunk_elems}")
-    n, device = len(tensors), tensors[0].device
-    # Rows grouped by (dtype, padded length); a piece's owner is the index of its tensor.
-    groups: dict[tuple[torch.dtype, int], tuple[list[int], list[Tensor]]] = {}
-    split: set[int] = set()  # tensors cut into several pieces
-    for i, (t, numel) in enumerate(zip(tensors, numels)):
-        if numel == 0:
-            continue
-        pieces = [t] if numel <= chunk_elems else _pieces(t, chunk_elems)
-        if len(pieces) > 1:
-            split.add(i)
-        for p in pieces:
-            length = p.numel() if p is not t else numel
-            key = (t.dtype, 1 << (length - 1).bit_length())
-            owners, rows = groups.setdefault(key, ([], []))
-            owners.append(i)
-            rows.append(p)
-
-    owners_all: list[int] = []
-    parts: list[tuple[Tensor, Tensor, Tensor]] = []
-    ws = _Workspace(device)
-    for (dtype, length), (owners, rows) in groups.items():
-        per_batch = max(1, chunk_elems // length)
-        for start in range(0, len(rows), per_batch):
-            batch = rows[start : start + per_batch]
-            parts.append(_batch_stats(*_stack_rows(batch, length, ws), ws))
-            owners_all.extend(owners[start : start + per_batch])
-
-    sumsq = torch.zeros(n, dtype=torch.float64, device=device)
-    amax = torch.zeros(n, dtype=torch.float64, device=device)
-    counts = torch.zeros(n, 3, dtype=torch.int64, device=device)
-    if parts:
-        row_sumsq = torch.cat([p[0] for p in parts])
-        row_amax = torch.cat([p[1] for p in parts])
-        row_counts = torch.cat([p[2] for p in parts])
-        _combine_rows(owners_all, split, (row_sumsq, row_amax, row_counts), (sumsq, amax, counts))
-    nan = counts[:, 1] > 0
-    sumsq = torch.where(nan, torch.full_like(sumsq, math.nan), sumsq)
-    amax = torch.where(nan, torch.full_like(amax, math.nan), amax)
-    return sumsq, amax, counts
-
-
-def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
-    """The rows as one ``[len(rows), length]`` tensor (zero-padded) and each row's number of padding zeros."""
-    r, device = len(rows), ws.device
-    if r == 1 and rows[0].numel() == length:
-        return rows[0].reshape(1, length), None  # a view when the piece is contiguous
-    lengths = [x.numel() for x in rows]
-    m = ws.get("rows", rows[0].dtype, (r, length))
-    if all(k == length for k in lengths) and r <= 64:  # a few full rows: copied straight into place
-        torch.cat([x.reshape(-1) for x in rows], out=m.view(-1))
-        return m, None
-    flat = torch._utils._flatten_dense_tensors(rows)  # one copy, made in C++ (no per-tensor Python op)
-    if all(k == length for k in lengths):
-        return flat.view(r, length), None
-    # Where each element goes: row j's k-th element to j * length + k. Built on the device from the lengths
-    # (output_size given, so repeat_interleave needs no sync).
-    total = flat.numel()
-    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
-    shift = torch.arange(r, dtype=torch.int64, device=device) * length - (torch.cumsum(lens, 0) - lens)
-    dest = torch.arange(total, dtype=torch.int64, device=device)
-    dest += torch.repeat_interleave(shift, lens, output_size=total)
-    m.zero_().view(-1).index_copy_(0, dest, flat)  # distinct indices: no accumulation, deterministic
-    return m, length - lens
-
-
-def _combine_rows(
-    owners: list[int],
-    split: set[int],
-    rows: tuple[Tensor, Tensor, Tensor],
-    out: tuple[Tensor, Tensor, Tensor],
-) -> None:
-    """Write each tensor's statistics into ``out`` from those of its rows: one row per tensor, except for the
-    tensors in ``split`` (larger than a chunk), whose rows are combined in piece order."""
-    device = out[0].device
-    single = [j for j, i in enumerate(owners) if i not in split] if split else range(len(owners))
-    if len(single):
-        src = torch.tensor(single, dtype=torch.int64, device=device)
-        dst = torch.tensor([owners[j] for j in single], dtype=torch.int64, device=device)
-        for o, r in zip(out, rows):
-            o.index_copy_(0, dst, r.index_select(0, src))  # distinct indices: deterministic
-    for i in sorted(split):
-        idx = torch.tensor([j for j, owner in enumerate(owners) if owner == i], dtype=torch.int64, device=device)
-        out[0][i] = _fixed_order_sum(rows[0].index_select(0, idx))
-        out[1][i] = rows[1].index_select(0, idx).max()
-        out[2][i] = rows[2].index_select(0, idx).sum(dim=0)
-
-
 def _fake_multi_tensor_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     check_inputs(tensors, check_storage=False)
     n, device = len(tensors), tensors[0].device
@@ -401,7 +103,7 @@ def _fake_multi_tensor_stats(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor,
 # for backends that have no kernel of their own.
 _lib = torch.library.Library(OP_NAMESPACE, "DEF")
 _lib.define(f"{OP_NAME}(Tensor[] tensors) -> (Tensor sumsq, Tensor amax, Tensor counts)")
-_lib.impl(OP_NAME, fallback_multi_tensor_stats, "CompositeExplicitAutograd")
+fallback.register(_lib)
 # Statistics are not differentiable: autograd falls through, so outputs never require grad (and inputs need no
 # per-tensor detach, which would cost more host time than the whole op for thousands of tensors).
 _lib.impl(OP_NAME, torch.library.fallthrough_kernel, "Autograd")
