@@ -3,7 +3,7 @@
 Three contenders on the same inputs, timed in interleaved rounds (median of the rounds):
 
 * ``compiled``: the fused CPU kernel (``torch.ops.torch_gradstats.multi_tensor_stats``; needs the extension);
-* ``fallback``: :func:`torch_gradstats.ops.fallback_multi_tensor_stats`, what every device without a compiled
+* ``fallback``: :func:`torch_gradstats.fallback.fallback_multi_tensor_stats`, what every device without a compiled
   kernel runs;
 * ``old fallback``: :func:`torch_gradstats.ops.reference_multi_tensor_stats`, the float64 reference, which is
   what the fallback was before (a whole float64 copy of each tensor, a dozen ops per tensor).
@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 import torch_gradstats
-from torch_gradstats.ops import fallback_multi_tensor_stats, reference_multi_tensor_stats
+from torch_gradstats.fallback import fallback_multi_tensor_stats
+from torch_gradstats.ops import reference_multi_tensor_stats
 
 Kernel = Callable[[list[torch.Tensor]], object]
 

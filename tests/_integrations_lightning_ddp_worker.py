@@ -7,6 +7,7 @@ Lightning's DDP launcher starts rank 1 by running this script again. Each rank w
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -85,7 +86,15 @@ def main(out: Path) -> None:
         "weights": [p.detach().double().flatten().tolist() for p in model.parameters()],
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    # Both files exist once both ranks pass this barrier; then leave without the interpreter's teardown, where
+    # gloo's threads can abort the process ("terminate called without an active exception") after a clean run.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,10 +1,10 @@
 """The package's import structure: no import cycles, each module imports only layers below it, no private names
 imported across modules. Read from the source with ``ast`` (imports inside functions count too), nothing is run.
 
-The layers (docs/design.md): the input checks and the pure-PyTorch fallback at the bottom, the op, then health and
-the cross-rank reduction, the host-side report,
-the device-side statistics, the layers built on them (clip, collector), the Trainer, and at the top the entry
-points (cli, demo, bench, the package's ``__init__``). A module not listed here counts as an entry point: it may
+The layers (docs/design.md), bottom up: the input checks, the transfer module and the library loader; the
+pure-PyTorch fallback; the op; health and the cross-rank reduction; the host-side report; the device-side
+statistics; their users (clip, collector, updates); the Trainer; the integrations; and at the top the entry points
+(cli, demo, bench, the package's ``__init__``). A module not listed here counts as an entry point: it may
 import anything, and nothing listed may import it.
 """
 

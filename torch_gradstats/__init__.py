@@ -2,7 +2,9 @@
 
 The op: ``multi_tensor_stats(tensors) -> TensorStats(sumsq, amax, counts)``. Above it: ``grad_stats`` (named,
 device-side, one host transfer in ``report()``), ``HealthPolicy``, the fused ``clip_grad_norm_``, the drop-in
-``collector``, the ``training`` loop helper and ``distributed`` global figures.
+``collector``, the ``training`` loop helper, ``distributed`` global figures, weight norms and update ratios
+(``updates``) and, as optional extras never imported here, ``integrations`` (Lightning, Hugging Face, TensorBoard,
+W&B).
 """
 
 # ops first: it defines the op's schema, then loads the compiled kernels that register against it.

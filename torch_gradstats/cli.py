@@ -118,6 +118,14 @@ def info() -> str:
     return info_report()[0]
 
 
+def _cpu_capability(ext: object) -> str:
+    """The instruction set the compiled CPU kernel runs with (chosen at run time, as ATen chooses its own)."""
+    query = getattr(ext, "cpu_capability", None)
+    if query is None:
+        return "n/a (no compiled CPU kernel)"
+    return f"{query()} (ATEN_CPU_CAPABILITY=default|avx2|avx512 before importing torch to force one)"
+
+
 def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bool]:
     """The ``info`` report and whether every check in it passed (the exit status of ``info``)."""
     import torch_gradstats
@@ -138,6 +146,7 @@ def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bo
         + (f" ({torch.cuda.device_count()} device(s): {torch.cuda.get_device_name(0)})"
            if torch.cuda.is_available() else ""),
         f"extension        {ext_line}",
+        f"CPU instructions {_cpu_capability(ext)}",
         f"{_extension.FORCE_FALLBACK_ENV} "
         + (f"set to {forced!r}" + (" (forces the fallback)" if _extension._fallback_forced() else " (ignored)")
            if forced is not None else "not set"),

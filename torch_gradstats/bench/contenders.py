@@ -6,7 +6,7 @@ contender           what it runs
 fused               ``torch_gradstats.multi_tensor_stats`` (sumsq, amax, zero/NaN/Inf counts per tensor)
 fused_raw_op        ``torch.ops.torch_gradstats.multi_tensor_stats`` called directly (no Python wrapper)
 grad_stats          ``torch_gradstats.grad_stats`` on parameters whose ``.grad`` are the tensors
-fallback            the pure-PyTorch kernel (``ops.reference_multi_tensor_stats``, the op's
+fallback            the pure-PyTorch kernel (``fallback.fallback_multi_tensor_stats``, the op's
                     CompositeExplicitAutograd kernel) called directly, whatever kernel the op dispatches to
 foreach_norm        ``torch._foreach_norm`` alone (per-tensor L2 norms only)
 composite           ``_foreach_norm`` + per tensor ``(g == 0).sum()``, ``isnan(g).sum()``, ``isinf(g).sum()``
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_gradstats.fallback import fallback_multi_tensor_stats
 from torch_gradstats.ops import multi_tensor_stats, reference_multi_tensor_stats
 from torch_gradstats.stats import grad_stats
 
@@ -259,7 +260,7 @@ def _all_contenders() -> dict[str, Contender]:
         Contender(RAW_OP, lambda s: raw(s.tensors), _stats_facts),
         # grad_stats uploads each tensor's numel from host memory: not capturable in a CUDA graph.
         Contender(GRAD_STATS, _grad_stats, _grad_stats_facts, graph_safe=False),
-        Contender(FALLBACK, lambda s: reference_multi_tensor_stats(s.tensors), _stats_facts),
+        Contender(FALLBACK, lambda s: fallback_multi_tensor_stats(s.tensors), _stats_facts),
         Contender(FOREACH, lambda s: torch._foreach_norm(s.tensors), lambda s, o: _norms_facts(o)),
         Contender("composite", _composite, _composite_facts),
         Contender(COMPILED, lambda s: _compiled_stats()(s.tensors), _compiled_facts, compiled=True),

@@ -27,7 +27,8 @@ Host syncs this package can cost, all documented on the option that causes them:
 * ``skip_nonfinite=True`` with an optimizer that cannot skip on the device (anything but ``fused=True`` Adam, AdamW,
   SGD, Adagrad): one per optimizer step, to decide whether to call ``optimizer.step()``;
 * a :class:`torch.amp.GradScaler` syncs inside ``scaler.step`` for non-fused optimizers (that is the scaler's own
-  behaviour, not this package's).
+  behaviour, not this package's);
+* ``log_to=[...]``: one transfer per logging step (every ``log_every`` optimizer steps), for the report the sinks get.
 
 Modules: ``_trainer`` (the loop), ``_step`` (how one optimizer step is taken, skipped and counted), ``_summary``
 (device-side epoch aggregates and their host-side summaries), ``_compile`` (the compiled step and its cache),
