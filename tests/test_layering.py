@@ -11,10 +11,14 @@ import anything, and nothing listed may import it.
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 PACKAGE = "torch_gradstats"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+# The package the tests import (the source tree, or site-packages when the tests run against an installed wheel).
+_SPEC = importlib.util.find_spec(PACKAGE)
+assert _SPEC is not None and _SPEC.submodule_search_locations, f"{PACKAGE} is not importable"
+ROOT = Path(list(_SPEC.submodule_search_locations)[0])
 
 LAYERS = {
     "torch_gradstats._extension": 0,
@@ -60,6 +64,7 @@ def _modules() -> dict[str, Path]:
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
+    assert f"{PACKAGE}.ops" in out, f"no package sources under {ROOT}"  # never check an empty tree
     return out
 
 
