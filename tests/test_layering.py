@@ -18,7 +18,7 @@ PACKAGE = "torch_gradstats"
 # The package the tests import (the source tree, or site-packages when the tests run against an installed wheel).
 _SPEC = importlib.util.find_spec(PACKAGE)
 assert _SPEC is not None and _SPEC.submodule_search_locations, f"{PACKAGE} is not importable"
-ROOT = Path(list(_SPEC.submodule_search_locations)[0])
+ROOT = Path(next(iter(_SPEC.submodule_search_locations)))
 
 LAYERS = {
     "torch_gradstats._extension": 0,
