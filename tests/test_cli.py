@@ -38,6 +38,11 @@ def test_info_reports_honestly(capsys):
     cpu_line = next(line for line in out.splitlines() if line.strip().startswith("CPU "))
     has_cpu_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("torch_gradstats::multi_tensor_stats", "CPU")
     assert ("no compiled kernel" not in cpu_line) == has_cpu_kernel
+    isa_line = next(line for line in out.splitlines() if line.startswith("instruction set"))
+    if torch_gradstats.HAS_EXTENSION:  # the compiled CPU kernel names the instruction set it chose at run time
+        assert isa_line.split()[2] in {"DEFAULT", "AVX2", "AVX512"}
+    else:
+        assert "n/a" in isa_line
     # The pure-PyTorch kernel is registered as CompositeExplicitAutograd: it must not be reported as a CPU kernel.
     if not torch_gradstats.HAS_EXTENSION:
         assert "no compiled kernel" in cpu_line

@@ -146,7 +146,7 @@ def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bo
         + (f" ({torch.cuda.device_count()} device(s): {torch.cuda.get_device_name(0)})"
            if torch.cuda.is_available() else ""),
         f"extension        {ext_line}",
-        f"CPU instructions {_cpu_capability(ext)}",
+        f"instruction set  {_cpu_capability(ext)}",
         f"{_extension.FORCE_FALLBACK_ENV} "
         + (f"set to {forced!r}" + (" (forces the fallback)" if _extension._fallback_forced() else " (ignored)")
            if forced is not None else "not set"),
