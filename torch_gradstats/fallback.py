@@ -80,14 +80,20 @@ class _Workspace:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buffers: dict[str, Tensor] = {}
+        self.views: dict[tuple[str, torch.dtype, tuple[int, int]], Tensor] = {}  # batches mostly repeat a shape
 
     def get(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
+        view = self.views.get((role, dtype, shape))
+        if view is not None:
+            return view
         nbytes = shape[0] * shape[1] * dtype.itemsize
         buf = self.buffers.get(role)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.buffers[role] = buf
-        return buf[:nbytes].view(dtype).view(shape)
+            self.views = {k: v for k, v in self.views.items() if k[0] != role}  # frees the old buffer
+        view = self.views[role, dtype, shape] = buf[:nbytes].view(dtype).view(shape)
+        return view
 
 
 def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
