@@ -468,7 +468,13 @@ def test_fallback_off_the_cpu_takes_the_exact_sync_free_path(chunk, monkeypatch)
     (exact for 16/32-bit values) and counts every time. Run on the CPU by telling the fallback it is elsewhere."""
     monkeypatch.setattr(fallback_module, "_branches_on_host", lambda device: False)
     tensors = _fallback_cases()
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, _f=orig, **k: reads.append(_n) or _f(*a, **k))
     out = TensorStats(*fallback_multi_tensor_stats(tensors, chunk_elems=chunk))
+    monkeypatch.undo()
+    assert reads == []
     assert_matches_reference(tensors, out)
     torch.testing.assert_close(out.sumsq, reference_multi_tensor_stats(tensors)[0], rtol=1e-12, atol=0,
                                equal_nan=True)

@@ -173,7 +173,7 @@ def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: _Work
         return _exact_sumsq(absx, ws), amax, _counts(bits, pad, inf_bits, tmp)[0]
 
     min_bits = bits.amin(dim=1)
-    lowest, highest = torch.stack([min_bits.min(), max_bits.max()]).tolist()  # one read of both
+    lowest, highest = torch.stack([min_bits.min(), max_bits.max()]).tolist()  # on the CPU: no sync
     nonzero = None
     if lowest > 0 and highest < inf_bits:  # no zero (so no padding either), no NaN, no Inf
         counts = torch.zeros(r, 3, dtype=torch.int64, device=bits.device)
@@ -190,7 +190,7 @@ def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: _Work
         in_range &= min_bits >= low
     else:  # a zero hides the smallest nonzero |x|: count those >= low instead (Inf/NaN rows are out already)
         in_range &= _count_at_least(bits, low, tmp) == nonzero
-    n_in_range = int(in_range.sum())
+    n_in_range = in_range.sum().tolist()  # on the CPU: no sync
     if n_in_range == 0:
         return _exact_sumsq(absx, ws), amax, counts
     fast = _float32_sumsq(absx, ws)
