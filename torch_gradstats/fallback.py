@@ -225,10 +225,11 @@ def fallback_multi_tensor_stats(
     the NaN/Inf counts when no |x| reaches +inf. There a 16/32-bit row whose nonzero |x| all lie in
     [2**-63, 2**56) (float16: every row of normal numbers) is squared in float32 (each square rounded once, a
     normal number: no overflow, no underflow) and summed in float32 by blocks of 4,096 (torch's cascade sum), the
-    block sums in float64: relative error a few 1e-7 at most, inside the op's 1e-5; sums of small integers, such
-    as counts of ones, stay exact. Every other row (a value outside that range, a subnormal, NaN or Inf, and all
-    float64) takes the float64 squares; the choice is made per row from its own bits, so a tensor's result does
-    not depend on the tensors batched with it.
+    block sums in float64: each rounding is at most 6e-8 relative and torch's cascade sum keeps their number
+    along any path to a few dozen (measured: up to 4e-7, on 4,096 equal values), inside the op's 1e-5; sums of
+    small integers, such as counts of ones, stay exact. Every other row (a value outside that range, a subnormal,
+    NaN or Inf, and all float64) takes the float64 squares; the choice is made per row from its own bits, so a
+    tensor's result does not depend on the tensors batched with it.
 
     Determinism: every float sum has an order fixed by the shapes alone (see :func:`_row_sums`), and float32
     squares are taken only where they are normal numbers, so the bits of the results do not depend on the
