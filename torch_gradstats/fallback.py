@@ -128,16 +128,18 @@ def _exact_sumsq(absx: Tensor, ws: _Workspace) -> Tensor:
     return _row_sums(squares)
 
 
-def _float32_sumsq(absx: Tensor, ws: _Workspace) -> Tensor:
+def _float32_sumsq(absx: Tensor, ws: _Workspace, overwrite: bool = False) -> Tensor:
     """Row sums of squares of a 16/32-bit batch whose nonzero |x| all lie in the range of _FLOAT32_SAFE_BITS:
     squares in float32 (each rounded once, never subnormal), summed in float32 by blocks of at most _SUM_BLOCK
-    (torch's cascade sum), the block sums added in float64."""
+    (torch's cascade sum), the block sums added in float64. ``overwrite``: ``absx`` (a workspace buffer, never
+    an input) is not needed afterwards, so float32 squares may replace it (one buffer less to pass through)."""
     r, length = absx.shape
-    squares = ws.get("squares", torch.float32, (r, length))
-    if absx.dtype == torch.float32:
-        torch.mul(absx, absx, out=squares)
+    if absx.dtype == torch.float32 and overwrite:
+        squares = absx.mul_(absx)
+    elif absx.dtype == torch.float32:
+        squares = torch.mul(absx, absx, out=ws.get("squares", torch.float32, (r, length)))
     else:
-        squares.copy_(absx)  # exact
+        squares = ws.get("squares", torch.float32, (r, length)).copy_(absx)  # exact
         squares.mul_(squares)
     block = min(length, _SUM_BLOCK)
     block_sums = squares.view(r * (length // block), block).sum(dim=1)
@@ -166,11 +168,11 @@ def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: _Work
     _, _, inf_bits = DTYPE_BITS[dtype]
     r = bits.shape[0]
     absx = bits.view(dtype)  # squares of |x| are those of x, bit for bit
-    tmp = ws.get("tmp", bits.dtype, (r, bits.shape[1]))
+    tmp_shape = (r, bits.shape[1])  # an integer temporary, taken only where a count needs it
     max_bits = bits.amax(dim=1)  # bits of non-negative floats are ordered like the floats, NaN above +inf
     amax = max_bits.view(dtype).to(torch.float64)  # the max of exact values: no order to fix
     if not _branches_on_host(bits.device):  # the same ops for every batch: nothing is read back
-        return _exact_sumsq(absx, ws), amax, _counts(bits, pad, inf_bits, tmp)[0]
+        return _exact_sumsq(absx, ws), amax, _counts(bits, pad, inf_bits, ws.get("tmp", bits.dtype, tmp_shape))[0]
 
     min_bits = bits.amin(dim=1)
     lowest, highest = torch.stack([min_bits.min(), max_bits.max()]).tolist()  # on the CPU: no sync
@@ -178,18 +180,19 @@ def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: _Work
     if lowest > 0 and highest < inf_bits:  # no zero (so no padding either), no NaN, no Inf
         counts = torch.zeros(r, 3, dtype=torch.int64, device=bits.device)
     else:
+        tmp = ws.get("tmp", bits.dtype, tmp_shape)
         counts, nonzero = _counts(bits, pad, inf_bits, tmp, nonfinite=highest >= inf_bits)
     if dtype == torch.float64:
         return _exact_sumsq(absx, ws), amax, counts
     low, high = _FLOAT32_SAFE_BITS[dtype]
-    if lowest >= low and highest < high:
-        return _float32_sumsq(absx, ws), amax, counts
+    if lowest >= low and highest < high:  # every row in range; the bits have given all they hold
+        return _float32_sumsq(absx, ws, overwrite=True), amax, counts
     # Rows decided one by one: a row is in range if its max is below ``high`` and its nonzero |x| reach ``low``.
     in_range = max_bits < high
     if nonzero is None:
         in_range &= min_bits >= low
     else:  # a zero hides the smallest nonzero |x|: count those >= low instead (Inf/NaN rows are out already)
-        in_range &= _count_at_least(bits, low, tmp) == nonzero
+        in_range &= _count_at_least(bits, low, ws.get("tmp", bits.dtype, tmp_shape)) == nonzero
     n_in_range = in_range.sum().tolist()  # on the CPU: no sync
     if n_in_range == 0:
         return _exact_sumsq(absx, ws), amax, counts
