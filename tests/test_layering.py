@@ -54,6 +54,8 @@ ALLOWED_PRIVATE = {
 ALLOWED_HOST_READS = {
     # A HealthPolicy field given as a one-element tensor is read once, when the policy is built.
     ("torch_gradstats.health", "item"),
+    # The fallback reads a batch's min/max |x| only where the batch is on the CPU: no transfer, no sync.
+    ("torch_gradstats.fallback", "tolist"),
 }
 
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_gradstats as tg
+from torch_gradstats import fallback as fallback_module
 from torch_gradstats.ops import INF, NAN, ZERO, TensorStats, fallback_multi_tensor_stats, reference_multi_tensor_stats
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -456,8 +457,125 @@ def test_fallback_matches_the_reference_at_any_chunk_size(chunk):
     tensors = _fallback_cases()
     out = TensorStats(*fallback_multi_tensor_stats(tensors, chunk_elems=chunk))
     assert_matches_reference(tensors, out)
+    exact = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]  # 16/32-bit may square in float32
+    torch.testing.assert_close(out.sumsq[exact], reference_multi_tensor_stats(tensors)[0][exact], rtol=1e-12,
+                               atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 4096, 1 << 18])
+def test_fallback_off_the_cpu_takes_the_exact_sync_free_path(chunk, monkeypatch):
+    """Off the CPU a batch never reads a value back (no sync): every batch takes the same ops, squares in float64
+    (exact for 16/32-bit values) and counts every time. Run on the CPU by telling the fallback it is elsewhere."""
+    monkeypatch.setattr(fallback_module, "_branches_on_host", lambda device: False)
+    tensors = _fallback_cases()
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _n=name, _f=orig, **k: reads.append(_n) or _f(*a, **k))
+    out = TensorStats(*fallback_multi_tensor_stats(tensors, chunk_elems=chunk))
+    monkeypatch.undo()
+    assert reads == []
+    assert_matches_reference(tensors, out)
     torch.testing.assert_close(out.sumsq, reference_multi_tensor_stats(tensors)[0], rtol=1e-12, atol=0,
                                equal_nan=True)
+
+
+def _sumsq_path(x: torch.Tensor) -> str:
+    """Which squares the fallback used for ``x`` (one row): 'float64' (exact squares) or 'float32' (squares and
+    their sum rounded to float32), told apart by the bits of the result; the probes below make the two differ."""
+    got = fallback_multi_tensor_stats([x])[0].item()
+    exact = (x.double() ** 2).sum().item()
+    rounded = (x.float() * x.float()).sum().double().item()
+    assert exact != rounded, "this probe cannot tell the paths apart"
+    assert got in (exact, rounded), (got, exact, rounded)
+    return "float64" if got == exact else "float32"
+
+
+def test_fallback_float32_squares_only_inside_their_safe_range():
+    """float32 rows square in float32 only when every nonzero |x| is in [2**-63, 2**56): their squares are then
+    normal float32 numbers that cannot overflow; the boundary values themselves and values beyond them go exact."""
+    f32 = torch.float32
+    below = lambda v: torch.nextafter(torch.tensor(v, dtype=f32), torch.tensor(0.0, dtype=f32)).item()  # noqa: E731
+    big = 2.0**55 * (1 + 2.0**-23)  # its float32 square is rounded, so the paths differ
+    small = 2.0**-62 * (1 + 2.0**-23)
+    assert _sumsq_path(torch.tensor([big], dtype=f32)) == "float32"
+    assert _sumsq_path(torch.tensor([big, below(2.0**56)], dtype=f32)) == "float32"
+    assert _sumsq_path(torch.tensor([big, 2.0**56], dtype=f32)) == "float64"
+    assert _sumsq_path(torch.tensor([big, 1e30], dtype=f32)) == "float64"
+    assert _sumsq_path(torch.tensor([small, 2.0**-63], dtype=f32)) == "float32"
+    assert _sumsq_path(torch.tensor([small, below(2.0**-63)], dtype=f32)) == "float64"
+    assert _sumsq_path(torch.tensor([small, 0.0, -0.0], dtype=f32)) == "float32"  # zeros square to zero
+    assert _sumsq_path(torch.tensor([small, 0.0, 1e-45], dtype=f32)) == "float64"  # a subnormal
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fallback_rows_far_from_one_keep_the_contract(dtype):
+    """Rows whose float32 squares would overflow (1e30) or underflow (1e-30), alone, mixed with ordinary rows in
+    one batch, and with zeros or a single large value among small ones, all against the reference."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(300, generator=g, dtype=torch.float64)
+    scales = [1.0, 1e-3, 1e3] if dtype == torch.float16 else [1.0, 1e30, 1e-30, 1e-19, 1e18, 2.0**56, 2.0**-63]
+    rows = [(base * s).to(dtype) for s in scales]
+    with_zeros = [r.clone() for r in rows]
+    for r in with_zeros:
+        r[::3] = 0
+    one_big = (base * 1e-30).to(dtype)
+    one_big[7] = 1e3 if dtype == torch.float16 else 1e30
+    subnormal = (base * (1e-6 if dtype == torch.float16 else 1e-40)).to(dtype)
+    huge = torch.full((4097,), 6e4 if dtype == torch.float16 else 1e30, dtype=dtype)
+    tensors = rows + with_zeros + [one_big, subnormal, huge]
+    out = TensorStats(*fallback_multi_tensor_stats(tensors))
+    assert_matches_reference(tensors, out)
+    alone = [fallback_multi_tensor_stats([t]) for t in tensors]  # each row's path is its own, not its batch's
+    for i, a in enumerate(alone):
+        assert torch.equal(bitwise(out.sumsq[i : i + 1]), bitwise(a[0])), i
+        assert torch.equal(out.counts[i : i + 1], a[2]), i
+
+
+def test_fallback_skips_no_nan_or_inf():
+    """Batches without any |x| at +inf's bits skip the NaN/Inf counts; a batch that has one counts them all."""
+    g = torch.Generator().manual_seed(4)
+    plain = [torch.randn(1000, generator=g) for _ in range(3)]
+    for value, column in ((math.nan, NAN), (math.inf, INF), (-math.inf, INF)):
+        with_special = [t.clone() for t in plain]
+        with_special[1][500] = value
+        out = fallback_multi_tensor_stats(with_special)
+        assert out[2][:, column].tolist() == [0, 1, 0]
+        assert out[2][:, 3 - column].tolist() == [0, 0, 0]
+        assert_matches_reference(with_special, TensorStats(*out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fallback_float32_path_bits_do_not_depend_on_threads_or_flush_denormal(dtype):
+    """Squares taken in float32 are normal numbers, so neither the thread count (torch splits elementwise ops
+    across threads, and only the calling thread flushes denormals) nor torch.set_flush_denormal changes a bit;
+    zero/NaN/Inf counts and amax come from the bits on every path."""
+    g = torch.Generator().manual_seed(6)
+    tensors = [torch.randn(n, generator=g).to(dtype) for n in (1, 5, 1000, 70_000, 300_000)]
+    zeros = torch.randn(100_000, generator=g).to(dtype)
+    zeros[::7] = 0
+    tiny = torch.full((50_000,), 1e-6 if dtype == torch.float16 else 1e-39, dtype=dtype)  # subnormal
+    tensors += [zeros, tiny] + [torch.randn(40, generator=g).to(dtype) for _ in range(300)]
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for flush in (False, True):
+            if flush and not torch.set_flush_denormal(True):
+                break
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results[flush, n] = [bitwise(t) for t in fallback_multi_tensor_stats(tensors)]
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    first = results[False, 1]
+    assert_matches_reference(tensors, TensorStats(*fallback_multi_tensor_stats(tensors)))
+    # the subnormal tensor's sumsq and amax are the docstring's one exception where a thread flushes denormals
+    keep = [i for i in range(len(tensors)) if tensors[i] is not tiny]
+    for key, other in results.items():
+        torch.testing.assert_close(other[2], first[2], rtol=0, atol=0)  # counts, every tensor
+        assert torch.equal(other[1][keep], first[1][keep]), key
+        assert torch.equal(other[0][keep], first[0][keep]), key
 
 
 def test_fallback_rejects_a_chunk_that_is_not_a_power_of_two():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import torch_gradstats.fallback
 import torch_gradstats.stats as stats_mod
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import reference_multi_tensor_stats
@@ -206,8 +207,13 @@ def test_to_dict_is_flat_and_str_has_table():
 # ------------------------------------------------------------------ no sync, one transfer, one op call
 @contextlib.contextmanager
 def count_host_reads():
-    """Count every Tensor method that moves data to the host (or reads a value on it)."""
+    """Count every Tensor method that moves data to the host (or reads a value on it).
+
+    The pure-PyTorch kernel reads a batch's min/max |x| when the batch is on the CPU, where that is no sync; while
+    counting, it is told it is on another device, so it runs the sync-free ops it runs there and only the layers
+    above it are counted."""
     counts = {}
+    fallback_branches = torch_gradstats.fallback._branches_on_host
     names = ["cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"]
     originals = {n: getattr(torch.Tensor, n) for n in names}
     orig_to = torch.Tensor.to
@@ -229,11 +235,13 @@ def count_host_reads():
         for n in names:
             setattr(torch.Tensor, n, wrap(n))
         torch.Tensor.to = to
+        torch_gradstats.fallback._branches_on_host = lambda device: False
         yield counts
     finally:
         for n, f in originals.items():
             setattr(torch.Tensor, n, f)
         torch.Tensor.to = orig_to
+        torch_gradstats.fallback._branches_on_host = fallback_branches
 
 
 def test_grad_stats_properties_and_health_never_read_on_host():

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import torch_gradstats.fallback
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.training import (
     Trainer,
@@ -61,7 +62,8 @@ class _SyncCounter:
     """Counts every way a tensor's value can reach Python (each one is a host sync on an accelerator).
 
     Calls made by torch.utils.data are not counted: the DataLoader draws its worker seed with ``.item()`` on a CPU
-    tensor when an epoch starts, which never touches the training device.
+    tensor when an epoch starts, which never touches the training device. The pure-PyTorch kernel is told it is
+    on another device: on the CPU it reads a batch's min/max |x| (no sync there), elsewhere it reads nothing.
     """
 
     NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -73,6 +75,7 @@ class _SyncCounter:
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
         for owner, label in ((torch.cuda, "cuda.synchronize"), (torch.cuda.Event, "Event.synchronize")):
             monkeypatch.setattr(owner, "synchronize", self._wrap(label, owner.synchronize))
+        monkeypatch.setattr(torch_gradstats.fallback, "_branches_on_host", lambda device: False)
 
     def _wrap(self, name, orig):
         def wrapper(*args, **kwargs):

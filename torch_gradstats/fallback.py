@@ -23,6 +23,8 @@ __all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register"]
 FALLBACK_CHUNK_ELEMS = 1 << 18
 #: Row sums longer than this are cut into blocks first (see :func:`_row_sums`).
 _SUM_BLOCK = 1 << 12
+#: Batches of at most this many full rows are read row by row instead of being stacked first.
+_FEW_ROWS = 8
 
 
 def _is_dense(t: Tensor) -> bool:
@@ -78,14 +80,20 @@ class _Workspace:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buffers: dict[str, Tensor] = {}
+        self.views: dict[tuple[str, torch.dtype, tuple[int, int]], Tensor] = {}  # batches mostly repeat a shape
 
     def get(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
+        view = self.views.get((role, dtype, shape))
+        if view is not None:
+            return view
         nbytes = shape[0] * shape[1] * dtype.itemsize
         buf = self.buffers.get(role)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.buffers[role] = buf
-        return buf[:nbytes].view(dtype).view(shape)
+            self.views = {k: v for k, v in self.views.items() if k[0] != role}  # frees the old buffer
+        view = self.views[role, dtype, shape] = buf[:nbytes].view(dtype).view(shape)
+        return view
 
 
 def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
@@ -94,26 +102,104 @@ def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
     return torch.sub(bits, threshold - 1, out=tmp).clamp_(0, 1).sum(dim=1, dtype=torch.int32)
 
 
-def _batch_stats(m: Tensor, pad: Tensor | None, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
-    """Statistics of each row of ``m`` ([r, L], one dtype); ``pad[j]`` zero elements of row j are padding."""
-    int_dtype, abs_mask, inf_bits = DTYPE_BITS[m.dtype]
-    shape = (m.shape[0], m.shape[1])
-    bits = torch.bitwise_and(m.view(int_dtype), abs_mask, out=ws.get("bits", int_dtype, shape))  # |x|, as bits
-    tmp = ws.get("tmp", int_dtype, shape)
-    max_bits = bits.amax(dim=1)  # bits of non-negative floats are ordered like the floats, NaN above +inf
-    nonzero = torch.clamp(bits, max=1, out=tmp).sum(dim=1, dtype=torch.int32)
-    nonfinite = _count_at_least(bits, inf_bits, tmp)
-    nans = _count_at_least(bits, inf_bits + 1, tmp)
-    zeros = shape[1] - nonzero if pad is None else shape[1] - nonzero - pad
-    counts = torch.stack([zeros.to(torch.int64), nans.to(torch.int64), (nonfinite - nans).to(torch.int64)], dim=1)
-    amax = max_bits.view(m.dtype).to(torch.float64)  # the max of exact values: no order to fix
-    squares = ws.get("squares", torch.float64, shape)
-    if m.dtype == torch.float64:
-        torch.mul(m, m, out=squares)
+def _branches_on_host(device: torch.device) -> bool:
+    """True where reading a value computed on ``device`` costs no sync (the CPU): batches may then skip passes
+    whose result is known and square in float32 where that is safe. Elsewhere every batch takes the same ops."""
+    return device.type == "cpu"
+
+
+#: Per 16/32-bit dtype, bits of |x| between which float32 squares are normal numbers and a float32 sum of
+#: _SUM_BLOCK of them cannot overflow: [2**-63, 2**56) (squares in [2**-126, 2**112)); for float16 every normal value.
+_FLOAT32_SAFE_BITS = {
+    torch.float32: (0x2000_0000, 0x5B80_0000),
+    torch.bfloat16: (0x2000, 0x5B80),
+    torch.float16: (0x0400, 0x7C00),
+}
+
+
+def _exact_sumsq(absx: Tensor, ws: _Workspace) -> Tensor:
+    """Row sums of squares computed in float64: squares of 16/32-bit values are exact there."""
+    squares = ws.get("squares", torch.float64, (absx.shape[0], absx.shape[1]))
+    if absx.dtype == torch.float64:
+        torch.mul(absx, absx, out=squares)
     else:
-        squares.copy_(m)  # exact
+        squares.copy_(absx)  # exact
         squares.mul_(squares)
-    return _row_sums(squares), amax, counts
+    return _row_sums(squares)
+
+
+def _float32_sumsq(absx: Tensor, ws: _Workspace, overwrite: bool = False) -> Tensor:
+    """Row sums of squares of a 16/32-bit batch whose nonzero |x| all lie in the range of _FLOAT32_SAFE_BITS:
+    squares in float32 (each rounded once, never subnormal), summed in float32 by blocks of at most _SUM_BLOCK
+    (torch's cascade sum), the block sums added in float64. ``overwrite``: ``absx`` (a workspace buffer, never
+    an input) is not needed afterwards, so float32 squares may replace it (one buffer less to pass through)."""
+    r, length = absx.shape
+    if absx.dtype == torch.float32 and overwrite:
+        squares = absx.mul_(absx)
+    elif absx.dtype == torch.float32:
+        squares = torch.mul(absx, absx, out=ws.get("squares", torch.float32, (r, length)))
+    else:
+        squares = ws.get("squares", torch.float32, (r, length)).copy_(absx)  # exact
+        squares.mul_(squares)
+    block = min(length, _SUM_BLOCK)
+    block_sums = squares.view(r * (length // block), block).sum(dim=1)
+    return _row_sums(block_sums.to(torch.float64).view(r, length // block))
+
+
+def _counts(
+    bits: Tensor, pad: Tensor | None, inf_bits: int, tmp: Tensor, nonfinite: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Per row: the [zeros, NaN, Inf] counts (int64) and the number of nonzero elements (int32, padding
+    included). ``nonfinite=False`` when no |x| reaches +inf's bits: both of those counts are then 0."""
+    nonzero = torch.clamp(bits, max=1, out=tmp).sum(dim=1, dtype=torch.int32)
+    zeros = bits.shape[1] - nonzero if pad is None else bits.shape[1] - nonzero - pad
+    if nonfinite:
+        nonfinite_count = _count_at_least(bits, inf_bits, tmp)
+        nans = _count_at_least(bits, inf_bits + 1, tmp)
+        infs = nonfinite_count - nans
+    else:
+        nans = infs = torch.zeros_like(nonzero)
+    return torch.stack([zeros.to(torch.int64), nans.to(torch.int64), infs.to(torch.int64)], dim=1), nonzero
+
+
+def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
+    """Statistics of each row of a batch given as the bits of its |x| ([r, L], of ``dtype``); ``pad[j]`` zero
+    elements of row j are padding."""
+    _, _, inf_bits = DTYPE_BITS[dtype]
+    r = bits.shape[0]
+    absx = bits.view(dtype)  # squares of |x| are those of x, bit for bit
+    tmp_shape = (r, bits.shape[1])  # an integer temporary, taken only where a count needs it
+    max_bits = bits.amax(dim=1)  # bits of non-negative floats are ordered like the floats, NaN above +inf
+    amax = max_bits.view(dtype).to(torch.float64)  # the max of exact values: no order to fix
+    if not _branches_on_host(bits.device):  # the same ops for every batch: nothing is read back
+        return _exact_sumsq(absx, ws), amax, _counts(bits, pad, inf_bits, ws.get("tmp", bits.dtype, tmp_shape))[0]
+
+    min_bits = bits.amin(dim=1)
+    lowest, highest = torch.stack([min_bits.min(), max_bits.max()]).tolist()  # on the CPU: no sync
+    nonzero = None
+    if lowest > 0 and highest < inf_bits:  # no zero (so no padding either), no NaN, no Inf
+        counts = torch.zeros(r, 3, dtype=torch.int64, device=bits.device)
+    else:
+        tmp = ws.get("tmp", bits.dtype, tmp_shape)
+        counts, nonzero = _counts(bits, pad, inf_bits, tmp, nonfinite=highest >= inf_bits)
+    if dtype == torch.float64:
+        return _exact_sumsq(absx, ws), amax, counts
+    low, high = _FLOAT32_SAFE_BITS[dtype]
+    if lowest >= low and highest < high:  # every row in range; the bits have given all they hold
+        return _float32_sumsq(absx, ws, overwrite=True), amax, counts
+    # Rows decided one by one: a row is in range if its max is below ``high`` and its nonzero |x| reach ``low``.
+    in_range = max_bits < high
+    if nonzero is None:
+        in_range &= min_bits >= low
+    else:  # a zero hides the smallest nonzero |x|: count those >= low instead (Inf/NaN rows are out already)
+        in_range &= _count_at_least(bits, low, ws.get("tmp", bits.dtype, tmp_shape)) == nonzero
+    n_in_range = in_range.sum().tolist()  # on the CPU: no sync
+    if n_in_range == 0:
+        return _exact_sumsq(absx, ws), amax, counts
+    fast = _float32_sumsq(absx, ws)
+    if n_in_range == r:
+        return fast, amax, counts
+    return torch.where(in_range, fast, _exact_sumsq(absx, ws)), amax, counts  # each row's result its own
 
 
 @torch.no_grad()
@@ -124,19 +210,32 @@ def fallback_multi_tensor_stats(
 
     Tensors are cut into pieces of at most ``chunk_elems`` elements, pieces of one dtype and similar length are
     stacked as the rows of a ``[rows, L]`` batch (``L`` the next power of two of the length, zero-padded; at most
-    ``chunk_elems`` elements per batch), and each batch is reduced by a dozen whole-batch torch ops: so thousands
-    of small tensors cost a few ops, not a few per tensor, and only one batch is ever upcast to float64.
+    ``chunk_elems`` elements per batch; up to 8 full rows are read in place instead), and each batch is reduced
+    by a few whole-batch torch ops on the bits of its |x|: so thousands of small tensors cost a few ops, not a few
+    per tensor, and only one batch is ever upcast.
 
     Memory: besides its outputs and O(number of tensors) bookkeeping, the extra memory is at most
     ``56 * chunk_elems`` bytes (14 MiB at the default 2**18), whatever the tensors' sizes: four reused buffers of
-    at most 8 bytes per element of a batch (the stacked rows, their bits, an integer temporary, the float64
-    squares), and while a batch of small tensors is stacked, one more copy of it and its int64 padding index.
-    Tensors larger than a chunk are read in views of at most ``chunk_elems`` elements (a non-dense one is copied
-    one such view at a time).
+    at most 8 bytes per element of a batch (the stacked rows, their bits, an integer temporary, the squares), and
+    while a batch of small tensors is stacked, one more copy of it and its int64 padding index (plus per-block
+    sums, 1/4096 of a batch). Tensors larger than a chunk are read in views of at most ``chunk_elems`` elements (a
+    non-dense one is copied one such view at a time).
 
-    Results: squares of 16/32-bit values are exact in float64 and summed in float64 (float64 rounding only);
-    max |x| and the counts are exact. Every float sum has an order fixed by the shapes alone (see
-    :func:`_row_sums`), zero/NaN/Inf are read from the bits, so the bits of the results do not depend on the
+    Paths: max |x| and the zero/NaN/Inf counts are exact everywhere (read from the bits). Off the CPU every batch
+    runs the same ops and nothing is read back (no sync): all counts are taken, and squares are computed in
+    float64 (exact for 16/32-bit values) and summed in float64. On the CPU, where reading a value costs no sync,
+    each batch reads its smallest and largest |x| and skips what they settle: the zero count when no |x| is 0,
+    the NaN/Inf counts when no |x| reaches +inf. There a 16/32-bit row whose nonzero |x| all lie in
+    [2**-63, 2**56) (float16: every row of normal numbers) is squared in float32 (each square rounded once, a
+    normal number: no overflow, no underflow) and summed in float32 by blocks of 4,096 (torch's cascade sum), the
+    block sums in float64: each rounding is at most 6e-8 relative and torch's cascade sum keeps their number
+    along any path to a few dozen (measured: up to 4e-7, on 4,096 equal values), inside the op's 1e-5; sums of
+    small integers, such as counts of ones, stay exact. Every other row (a value outside that range, a subnormal,
+    NaN or Inf, and all float64) takes the float64 squares; the choice is made per row from its own bits, so a
+    tensor's result does not depend on the tensors batched with it.
+
+    Determinism: every float sum has an order fixed by the shapes alone (see :func:`_row_sums`), and float32
+    squares are taken only where they are normal numbers, so the bits of the results do not depend on the
     thread count or on torch.set_flush_denormal, with one exception: on a thread that flushes denormals, float32
     and bfloat16 subnormals (|x| < 1.2e-38) are read as zero by the float64 conversion, so their squares (below
     1.4e-76) may be missing from ``sumsq`` and ``amax`` of a tensor holding only such values may be 0.
@@ -168,7 +267,8 @@ def fallback_multi_tensor_stats(
         per_batch = max(1, chunk_elems // length)
         for start in range(0, len(rows), per_batch):
             batch = rows[start : start + per_batch]
-            parts.append(_batch_stats(*_stack_rows(batch, length, ws), ws))
+            bits, pad = _abs_bits(batch, length, ws)
+            parts.append(_batch_stats(bits, dtype, pad, ws))
             owners_all.extend(owners[start : start + per_batch])
 
     sumsq = torch.zeros(n, dtype=torch.float64, device=device)
@@ -183,6 +283,20 @@ def fallback_multi_tensor_stats(
     sumsq = torch.where(nan, torch.full_like(sumsq, math.nan), sumsq)
     amax = torch.where(nan, torch.full_like(amax, math.nan), amax)
     return sumsq, amax, counts
+
+
+def _abs_bits(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
+    """The bits of the rows' |x| as one ``[len(rows), length]`` tensor (zero-padded), and each row's number of
+    padding zeros. A few full rows are masked straight from their own memory (no stacked copy)."""
+    int_dtype, abs_mask, _ = DTYPE_BITS[rows[0].dtype]
+    r = len(rows)
+    bits = ws.get("bits", int_dtype, (r, length))
+    if r <= _FEW_ROWS and all(x.numel() == length for x in rows):
+        for row, x in zip(bits, rows):
+            torch.bitwise_and(x.view(int_dtype), abs_mask, out=row.view(x.shape))
+        return bits, None
+    m, pad = _stack_rows(rows, length, ws)
+    return torch.bitwise_and(m.view(int_dtype), abs_mask, out=bits), pad
 
 
 def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
