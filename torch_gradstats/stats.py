@@ -55,13 +55,14 @@ def _dtensor_types() -> tuple[type, ...]:
     return tuple(types)
 
 
-def _named_params(params: ParamsLike) -> list[tuple[str, Tensor]]:
-    """Normalise the accepted inputs to ``[(name, param)]``; unnamed items are named by their position."""
+def _named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:
+    """Normalise the accepted inputs to ``[(name, param)]``; unnamed items are named by their position. Errors
+    start with ``caller``, the public function that was given ``params``."""
     if isinstance(params, Tensor):
         items: Iterable[Any] = [params]
     elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
         raise TypeError(
-            f"grad_stats: expected parameters (model.parameters(), model.named_parameters(), a list of tensors or "
+            f"{caller}: expected parameters (model.parameters(), model.named_parameters(), a list of tensors or "
             f"of (name, tensor) pairs), got a {type(params).__name__}"
         )
     else:
@@ -79,7 +80,7 @@ def _named_params(params: ParamsLike) -> list[tuple[str, Tensor]]:
             out.append((item[0], item[1]))
         else:
             raise TypeError(
-                f"grad_stats: item {i} is a {type(item).__name__} ({_short_repr(item)}); expected a parameter "
+                f"{caller}: item {i} is a {type(item).__name__} ({_short_repr(item)}); expected a parameter "
                 "tensor or a (name, tensor) pair"
             )
     return out

@@ -19,7 +19,7 @@ transfer for the gradient statistics, the weight norms, the learning rates and t
 Under FSDP2 (DTensor parameters) or with ``group=`` (plain shards), weights and updates are reduced across ranks in
 the same way as the gradients (:func:`torch_gradstats.distributed.reduce_across_ranks`).
 
-(One module of ~450 lines on purpose: the device-side statistics, the update measurement and their host report
+(One module of ~440 lines on purpose: the device-side statistics, the update measurement and their host report
 share one packing of the values for the single transfer, and are read together.)
 """
 
@@ -36,7 +36,7 @@ from torch import Tensor
 from torch_gradstats._transfer import to_device, to_host
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import SUPPORTED_DTYPES, multi_tensor_stats
-from torch_gradstats.stats import GradReport, GradStats, ParamsLike, _dtensor_types, _unique_names
+from torch_gradstats.stats import GradReport, GradStats, ParamsLike, _dtensor_types, _named_params, _unique_names
 
 __all__ = [
     "GradWeightStats",
@@ -48,29 +48,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- small helpers
-def _named(params: ParamsLike, what: str) -> list[tuple[str, Tensor]]:
-    """``[(name, param)]`` from what grad_stats accepts; unnamed items are named by their position, as grad_stats
-    names them."""
-    if isinstance(params, Tensor):
-        items: Iterable[Any] = [params]
-    elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
-        raise TypeError(f"{what}: expected parameters (model.named_parameters(), model.parameters(), tensors), "
-                        f"got a {type(params).__name__}")
-    else:
-        items = params
-    out: list[tuple[str, Tensor]] = []
-    for i, item in enumerate(items):
-        if isinstance(item, Tensor):
-            out.append((str(i), item))
-        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) \
-                and isinstance(item[1], Tensor):
-            out.append((item[0], item[1]))
-        else:
-            raise TypeError(f"{what}: item {i} is a {type(item).__name__}; expected a parameter tensor or a "
-                            "(name, tensor) pair")
-    return out
-
-
 
 
 def _local(t: Tensor, dtensor_types: tuple[type, ...]) -> Tensor:
@@ -172,7 +149,7 @@ class UpdateRatio:
     """
 
     def __init__(self, params: ParamsLike, *, group: Any = None) -> None:
-        self._named = _named(params, "UpdateRatio")
+        self._named = _named_params(params, "UpdateRatio")
         if not self._named:
             raise ValueError("UpdateRatio: no parameters given")
         self.names = _unique_names([n for n, _ in self._named])
@@ -425,7 +402,7 @@ def grad_and_weight_stats(
     Returns:
         :class:`GradWeightStats`; ``.grads`` equals ``grad_stats(params, group=group)`` value for value.
     """
-    named = [(n, p) for n, p in _named(params, "grad_and_weight_stats") if p.grad is not None]
+    named = [(n, p) for n, p in _named_params(params, "grad_and_weight_stats") if p.grad is not None]
     dt = _dtensor_types()
     if not named:
         empty_f = torch.zeros(0, dtype=torch.float64)
