@@ -236,3 +236,28 @@ def test_fsdp2_weights_and_updates_are_global(tmp_path) -> None:  # type: ignore
             assert sharded[key].keys() == full[key].keys()
             for name, v in full[key].items():
                 assert sharded[key][name] == pytest.approx(v, rel=1e-4), (rank, key, name)
+
+
+def test_device_ratios_agree_with_the_report_for_an_all_zero_parameter() -> None:
+    """A zero weight that stays zero (a frozen zero-initialised bias, a zero gradient) has ratio 0 on the device as
+    in the report, not 0/0 = NaN, so ``ratios.max()`` stays meaningful."""
+    model = _model()
+    bias = model[2].bias
+    with torch.no_grad():
+        bias.zero_()
+    bias.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    _backward(model)
+    bias.grad = torch.zeros_like(bias)  # a zero gradient of a zero weight: lr * 0 / 0
+    ratio = UpdateRatio(model.named_parameters())
+    s = grad_and_weight_stats(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with ratio:
+        opt.step()
+    s.update = ratio.stats
+    report = s.report()
+    assert report.update_ratios["2.bias"] == 0.0 and report.lr_update_ratios["2.bias"] == 0.0
+    assert ratio.stats is not None
+    assert ratio.stats.ratios.tolist() == pytest.approx([report.update_ratios[n] for n in ratio.stats.names])
+    device_est = s.lr_update_ratios()
+    assert device_est is not None
+    assert device_est.tolist() == pytest.approx([report.lr_update_ratios[n] for n in s.names], rel=1e-12)

@@ -114,6 +114,12 @@ def _ratio(num_sumsq: float, den_sumsq: float) -> float:
     return num / den
 
 
+def _device_ratio(num_sumsq: Tensor, den_sumsq: Tensor) -> Tensor:
+    """:func:`_ratio` elementwise on the device: 0 (not NaN) where both sums are 0, as the report gives."""
+    both_zero = (num_sumsq == 0) & (den_sumsq == 0)
+    return torch.where(both_zero, torch.zeros_like(num_sumsq), num_sumsq.sqrt() / den_sumsq.sqrt())
+
+
 # ---------------------------------------------------------------------------------------------- UpdateRatio
 @dataclass
 class UpdateStats:
@@ -126,8 +132,9 @@ class UpdateStats:
 
     @property
     def ratios(self) -> Tensor:
-        """float64 ``[P]``: ``||Δw|| / ||w||`` (weights after the step), on the device."""
-        return self.delta_sumsq.sqrt() / self.weight_sumsq.sqrt()
+        """float64 ``[P]``: ``||Δw|| / ||w||`` (weights after the step), on the device; 0 for an all-zero weight
+        that did not change (as in the report)."""
+        return _device_ratio(self.delta_sumsq, self.weight_sumsq)
 
 
 class UpdateRatio:
@@ -303,7 +310,7 @@ class GradWeightStats:
         else:
             lr = to_device(torch.tensor([math.nan if v is None else float(v) for v in self.lrs],
                                                dtype=torch.float64), device)
-        return lr * self.grads.norms / self.weight_norms
+        return lr * _device_ratio(self.grads.sumsq, self.weight_sumsq)
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:
         """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update."""
