@@ -261,3 +261,32 @@ def test_device_ratios_agree_with_the_report_for_an_all_zero_parameter() -> None
     device_est = s.lr_update_ratios()
     assert device_est is not None
     assert device_est.tolist() == pytest.approx([report.lr_update_ratios[n] for n in s.names], rel=1e-12)
+
+
+def test_update_names_match_the_gradient_names_with_a_repeated_name_and_a_missing_gradient() -> None:
+    """chain(enc.named_parameters(), dec.named_parameters()) yields "weight" twice; with the encoder frozen only the
+    decoder's has a gradient and is called "weight" by grad_stats: its update ratio must be reported under that
+    same name, next to its weight norm, not under "weight#1"."""
+    import itertools
+
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(3, 3, bias=False), nn.Linear(3, 2, bias=False)
+
+    def named() -> itertools.chain[tuple[str, nn.Parameter]]:
+        return itertools.chain(enc.named_parameters(), dec.named_parameters())
+
+    enc.weight.requires_grad_(False)
+    opt = torch.optim.SGD(dec.parameters(), lr=0.5)
+    dec(enc(torch.randn(4, 3))).sum().backward()
+    ratio = UpdateRatio(named())
+    s = grad_and_weight_stats(named(), optimizer=opt)
+    w0 = dec.weight.detach().clone()
+    with ratio:
+        opt.step()
+    s.update = ratio.stats
+    report = s.report()
+    assert list(report.weight_norms) == ["weight"]
+    assert report.weight_norms["weight"] == pytest.approx(_norm64(w0))
+    true = float((dec.weight.detach().double() - w0.double()).norm() / dec.weight.detach().double().norm())
+    assert report.update_ratios["weight"] == pytest.approx(true, rel=1e-6)
+    assert report.update_ratios["weight#1"] == 0.0  # the frozen encoder's, under a name of its own

@@ -120,6 +120,26 @@ def _device_ratio(num_sumsq: Tensor, den_sumsq: Tensor) -> Tensor:
     return torch.where(both_zero, torch.zeros_like(num_sumsq), num_sumsq.sqrt() / den_sumsq.sqrt())
 
 
+def _names_like_grad_stats(named: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """Unique names that agree with ``grad_stats`` (which names only the parameters with a gradient) for the
+    parameters that have one; the others get names unique around them. Differs from ``_unique_names`` of all the
+    names only when a name repeats and a gradient is missing."""
+    given = [n for n, _ in named]
+    with_grad = [i for i, (_, p) in enumerate(named) if p.grad is not None]
+    out = dict(zip(with_grad, _unique_names([given[i] for i in with_grad])))
+    taken, given_set = set(out.values()), set(given)
+    for i, name in enumerate(given):
+        if i in out:
+            continue
+        unique, k = name, 0
+        while unique in taken or (unique != name and unique in given_set):
+            k += 1
+            unique = f"{name}#{k}"
+        taken.add(unique)
+        out[i] = unique
+    return [out[i] for i in range(len(given))]
+
+
 # ---------------------------------------------------------------------------------------------- UpdateRatio
 @dataclass
 class UpdateStats:
@@ -197,6 +217,9 @@ class UpdateRatio:
         originals = [p for _, p in self._named]
         any_dt = bool(dt) and any(isinstance(p, dt) for p in originals)
         sumsq, *_ = _reduce(originals + originals, sumsq, amax, counts, self.group, any_dt)
+        # Named as grad_and_weight_stats names the gradients now, so the report pairs each update with its own
+        # parameter even when a name repeats and a gradient is missing.
+        self.names = _names_like_grad_stats(self._named)
         self.stats = UpdateStats(self.names, sumsq[:n], sumsq[n:])
         return self.stats
 
