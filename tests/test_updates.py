@@ -236,3 +236,57 @@ def test_fsdp2_weights_and_updates_are_global(tmp_path) -> None:  # type: ignore
             assert sharded[key].keys() == full[key].keys()
             for name, v in full[key].items():
                 assert sharded[key][name] == pytest.approx(v, rel=1e-4), (rank, key, name)
+
+
+def test_device_ratios_agree_with_the_report_for_an_all_zero_parameter() -> None:
+    """A zero weight that stays zero (a frozen zero-initialised bias, a zero gradient) has ratio 0 on the device as
+    in the report, not 0/0 = NaN, so ``ratios.max()`` stays meaningful."""
+    model = _model()
+    bias = model[2].bias
+    with torch.no_grad():
+        bias.zero_()
+    bias.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    _backward(model)
+    bias.grad = torch.zeros_like(bias)  # a zero gradient of a zero weight: lr * 0 / 0
+    ratio = UpdateRatio(model.named_parameters())
+    s = grad_and_weight_stats(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with ratio:
+        opt.step()
+    s.update = ratio.stats
+    report = s.report()
+    assert report.update_ratios["2.bias"] == 0.0 and report.lr_update_ratios["2.bias"] == 0.0
+    assert ratio.stats is not None
+    assert ratio.stats.ratios.tolist() == pytest.approx([report.update_ratios[n] for n in ratio.stats.names])
+    device_est = s.lr_update_ratios()
+    assert device_est is not None
+    assert device_est.tolist() == pytest.approx([report.lr_update_ratios[n] for n in s.names], rel=1e-12)
+
+
+def test_update_names_match_the_gradient_names_with_a_repeated_name_and_a_missing_gradient() -> None:
+    """chain(enc.named_parameters(), dec.named_parameters()) yields "weight" twice; with the encoder frozen only the
+    decoder's has a gradient and is called "weight" by grad_stats: its update ratio must be reported under that
+    same name, next to its weight norm, not under "weight#1"."""
+    import itertools
+
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(3, 3, bias=False), nn.Linear(3, 2, bias=False)
+
+    def named() -> itertools.chain[tuple[str, nn.Parameter]]:
+        return itertools.chain(enc.named_parameters(), dec.named_parameters())
+
+    enc.weight.requires_grad_(False)
+    opt = torch.optim.SGD(dec.parameters(), lr=0.5)
+    dec(enc(torch.randn(4, 3))).sum().backward()
+    ratio = UpdateRatio(named())
+    s = grad_and_weight_stats(named(), optimizer=opt)
+    w0 = dec.weight.detach().clone()
+    with ratio:
+        opt.step()
+    s.update = ratio.stats
+    report = s.report()
+    assert list(report.weight_norms) == ["weight"]
+    assert report.weight_norms["weight"] == pytest.approx(_norm64(w0))
+    true = float((dec.weight.detach().double() - w0.double()).norm() / dec.weight.detach().double().norm())
+    assert report.update_ratios["weight"] == pytest.approx(true, rel=1e-6)
+    assert report.update_ratios["weight#1"] == 0.0  # the frozen encoder's, under a name of its own

@@ -114,6 +114,32 @@ def _ratio(num_sumsq: float, den_sumsq: float) -> float:
     return num / den
 
 
+def _device_ratio(num_sumsq: Tensor, den_sumsq: Tensor) -> Tensor:
+    """:func:`_ratio` elementwise on the device: 0 (not NaN) where both sums are 0, as the report gives."""
+    both_zero = (num_sumsq == 0) & (den_sumsq == 0)
+    return torch.where(both_zero, torch.zeros_like(num_sumsq), num_sumsq.sqrt() / den_sumsq.sqrt())
+
+
+def _names_like_grad_stats(named: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """Unique names that agree with ``grad_stats`` (which names only the parameters with a gradient) for the
+    parameters that have one; the others get names unique around them. Differs from ``_unique_names`` of all the
+    names only when a name repeats and a gradient is missing."""
+    given = [n for n, _ in named]
+    with_grad = [i for i, (_, p) in enumerate(named) if p.grad is not None]
+    out = dict(zip(with_grad, _unique_names([given[i] for i in with_grad])))
+    taken, given_set = set(out.values()), set(given)
+    for i, name in enumerate(given):
+        if i in out:
+            continue
+        unique, k = name, 0
+        while unique in taken or (unique != name and unique in given_set):
+            k += 1
+            unique = f"{name}#{k}"
+        taken.add(unique)
+        out[i] = unique
+    return [out[i] for i in range(len(given))]
+
+
 # ---------------------------------------------------------------------------------------------- UpdateRatio
 @dataclass
 class UpdateStats:
@@ -126,8 +152,9 @@ class UpdateStats:
 
     @property
     def ratios(self) -> Tensor:
-        """float64 ``[P]``: ``||Δw|| / ||w||`` (weights after the step), on the device."""
-        return self.delta_sumsq.sqrt() / self.weight_sumsq.sqrt()
+        """float64 ``[P]``: ``||Δw|| / ||w||`` (weights after the step), on the device; 0 for an all-zero weight
+        that did not change (as in the report)."""
+        return _device_ratio(self.delta_sumsq, self.weight_sumsq)
 
 
 class UpdateRatio:
@@ -190,6 +217,9 @@ class UpdateRatio:
         originals = [p for _, p in self._named]
         any_dt = bool(dt) and any(isinstance(p, dt) for p in originals)
         sumsq, *_ = _reduce(originals + originals, sumsq, amax, counts, self.group, any_dt)
+        # Named as grad_and_weight_stats names the gradients now, so the report pairs each update with its own
+        # parameter even when a name repeats and a gradient is missing.
+        self.names = _names_like_grad_stats(self._named)
         self.stats = UpdateStats(self.names, sumsq[:n], sumsq[n:])
         return self.stats
 
@@ -303,7 +333,7 @@ class GradWeightStats:
         else:
             lr = to_device(torch.tensor([math.nan if v is None else float(v) for v in self.lrs],
                                                dtype=torch.float64), device)
-        return lr * self.grads.norms / self.weight_norms
+        return lr * _device_ratio(self.grads.sumsq, self.weight_sumsq)
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:
         """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update."""
