@@ -696,3 +696,10 @@ def test_global_step_can_be_set_when_resuming():
     assert trainer.global_step == 102 and [r.step for r in s.history] == [100, 101]
     with pytest.raises(ValueError, match="global_step"):
         trainer.global_step = -1
+
+
+@pytest.mark.parametrize("bad", [True, 0, -1, 2.0, "3"])
+def test_sync_every_must_be_a_positive_int(bad: object) -> None:
+    model = _mlp()
+    with pytest.raises(ValueError, match="sync_every"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), sync_every=bad)  # type: ignore[arg-type]

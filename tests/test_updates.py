@@ -290,3 +290,22 @@ def test_update_names_match_the_gradient_names_with_a_repeated_name_and_a_missin
     true = float((dec.weight.detach().double() - w0.double()).norm() / dec.weight.detach().double().norm())
     assert report.update_ratios["weight"] == pytest.approx(true, rel=1e-6)
     assert report.update_ratios["weight#1"] == 0.0  # the frozen encoder's, under a name of its own
+
+
+def test_lr_update_ratios_with_learning_rates_held_as_tensors_numbers_and_missing() -> None:
+    """Learning rates may be Python numbers, 0-d tensors (capturable optimizers) or missing (None): each parameter
+    gets its own, in order."""
+    model = _model()
+    _backward(model)
+    s = grad_and_weight_stats(model.named_parameters())
+    lrs: list[object] = [0.1, torch.tensor(0.2, dtype=torch.float32), None, torch.tensor(0.4, dtype=torch.float64)]
+    s.lrs = lrs
+    got = s.lr_update_ratios()
+    assert got is not None
+    params = list(model.parameters())
+    for i, lr in enumerate(lrs):
+        ratio = _norm64(params[i].grad) / _norm64(params[i])
+        if lr is None:
+            assert math.isnan(float(got[i]))
+        else:
+            assert float(got[i]) == pytest.approx(float(lr) * ratio, rel=1e-6)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import numbers
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -381,10 +381,3 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
         rank_nonfinite=rank_nonfinite,
         device=home,
     )
-
-
-def iter_grads(params: ParamsLike) -> Iterator[tuple[str, Tensor]]:
-    """``(name, grad)`` for each parameter with a gradient, named as :func:`grad_stats` names them."""
-    for name, p in _named_params(params):
-        if p.grad is not None:
-            yield name, p.grad

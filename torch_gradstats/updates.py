@@ -326,13 +326,14 @@ class GradWeightStats:
         if self.lrs is None:
             return None
         device = self.grads.device
-        if any(isinstance(v, Tensor) for v in self.lrs):  # e.g. capturable optimizers keep lr on the device
-            lr = torch.stack([v.reshape(()).to(device, torch.float64) if isinstance(v, Tensor)
-                              else torch.tensor(math.nan if v is None else float(v), dtype=torch.float64,
-                                                device=device) for v in self.lrs])
-        else:
-            lr = to_device(torch.tensor([math.nan if v is None else float(v) for v in self.lrs],
-                                               dtype=torch.float64), device)
+        # Python numbers go up together through pinned memory; learning rates held as tensors (capturable
+        # optimizers keep them on the device) are copied device to device: no sync either way.
+        numbers = [math.nan if v is None or isinstance(v, Tensor) else float(v) for v in self.lrs]
+        lr = to_device(torch.tensor(numbers, dtype=torch.float64), device)
+        held = [i for i, v in enumerate(self.lrs) if isinstance(v, Tensor)]
+        if held:
+            values = [to_device(self.lrs[i].reshape(()).to(torch.float64), device) for i in held]
+            lr = lr.index_put((to_device(torch.tensor(held), device),), torch.stack(values))
         return lr * _device_ratio(self.grads.sumsq, self.weight_sumsq)
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:

@@ -116,7 +116,8 @@ class Trainer:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
-        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
+        bad_sync = isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
+        if sync_every is not None and bad_sync:
             raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
