@@ -15,13 +15,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 L = pytest.importorskip("lightning.pytorch")
+from _host_reads import instrument
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
 
-from torch_gradstats.integrations._common import StatsTaker
 from torch_gradstats.integrations.lightning import GradStatsCallback
 
 NAMES = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
@@ -150,66 +149,17 @@ def test_stop_on_nonfinite(tmp_path: Path) -> None:
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 
-class _ScalarReads(TorchDispatchMode):
-    """Counts reads of a tensor value into Python (.item(), bool(), float(): aten::_local_scalar_dense) and copies
-    to the CPU from another device (none exist on a CPU-only run, but the mode would see them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        to_host = (
-            func is torch.ops.aten._to_copy.default and args and args[0].device.type != "cpu"
-            and str(kwargs.get("device", "")) == "cpu"
-        )
-        if func is torch.ops.aten._local_scalar_dense.default or to_host:
-            self.count += 1
-        return func(*args, **kwargs)
-
-
-def _instrument(cb: GradStatsCallback) -> dict[str, int]:
-    """Count, per optimizer step, the callback's transfer points (report: one packed copy; nonfinite: one
-    .item()) and every scalar read made anywhere inside its hooks."""
-    counts = {"report": 0, "check": 0, "scalar_reads": 0}
-    taker: StatsTaker = cb.taker
-    real_report, real_check = taker.report, taker.nonfinite
-
-    def report(stats: Any) -> Any:
-        counts["report"] += 1
-        return real_report(stats)
-
-    def check(stats: Any) -> bool:
-        counts["check"] += 1
-        return real_check(stats)
-
-    taker.report = report  # type: ignore[method-assign]
-    taker.nonfinite = check  # type: ignore[method-assign]
-    for hook in ("on_before_optimizer_step", "on_train_batch_end"):
-        real = getattr(cb, hook)
-
-        def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-            with _ScalarReads() as mode:
-                out = _real(*args, **kwargs)
-            counts["scalar_reads"] += mode.count
-            return out
-
-        setattr(cb, hook, wrapped)
-    return counts
-
-
 @pytest.mark.parametrize("on_nonfinite", [None, "skip"])
 def test_host_syncs_only_when_logging_or_checking(tmp_path: Path, on_nonfinite: str | None) -> None:
     cb = GradStatsCallback(every_n_steps=3, on_nonfinite=on_nonfinite)  # type: ignore[arg-type]
-    counts = _instrument(cb)
+    counts = instrument(cb, ("on_before_optimizer_step", "on_train_batch_end"))
     _fit(Tiny(), [cb], CSVLogger(tmp_path), max_steps=6)
     assert counts["report"] == 2  # steps 0 and 3: one packed transfer each
     if on_nonfinite is None:
-        assert counts["check"] == 0 and counts["scalar_reads"] == 0  # nothing else reads the device
+        assert counts["check"] == 0 and counts["reads"] == 0  # nothing else reads the device
     else:
         # One check on each non-logging step, a one-value transfer through torch_gradstats._transfer (no .item()).
-        assert counts["check"] == 4 and counts["scalar_reads"] == 0
+        assert counts["check"] == 4 and counts["reads"] == 0
 
 
 def test_weight_norms_and_update_ratio_with_tensorboard_logger(tmp_path: Path) -> None:

@@ -13,15 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
 transformers = pytest.importorskip("transformers")
 
+from _host_reads import instrument
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from torch_gradstats.integrations._common import StatsTaker
 from torch_gradstats.integrations.transformers import _unscaled, add_to_trainer
 
 POISONED = "transformer.h.1.mlp.c_fc.weight"
@@ -163,45 +162,12 @@ def test_stop_on_nonfinite(tmp_path: Path) -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-class _ScalarReads(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("on_nonfinite", [None, "skip"])
 def test_host_syncs_only_on_logging_steps(tmp_path: Path, on_nonfinite: str | None) -> None:
     model = _model()
     trainer = Trainer(model=model, args=_args(tmp_path, max_steps=6, logging_steps=3), train_dataset=_data())
     cb = add_to_trainer(trainer, on_nonfinite=on_nonfinite)
-    counts = {"report": 0, "check": 0, "reads": 0}
-    taker: StatsTaker = cb.taker
-    real_report, real_check = taker.report, taker.nonfinite
-
-    def report(stats: Any) -> Any:
-        counts["report"] += 1
-        return real_report(stats)
-
-    def check(stats: Any) -> bool:
-        counts["check"] += 1
-        return real_check(stats)
-
-    taker.report, taker.nonfinite = report, check  # type: ignore[method-assign]
-    for hook in ("_after_backward", "on_log", "on_optimizer_step", "on_pre_optimizer_step"):
-        real = getattr(cb, hook)
-
-        def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-            with _ScalarReads() as mode:
-                out = _real(*args, **kwargs)
-            counts["reads"] += mode.count
-            return out
-
-        setattr(cb, hook, wrapped)
+    counts = instrument(cb, ("_after_backward", "on_log", "on_optimizer_step", "on_pre_optimizer_step"))
     _train(trainer)
     assert counts["report"] == 2  # global steps 3 and 6
     if on_nonfinite is None:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from _host_reads import HostReads
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_gradstats as tg
 import torch_gradstats.ops as ops_mod
@@ -41,19 +41,6 @@ class _OpCalls:
             return real(tensors)
 
         monkeypatch.setattr(updates, "multi_tensor_stats", counting)
-
-
-class _ScalarReads(TorchDispatchMode):
-    """Counts ops that read a tensor's value into Python (.item(), bool(), float())."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_grad_and_weight_stats_matches_grad_stats_and_float64(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,7 +135,7 @@ def test_report_is_one_transfer_and_names_nonfinite(monkeypatch: pytest.MonkeyPa
         return real(floats, ints)
 
     monkeypatch.setattr(updates, "to_host", counting)
-    with _ScalarReads() as reads:
+    with HostReads() as reads:
         report = s.report()
     assert len(fetches) == 1 and reads.count == 0
     ref = tg.grad_stats(model.named_parameters()).report()

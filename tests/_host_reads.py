@@ -1,0 +1,57 @@
+"""Counting host reads in tests: a dispatch mode that sees every read of a tensor value into Python, and a helper
+that counts the transfer points and those reads inside a callback's hooks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of a tensor value into Python (.item(), bool(), float(): aten::_local_scalar_dense) and copies to
+    the CPU from another device (none exist on a CPU-only run, but the mode would see them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        to_host = (
+            func is torch.ops.aten._to_copy.default and args and args[0].device.type != "cpu"
+            and str(kwargs.get("device", "")) == "cpu"
+        )
+        if func is torch.ops.aten._local_scalar_dense.default or to_host:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def instrument(cb: Any, hooks: tuple[str, ...]) -> dict[str, int]:
+    """Count a callback's transfer points (``report``: one packed copy; ``check``: the one-value non-finite check)
+    and every host read made anywhere inside the given hooks (``reads``)."""
+    counts = {"report": 0, "check": 0, "reads": 0}
+    taker = cb.taker
+    real_report, real_check = taker.report, taker.nonfinite
+
+    def report(stats: Any) -> Any:
+        counts["report"] += 1
+        return real_report(stats)
+
+    def check(stats: Any) -> bool:
+        counts["check"] += 1
+        return real_check(stats)
+
+    taker.report, taker.nonfinite = report, check
+    for hook in hooks:
+        real = getattr(cb, hook)
+
+        def wrapped(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            with HostReads() as mode:
+                out = _real(*args, **kwargs)
+            counts["reads"] += mode.count
+            return out
+
+        setattr(cb, hook, wrapped)
+    return counts
