@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 import torch_gradstats
+from torch_gradstats.bench.timing import peak_allocated_bytes
 from torch_gradstats.fallback import fallback_multi_tensor_stats
 from torch_gradstats.ops import reference_multi_tensor_stats
 
@@ -48,20 +49,6 @@ def time_interleaved(kernels: dict[str, Kernel], tensors: list[torch.Tensor], ro
             fn(tensors)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def peak_extra_bytes(fn: Kernel, tensors: list[torch.Tensor]) -> int:
-    """Peak of the CPU allocator's live bytes while ``fn(tensors)`` runs (allocations minus frees, in order)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(tensors)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         size = numel * x[0].element_size()
         cells = []
         for fn in (_compiled, fallback_multi_tensor_stats, reference_multi_tensor_stats):
-            peak = peak_extra_bytes(fn, x)
+            peak = peak_allocated_bytes(lambda fn=fn, x=x: fn(x))
             cells.append(f"{peak / 2**20:8.2f} MiB {peak / size:5.2f}x")
         print(f"{str(dtype).replace('torch.', ''):<10} {size / 2**20:>6.0f} MiB " + " ".join(f"{c:>16}" for c in cells))
     return 0

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import torch_gradstats as tg
 from torch_gradstats import fallback as fallback_module
+from torch_gradstats.bench.timing import peak_allocated_bytes
 from torch_gradstats.ops import INF, NAN, ZERO, TensorStats, fallback_multi_tensor_stats, reference_multi_tensor_stats
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -623,20 +624,6 @@ def test_fallback_counts_under_flush_denormal_do_not_depend_on_threads(dtype, ti
     assert torch.tensor(got[0][1]).view(torch.float64)[0].item() == x[0].item()  # amax exact
 
 
-def _peak_allocated_bytes(fn) -> int:
-    """Peak of the CPU allocator's live bytes while ``fn`` runs, from torch's profiler memory events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def test_fallback_memory_is_bounded_by_its_chunk():
     """The old fallback copied each tensor whole to float64 (4.25x the largest float32 tensor). Measured with the
     allocator's own events: the fallback's extra memory stays within its documented bound for a small chunk,
@@ -646,6 +633,6 @@ def test_fallback_memory_is_bounded_by_its_chunk():
     tensors = [big, torch.randn(2048, 1030)[:, 3:], torch.randn(3, 1).expand(3, 1 << 19)]
     tensors += [torch.randn(n).to(DTYPES[n % 4]) for n in range(1, 200)]
     bound = 56 * chunk + 200 * len(tensors) + 65536  # the documented bound + per-tensor bookkeeping + slack
-    peak = _peak_allocated_bytes(lambda: fallback_multi_tensor_stats(tensors, chunk_elems=chunk))
+    peak = peak_allocated_bytes(lambda: fallback_multi_tensor_stats(tensors, chunk_elems=chunk))
     assert peak <= bound, (peak, bound)
-    assert _peak_allocated_bytes(lambda: reference_multi_tensor_stats([big])) >= 8 * big.numel()
+    assert peak_allocated_bytes(lambda: reference_multi_tensor_stats([big])) >= 8 * big.numel()

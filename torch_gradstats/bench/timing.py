@@ -246,3 +246,18 @@ def _row(point: Point, device: torch.device, m: _Measured | None, launches: int 
         compile_s=m.compile_s if m and m.c.name == COMPILED else NAN,
         note=m.note if m else note,
     )
+
+
+def peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Peak of the CPU allocator's live bytes while ``fn()`` runs (allocations minus frees, in order), from torch's
+    profiler memory events: what an op allocates, not the process's RSS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
