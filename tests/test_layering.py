@@ -48,6 +48,8 @@ ALLOWED_PRIVATE = {
     # Parameter naming and DTensor detection, shared with updates.py, which reads the same parameters.
     ("torch_gradstats.stats", "_unique_names"),
     ("torch_gradstats.stats", "_dtensor_types"),
+    # One op call per device, gathered on the home device in model order: updates.py reads gradients and weights so.
+    ("torch_gradstats.stats", "_stats_on_home"),
 }
 
 #: Host reads outside torch_gradstats._transfer, with the reason they are not on a per-step path.

@@ -281,12 +281,15 @@ def _empty_stats(device: torch.device) -> GradStats:
     )
 
 
-def _stats_in_model_order(
-    local: list[Tensor], by_device: dict[torch.device, list[int]], home: torch.device
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One op call per device; results gathered on ``home`` in the order of ``local``."""
+def _stats_on_home(local: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, torch.device]:
+    """One op call per device; results gathered on the home device (see the module docstring) in the order of
+    ``local``, and that device."""
+    by_device: dict[torch.device, list[int]] = {}  # metadata only, model order inside each group
+    for i, t in enumerate(local):
+        by_device.setdefault(t.device, []).append(i)
+    home = _home_device(by_device)
     if len(by_device) == 1:
-        return multi_tensor_stats(local)
+        return (*multi_tensor_stats(local), home)
     parts_s, parts_a, parts_c, order = [], [], [], []
     for idx in by_device.values():
         s, a, c = multi_tensor_stats([local[i] for i in idx])
@@ -302,7 +305,7 @@ def _stats_in_model_order(
     sumsq = torch.cat(parts_s).index_select(0, inv)
     amax = torch.cat(parts_a).index_select(0, inv)
     counts = torch.cat(parts_c).index_select(0, inv)
-    return sumsq, amax, counts
+    return sumsq, amax, counts, home
 
 
 @torch.no_grad()
@@ -349,19 +352,9 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
         return _empty_stats(torch.device("cpu"))
     names = _unique_names(names)
 
-    # Group by device (metadata only), keeping model order inside each group.
-    by_device: dict[torch.device, list[int]] = {}
     try:
-        for i, g in enumerate(local):
-            by_device.setdefault(g.device, []).append(i)
-    except AttributeError:  # a .grad that is not a tensor
-        _check_grads(names, local)
-        raise
-    home = _home_device(by_device)
-
-    try:
-        sumsq, amax, counts = _stats_in_model_order(local, by_device, home)
-    except (TypeError, ValueError, RuntimeError):
+        sumsq, amax, counts, home = _stats_on_home(local)
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # AttributeError: a .grad that is not a tensor
         _check_grads(names, local)  # the same failure, named by parameter rather than by list index
         raise
 

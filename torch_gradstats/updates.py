@@ -35,8 +35,16 @@ from torch import Tensor
 
 from torch_gradstats._transfer import to_device, to_host
 from torch_gradstats.health import HealthPolicy
-from torch_gradstats.ops import SUPPORTED_DTYPES, multi_tensor_stats
-from torch_gradstats.stats import GradReport, GradStats, ParamsLike, _dtensor_types, _named_params, _unique_names
+from torch_gradstats.ops import SUPPORTED_DTYPES
+from torch_gradstats.stats import (
+    GradReport,
+    GradStats,
+    ParamsLike,
+    _dtensor_types,
+    _named_params,
+    _stats_on_home,
+    _unique_names,
+)
 
 __all__ = [
     "GradWeightStats",
@@ -66,30 +74,6 @@ def _check_named(what: str, named: Sequence[tuple[str, Tensor]]) -> None:
                             "float32 or float64")
 
 
-def _stats_per_device(tensors: Sequence[Tensor], home: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """One op call per device (one call in the usual single-device case), results on ``home`` in input order."""
-    devices = {t.device for t in tensors}
-    if len(devices) == 1:
-        return multi_tensor_stats(tensors)
-    parts: list[tuple[list[int], tuple[Tensor, Tensor, Tensor]]] = []
-    for d in devices:
-        idx = [i for i, t in enumerate(tensors) if t.device == d]
-        s, a, c = multi_tensor_stats([tensors[i] for i in idx])
-        parts.append((idx, (to_device(s, home), to_device(a, home), to_device(c, home))))
-    sumsq = torch.empty(len(tensors), dtype=torch.float64, device=home)
-    amax = torch.empty(len(tensors), dtype=torch.float64, device=home)
-    counts = torch.empty(len(tensors), 3, dtype=torch.int64, device=home)
-    for idx, (s, a, c) in parts:
-        i = to_device(torch.tensor(idx), home)
-        sumsq[i], amax[i], counts[i] = s, a, c
-    return sumsq, amax, counts
-
-
-def _home(tensors: Sequence[Tensor]) -> torch.device:
-    for t in tensors:
-        if t.device.type != "cpu":
-            return t.device
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _reduce(originals: Sequence[Tensor], sumsq: Tensor, amax: Tensor, counts: Tensor, group: Any,
@@ -213,7 +197,7 @@ class UpdateRatio:
         self._armed = False
         n = len(local)
         tensors = self._buffers + local
-        sumsq, amax, counts = _stats_per_device(tensors, _home(local))
+        sumsq, amax, counts, _ = _stats_on_home(tensors)  # buffers and weights share devices and order
         originals = [p for _, p in self._named]
         any_dt = bool(dt) and any(isinstance(p, dt) for p in originals)
         sumsq, *_ = _reduce(originals + originals, sumsq, amax, counts, self.group, any_dt)
@@ -446,9 +430,8 @@ def grad_and_weight_stats(
     weights = [p.detach() for _, p in named]
     local = [_local(t, dt) for t in grads] + [_local(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
-    home = _home(local)
     try:
-        sumsq, amax, counts = _stats_per_device(local, home)
+        sumsq, amax, counts, home = _stats_on_home(local)
     except (TypeError, ValueError, RuntimeError):
         _check_named("grad_and_weight_stats", list(zip(names, local[: len(names)])) +
                      list(zip(names, local[len(names):])))
