@@ -19,7 +19,7 @@ transfer for the gradient statistics, the weight norms, the learning rates and t
 Under FSDP2 (DTensor parameters) or with ``group=`` (plain shards), weights and updates are reduced across ranks in
 the same way as the gradients (:func:`torch_gradstats.distributed.reduce_across_ranks`).
 
-(One module of ~440 lines on purpose: the device-side statistics, the update measurement and their host report
+(One module of ~450 lines on purpose: the device-side statistics, the update measurement and their host report
 share one packing of the values for the single transfer, and are read together.)
 """
 
