@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -509,12 +510,13 @@ def test_fallback_float32_squares_only_inside_their_safe_range():
     assert _sumsq_path(torch.tensor([small, 0.0, 1e-45], dtype=f32)) == "float64"  # a subnormal
 
 
+@pytest.mark.parametrize("length", [300, 256])  # padded rows take the bits path, full rows squares first
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_fallback_rows_far_from_one_keep_the_contract(dtype):
+def test_fallback_rows_far_from_one_keep_the_contract(dtype, length):
     """Rows whose float32 squares would overflow (1e30) or underflow (1e-30), alone, mixed with ordinary rows in
     one batch, and with zeros or a single large value among small ones, all against the reference."""
     g = torch.Generator().manual_seed(3)
-    base = torch.randn(300, generator=g, dtype=torch.float64)
+    base = torch.randn(length, generator=g, dtype=torch.float64)
     scales = [1.0, 1e-3, 1e3] if dtype == torch.float16 else [1.0, 1e30, 1e-30, 1e-19, 1e18, 2.0**56, 2.0**-63]
     rows = [(base * s).to(dtype) for s in scales]
     with_zeros = [r.clone() for r in rows]
@@ -524,7 +526,9 @@ def test_fallback_rows_far_from_one_keep_the_contract(dtype):
     one_big[7] = 1e3 if dtype == torch.float16 else 1e30
     subnormal = (base * (1e-6 if dtype == torch.float16 else 1e-40)).to(dtype)
     huge = torch.full((4097,), 6e4 if dtype == torch.float16 else 1e30, dtype=dtype)
-    tensors = rows + with_zeros + [one_big, subnormal, huge]
+    special = rows[0].clone()
+    special[[5, 9, 11]] = torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype)
+    tensors = rows + with_zeros + [one_big, subnormal, huge, special, huge[:4096]]
     out = TensorStats(*fallback_multi_tensor_stats(tensors))
     assert_matches_reference(tensors, out)
     alone = [fallback_multi_tensor_stats([t]) for t in tensors]  # each row's path is its own, not its batch's
@@ -556,7 +560,8 @@ def test_fallback_float32_path_bits_do_not_depend_on_threads_or_flush_denormal(d
     zeros = torch.randn(100_000, generator=g).to(dtype)
     zeros[::7] = 0
     tiny = torch.full((50_000,), 1e-6 if dtype == torch.float16 else 1e-39, dtype=dtype)  # subnormal
-    tensors += [zeros, tiny] + [torch.randn(40, generator=g).to(dtype) for _ in range(300)]
+    tiny_full = tiny[: 1 << 15]  # a full row: read squares first
+    tensors += [zeros, tiny, zeros[: 1 << 16], tiny_full] + [torch.randn(40, generator=g).to(dtype) for _ in range(300)]
     threads = torch.get_num_threads()
     results = {}
     try:
@@ -572,7 +577,7 @@ def test_fallback_float32_path_bits_do_not_depend_on_threads_or_flush_denormal(d
     first = results[False, 1]
     assert_matches_reference(tensors, TensorStats(*fallback_multi_tensor_stats(tensors)))
     # the subnormal tensor's sumsq and amax are the docstring's one exception where a thread flushes denormals
-    keep = [i for i in range(len(tensors)) if tensors[i] is not tiny]
+    keep = [i for i in range(len(tensors)) if tensors[i] is not tiny and tensors[i] is not tiny_full]
     for key, other in results.items():
         torch.testing.assert_close(other[2], first[2], rtol=0, atol=0)  # counts, every tensor
         assert torch.equal(other[1][keep], first[1][keep]), key
@@ -633,6 +638,46 @@ def test_fallback_memory_is_bounded_by_its_chunk():
     tensors = [big, torch.randn(2048, 1030)[:, 3:], torch.randn(3, 1).expand(3, 1 << 19)]
     tensors += [torch.randn(n).to(DTYPES[n % 4]) for n in range(1, 200)]
     bound = 56 * chunk + 200 * len(tensors) + 65536  # the documented bound + per-tensor bookkeeping + slack
+    fallback_module.release_workspace()  # so the call below allocates its workspace in front of the profiler
     peak = peak_allocated_bytes(lambda: fallback_multi_tensor_stats(tensors, chunk_elems=chunk))
     assert peak <= bound, (peak, bound)
     assert peak_allocated_bytes(lambda: reference_multi_tensor_stats([big])) >= 8 * big.numel()
+
+
+def test_float32_square_root_of_the_rounded_square_is_exact():
+    """The fallback's squares-first path takes max |x| from the largest float32 square: it relies on the rounded
+    square being strictly increasing in |x| and on its correctly rounded square root being |x|. Scaling by a power
+    of two scales the square by a power of four exactly, so every significand (each float32 in [1, 2)) is every
+    case away from underflow and overflow."""
+    x = torch.arange(0x3F80_0000, 0x4000_0000, dtype=torch.int32).view(torch.float32)
+    squares = x * x
+    assert bool((squares[1:] > squares[:-1]).all())
+    assert torch.equal(squares.double().sqrt().float(), x)  # the fallback's rounding: sqrt in float64, then float32
+
+
+def test_fallback_cpu_workspace_is_per_thread_and_survives_inference_mode():
+    """The CPU workspace is kept by each thread between calls: results are the same whichever thread, mode or
+    order made it, and release_workspace() frees it (the next call makes a new one)."""
+    g = torch.Generator().manual_seed(9)
+    tensors = [torch.randn(n, generator=g) for n in (1 << 16, 1 << 16, 4096, 333, 1)]
+    tensors[1][100] = 0.0
+    want = [bitwise(t) for t in fallback_multi_tensor_stats(tensors)]
+    fallback_module.release_workspace()
+    with torch.inference_mode():  # buffers first made here are written below, outside inference mode
+        inside = [bitwise(t) for t in fallback_multi_tensor_stats(tensors)]
+    outside = [bitwise(t) for t in fallback_multi_tensor_stats(tensors)]
+    results: list[list[torch.Tensor]] = []
+
+    def work() -> None:
+        for _ in range(20):
+            results.append([bitwise(t) for t in fallback_multi_tensor_stats(tensors)])
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 80
+    for got in [inside, outside, *results]:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_matches_reference(tensors, TensorStats(*fallback_multi_tensor_stats(tensors)))

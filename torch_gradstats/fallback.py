@@ -10,6 +10,7 @@ like any other kernel.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from torch_gradstats._checks import DTYPE_BITS, OP_NAME, checked_numels
 
-__all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register"]
+__all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "release_workspace"]
 
 #: Elements in one batch of the fallback; bounds its extra memory (see :func:`fallback_multi_tensor_stats`).
 FALLBACK_CHUNK_ELEMS = 1 << 18
@@ -73,14 +74,18 @@ def _fixed_order_sum(v: Tensor) -> Tensor:
 
 
 class _Workspace:
-    """Buffers reused by every batch of one call. Fresh large allocations come back from the OS as untouched pages,
-    and faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
-    role, viewed as whatever dtype the batch needs, so mixed dtypes share it."""
+    """Buffers reused by every batch. Fresh large allocations come back from the OS as untouched pages, and
+    faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
+    role, viewed as whatever dtype the batch needs, so mixed dtypes share it. Buffers and views are made outside
+    inference mode, so a workspace first used inside ``torch.inference_mode()`` can be written outside it."""
+
+    _MAX_VIEWS = 256  # batch shapes vary with the last batch of each group: keep the cache small
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buffers: dict[str, Tensor] = {}
         self.views: dict[tuple[str, torch.dtype, tuple[int, int]], Tensor] = {}  # batches mostly repeat a shape
+        self.row_lists: dict[str, tuple[Tensor, list[Tensor]]] = {}
 
     def get(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
         view = self.views.get((role, dtype, shape))
@@ -88,12 +93,46 @@ class _Workspace:
             return view
         nbytes = shape[0] * shape[1] * dtype.itemsize
         buf = self.buffers.get(role)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.buffers[role] = buf
-            self.views = {k: v for k, v in self.views.items() if k[0] != role}  # frees the old buffer
-        view = self.views[role, dtype, shape] = buf[:nbytes].view(dtype).view(shape)
+        with torch.inference_mode(False):
+            if buf is None or buf.numel() < nbytes:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                self.buffers[role] = buf
+                self.views = {k: v for k, v in self.views.items() if k[0] != role}  # frees the old buffer
+                self.row_lists.pop(role, None)
+            if len(self.views) >= self._MAX_VIEWS:
+                self.views.clear()
+            view = self.views[role, dtype, shape] = buf[:nbytes].view(dtype).view(shape)
         return view
+
+    def rows(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> list[Tensor]:
+        """The rows of :meth:`get`'s view, as a list kept with it (selecting a row costs a torch call)."""
+        view = self.get(role, dtype, shape)
+        rows = self.row_lists.get(role)
+        if rows is None or rows[0] is not view:
+            with torch.inference_mode(False):
+                rows = self.row_lists[role] = (view, list(view.unbind()))
+        return rows[1]
+
+
+_thread_state = threading.local()
+
+
+def _workspace(device: torch.device) -> _Workspace:
+    """The workspace of a call. On the CPU it is kept by the calling thread between calls (at most
+    ``56 * chunk_elems`` bytes, see :func:`fallback_multi_tensor_stats`; :func:`release_workspace` frees it):
+    torch's CPU allocator hands large blocks back to the OS, and faulting a fresh one in costs more than a batch's
+    arithmetic. Other devices' allocators cache blocks themselves, so a workspace there lives for one call."""
+    if device.type != "cpu":
+        return _Workspace(device)
+    ws = getattr(_thread_state, "cpu_workspace", None)
+    if ws is None:
+        ws = _thread_state.cpu_workspace = _Workspace(device)
+    return ws
+
+
+def release_workspace() -> None:
+    """Free the calling thread's CPU workspace (the fallback makes a new one on its next call on the CPU)."""
+    _thread_state.cpu_workspace = None
 
 
 def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
@@ -219,12 +258,20 @@ def fallback_multi_tensor_stats(
     at most 8 bytes per element of a batch (the stacked rows, their bits, an integer temporary, the squares), and
     while a batch of small tensors is stacked, one more copy of it and its int64 padding index (plus per-block
     sums, 1/4096 of a batch). Tensors larger than a chunk are read in views of at most ``chunk_elems`` elements (a
-    non-dense one is copied one such view at a time).
+    non-dense one is copied one such view at a time). On the CPU the buffers are kept by the calling thread
+    between calls (torch's CPU allocator does not cache, and faulting fresh pages in costs more than the
+    arithmetic); :func:`release_workspace` frees them.
 
     Paths: max |x| and the zero/NaN/Inf counts are exact everywhere (read from the bits). Off the CPU every batch
     runs the same ops and nothing is read back (no sync): all counts are taken, and squares are computed in
     float64 (exact for 16/32-bit values) and summed in float64. On the CPU, where reading a value costs no sync,
-    each batch reads its smallest and largest |x| and skips what they settle: the zero count when no |x| is 0,
+    16/32-bit rows that fill their padded length (every piece of a large tensor, and any tensor of 2**k
+    elements) are read squares first (:func:`_squares_first`: one write of their float32 squares, then their
+    largest, smallest and block sums); a row whose squares are all normal and below 2**112 (no zero, no NaN,
+    no Inf) is settled from those, with max |x| the square root of its largest square (exact, see
+    :func:`_squares_first`), and every other row is read again by the bits path. The bits path reads each
+    batch's smallest and largest |x| and skips what they settle:
+    the zero count when no |x| is 0,
     the NaN/Inf counts when no |x| reaches +inf. There a 16/32-bit row whose nonzero |x| all lie in
     [2**-63, 2**56) (float16: every row of normal numbers) is squared in float32 (each square rounded once, a
     normal number: no overflow, no underflow) and summed in float32 by blocks of 4,096 (torch's cascade sum), the
@@ -244,8 +291,8 @@ def fallback_multi_tensor_stats(
     if chunk_elems < 1 or chunk_elems & (chunk_elems - 1):
         raise ValueError(f"{OP_NAME}: chunk_elems must be a power of two, got {chunk_elems}")
     n, device = len(tensors), tensors[0].device
-    # Rows grouped by (dtype, padded length); a piece's owner is the index of its tensor.
-    groups: dict[tuple[torch.dtype, int], tuple[list[int], list[Tensor]]] = {}
+    # Rows grouped by (dtype, padded length, whether they fill it); a piece's owner is the index of its tensor.
+    groups: dict[tuple[torch.dtype, int, bool], tuple[list[int], list[Tensor]]] = {}
     split: set[int] = set()  # tensors cut into several pieces
     for i, (t, numel) in enumerate(zip(tensors, numels)):
         if numel == 0:
@@ -255,21 +302,27 @@ def fallback_multi_tensor_stats(
             split.add(i)
         for p in pieces:
             length = p.numel() if p is not t else numel
-            key = (t.dtype, 1 << (length - 1).bit_length())
+            padded = 1 << (length - 1).bit_length()
+            key = (t.dtype, padded, length == padded)
             owners, rows = groups.setdefault(key, ([], []))
             owners.append(i)
             rows.append(p)
 
     owners_all: list[int] = []
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
-    ws = _Workspace(device)
-    for (dtype, length), (owners, rows) in groups.items():
+    ws = _workspace(device)
+    for (dtype, length, full), (owners, rows) in groups.items():
         per_batch = max(1, chunk_elems // length)
-        for start in range(0, len(rows), per_batch):
-            batch = rows[start : start + per_batch]
-            bits, pad = _abs_bits(batch, length, ws)
-            parts.append(_batch_stats(bits, dtype, pad, ws))
-            owners_all.extend(owners[start : start + per_batch])
+        if full and dtype != torch.float64 and _branches_on_host(device):
+            # float32 squares: twice the rows in the bytes of a chunk's float64 squares
+            per_read = max(1, 2 * chunk_elems // length)
+            read = [(b, _squares_first(b, length, ws)) for b in _batches(rows, per_read)]
+            parts.append(_settle_squares_first(read, dtype, length, per_batch, ws))
+        else:
+            for batch in _batches(rows, per_batch):
+                bits, pad = _abs_bits(batch, length, ws)
+                parts.append(_batch_stats(bits, dtype, pad, ws))
+        owners_all.extend(owners)
 
     sumsq = torch.zeros(n, dtype=torch.float64, device=device)
     amax = torch.zeros(n, dtype=torch.float64, device=device)
@@ -282,6 +335,68 @@ def fallback_multi_tensor_stats(
     nan = counts[:, 1] > 0
     sumsq = torch.where(nan, torch.full_like(sumsq, math.nan), sumsq)
     amax = torch.where(nan, torch.full_like(amax, math.nan), amax)
+    return sumsq, amax, counts
+
+
+def _batches(rows: list[Tensor], size: int) -> list[list[Tensor]]:
+    return [rows[start : start + size] for start in range(0, len(rows), size)]
+
+
+#: Float32 squares from which the CPU's squares-first path settles a row: every square a normal number (so no
+#: zero, no subnormal, no flushed value) and below 2**112 (so a float32 sum of _SUM_BLOCK of them stays finite).
+#: NaN fails both comparisons.
+_SQUARE_LOW, _SQUARE_HIGH = 2.0**-126, 2.0**112
+
+
+def _squares_first(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
+    """Float32 squares of a batch of full 16/32-bit rows (written once, into the workspace) and, per row, their
+    largest and smallest value and their sums by blocks of _SUM_BLOCK: three reads of a buffer still in cache
+    instead of the bits path's mask, max, min and squares (the CPU path for rows without zeros, NaN or Inf).
+
+    Squares of 16-bit values are exact in float32; those of float32 values are rounded once, and in binary
+    floating point the rounded square is strictly increasing in |x| and its correctly rounded square root is |x|
+    (checked for every float32 significand by the tests), so the largest square gives max |x| exactly."""
+    r = len(rows)
+    squares = ws.get("squares", torch.float32, (r, length))
+    if r <= 2 * _FEW_ROWS and rows[0].dtype == torch.float32:
+        for row, x in zip(ws.rows("squares", torch.float32, (r, length)), rows):
+            torch.mul(x, x, out=row if x.dim() == 1 else row.view(x.shape))
+    else:
+        torch.cat([x.reshape(-1) for x in rows], out=squares.view(-1))  # 16-bit rows widened exactly
+        squares.mul_(squares)
+    block = min(length, _SUM_BLOCK)
+    block_sums = ws.get("squares", torch.float32, (r * (length // block), block)).sum(dim=1)
+    return squares.amax(dim=1), squares.amin(dim=1), block_sums.view(r, length // block)
+
+
+def _settle_squares_first(
+    batches: list[tuple[list[Tensor], tuple[Tensor, Tensor, Tensor]]],
+    dtype: torch.dtype,
+    length: int,
+    per_batch: int,
+    ws: _Workspace,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Statistics of the rows of one group read by :func:`_squares_first`, in batch order. A row whose squares
+    are all in [_SQUARE_LOW, _SQUARE_HIGH) has no zero, NaN or Inf and its float32 sums are safe (the float32
+    path of :func:`_batch_stats`, bit for bit); every other row (one host read says which) is read again by the
+    bits path, which counts exactly."""
+    highest = torch.cat([b[1][0] for b in batches])
+    lowest = torch.cat([b[1][1] for b in batches])
+    sumsq = _row_sums(torch.cat([b[1][2] for b in batches]).to(torch.float64))
+    amax = highest.to(torch.float64).sqrt_().to(torch.float32).to(torch.float64)  # the square root, rounded once
+    counts = torch.zeros(highest.shape[0], 3, dtype=torch.int64, device=highest.device)
+    settled = (lowest >= _SQUARE_LOW) & (highest < _SQUARE_HIGH)
+    redo = (~settled).nonzero().flatten().tolist()  # on the CPU: no sync
+    if redo:
+        rows = [x for batch, _ in batches for x in batch]
+        for start in range(0, len(redo), per_batch):
+            picked = redo[start : start + per_batch]
+            bits, pad = _abs_bits([rows[j] for j in picked], length, ws)
+            row_sumsq, row_amax, row_counts = _batch_stats(bits, dtype, pad, ws)
+            idx = torch.tensor(picked, dtype=torch.int64, device=highest.device)
+            sumsq.index_copy_(0, idx, row_sumsq)
+            amax.index_copy_(0, idx, row_amax)
+            counts.index_copy_(0, idx, row_counts)
     return sumsq, amax, counts
 
 
