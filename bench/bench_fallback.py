@@ -9,7 +9,8 @@ Three contenders on the same inputs, timed in interleaved rounds (median of the 
   what the fallback was before (a whole float64 copy of each tensor, a dozen ops per tensor).
 
 Workloads: 1,000 float32 tensors of 65,536 elements (256 MiB), 200,000 tiny float32 tensors of 1 to 16 elements,
-and the peak extra memory of each kernel on one large tensor (float32 and bfloat16), from torch's profiler memory
+and the peak extra memory of each kernel on one large tensor (float32 and bfloat16; the fallback's first call on a
+thread, which makes the workspace it keeps), from torch's profiler memory
 events (the CPU allocator's own allocations and frees, not RSS).
 
     python bench/bench_fallback.py              # ~2 min on a 2-core machine (the old fallback is the slow part)
@@ -28,7 +29,7 @@ import torch
 
 import torch_gradstats
 from torch_gradstats.bench.timing import peak_allocated_bytes
-from torch_gradstats.fallback import fallback_multi_tensor_stats
+from torch_gradstats.fallback import fallback_multi_tensor_stats, release_workspace
 from torch_gradstats.ops import reference_multi_tensor_stats
 
 Kernel = Callable[[list[torch.Tensor]], object]
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         size = numel * x[0].element_size()
         cells = []
         for fn in (_compiled, fallback_multi_tensor_stats, reference_multi_tensor_stats):
+            release_workspace()  # the fallback keeps its CPU workspace between calls: measure the call that makes it
             peak = peak_allocated_bytes(lambda fn=fn, x=x: fn(x))
             cells.append(f"{peak / 2**20:8.2f} MiB {peak / size:5.2f}x")
         print(f"{str(dtype).replace('torch.', ''):<10} {size / 2**20:>6.0f} MiB " + " ".join(f"{c:>16}" for c in cells))
