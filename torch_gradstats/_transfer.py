@@ -15,6 +15,7 @@ exactly one device-to-host transfer per report. This module owns that rule:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -43,8 +44,13 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 
 
 def host_int64(values: Sequence[int], device: torch.device) -> Tensor:
-    """Python ints (e.g. indices or element counts known from metadata) as an int64 tensor on ``device``, no sync."""
-    return to_device(torch.tensor(list(values), dtype=torch.int64), device)
+    """Python ints (e.g. indices or element counts known from metadata) as an int64 tensor on ``device``, no sync.
+
+    Made through an ``array`` (torch.tensor on a list converts element by element: ~0.1 us each, 1 ms for 10,000)."""
+    buf = array("q", values)
+    if not buf:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return to_device(torch.frombuffer(buf, dtype=torch.int64), device)  # shares (and keeps alive) the array
 
 
 # ---------------------------------------------------------------------------------------------- packing

@@ -69,7 +69,9 @@ def _named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[
         items = params
     out: list[tuple[str, Tensor]] = []
     for i, item in enumerate(items):
-        if isinstance(item, Tensor):
+        if type(item) is tuple and len(item) == 2 and type(item[0]) is str and isinstance(item[1], Tensor):
+            out.append(item)  # named_parameters(): the common case first, the pair kept as is
+        elif isinstance(item, Tensor):
             out.append((str(i), item))
         elif (
             isinstance(item, (tuple, list))
@@ -284,6 +286,12 @@ def _empty_stats(device: torch.device) -> GradStats:
 def _stats_on_home(local: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, torch.device]:
     """One op call per device; results gathered on the home device (see the module docstring) in the order of
     ``local``, and that device."""
+    if not torch.compiler.is_compiling():
+        try:  # one device, the common case: no per-tensor Python at all
+            sumsq, amax, counts = multi_tensor_stats(local)
+            return sumsq, amax, counts, sumsq.device
+        except ValueError:
+            pass  # several devices (grouped below), or a bad input: the grouped call raises it again
     by_device: dict[torch.device, list[int]] = {}  # metadata only, model order inside each group
     for i, t in enumerate(local):
         by_device.setdefault(t.device, []).append(i)
@@ -339,14 +347,13 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
         g = p.grad
         if g is None:
             continue
-        if dtensor_types and isinstance(g, dtensor_types):
-            any_dtensor = True
-            lg = cast(Any, g).to_local()  # a DTensor (its class is only known at run time)
-        else:
-            lg = g
         names.append(name)
         grads.append(g)
-        local.append(lg)
+        if dtensor_types and isinstance(g, dtensor_types):
+            any_dtensor = True
+            local.append(cast(Any, g).to_local())  # a DTensor (its class is only known at run time)
+        else:
+            local.append(g)
 
     if not local:
         return _empty_stats(torch.device("cpu"))
