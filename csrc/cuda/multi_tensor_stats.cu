@@ -15,6 +15,7 @@
 // own copy, filled by the captured kernels into a per-call temporary of the graph's pool (docs/cuda.md, "Metadata
 // and CUDA graphs").
 #include "multi_tensor_stats.h"
+#include "packed16.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,6 +36,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 namespace torch_gradstats {
@@ -69,23 +71,28 @@ static_assert(sizeof(TensorMeta) == 40, "TensorMeta layout is shared by host and
 // ----------------------------------------------------------------------------------------------------------------
 // Per-dtype bit patterns. Classification comes from the bits: with a = bits & kAbs, zero <=> a == 0 (so -0.0 too),
 // inf <=> a == kExp, NaN <=> a > kExp, finite <=> a < kExp; for finite values, a orders like |x|.
+// Words: how packed16.h reads two of them from a 32-bit word (16-bit dtypes only).
 struct HalfTraits {
   using bits_t = uint16_t;
+  using Words = packed16::HalfWords;
   static constexpr bits_t kAbs = 0x7fff, kExp = 0x7c00;
   static __device__ __forceinline__ double to_double(bits_t b) { return __half2float(__ushort_as_half(b)); }
 };
 struct BFloat16Traits {
   using bits_t = uint16_t;
+  using Words = packed16::BFloat16Words;
   static constexpr bits_t kAbs = 0x7fff, kExp = 0x7f80;
   static __device__ __forceinline__ double to_double(bits_t b) { return __uint_as_float(uint32_t(b) << 16); }
 };
 struct FloatTraits {
   using bits_t = uint32_t;
+  using Words = void;
   static constexpr bits_t kAbs = 0x7fffffffu, kExp = 0x7f800000u;
   static __device__ __forceinline__ double to_double(bits_t b) { return __uint_as_float(b); }
 };
 struct DoubleTraits {
   using bits_t = uint64_t;
+  using Words = void;
   static constexpr bits_t kAbs = 0x7fffffffffffffffull, kExp = 0x7ff0000000000000ull;
   static __device__ __forceinline__ double to_double(bits_t b) { return __longlong_as_double((long long)b); }
 };
@@ -114,6 +121,39 @@ struct ThreadAcc {
     const bits_t* e = reinterpret_cast<const bits_t*>(&v);
 #pragma unroll
     for (int k = 0; k < int(sizeof(uint4) / sizeof(bits_t)); ++k) visit(e[k]);
+  }
+
+  // V vectors held in registers, one run. 16-bit dtypes are read as packed words (packed16.h: two elements per
+  // integer operation, squares summed in float32): the exact per-element visit only for a run that holds an Inf or
+  // a NaN, and float64 squares only for a run whose float32 sum cannot stand for them (an overflow, or squares
+  // below float32's normal range). float32 and float64 go element by element.
+  template <int V>
+  __device__ __forceinline__ void visit_run(const uint4 (&r)[V]) {
+    using bits_t = typename Tr::bits_t;
+    if constexpr (std::is_void_v<typename Tr::Words>) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) visit_vec(r[k]);
+    } else {
+      constexpr int kElems = V * int(sizeof(uint4) / sizeof(bits_t));
+      const packed16::Run run = packed16::scan_run<kElems / 2, typename Tr::Words>(reinterpret_cast<const uint32_t*>(r));
+      if (run.special) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) visit_vec(r[k]);
+        return;
+      }
+      zeros += run.zeros;
+      amax_bits = bits_t(run.amax) > amax_bits ? bits_t(run.amax) : amax_bits;
+      if (packed16::run_sum_is_kept(run.sum)) {
+        sumsq += double(run.sum);
+      } else if (run.zeros != uint32_t(kElems)) {
+        const bits_t* e = reinterpret_cast<const bits_t*>(r);
+#pragma unroll
+        for (int k = 0; k < kElems; ++k) {
+          const double v = Tr::to_double(e[k]);
+          sumsq = fma(v, v, sumsq);
+        }
+      }
+    }
   }
 };
 
@@ -167,10 +207,12 @@ __device__ __forceinline__ Partial tile_partial(const void* base, int64_t start,
     uint4 r[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) r[k] = __ldg(vp + v + int64_t(k) * kThreads);
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) acc.visit_vec(r[k]);
+    acc.visit_run(r);
   }
-  for (; v < n_vec; v += kThreads) acc.visit_vec(__ldg(vp + v));
+  for (; v < n_vec; v += kThreads) {
+    const uint4 r[1] = {__ldg(vp + v)};
+    acc.visit_run(r);
+  }
 
   const int64_t n_tail = int64_t(a1 - ve) / es;  // < 16 / es
   if (tid < n_tail) acc.visit(__ldg(reinterpret_cast<const bits_t*>(ve) + tid));
