@@ -3,7 +3,8 @@
 // Two launches for any number of tensors, deterministic, no host sync:
 //  1. `tile_stats_kernel`: a persistent grid (sized from the SM count) walks a flattened list of tiles; a tile is a
 //     contiguous span of one tensor. Every element is read once with 16-byte loads (scalar head/tail only at
-//     unaligned tile edges); one block reduces a tile in a fixed order and writes that tile's partial.
+//     unaligned tile edges); one block (or, for a whole tensor of at most 8 KB, one warp) reduces a tile in a fixed
+//     order and writes that tile's partial.
 //  2. `finalize_kernel`: one warp per tensor reduces that tensor's partials in a fixed order, turns the NaN/Inf
 //     counts into the special values of sumsq/amax and writes the outputs.
 // Which block handles which tile never changes a result, so the bits are the same on every call and every GPU.
@@ -48,6 +49,7 @@ constexpr int kThreads = 256;                  // threads per block, both kernel
 constexpr int kUnroll = 4;                     // 16-byte loads in flight per thread
 constexpr int64_t kVecBytes = 16;              // one vector load
 constexpr int64_t kTileBytes = 64 * 1024;      // nominal tile: 16 vector loads per thread
+constexpr int64_t kWarpTileBytes = 8 * 1024;   // a tensor this small is one tile, read by one warp
 constexpr int64_t kMaxTilesPerTensor = 4096;   // bigger tensors get bigger tiles (bounds the finalize work)
 constexpr int kBlocksPerSM = 4;                // persistent grid = SMs * this
 constexpr int kWarpsPerFinalizeBlock = kThreads / 32;
@@ -137,8 +139,7 @@ struct ThreadAcc {
       constexpr int kElems = V * int(sizeof(uint4) / sizeof(bits_t));
       const packed16::Run run = packed16::scan_run<kElems / 2, typename Tr::Words>(reinterpret_cast<const uint32_t*>(r));
       if (run.special) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) visit_vec(r[k]);
+        *this = visit_exact(*this, Vecs<V>::of(r));
         return;
       }
       zeros += run.zeros;
@@ -146,14 +147,39 @@ struct ThreadAcc {
       if (packed16::run_sum_is_kept(run.sum)) {
         sumsq += double(run.sum);
       } else if (run.zeros != uint32_t(kElems)) {
-        const bits_t* e = reinterpret_cast<const bits_t*>(r);
-#pragma unroll
-        for (int k = 0; k < kElems; ++k) {
-          const double v = Tr::to_double(e[k]);
-          sumsq = fma(v, v, sumsq);
-        }
+        sumsq = exact_sumsq(Vecs<V>::of(r), sumsq);
       }
     }
+  }
+
+  // The rare paths of visit_run, out of line so that the common path keeps its registers (64, the launch bound).
+  template <int V>
+  struct Vecs {
+    uint4 v[V];
+    static __device__ __forceinline__ Vecs of(const uint4 (&r)[V]) {
+      Vecs out;
+#pragma unroll
+      for (int k = 0; k < V; ++k) out.v[k] = r[k];
+      return out;
+    }
+  };
+  // By value in and out: a pointer to the accumulator would keep it out of registers everywhere.
+  template <int V>
+  static __device__ __noinline__ ThreadAcc visit_exact(ThreadAcc acc, const Vecs<V> r) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc.visit_vec(r.v[k]);
+    return acc;
+  }
+  template <int V>
+  static __device__ __noinline__ double exact_sumsq(const Vecs<V> r, double sumsq) {
+    using bits_t = typename Tr::bits_t;
+    const bits_t* e = reinterpret_cast<const bits_t*>(r.v);
+#pragma unroll
+    for (int k = 0; k < V * int(sizeof(uint4) / sizeof(bits_t)); ++k) {
+      const double x = Tr::to_double(e[k]);
+      sumsq = fma(x, x, sumsq);
+    }
+    return sumsq;
   }
 };
 
@@ -183,10 +209,11 @@ __device__ __forceinline__ Partial warp_reduce(Partial p) {
   return p;
 }
 
-// Reads elements [start, end) of the flat span at `base` with this block: a scalar head up to the first 16-byte
-// boundary, 16-byte vector loads (kUnroll in flight per thread), a scalar tail after the last boundary.
-template <class Tr>
-__device__ __forceinline__ Partial tile_partial(const void* base, int64_t start, int64_t end) {
+// Reads elements [start, end) of the flat span at `base` with kWorkers threads (a block, or one warp for a small
+// tile), `worker` being this thread's index among them: a scalar head up to the first 16-byte boundary, 16-byte
+// vector loads (kUnroll in flight per thread), a scalar tail after the last boundary.
+template <class Tr, int kWorkers>
+__device__ __forceinline__ Partial tile_partial(const void* base, int64_t start, int64_t end, int worker) {
   using bits_t = typename Tr::bits_t;
   constexpr int64_t es = sizeof(bits_t);
   ThreadAcc<Tr> acc;
@@ -195,7 +222,7 @@ __device__ __forceinline__ Partial tile_partial(const void* base, int64_t start,
   uintptr_t vb = (a0 + kVecBytes - 1) & ~uintptr_t(kVecBytes - 1);
   uintptr_t ve = a1 & ~uintptr_t(kVecBytes - 1);
   if (vb > ve) vb = ve = a1;  // no whole vector inside: everything is head
-  const int tid = threadIdx.x;
+  const int tid = worker;
 
   const int64_t n_head = int64_t(vb - a0) / es;  // < 16 / es
   if (tid < n_head) acc.visit(__ldg(reinterpret_cast<const bits_t*>(a0) + tid));
@@ -203,13 +230,13 @@ __device__ __forceinline__ Partial tile_partial(const void* base, int64_t start,
   const uint4* vp = reinterpret_cast<const uint4*>(vb);
   const int64_t n_vec = int64_t(ve - vb) / kVecBytes;
   int64_t v = tid;
-  for (; v + int64_t(kUnroll - 1) * kThreads < n_vec; v += int64_t(kUnroll) * kThreads) {
+  for (; v + int64_t(kUnroll - 1) * kWorkers < n_vec; v += int64_t(kUnroll) * kWorkers) {
     uint4 r[kUnroll];
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) r[k] = __ldg(vp + v + int64_t(k) * kThreads);
+    for (int k = 0; k < kUnroll; ++k) r[k] = __ldg(vp + v + int64_t(k) * kWorkers);
     acc.visit_run(r);
   }
-  for (; v < n_vec; v += kThreads) {
+  for (; v < n_vec; v += kWorkers) {
     const uint4 r[1] = {__ldg(vp + v)};
     acc.visit_run(r);
   }
@@ -220,39 +247,56 @@ __device__ __forceinline__ Partial tile_partial(const void* base, int64_t start,
   return {acc.sumsq, Tr::to_double(acc.amax_bits), acc.zeros, acc.nans, acc.infs};
 }
 
+template <int kWorkers>
+__device__ __forceinline__ Partial tile_partial_of(const TensorMeta& m, int64_t t, int worker) {
+  const int64_t start = (t - m.first_tile) * m.tile_elems;
+  const int64_t end = start + m.tile_elems < m.numel ? start + m.tile_elems : m.numel;
+  switch (m.dtype) {
+    case kTagHalf: return tile_partial<HalfTraits, kWorkers>(m.ptr, start, end, worker);
+    case kTagBFloat16: return tile_partial<BFloat16Traits, kWorkers>(m.ptr, start, end, worker);
+    case kTagFloat: return tile_partial<FloatTraits, kWorkers>(m.ptr, start, end, worker);
+    default: return tile_partial<DoubleTraits, kWorkers>(m.ptr, start, end, worker);
+  }
+}
+
+__device__ __forceinline__ void store_partial(const Partial& r, int64_t t, int64_t num_tiles, double* p_sumsq,
+                                              double* p_amax, int64_t* p_counts) {
+  p_sumsq[t] = r.sumsq;
+  p_amax[t] = r.amax;
+  p_counts[t] = int64_t(r.zeros);
+  p_counts[num_tiles + t] = int64_t(r.nans);
+  p_counts[2 * num_tiles + t] = int64_t(r.infs);
+}
+
 // Kernel 1: one partial per tile. Partials are stored structure-of-arrays: sumsq[T], amax[T], counts[3][T].
-__global__ void __launch_bounds__(kThreads) tile_stats_kernel(const TensorMeta* __restrict__ meta,
+// Tiles [0, num_block_tiles) are read by whole blocks (block-stride); the rest, each a whole tensor of at most
+// kWarpTileBytes, by single warps (warp-stride over every warp of the grid), reduced with shuffles alone: a block's
+// reduction and its two barriers would cost more than reading such a tile. Whole blocks and whole warps take each
+// loop's trips together. The launch bounds keep the persistent grid's kBlocksPerSM blocks resident (<= 64 registers).
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(const TensorMeta* __restrict__ meta,
                                                               const int32_t* __restrict__ tile_tensor,
-                                                              int64_t num_tiles, double* __restrict__ p_sumsq,
+                                                              int64_t num_tiles, int64_t num_block_tiles,
+                                                              double* __restrict__ p_sumsq,
                                                               double* __restrict__ p_amax,
                                                               int64_t* __restrict__ p_counts) {
   __shared__ Partial warp_results[kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const TensorMeta m = meta[tile_tensor[t]];
-    const int64_t start = (t - m.first_tile) * m.tile_elems;
-    const int64_t end = start + m.tile_elems < m.numel ? start + m.tile_elems : m.numel;
-    Partial p;
-    switch (m.dtype) {
-      case kTagHalf: p = tile_partial<HalfTraits>(m.ptr, start, end); break;
-      case kTagBFloat16: p = tile_partial<BFloat16Traits>(m.ptr, start, end); break;
-      case kTagFloat: p = tile_partial<FloatTraits>(m.ptr, start, end); break;
-      default: p = tile_partial<DoubleTraits>(m.ptr, start, end); break;
-    }
-    p = warp_reduce(p);
+  for (int64_t t = blockIdx.x; t < num_block_tiles; t += gridDim.x) {
+    Partial p = warp_reduce(tile_partial_of<kThreads>(meta[tile_tensor[t]], t, threadIdx.x));
     if (lane == 0) warp_results[warp] = p;
     __syncthreads();
     if (threadIdx.x == 0) {
       Partial r = warp_results[0];
 #pragma unroll
       for (int w = 1; w < kThreads / 32; ++w) r = combine(r, warp_results[w]);
-      p_sumsq[t] = r.sumsq;
-      p_amax[t] = r.amax;
-      p_counts[t] = int64_t(r.zeros);
-      p_counts[num_tiles + t] = int64_t(r.nans);
-      p_counts[2 * num_tiles + t] = int64_t(r.infs);
+      store_partial(r, t, num_tiles, p_sumsq, p_amax, p_counts);
     }
     __syncthreads();  // warp_results is reused by the next tile
+  }
+  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
+  for (int64_t t = num_block_tiles + int64_t(blockIdx.x) * (kThreads / 32) + warp; t < num_tiles; t += warps) {
+    const Partial p = warp_reduce(tile_partial_of<32>(meta[tile_tensor[t]], t, lane));
+    if (lane == 0) store_partial(p, t, num_tiles, p_sumsq, p_amax, p_counts);
   }
 }
 
@@ -300,6 +344,15 @@ int32_t dtype_tag(at::ScalarType t) {
     case at::kFloat: return kTagFloat;
     default: return kTagDouble;  // check_inputs admits nothing else
   }
+}
+
+int64_t tag_bytes(int32_t tag) {
+  return tag == kTagDouble ? 8 : tag == kTagFloat ? 4 : 2;
+}
+
+// A non-empty tensor of at most kWarpTileBytes: one tile (kTileBytes is larger), read by one warp.
+bool is_warp_tile(int64_t numel, int64_t es) {
+  return numel > 0 && numel * es <= kWarpTileBytes;
 }
 
 int sm_count(c10::DeviceIndex device) {
@@ -617,7 +670,8 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
   thread_local std::vector<TensorMeta> host_meta;  // reused across calls: no allocation in steady state
   host_meta.resize(size_t(n));
   uint64_t hash = uint64_t(n);
-  int64_t num_tiles = 0;
+  // Block tiles are numbered first, in list order; the warp tiles (whole small tensors) after them, in list order.
+  int64_t num_block_tiles = 0, num_warp_tiles = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
     if (!t->is_non_overlapping_and_dense()) {
@@ -633,10 +687,16 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
                       "] has a data pointer that is not aligned to its element size");
     const int64_t tile_elems = tile_elems_for(numel, es);
     const int32_t tag = dtype_tag(t->scalar_type());
-    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, num_tiles, tag, 0};
-    num_tiles += numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
+    const int64_t tiles = numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
+    int64_t& counter = is_warp_tile(numel, es) ? num_warp_tiles : num_block_tiles;
+    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, counter, tag, 0};
+    counter += tiles;
     hash = mix(mix(mix(hash, reinterpret_cast<uintptr_t>(ptr)), uint64_t(numel)), uint64_t(tag));
   }
+  for (TensorMeta& m : host_meta) {
+    if (is_warp_tile(m.numel, tag_bytes(m.dtype))) m.first_tile += num_block_tiles;
+  }
+  const int64_t num_tiles = num_block_tiles + num_warp_tiles;
   TORCH_CHECK_VALUE(num_tiles < std::numeric_limits<int32_t>::max(), "multi_tensor_stats: too many tiles (",
                     num_tiles, ")");
 
@@ -676,9 +736,10 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
     p_sumsq = reinterpret_cast<double*>(scratch.data_ptr());
     p_amax = p_sumsq + num_tiles;
     p_counts = reinterpret_cast<int64_t*>(p_amax + num_tiles);
-    const int64_t grid = std::min<int64_t>(num_tiles, int64_t(sm_count(device.index())) * kBlocksPerSM);
-    tile_stats_kernel<<<unsigned(grid), kThreads, 0, stream.stream()>>>(d_meta, d_tile_tensor, num_tiles, p_sumsq,
-                                                                        p_amax, p_counts);
+    const int64_t work = num_block_tiles + (num_warp_tiles + kThreads / 32 - 1) / (kThreads / 32);  // in blocks
+    const int64_t grid = std::min<int64_t>(work, int64_t(sm_count(device.index())) * kBlocksPerSM);
+    tile_stats_kernel<<<unsigned(grid), kThreads, 0, stream.stream()>>>(d_meta, d_tile_tensor, num_tiles,
+                                                                        num_block_tiles, p_sumsq, p_amax, p_counts);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const int64_t finalize_grid = (n + kWarpsPerFinalizeBlock - 1) / kWarpsPerFinalizeBlock;
