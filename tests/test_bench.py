@@ -4,6 +4,7 @@ right, the files round-trip, and a quick CPU run works end to end. CPU only, sma
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import math
 import os
@@ -243,6 +244,18 @@ def test_csv_and_markdown_round_trip(tmp_path):
             v = getattr(r, attr)
             assert rec[col] == ("-" if math.isnan(v) else f"{v:.3f}")
         assert rec["note"] == r.note
+
+
+def test_main_in_process_leaves_threads_and_gc_as_found(capsys):
+    """bench.main sets torch's thread count and freezes the garbage collector while it runs; called from Python (a
+    test, a notebook) it must give both back."""
+    threads = torch.get_num_threads()
+    other = 1 if threads != 1 else 2
+    assert bench.main(["--quick", "--device", "cpu", "--threads", str(other), "--workloads", "count",
+                       "--contenders", "fused,ceiling_sum", "--no-progress"]) == 0  # fmt: skip
+    assert "Goals" in capsys.readouterr().out
+    assert torch.get_num_threads() == threads
+    assert gc.get_freeze_count() == 0
 
 
 def test_quick_cpu_run_end_to_end(tmp_path):

@@ -197,7 +197,17 @@ def _check_device(text: str) -> torch.device | str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m torch_gradstats bench``; returns the process exit code."""
+    """Entry point of ``python -m torch_gradstats bench``; returns the process exit code. Called in-process (tests,
+    notebooks), it leaves torch's thread count and the garbage collector as it found them."""
+    threads = torch.get_num_threads()
+    try:
+        return _main(argv)
+    finally:
+        gc.unfreeze()
+        torch.set_num_threads(threads)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     device = _check_device(args.device)
     if isinstance(device, str):
