@@ -99,6 +99,27 @@ def test_special_values(dtype):
     assert torch.isnan(sumsq[5]) and torch.isnan(amax[5])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("numel", [4096, 4097, 70_000])  # a warp tile (8 KB), the smallest block tile, 2 tiles
+def test_16bit_runs_mix_zeros_specials_and_tiny_values(dtype, numel, gen):
+    """The 16-bit path reads each thread's 4 vectors in flight (32 elements) as one run of packed words: a run with
+    an Inf or NaN is recounted element by element, so its zeros must count once; a run of tiny values takes
+    float64 squares; a run of zeros adds nothing. Specials at lane and run edges, the remainder loop and the tail."""
+    info = torch.finfo(dtype)
+    base = torch.zeros(numel, device="cuda", dtype=dtype)
+    ones = randn(numel, dtype, gen)
+    tiny = torch.full((numel,), info.smallest_normal, device="cuda", dtype=dtype) * 3  # squares below 2**-100
+    tensors = []
+    for values in (base, ones, tiny):
+        for spot in (0, 7, 8, 31, 32 * 8, 32 * 8 * 4 - 1, numel // 2, numel - 3, numel - 1):
+            for special in (float("nan"), float("inf"), -float("inf"), info.tiny / 4):
+                x = values.clone()
+                x[spot] = special
+                x[spot // 2] = 0.0  # a zero in the same or an earlier run
+                tensors.append(x)
+    check(tensors)
+
+
 def test_empty_tensors_and_lists_of_them():
     empties = [torch.empty(0, device="cuda", dtype=dt) for dt in DTYPES] + [torch.empty(3, 0, device="cuda")]
     check(empties)

@@ -66,7 +66,7 @@ struct TensorMeta {
   int64_t tile_elems;  // a multiple of the elements per 16 bytes
   int64_t first_tile;  // index of this tensor's first tile in the flattened tile list
   int32_t dtype;       // DTypeTag
-  int32_t pad;
+  int32_t warp_tile;   // 1: a tensor of at most kWarpTileBytes, one tile read by one warp (host bookkeeping)
 };
 static_assert(sizeof(TensorMeta) == 40, "TensorMeta layout is shared by host and device");
 
@@ -293,8 +293,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(cons
     }
     __syncthreads();  // warp_results is reused by the next tile
   }
+  // Warps are ranked from the first block that ran one block tile fewer than the others, so the warp tiles start
+  // where the block tiles ran out first.
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
-  for (int64_t t = num_block_tiles + int64_t(blockIdx.x) * (kThreads / 32) + warp; t < num_tiles; t += warps) {
+  const int64_t rank = (int64_t(blockIdx.x) + gridDim.x - num_block_tiles % gridDim.x) % gridDim.x;
+  for (int64_t t = num_block_tiles + rank * (kThreads / 32) + warp; t < num_tiles; t += warps) {
     const Partial p = warp_reduce(tile_partial_of<32>(meta[tile_tensor[t]], t, lane));
     if (lane == 0) store_partial(p, t, num_tiles, p_sumsq, p_amax, p_counts);
   }
@@ -344,10 +347,6 @@ int32_t dtype_tag(at::ScalarType t) {
     case at::kFloat: return kTagFloat;
     default: return kTagDouble;  // check_inputs admits nothing else
   }
-}
-
-int64_t tag_bytes(int32_t tag) {
-  return tag == kTagDouble ? 8 : tag == kTagFloat ? 4 : 2;
 }
 
 // A non-empty tensor of at most kWarpTileBytes: one tile (kTileBytes is larger), read by one warp.
@@ -688,13 +687,13 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
     const int64_t tile_elems = tile_elems_for(numel, es);
     const int32_t tag = dtype_tag(t->scalar_type());
     const int64_t tiles = numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
-    int64_t& counter = is_warp_tile(numel, es) ? num_warp_tiles : num_block_tiles;
-    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, counter, tag, 0};
+    int64_t& counter = is_warp_tile(numel, es) ? num_warp_tiles : num_block_tiles;  // this class's next tile
+    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, counter, tag, is_warp_tile(numel, es) ? 1 : 0};
     counter += tiles;
     hash = mix(mix(mix(hash, reinterpret_cast<uintptr_t>(ptr)), uint64_t(numel)), uint64_t(tag));
   }
   for (TensorMeta& m : host_meta) {
-    if (is_warp_tile(m.numel, tag_bytes(m.dtype))) m.first_tile += num_block_tiles;
+    if (m.warp_tile) m.first_tile += num_block_tiles;
   }
   const int64_t num_tiles = num_block_tiles + num_warp_tiles;
   TORCH_CHECK_VALUE(num_tiles < std::numeric_limits<int32_t>::max(), "multi_tensor_stats: too many tiles (",

@@ -75,9 +75,7 @@ struct HalfWords {
   static constexpr uint32_t kCarry = 0x04000400u;  // 0x7c00 (Inf) + 0x0400 = 0x8000
   static TORCH_GRADSTATS_HD void to_float2(uint32_t w, float& lo, float& hi) {
 #if defined(__CUDA_ARCH__)
-    __half2 h;
-    std::memcpy(&h, &w, sizeof(h));
-    const float2 f = __half22float2(h);
+    const float2 f = __half22float2(__halves2half2(__ushort_as_half(uint16_t(w)), __ushort_as_half(uint16_t(w >> 16))));
     lo = f.x;
     hi = f.y;
 #else
