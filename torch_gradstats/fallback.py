@@ -402,14 +402,19 @@ def _settle_squares_first(
 
 def _abs_bits(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
     """The bits of the rows' |x| as one ``[len(rows), length]`` tensor (zero-padded), and each row's number of
-    padding zeros. A few full rows are masked straight from their own memory (no stacked copy)."""
+    padding zeros. A few rows are masked straight from their own memory (no stacked copy)."""
     int_dtype, abs_mask, _ = DTYPE_BITS[rows[0].dtype]
     r = len(rows)
     bits = ws.get("bits", int_dtype, (r, length))
-    if r <= _FEW_ROWS and all(x.numel() == length for x in rows):
-        for row, x in zip(bits, rows):
-            torch.bitwise_and(x.view(int_dtype), abs_mask, out=row.view(x.shape))
-        return bits, None
+    if r <= _FEW_ROWS:  # each row masked into its slot, its padding zeroed: no stacked copy, no scatter index
+        numels = [x.numel() for x in rows]
+        for row, x, k in zip(ws.rows("bits", int_dtype, (r, length)), rows, numels):
+            torch.bitwise_and(x.view(int_dtype), abs_mask, out=row[:k].view(x.shape))
+            if k < length:
+                row[k:].zero_()
+        if all(k == length for k in numels):
+            return bits, None
+        return bits, torch.tensor([length - k for k in numels], dtype=torch.int64, device=bits.device)
     m, pad = _stack_rows(rows, length, ws)
     return torch.bitwise_and(m.view(int_dtype), abs_mask, out=bits), pad
 
