@@ -182,12 +182,15 @@ def _fsdp2_worker(rank: int, world: int, port: int, out: str) -> None:
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
             m(torch.randn(7, 6, generator=torch.Generator().manual_seed(1))).pow(2).sum().backward()
             s = grad_and_weight_stats(m.named_parameters(), optimizer=opt)
-            with UpdateRatio(m.named_parameters()) as ratio:
+            ratio = UpdateRatio(m.named_parameters())
+            planned = ratio.nbytes  # before the first snapshot: what it will allocate
+            with ratio:
                 opt.step()
             s.update = ratio.stats
             r = s.report()
             results.append({"grads": r.grads.norms, "numel": r.grads.numel, "weights": r.weight_norms,
-                            "lr_ratios": r.lr_update_ratios, "ratios": r.update_ratios})
+                            "lr_ratios": r.lr_update_ratios, "ratios": r.update_ratios,
+                            "nbytes": [planned, ratio.nbytes]})
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.barrier()
@@ -220,6 +223,8 @@ def test_fsdp2_weights_and_updates_are_global(tmp_path) -> None:  # type: ignore
     for rank in (0, 1):
         sharded, full = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sharded["numel"] == full["numel"]
+        # the snapshot holds this rank's shards only, and nbytes says so before it exists too
+        assert sharded["nbytes"][0] == sharded["nbytes"][1] < full["nbytes"][0] == full["nbytes"][1]
         for key in ("grads", "weights", "lr_ratios", "ratios"):
             assert sharded[key].keys() == full[key].keys()
             for name, v in full[key].items():

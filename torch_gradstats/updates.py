@@ -171,9 +171,12 @@ class UpdateRatio:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the snapshot buffers (allocated at the first snapshot)."""
-        return sum(p.numel() * p.element_size() for _, p in self._named) if self._buffers is None else \
-            sum(b.numel() * b.element_size() for b in self._buffers)
+        """Bytes of the snapshot buffers: those allocated, or before the first snapshot those it will allocate (one
+        copy of each parameter's local shard: a DTensor's local tensor, not its global size)."""
+        if self._buffers is not None:
+            return sum(b.numel() * b.element_size() for b in self._buffers)
+        dt = _dtensor_types()
+        return sum(t.numel() * t.element_size() for t in (_local(p, dt) for _, p in self._named))
 
     @torch.no_grad()
     def snapshot(self) -> None:
