@@ -270,9 +270,8 @@ def fallback_multi_tensor_stats(
     largest, smallest and block sums); a row whose squares are all normal and below 2**112 (no zero, no NaN,
     no Inf) is settled from those, with max |x| the square root of its largest square (exact, see
     :func:`_squares_first`), and every other row is read again by the bits path. The bits path reads each
-    batch's smallest and largest |x| and skips what they settle:
-    the zero count when no |x| is 0,
-    the NaN/Inf counts when no |x| reaches +inf. There a 16/32-bit row whose nonzero |x| all lie in
+    batch's smallest and largest |x| and skips what they settle: the zero count when no |x| is 0, the NaN/Inf
+    counts when no |x| reaches +inf. There a 16/32-bit row whose nonzero |x| all lie in
     [2**-63, 2**56) (float16: every row of normal numbers) is squared in float32 (each square rounded once, a
     normal number: no overflow, no underflow) and summed in float32 by blocks of 4,096 (torch's cascade sum), the
     block sums in float64: each rounding is at most 6e-8 relative and torch's cascade sum keeps their number
