@@ -584,6 +584,15 @@ def test_fallback_float32_path_bits_do_not_depend_on_threads_or_flush_denormal(d
         assert torch.equal(other[0][keep], first[0][keep]), key
 
 
+def test_fallback_says_mps_has_no_float64():
+    """sumsq and amax are float64, which MPS cannot hold: the fallback (the only kernel MPS would get) says so and
+    what to do, instead of failing inside torch on its first float64 buffer. Other devices pass."""
+    with pytest.raises(NotImplementedError, match=r"MPS has no float64.*\.cpu\(\)"):
+        fallback_module.require_float64(torch.device("mps"))
+    for device in ("cpu", "cuda", "xpu", "meta"):
+        fallback_module.require_float64(torch.device(device))
+
+
 def test_fallback_rejects_a_chunk_that_is_not_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         fallback_multi_tensor_stats([torch.ones(3)], chunk_elems=3)

@@ -1,8 +1,9 @@
 """The pure-PyTorch kernel of the op, registered for every backend without a compiled kernel.
 
 The dispatcher runs :func:`fallback_multi_tensor_stats` (registered below as the op's CompositeExplicitAutograd
-kernel) on any device that has no compiled kernel of its own: MPS, XPU, a CPU without the extension, and every
-device under ``TORCH_GRADSTATS_FORCE_FALLBACK=1``. It is bounded in memory, batches small tensors, and gives the
+kernel) on any device that has no compiled kernel of its own: XPU, a CPU without the extension, and every device
+under ``TORCH_GRADSTATS_FORCE_FALLBACK=1``. Not MPS: the op's statistics are float64 and MPS has no float64, so there
+it raises a clear error (see :func:`require_float64`). It is bounded in memory, batches small tensors, and gives the
 same bits whatever the thread count; the tests check it against the float64 reference in :mod:`torch_gradstats.ops`
 like any other kernel.
 """
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from torch_gradstats._checks import DTYPE_BITS, OP_NAME, checked_numels
 
-__all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "release_workspace"]
+__all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "release_workspace", "require_float64"]
 
 #: Elements in one batch of the fallback; bounds its extra memory (see :func:`fallback_multi_tensor_stats`).
 FALLBACK_CHUNK_ELEMS = 1 << 18
@@ -287,6 +288,7 @@ def fallback_multi_tensor_stats(
     1.4e-76) may be missing from ``sumsq`` and ``amax`` of a tensor holding only such values may be 0.
     """
     numels = checked_numels(tensors)
+    require_float64(tensors[0].device)
     if chunk_elems < 1 or chunk_elems & (chunk_elems - 1):
         raise ValueError(f"{OP_NAME}: chunk_elems must be a power of two, got {chunk_elems}")
     n, device = len(tensors), tensors[0].device
@@ -335,6 +337,15 @@ def fallback_multi_tensor_stats(
     sumsq = torch.where(nan, torch.full_like(sumsq, math.nan), sumsq)
     amax = torch.where(nan, torch.full_like(amax, math.nan), amax)
     return sumsq, amax, counts
+
+
+def require_float64(device: torch.device) -> None:
+    """Raise if ``device`` cannot hold the op's float64 outputs (MPS has no float64 at all), saying what to do."""
+    if device.type == "mps":
+        raise NotImplementedError(
+            f"{OP_NAME}: the statistics are float64 (sumsq, amax) and MPS has no float64; compute them from CPU "
+            "copies, e.g. torch_gradstats.multi_tensor_stats([g.cpu() for g in grads])"
+        )
 
 
 def _batches(rows: list[Tensor], size: int) -> list[list[Tensor]]:

@@ -5,8 +5,9 @@ This module owns everything every layer relies on:
 * the schema, defined once, here (so the op exists and traces even without the compiled library);
 * the fake kernel (fixed output shapes, so torch.compile and CUDA graphs see one node and never a host sync);
 * the registration of the pure-PyTorch kernel :func:`~torch_gradstats.fallback.fallback_multi_tensor_stats`
-  (:mod:`torch_gradstats.fallback`), which the dispatcher runs on any device that has no compiled kernel (MPS, XPU,
-  a CPU without the extension; everywhere under ``TORCH_GRADSTATS_FORCE_FALLBACK=1``);
+  (:mod:`torch_gradstats.fallback`), which the dispatcher runs on any device that has no compiled kernel (XPU, a
+  CPU without the extension; everywhere under ``TORCH_GRADSTATS_FORCE_FALLBACK=1``; MPS, which has no float64,
+  gets a clear error);
 * the float64 reference :func:`reference_multi_tensor_stats`, which the tests compare every kernel with;
 * the typed Python wrapper :func:`multi_tensor_stats`.
 
