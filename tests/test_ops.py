@@ -690,3 +690,10 @@ def test_fallback_cpu_workspace_is_per_thread_and_survives_inference_mode():
     for got in [inside, outside, *results]:
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert_matches_reference(tensors, TensorStats(*fallback_multi_tensor_stats(tensors)))
+    # What a thread keeps is bounded by the default chunk: a call with a larger one leaves the kept buffers alone.
+    kept = fallback_module._thread_state.cpu_workspace
+    kept_bytes = sum(b.numel() for b in kept.buffers.values())
+    big = [torch.randn(1 << 20, generator=g)]
+    assert_matches_reference(big, TensorStats(*fallback_multi_tensor_stats(big, chunk_elems=1 << 20)))
+    assert fallback_module._thread_state.cpu_workspace is kept
+    assert sum(b.numel() for b in kept.buffers.values()) == kept_bytes <= 56 * fallback_module.FALLBACK_CHUNK_ELEMS

@@ -120,7 +120,8 @@ _thread_state = threading.local()
 
 def _workspace(device: torch.device) -> _Workspace:
     """The workspace of a call. On the CPU it is kept by the calling thread between calls (at most
-    ``56 * chunk_elems`` bytes, see :func:`fallback_multi_tensor_stats`; :func:`release_workspace` frees it):
+    ``56 * FALLBACK_CHUNK_ELEMS`` bytes, 14 MiB: calls with a larger chunk use one of their own; see
+    :func:`fallback_multi_tensor_stats`; :func:`release_workspace` frees it):
     torch's CPU allocator hands large blocks back to the OS, and faulting a fresh one in costs more than a batch's
     arithmetic. Other devices' allocators cache blocks themselves, so a workspace there lives for one call."""
     if device.type != "cpu":
@@ -311,7 +312,8 @@ def fallback_multi_tensor_stats(
 
     owners_all: list[int] = []
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
-    ws = _workspace(device)
+    # A chunk above the default makes buffers the thread should not keep: such a call works in a workspace of its own.
+    ws = _workspace(device) if chunk_elems <= FALLBACK_CHUNK_ELEMS else _Workspace(device)
     for (dtype, length, full), (owners, rows) in groups.items():
         per_batch = max(1, chunk_elems // length)
         if full and dtype != torch.float64 and _branches_on_host(device):
