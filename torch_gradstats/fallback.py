@@ -260,9 +260,9 @@ def fallback_multi_tensor_stats(
     at most 8 bytes per element of a batch (the stacked rows, their bits, an integer temporary, the squares), and
     while a batch of small tensors is stacked, one more copy of it and its int64 padding index (plus per-block
     sums, 1/4096 of a batch). Tensors larger than a chunk are read in views of at most ``chunk_elems`` elements (a
-    non-dense one is copied one such view at a time). On the CPU the buffers are kept by the calling thread
-    between calls (torch's CPU allocator does not cache, and faulting fresh pages in costs more than the
-    arithmetic); :func:`release_workspace` frees them.
+    non-dense one is copied one such view at a time). On the CPU the buffers of calls with at most the default
+    chunk are kept by the calling thread between calls (torch's CPU allocator does not cache, and faulting fresh
+    pages in costs more than the arithmetic); :func:`release_workspace` frees them.
 
     Paths: max |x| and the zero/NaN/Inf counts are exact everywhere (read from the bits). Off the CPU every batch
     runs the same ops and nothing is read back (no sync): all counts are taken, and squares are computed in
