@@ -25,7 +25,7 @@ __all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "r
 FALLBACK_CHUNK_ELEMS = 1 << 18
 #: Row sums longer than this are cut into blocks first (see :func:`_row_sums`).
 _SUM_BLOCK = 1 << 12
-#: Batches of at most this many full rows are read row by row instead of being stacked first.
+#: Batches of at most this many rows are read row by row instead of being stacked first.
 _FEW_ROWS = 8
 
 
@@ -251,7 +251,7 @@ def fallback_multi_tensor_stats(
 
     Tensors are cut into pieces of at most ``chunk_elems`` elements, pieces of one dtype and similar length are
     stacked as the rows of a ``[rows, L]`` batch (``L`` the next power of two of the length, zero-padded; at most
-    ``chunk_elems`` elements per batch; up to 8 full rows are read in place instead), and each batch is reduced
+    ``chunk_elems`` elements per batch; up to 8 rows are read in place instead), and each batch is reduced
     by a few whole-batch torch ops on the bits of its |x|: so thousands of small tensors cost a few ops, not a few
     per tensor, and only one batch is ever upcast.
 
@@ -433,9 +433,7 @@ def _abs_bits(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, 
 
 def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
     """The rows as one ``[len(rows), length]`` tensor (zero-padded) and each row's number of padding zeros."""
-    r, device = len(rows), ws.device
-    if r == 1 and rows[0].numel() == length:
-        return rows[0].reshape(1, length), None  # a view when the piece is contiguous
+    r, device = len(rows), ws.device  # more than _FEW_ROWS rows: fewer are read in place by _abs_bits
     lengths = [x.numel() for x in rows]
     m = ws.get("rows", rows[0].dtype, (r, length))
     if all(k == length for k in lengths) and r <= 64:  # a few full rows: copied straight into place

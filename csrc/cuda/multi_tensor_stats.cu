@@ -687,8 +687,9 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
     const int64_t tile_elems = tile_elems_for(numel, es);
     const int32_t tag = dtype_tag(t->scalar_type());
     const int64_t tiles = numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
-    int64_t& counter = is_warp_tile(numel, es) ? num_warp_tiles : num_block_tiles;  // this class's next tile
-    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, counter, tag, is_warp_tile(numel, es) ? 1 : 0};
+    const bool warp_tile = is_warp_tile(numel, es);
+    int64_t& counter = warp_tile ? num_warp_tiles : num_block_tiles;  // this class's next tile
+    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, counter, tag, warp_tile ? 1 : 0};
     counter += tiles;
     hash = mix(mix(mix(hash, reinterpret_cast<uintptr_t>(ptr)), uint64_t(numel)), uint64_t(tag));
   }
