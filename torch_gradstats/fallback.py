@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._checks import DTYPE_BITS, OP_NAME, checked_numels
+from torch_gradstats._transfer import host_int64
 
 __all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "release_workspace", "require_float64"]
 
@@ -405,7 +406,7 @@ def _settle_squares_first(
             picked = redo[start : start + per_batch]
             bits, pad = _abs_bits([rows[j] for j in picked], length, ws)
             row_sumsq, row_amax, row_counts = _batch_stats(bits, dtype, pad, ws)
-            idx = torch.tensor(picked, dtype=torch.int64, device=highest.device)
+            idx = host_int64(picked, highest.device)
             sumsq.index_copy_(0, idx, row_sumsq)
             amax.index_copy_(0, idx, row_amax)
             counts.index_copy_(0, idx, row_counts)
@@ -426,7 +427,7 @@ def _abs_bits(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, 
                 row[k:].zero_()
         if all(k == length for k in numels):
             return bits, None
-        return bits, torch.tensor([length - k for k in numels], dtype=torch.int64, device=bits.device)
+        return bits, host_int64([length - k for k in numels], bits.device)
     m, pad = _stack_rows(rows, length, ws)
     return torch.bitwise_and(m.view(int_dtype), abs_mask, out=bits), pad
 
@@ -445,7 +446,7 @@ def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor
     # Where each element goes: row j's k-th element to j * length + k. Built on the device from the lengths
     # (output_size given, so repeat_interleave needs no sync).
     total = flat.numel()
-    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+    lens = host_int64(lengths, device)
     shift = torch.arange(r, dtype=torch.int64, device=device) * length - (torch.cumsum(lens, 0) - lens)
     dest = torch.arange(total, dtype=torch.int64, device=device)
     dest += torch.repeat_interleave(shift, lens, output_size=total)
@@ -464,12 +465,12 @@ def _combine_rows(
     device = out[0].device
     single = [j for j, i in enumerate(owners) if i not in split] if split else range(len(owners))
     if len(single):
-        src = torch.tensor(single, dtype=torch.int64, device=device)
-        dst = torch.tensor([owners[j] for j in single], dtype=torch.int64, device=device)
+        src = host_int64(single, device)
+        dst = host_int64([owners[j] for j in single], device)
         for o, r in zip(out, rows):
             o.index_copy_(0, dst, r.index_select(0, src))  # distinct indices: deterministic
     for i in sorted(split):
-        idx = torch.tensor([j for j, owner in enumerate(owners) if owner == i], dtype=torch.int64, device=device)
+        idx = host_int64([j for j, owner in enumerate(owners) if owner == i], device)
         out[0][i] = _fixed_order_sum(rows[0].index_select(0, idx))
         out[1][i] = rows[1].index_select(0, idx).max()
         out[2][i] = rows[2].index_select(0, idx).sum(dim=0)
