@@ -249,8 +249,17 @@ def test_grad_stats_properties_and_health_never_read_on_host():
     m[0].bias.grad[0] = float("nan")
     with count_host_reads() as counts:
         s = grad_stats(m.named_parameters())
-        for prop in ("norms", "total_sumsq", "total_norm", "inf_norm", "zero_count", "nan_count", "inf_count",
-                     "nonfinite_count", "nonfinite_mask"):
+        for prop in (
+            "norms",
+            "total_sumsq",
+            "total_norm",
+            "inf_norm",
+            "zero_count",
+            "nan_count",
+            "inf_count",
+            "nonfinite_count",
+            "nonfinite_mask",
+        ):
             getattr(s, prop)
         s.health()
         s.health(HealthPolicy(exploding_threshold=1.0))
@@ -360,3 +369,27 @@ def test_repeated_names_stay_separate_parameters():
     r = grad_stats([("w", a), ("w", b)]).report()
     assert r.norms["w"] == 3.0 and math.isnan(r.norms["w#1"])
     assert r.nonfinite == ["w#1"] and r.first_nonfinite == "w#1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiles_in_one_graph_and_matches_eager(dtype):
+    """grad_stats under torch.compile(fullgraph=True): no graph break anywhere in the Python layer (an array, a
+    pinned copy or a host read would break it), and the same figures as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).to(dtype)
+    model(torch.randn(5, 4, dtype=dtype)).sum().backward()
+    model[0].bias.grad = None  # a parameter without a gradient is skipped the same way in both
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def compiled(m):
+        s = grad_stats(m.named_parameters())
+        return s.sumsq, s.amax, s.counts, s.total_norm
+
+    eager = grad_stats(model.named_parameters())
+    got = compiled(model)
+    for name, a, b in zip(
+        ("sumsq", "amax", "counts", "total_norm"), got, (eager.sumsq, eager.amax, eager.counts, eager.total_norm)
+    ):
+        assert torch.equal(a, b), f"{name}: {a} != {b}"
+    torch._dynamo.reset()

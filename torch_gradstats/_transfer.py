@@ -46,7 +46,10 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
 def host_int64(values: Sequence[int], device: torch.device) -> Tensor:
     """Python ints (e.g. indices or element counts known from metadata) as an int64 tensor on ``device``, no sync.
 
-    Made through an ``array`` (torch.tensor on a list converts element by element: ~0.1 us each, 1 ms for 10,000)."""
+    Made through an ``array`` (torch.tensor on a list converts element by element: ~0.1 us each, 1 ms for 10,000).
+    While compiling, the values are constants of the graph: torch.tensor traces, an array or pinned memory does not."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(list(values), dtype=torch.int64, device=device)
     buf = array("q", values)
     if not buf:
         return torch.zeros(0, dtype=torch.int64, device=device)
