@@ -5,8 +5,17 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
 
+#include <initializer_list>
 #include <tuple>
+#include <utility>
+#include <vector>
+
+namespace c10 {
+class OperatorHandle;
+}
 
 namespace torch_gradstats {
 
@@ -16,15 +25,51 @@ using Stats = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 // Column of `counts` for each class of element.
 enum CountColumn : int { kZero = 0, kNan = 1, kInf = 2, kNumCounts = 3 };
 
+// The op's list of tensors, borrowed: read where the caller keeps them, no reference count touched.
+// Why: for a kernel taking at::TensorList the dispatcher copies the boxed Tensor[] into a new vector, one reference
+// taken and dropped per tensor, and dropping the reference of a tensor that has a Python object goes through the
+// GIL: together more host time than the kernel's own work per tensor. So the kernels are registered boxed
+// (boxed_kernel below) and read the dispatcher's stack in place; C++ callers pass a list or vector of tensors.
+class TensorRefs {
+ public:
+  TensorRefs(at::TensorList tensors) : tensors_(tensors.data()), size_(tensors.size()) {}  // NOLINT: implicit
+  TensorRefs(const std::vector<at::Tensor>& tensors)                                      // NOLINT: implicit
+      : tensors_(tensors.data()), size_(tensors.size()) {}
+  TensorRefs(std::initializer_list<at::Tensor> tensors)  // NOLINT: implicit; lives as long as the call
+      : tensors_(tensors.begin()), size_(tensors.size()) {}
+  // The elements of a boxed Tensor[] (every one a tensor: the schema says so, and the dispatcher checked it).
+  explicit TensorRefs(c10::ArrayRef<c10::IValue> list) : ivalues_(list.data()), size_(list.size()) {}
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const at::Tensor& operator[](size_t i) const {
+    return tensors_ != nullptr ? tensors_[i] : ivalues_[i].toTensor();
+  }
+
+ private:
+  const at::Tensor* tensors_ = nullptr;
+  const c10::IValue* ivalues_ = nullptr;
+  size_t size_ = 0;
+};
+
 // Throws (ValueError / TypeError in Python) naming the index of the first tensor that breaks the input
 // contract: empty list, non-floating or unsupported dtype, non-strided layout, tensors on different devices.
-void check_inputs(at::TensorList tensors);
+void check_inputs(const TensorRefs& tensors);
 
 // Allocates the three outputs for `n` tensors on `device`.
 Stats empty_stats(int64_t n, const at::Device& device);
 
+// A backend's kernel as the dispatcher calls it, boxed: (Tensor[] tensors) on the stack in, the three outputs out.
+// Register with torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&the_kernel>>().
+template <Stats (*Kernel)(const TensorRefs&)>
+void boxed_kernel(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
+  Stats out = Kernel(TensorRefs(stack->back().toListRef()));
+  torch::jit::drop(*stack, 1);
+  torch::jit::push(*stack, std::move(std::get<0>(out)), std::move(std::get<1>(out)), std::move(std::get<2>(out)));
+}
+
 // The fused CPU kernel (csrc/cpu/). Registered for the CPU dispatch key.
-Stats multi_tensor_stats_cpu(at::TensorList tensors);
+Stats multi_tensor_stats_cpu(const TensorRefs& tensors);
 
 // The instruction set the CPU kernel runs with on this machine: "AVX512", "AVX2" or "DEFAULT" (the baseline).
 // Follows ATen's choice, so ATEN_CPU_CAPABILITY=default (set before torch is loaded) forces the baseline.

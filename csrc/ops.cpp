@@ -28,7 +28,7 @@ void check_storage(const at::Tensor& t, size_t i) {
 
 }  // namespace
 
-void check_inputs(at::TensorList tensors) {
+void check_inputs(const TensorRefs& tensors) {
   TORCH_CHECK_VALUE(!tensors.empty(), "multi_tensor_stats: expected at least one tensor, got an empty list");
   const at::Device device = tensors[0].device();
   for (size_t i = 0; i < tensors.size(); ++i) {

@@ -116,7 +116,7 @@ struct Segment {
 
 }  // namespace
 
-Stats multi_tensor_stats_cpu(at::TensorList tensors) {
+Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
   check_inputs(tensors);
   const int64_t n = static_cast<int64_t>(tensors.size());
   // Covers this thread's share of the tasks and the final combination (which compares subnormal amax values).
@@ -195,6 +195,8 @@ Stats multi_tensor_stats_cpu(at::TensorList tensors) {
 
 const char* cpu_kernel_capability() { return kernel().name; }
 
-TORCH_LIBRARY_IMPL(torch_gradstats, CPU, m) { m.impl("multi_tensor_stats", &multi_tensor_stats_cpu); }
+TORCH_LIBRARY_IMPL(torch_gradstats, CPU, m) {
+  m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cpu>>());
+}
 
 }  // namespace torch_gradstats
