@@ -126,8 +126,9 @@ def test_empty_tensors_and_lists_of_them():
     sumsq, amax, counts = OP(empties)
     assert torch.equal(sumsq, torch.zeros_like(sumsq)) and torch.equal(amax, torch.zeros_like(amax))
     assert int(counts.abs().sum()) == 0
-    check([torch.empty(0, device="cuda"), torch.ones(5, device="cuda"),
-           torch.empty(0, device="cuda", dtype=torch.half)])
+    check(
+        [torch.empty(0, device="cuda"), torch.ones(5, device="cuda"), torch.empty(0, device="cuda", dtype=torch.half)]
+    )
 
 
 def test_ten_thousand_small_mixed_tensors(gen):
@@ -175,6 +176,27 @@ def test_deterministic_bits(gen):
             assert torch.equal(a.view(torch.int64), b.view(torch.int64))
 
 
+def test_a_tensors_bits_do_not_depend_on_its_companions(gen):
+    """A tensor's result depends on the tensor alone: the same bits alone, in a short list (a finalize block per
+    tensor) and in a list of more than 2,048 (a finalize warp per tensor), for a tensor of a few tiles and for ones
+    of more than 64 tiles (reduced by a whole block), NaN and Inf included."""
+    big = randn(100 * (1 << 14) + 5, torch.float32, gen)  # > 64 tiles of 64 KB
+    huge = randn(5000 * (1 << 15), torch.bfloat16, gen)  # the tile count capped at 4,096 with bigger tiles
+    mid = randn(3 * (1 << 14) + 1, torch.float16, gen)
+    special = randn(80 * (1 << 14), torch.float32, gen)
+    special[12345], special[999_999] = float("nan"), float("inf")
+    subjects = [big, huge, mid, special]
+    alone = [OP([t]) for t in subjects]
+    short = OP(subjects + [randn(7, torch.float32, gen)])
+    fillers = [randn(3, torch.float64, gen) for _ in range(2100)]
+    long = OP(fillers[:1000] + subjects[::-1] + fillers[1000:])
+    for j, t in enumerate(subjects):
+        for out, row in ((short, j), (long, 1000 + len(subjects) - 1 - j)):
+            for got, want in zip(out, alone[j]):
+                assert torch.equal(got[row].view(torch.int64), want[0].view(torch.int64)), (j, row)
+    check(subjects)
+
+
 def test_inputs_not_modified(gen):
     tensors = [randn(1000, dt, gen) for dt in DTYPES] + [randn(64 * 8, torch.float32, gen).view(64, 8)[:, ::2]]
     tensors[0][3] = float("nan")
@@ -182,8 +204,10 @@ def test_inputs_not_modified(gen):
     OP(tensors)
     torch.cuda.synchronize()
     for t, b in zip(tensors, before):
-        assert torch.equal(t.view(torch.uint8) if t.is_contiguous() else t.contiguous().view(torch.uint8),
-                           b.contiguous().view(torch.uint8))
+        assert torch.equal(
+            t.view(torch.uint8) if t.is_contiguous() else t.contiguous().view(torch.uint8),
+            b.contiguous().view(torch.uint8),
+        )
 
 
 def test_cuda_graph_capture_and_replay(gen):
@@ -702,8 +726,17 @@ def train_step(model, optimizer, x, y):
     with torch.no_grad():
         for p in params:
             p.copy_(torch.round(p * 4) / 4)  # back onto the grid: the next step computes exactly again
-    return (raw.sumsq, raw.amax, raw.counts, stats.sumsq, stats.amax, stats.counts, stats.total_norm,
-            clipped.clip_norm, clipped.clip_coef)
+    return (
+        raw.sumsq,
+        raw.amax,
+        raw.counts,
+        stats.sumsq,
+        stats.amax,
+        stats.counts,
+        stats.total_norm,
+        clipped.clip_norm,
+        clipped.clip_coef,
+    )
 
 
 def run_training(mode: str | None, device: str = "cuda", steps: int = 20, nan_step: int = 5, inf_step: int = 9):
@@ -783,8 +816,14 @@ def test_trainer_compiled_reduce_overhead_matches_eager():
         model = exact_model(1)
         optimizer = torch.optim.SGD(model.parameters(), lr=2.0**-3)
         trainer = Trainer(
-            model, optimizer, lambda out, y: (out * y).mean(), max_grad_norm=40.0, skip_nonfinite=True,
-            compile=compile_mode is not None, compile_mode=compile_mode, progress=False,
+            model,
+            optimizer,
+            lambda out, y: (out * y).mean(),
+            max_grad_norm=40.0,
+            skip_nonfinite=True,
+            compile=compile_mode is not None,
+            compile_mode=compile_mode,
+            progress=False,
         )
         return trainer.fit(exact_batches(12, nan_step=3, inf_step=7), epochs=2)
 
@@ -796,7 +835,11 @@ def test_trainer_compiled_reduce_overhead_matches_eager():
     torch._dynamo.reset()
     for e, c in zip(eager, compiled):
         assert (e.nan_count, e.inf_count, e.nonfinite_steps, e.skipped_steps) == (
-            c.nan_count, c.inf_count, c.nonfinite_steps, c.skipped_steps)
+            c.nan_count,
+            c.inf_count,
+            c.nonfinite_steps,
+            c.skipped_steps,
+        )
         assert e.first_nonfinite_step == c.first_nonfinite_step == e.epoch * 12 + 3
         assert e.first_nonfinite_param == c.first_nonfinite_param
         assert len(e.history) == len(c.history) == 12
@@ -886,3 +929,14 @@ def test_more_than_2_pow_31_elements():
     torch.testing.assert_close(sumsq[1], ref, rtol=1e-5, atol=0)
     assert int(counts[1, ZERO]) == ref_zero + 1
     assert_matches((sumsq[:1], amax[:1], counts[:1]), [small])
+
+
+def test_grad_stats_keeps_the_gradient_sizes_on_the_device():
+    """Step after step the same sizes: the numel tensor is made once (no pinned copy per step) and stays right."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2)).cuda()
+    model(torch.randn(4, 5, device="cuda")).sum().backward()
+    first = torch_gradstats.grad_stats(model.named_parameters())
+    second = torch_gradstats.grad_stats(model.named_parameters())
+    assert second.numel is first.numel and first.numel.tolist() == [15, 3, 6, 2]
+    model[1].bias.grad = None
+    assert torch_gradstats.grad_stats(model.named_parameters()).numel.tolist() == [15, 3, 6]

@@ -5,8 +5,8 @@
 //     contiguous span of one tensor. Every element is read once with 16-byte loads (scalar head/tail only at
 //     unaligned tile edges); one block (or, for a whole tensor of at most 8 KB, one warp) reduces a tile in a fixed
 //     order and writes that tile's partial.
-//  2. `finalize_kernel`: one warp per tensor reduces that tensor's partials in a fixed order, turns the NaN/Inf
-//     counts into the special values of sumsq/amax and writes the outputs.
+//  2. `finalize_kernel`: one warp (or, for a tensor of many tiles, one block) reduces each tensor's partials in a
+//     fixed order, turns the NaN/Inf counts into the special values of sumsq/amax and writes the outputs.
 // Which block handles which tile never changes a result, so the bits are the same on every call and every GPU.
 //
 // Tensor metadata (pointer, numel, dtype, tiling) is written to the device by `fill_metadata_kernel`, whose kernel
@@ -53,6 +53,8 @@ constexpr int64_t kWarpTileBytes = 8 * 1024;   // a tensor this small is one til
 constexpr int64_t kMaxTilesPerTensor = 4096;   // bigger tensors get bigger tiles (bounds the finalize work)
 constexpr int kBlocksPerSM = 4;                // persistent grid = SMs * this
 constexpr int kWarpsPerFinalizeBlock = kThreads / 32;
+constexpr int64_t kFinalizeWarpTiles = 64;     // more partials than this: a whole block reduces them
+constexpr int64_t kFinalizeOnePerBlock = 2048;  // lists up to this long get a finalize block per tensor
 // Per-thread counters are 32-bit; a tile never gives one thread more than 2^31 elements below this size.
 constexpr int64_t kMaxNumel = int64_t(1) << 50;
 
@@ -303,37 +305,81 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(cons
   }
 }
 
-// Kernel 2: one warp per tensor reduces its partials (lane-strided, then a fixed tree) and writes the outputs.
-__global__ void __launch_bounds__(kThreads) finalize_kernel(const TensorMeta* __restrict__ meta, int64_t num_tensors,
-                                                            int64_t num_tiles, const double* __restrict__ p_sumsq,
-                                                            const double* __restrict__ p_amax,
-                                                            const int64_t* __restrict__ p_counts,
-                                                            double* __restrict__ sumsq, double* __restrict__ amax,
-                                                            int64_t* __restrict__ counts) {
-  const int64_t i = int64_t(blockIdx.x) * kWarpsPerFinalizeBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (i >= num_tensors) return;  // whole warps exit together
-  const TensorMeta m = meta[i];
-  const int64_t n_tiles = m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
+// Kernel 2: each tensor's partials are reduced in a fixed order that depends on its tile count alone, then the NaN
+// and Inf counts become the special values of sumsq/amax and the outputs are written. A tensor of at most
+// kFinalizeWarpTiles tiles is reduced by one warp (lane-strided, then the warp tree); a larger one by a whole block
+// (thread-strided, the warp trees, then the warp results in order), because one warp walking thousands of partials
+// waits on memory latency for tens of microseconds. Block b takes tensors [b * per_block, (b + 1) * per_block):
+// the small ones one per warp at once, then the large ones one after the other with every thread. per_block is
+// the host's choice and never changes a result.
+__device__ __forceinline__ int64_t tiles_of(const TensorMeta& m) {
+  return m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
+}
+
+// This worker's share of tensor `m`'s partials: tiles worker, worker + kWorkers, ... in order.
+template <int kWorkers>
+__device__ __forceinline__ Partial strided_partials(const TensorMeta& m, int64_t n_tiles, int worker,
+                                                    int64_t num_tiles, const double* __restrict__ p_sumsq,
+                                                    const double* __restrict__ p_amax,
+                                                    const int64_t* __restrict__ p_counts) {
   Partial p{0.0, 0.0, 0, 0, 0};
 #pragma unroll 4
-  for (int64_t k = lane; k < n_tiles; k += 32) {
+  for (int64_t k = worker; k < n_tiles; k += kWorkers) {
     const int64_t t = m.first_tile + k;
     p = combine(p, Partial{p_sumsq[t], p_amax[t], (unsigned long long)p_counts[t],
                            (unsigned long long)p_counts[num_tiles + t], (unsigned long long)p_counts[2 * num_tiles + t]});
   }
-  p = warp_reduce(p);
-  if (lane == 0) {
-    if (p.nans > 0) {
-      p.sumsq = p.amax = __longlong_as_double(0x7ff8000000000000ll);  // quiet NaN
-    } else if (p.infs > 0) {
-      p.sumsq = p.amax = __longlong_as_double(0x7ff0000000000000ll);  // +inf
+  return p;
+}
+
+__device__ __forceinline__ void write_output(Partial p, int64_t i, double* __restrict__ sumsq,
+                                             double* __restrict__ amax, int64_t* __restrict__ counts) {
+  if (p.nans > 0) {
+    p.sumsq = p.amax = __longlong_as_double(0x7ff8000000000000ll);  // quiet NaN
+  } else if (p.infs > 0) {
+    p.sumsq = p.amax = __longlong_as_double(0x7ff0000000000000ll);  // +inf
+  }
+  sumsq[i] = p.sumsq;
+  amax[i] = p.amax;
+  counts[i * kNumCounts + kZero] = int64_t(p.zeros);
+  counts[i * kNumCounts + kNan] = int64_t(p.nans);
+  counts[i * kNumCounts + kInf] = int64_t(p.infs);
+}
+
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const TensorMeta* __restrict__ meta, int64_t num_tensors,
+                                                            int64_t per_block, int64_t num_tiles,
+                                                            const double* __restrict__ p_sumsq,
+                                                            const double* __restrict__ p_amax,
+                                                            const int64_t* __restrict__ p_counts,
+                                                            double* __restrict__ sumsq, double* __restrict__ amax,
+                                                            int64_t* __restrict__ counts) {
+  __shared__ Partial warp_results[kThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t first = int64_t(blockIdx.x) * per_block;
+  const int64_t last = first + per_block < num_tensors ? first + per_block : num_tensors;
+  if (warp < last - first) {  // small tensors: one warp each
+    const TensorMeta m = meta[first + warp];
+    const int64_t n_tiles = tiles_of(m);
+    if (n_tiles <= kFinalizeWarpTiles) {
+      const Partial p = warp_reduce(strided_partials<32>(m, n_tiles, lane, num_tiles, p_sumsq, p_amax, p_counts));
+      if (lane == 0) write_output(p, first + warp, sumsq, amax, counts);
     }
-    sumsq[i] = p.sumsq;
-    amax[i] = p.amax;
-    counts[i * kNumCounts + kZero] = int64_t(p.zeros);
-    counts[i * kNumCounts + kNan] = int64_t(p.nans);
-    counts[i * kNumCounts + kInf] = int64_t(p.infs);
+  }
+  for (int64_t i = first; i < last; ++i) {  // large tensors: the whole block (the test is the same for every thread)
+    const TensorMeta m = meta[i];
+    const int64_t n_tiles = tiles_of(m);
+    if (n_tiles <= kFinalizeWarpTiles) continue;
+    const Partial p =
+        warp_reduce(strided_partials<kThreads>(m, n_tiles, threadIdx.x, num_tiles, p_sumsq, p_amax, p_counts));
+    if (lane == 0) warp_results[warp] = p;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      Partial r = warp_results[0];
+#pragma unroll
+      for (int w = 1; w < kThreads / 32; ++w) r = combine(r, warp_results[w]);
+      write_output(r, i, sumsq, amax, counts);
+    }
+    __syncthreads();  // warp_results is reused by the next large tensor
   }
 }
 
@@ -653,7 +699,7 @@ inline uint64_t mix(uint64_t h, uint64_t v) {
   return h;
 }
 
-Stats multi_tensor_stats_cuda(at::TensorList tensors) {
+Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
   check_inputs(tensors);
   const at::Device device = tensors[0].device();
   TORCH_CHECK_VALUE(device.is_cuda(), "multi_tensor_stats: the CUDA kernel got tensors on ", device);
@@ -742,9 +788,11 @@ Stats multi_tensor_stats_cuda(at::TensorList tensors) {
                                                                         num_block_tiles, p_sumsq, p_amax, p_counts);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const int64_t finalize_grid = (n + kWarpsPerFinalizeBlock - 1) / kWarpsPerFinalizeBlock;
+  // Short lists: a block per tensor, so the large tensors are reduced side by side; long ones: a warp per tensor.
+  const int64_t per_block = n <= kFinalizeOnePerBlock ? 1 : kWarpsPerFinalizeBlock;
+  const int64_t finalize_grid = (n + per_block - 1) / per_block;
   finalize_kernel<<<unsigned(finalize_grid), kThreads, 0, stream.stream()>>>(
-      d_meta, n, num_tiles, p_sumsq, p_amax, p_counts, std::get<0>(out).data_ptr<double>(),
+      d_meta, n, per_block, num_tiles, p_sumsq, p_amax, p_counts, std::get<0>(out).data_ptr<double>(),
       std::get<1>(out).data_ptr<double>(), std::get<2>(out).data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -757,7 +805,9 @@ std::vector<int64_t> metadata_cache_info() {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torch_gradstats, CUDA, m) { m.impl("multi_tensor_stats", &multi_tensor_stats_cuda); }
+TORCH_LIBRARY_IMPL(torch_gradstats, CUDA, m) {
+  m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cuda>>());
+}
 
 // A second op of the namespace, defined here because only the CUDA build has the cache it reports on.
 TORCH_LIBRARY_FRAGMENT(torch_gradstats, m) {
