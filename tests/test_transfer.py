@@ -7,14 +7,27 @@ import math
 import pytest
 import torch
 
-from torch_gradstats._transfer import PinnedBuffer, fetch, host_int64, pack, stream_device, to_device, to_host, unpack
+import torch_gradstats._transfer as transfer
+from torch_gradstats._transfer import (
+    PinnedBuffer,
+    fetch,
+    host_int64,
+    pack,
+    repeated_int64,
+    stream_device,
+    to_device,
+    to_host,
+    unpack,
+)
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 
 def test_pack_round_trips_floats_and_ints_exactly():
-    floats = [torch.tensor([1.5, -0.0, math.nan, math.inf, 5e-324, 1.7976931348623157e308], dtype=torch.float64),
-              torch.tensor([[0.1, 3.0]], dtype=torch.float32)]
+    floats = [
+        torch.tensor([1.5, -0.0, math.nan, math.inf, 5e-324, 1.7976931348623157e308], dtype=torch.float64),
+        torch.tensor([[0.1, 3.0]], dtype=torch.float32),
+    ]
     ints = [torch.tensor([2**53 + 1, -(2**62), 0]), torch.tensor([True, False])]
     f, i = to_host(floats, ints)
     assert f[:2] == [1.5, -0.0] and math.copysign(1.0, f[1]) == -1.0 and math.isnan(f[2]) and f[3] == math.inf
@@ -107,3 +120,23 @@ def test_trainer_on_the_second_gpu_reads_its_own_numbers():
     s = trainer.train_epoch([(x[i : i + 8], y[i : i + 8]) for i in range(0, 32, 8)])
     assert math.isfinite(s.loss) and s.loss > 0 and s.max_norm is not None and math.isfinite(s.max_norm)
     assert all(math.isfinite(r.total_norm) and r.total_norm > 0 for r in s.history)
+
+
+def test_repeated_int64_keeps_the_last_few_off_the_cpu(monkeypatch):
+    """Off the CPU (the meta device here, CUDA in test_cuda.py) the same values give the same device tensor; one
+    changed in place is made again; at most _REPEATED_MAX are kept; on the CPU nothing is kept."""
+    monkeypatch.setattr(transfer, "_REPEATED", type(transfer._REPEATED)())
+    meta = torch.device("meta")
+    first = repeated_int64([3, 4, 5], meta)
+    assert first.device == meta and first.dtype == torch.int64 and first.shape == (3,)
+    assert repeated_int64((3, 4, 5), meta) is first
+    assert repeated_int64([3, 4], meta) is not first
+    first.add_(1)  # a caller changed it: never handed out again
+    again = repeated_int64([3, 4, 5], meta)
+    assert again is not first and again._version == 0
+    for k in range(transfer._REPEATED_MAX):
+        repeated_int64([100 + k], meta)
+    assert len(transfer._REPEATED) == transfer._REPEATED_MAX
+    assert repeated_int64([3, 4, 5], meta) is not again  # the oldest was dropped
+    cpu = repeated_int64([1, 2], torch.device("cpu"))
+    assert cpu.tolist() == [1, 2] and repeated_int64([1, 2], torch.device("cpu")) is not cpu

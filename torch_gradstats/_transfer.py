@@ -11,17 +11,29 @@ exactly one device-to-host transfer per report. This module owns that rule:
 * :func:`to_host` is the two together: values in, Python numbers out, one transfer;
 * :func:`to_device` and :func:`host_int64` make the small copies the layers need *without* a host sync: CPU ->
   CUDA through pinned memory, device -> device ordered on the stream. They refuse to copy device -> host.
+  :func:`repeated_int64` keeps the last few such tensors on the device, for values that repeat every step.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["PinnedBuffer", "fetch", "host_int64", "pack", "stream_device", "to_device", "to_host", "unpack"]
+__all__ = [
+    "PinnedBuffer",
+    "fetch",
+    "host_int64",
+    "pack",
+    "repeated_int64",
+    "stream_device",
+    "to_device",
+    "to_host",
+    "unpack",
+]
 
 
 # ---------------------------------------------------------------------------------------------- host -> device
@@ -54,6 +66,36 @@ def host_int64(values: Sequence[int], device: torch.device) -> Tensor:
     if not buf:
         return torch.zeros(0, dtype=torch.int64, device=device)
     return to_device(torch.frombuffer(buf, dtype=torch.int64), device)  # shares (and keeps alive) the array
+
+
+#: (device, values) -> the device tensor last made of them; see :func:`repeated_int64`.
+_REPEATED: OrderedDict[tuple[torch.device, tuple[int, ...]], Tensor] = OrderedDict()
+_REPEATED_MAX = 8
+
+
+def repeated_int64(values: Sequence[int], device: torch.device) -> Tensor:
+    """:func:`host_int64` for values that come back call after call (a model's gradient sizes, every step).
+
+    Off the CPU the last few such tensors stay on the device, so the steady state copies nothing: each copy needs a
+    pinned buffer, and while the device runs behind the host the pinned buffers of earlier copies are still in
+    flight, so every step would pin new memory (about 0.2 ms on an H100 host). A kept tensor changed in place
+    (``_version``) is made again. While compiling or capturing a CUDA graph it falls back to :func:`host_int64`.
+    """
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return host_int64(values, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return host_int64(values, device)
+    key = (device, tuple(values))
+    kept = _REPEATED.get(key)
+    if kept is not None and kept._version == 0:
+        _REPEATED.move_to_end(key)
+        return kept
+    made = host_int64(key[1], device)
+    _REPEATED[key] = made
+    _REPEATED.move_to_end(key)
+    while len(_REPEATED) > _REPEATED_MAX:
+        _REPEATED.popitem(last=False)
+    return made
 
 
 # ---------------------------------------------------------------------------------------------- packing

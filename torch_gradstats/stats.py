@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from torch_gradstats._transfer import host_int64, to_device, to_host
+from torch_gradstats._transfer import host_int64, repeated_int64, to_device, to_host
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, OP_NAME, SUPPORTED_DTYPES, ZERO, check_inputs, multi_tensor_stats
 from torch_gradstats.report import GradReport
@@ -365,7 +365,7 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
         _check_grads(names, local)  # the same failure, named by parameter rather than by list index
         raise
 
-    numel = host_int64([g.numel() for g in grads], home)  # DTensor.numel() is the logical (global) numel
+    numel = repeated_int64([g.numel() for g in grads], home)  # DTensor.numel() is the logical (global) numel
     rank_nonfinite = None
     if group is not None or any_dtensor:
         from torch_gradstats.distributed import reduce_across_ranks  # only on this path: no import otherwise
