@@ -39,18 +39,24 @@ class TensorRefs {
       : tensors_(tensors.begin()), size_(tensors.size()) {}
   // The elements of a boxed Tensor[] (every one a tensor: the schema says so, and the dispatcher checked it).
   explicit TensorRefs(c10::ArrayRef<c10::IValue> list) : ivalues_(list.data()), size_(list.size()) {}
+  // Tensors held elsewhere (by Python objects: csrc/python_module.cpp).
+  explicit TensorRefs(c10::ArrayRef<const at::Tensor*> ptrs) : ptrs_(ptrs.data()), size_(ptrs.size()) {}
 
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   const at::Tensor& operator[](size_t i) const {
-    return tensors_ != nullptr ? tensors_[i] : ivalues_[i].toTensor();
+    if (tensors_ != nullptr) return tensors_[i];
+    return ptrs_ != nullptr ? *ptrs_[i] : ivalues_[i].toTensor();
   }
 
  private:
   const at::Tensor* tensors_ = nullptr;
+  const at::Tensor* const* ptrs_ = nullptr;
   const c10::IValue* ivalues_ = nullptr;
   size_t size_ = 0;
 };
+
+using Kernel = Stats (*)(const TensorRefs&);
 
 // Throws (ValueError / TypeError in Python) naming the index of the first tensor that breaks the input
 // contract: empty list, non-floating or unsupported dtype, non-strided layout, tensors on different devices.
@@ -70,6 +76,11 @@ void boxed_kernel(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
 
 // The fused CPU kernel (csrc/cpu/). Registered for the CPU dispatch key.
 Stats multi_tensor_stats_cpu(const TensorRefs& tensors);
+
+// The fused CUDA kernel where this build has one (csrc/cuda/ sets it while the library loads), else nullptr. Read by
+// the eager Python entry point that skips the dispatcher (csrc/python_module.cpp).
+Kernel cuda_kernel();
+void set_cuda_kernel(Kernel kernel);
 
 // The instruction set the CPU kernel runs with on this machine: "AVX512", "AVX2" or "DEFAULT" (the baseline).
 // Follows ATen's choice, so ATEN_CPU_CAPABILITY=default (set before torch is loaded) forces the baseline.

@@ -49,6 +49,13 @@ void check_inputs(const TensorRefs& tensors) {
   }
 }
 
+namespace {
+Kernel g_cuda_kernel = nullptr;  // written once, by a static initialiser of the CUDA source, before any call
+}  // namespace
+
+Kernel cuda_kernel() { return g_cuda_kernel; }
+void set_cuda_kernel(Kernel kernel) { g_cuda_kernel = kernel; }
+
 Stats empty_stats(int64_t n, const at::Device& device) {
   const auto f64 = at::TensorOptions().dtype(at::kDouble).device(device);
   return {at::empty({n}, f64), at::empty({n}, f64), at::empty({n, kNumCounts}, f64.dtype(at::kLong))};

@@ -940,3 +940,63 @@ def test_grad_stats_keeps_the_gradient_sizes_on_the_device():
     assert second.numel is first.numel and first.numel.tolist() == [15, 3, 6, 2]
     model[1].bias.grad = None
     assert torch_gradstats.grad_stats(model.named_parameters()).numel.tolist() == [15, 3, 6]
+
+
+@needs_cuda_kernel
+def test_eager_entry_point_skips_the_dispatcher_with_the_same_bits(gen):
+    """torch_gradstats.multi_tensor_stats on plain CUDA tensors calls the CUDA kernel directly: same bits as the op,
+    the profiler still sees the op's name, and kernel errors still name the tensor."""
+    from torch_gradstats import _C
+
+    tensors = [randn(n, dt, gen) for n, dt in [(5, torch.float16), (70_001, torch.bfloat16), (1 << 20, torch.float32)]]
+    tensors.append(randn(64, torch.float64, gen).view(8, 8).t())
+    direct = _C.cuda_stats(tensors)
+    assert direct is not None
+    for a, b in zip(direct, OP(tensors)):
+        assert torch.equal(a.view(torch.int64), b.view(torch.int64))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch_gradstats.multi_tensor_stats(tensors)
+    assert any(e.name == "torch_gradstats::multi_tensor_stats" for e in prof.events())
+    with pytest.raises(TypeError, match=r"tensors\[1\] has dtype Long"):
+        torch_gradstats.multi_tensor_stats([tensors[0], torch.zeros(3, dtype=torch.long, device="cuda")])
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on cpu"):
+        torch_gradstats.multi_tensor_stats([tensors[0], torch.zeros(3)])
+
+
+@needs_cuda_kernel
+def test_eager_entry_point_leaves_what_the_dispatcher_must_see_to_it(gen):
+    """Parameters, subclasses, torch function and dispatch modes, fake tensors: the direct call declines (None) and
+    torch.ops serves them, so modes and subclasses see the op as before."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_gradstats import _C
+
+    t = randn(10, torch.float32, gen)
+
+    class Sub(torch.Tensor):
+        pass
+
+    class SeeOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    assert _C.cuda_stats([torch.nn.Parameter(t.clone())]) is None
+    assert _C.cuda_stats([t.as_subclass(Sub)]) is None
+    assert _C.cuda_stats([t, t.cpu()]) is None and _C.cuda_stats([]) is None and _C.cuda_stats((t,)) is None
+    with TorchFunctionMode():
+        assert _C.cuda_stats([t]) is None
+    mode = SeeOps()
+    with mode:
+        assert _C.cuda_stats([t]) is None
+        torch_gradstats.multi_tensor_stats([t])
+    assert any("multi_tensor_stats" in name for name in mode.seen)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as fake_mode:
+        fake = fake_mode.from_tensor(t)
+        assert _C.cuda_stats([fake]) is None
+        assert torch_gradstats.multi_tensor_stats([fake]).sumsq.shape == (1,)

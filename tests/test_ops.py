@@ -326,6 +326,20 @@ def test_extension_state_is_reported():
         assert not tg.HAS_EXTENSION
 
 
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_cuda_entry_point_declines_everything_but_plain_cuda_tensors():
+    """The eager entry point that skips the dispatcher serves plain CUDA tensors only (test_cuda.py runs it); CPU
+    tensors, empty lists and anything not a list go through torch.ops."""
+    import torch_gradstats.ops as ops_mod
+    from torch_gradstats import _C
+
+    assert ops_mod._cuda_stats is _C.cuda_stats
+    for arg in ([torch.ones(3)], [], (torch.ones(3),), [None], [torch.ones(3), "x"]):
+        assert _C.cuda_stats(arg) is None, arg
+    with pytest.raises(TypeError):
+        _C.cuda_stats()
+
+
 def test_forced_fallback_in_subprocess():
     code = (
         "import torch, torch_gradstats as tg\n"
@@ -441,11 +455,19 @@ def _fallback_cases():
     base = torch.randn(97, 61, generator=g)
     cases = [torch.randn(n, generator=g).to(d) * 5 for n in (1, 2, 3, 31, 32, 33, 100, 1000, 4097) for d in DTYPES]
     cases += [
-        torch.empty(0), torch.tensor(2.5), torch.tensor(-0.0, dtype=torch.float16),
-        base.t(), base[:, 1:], base[::3, ::2], torch.randn(7, 1, generator=g).expand(7, 300),
-        torch.randn(4, 6, 50, generator=g).permute(2, 0, 1), base.to(torch.bfloat16).t()[2:],
-        torch.full((5000,), float("nan")), torch.full((3000,), float("-inf"), dtype=torch.float16),
-        torch.full((2049,), torch.finfo(torch.float32).max), torch.full((300,), 1e-40),
+        torch.empty(0),
+        torch.tensor(2.5),
+        torch.tensor(-0.0, dtype=torch.float16),
+        base.t(),
+        base[:, 1:],
+        base[::3, ::2],
+        torch.randn(7, 1, generator=g).expand(7, 300),
+        torch.randn(4, 6, 50, generator=g).permute(2, 0, 1),
+        base.to(torch.bfloat16).t()[2:],
+        torch.full((5000,), float("nan")),
+        torch.full((3000,), float("-inf"), dtype=torch.float16),
+        torch.full((2049,), torch.finfo(torch.float32).max),
+        torch.full((300,), 1e-40),
         torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1e-45, -3.0] * 50),
     ]
     cases[30][17] = float("nan")  # float32, 1000 elements
@@ -460,8 +482,9 @@ def test_fallback_matches_the_reference_at_any_chunk_size(chunk):
     out = TensorStats(*fallback_multi_tensor_stats(tensors, chunk_elems=chunk))
     assert_matches_reference(tensors, out)
     exact = [i for i, t in enumerate(tensors) if t.dtype == torch.float64]  # 16/32-bit may square in float32
-    torch.testing.assert_close(out.sumsq[exact], reference_multi_tensor_stats(tensors)[0][exact], rtol=1e-12,
-                               atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        out.sumsq[exact], reference_multi_tensor_stats(tensors)[0][exact], rtol=1e-12, atol=0, equal_nan=True
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 16, 4096, 1 << 18])
@@ -478,8 +501,7 @@ def test_fallback_off_the_cpu_takes_the_exact_sync_free_path(chunk, monkeypatch)
     monkeypatch.undo()
     assert reads == []
     assert_matches_reference(tensors, out)
-    torch.testing.assert_close(out.sumsq, reference_multi_tensor_stats(tensors)[0], rtol=1e-12, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(out.sumsq, reference_multi_tensor_stats(tensors)[0], rtol=1e-12, atol=0, equal_nan=True)
 
 
 def _sumsq_path(x: torch.Tensor) -> str:

@@ -393,3 +393,44 @@ def test_compiles_in_one_graph_and_matches_eager(dtype):
     ):
         assert torch.equal(a, b), f"{name}: {a} != {b}"
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(stats_mod._collect_grads is None, reason="needs the compiled library")
+def test_native_walk_matches_the_python_walk(monkeypatch):
+    """The C++ walk over (name, parameter) pairs gives what the Python walk gives: names (repeats made unique),
+    None gradients skipped, sizes; and it declines whatever the Python walk must handle."""
+    from torch.overrides import TorchFunctionMode
+
+    collect = stats_mod._collect_grads
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model(torch.randn(5, 4)).sum().backward()
+    model[2].bias.grad = None
+    pairs = list(model.named_parameters()) + [("0.weight", model[0].weight)]  # a repeated name
+    names, grads, numels = collect(pairs, nn.Parameter)
+    assert names == ["0.weight", "0.bias", "2.weight", "0.weight"] and numels == (12, 3, 6, 12)
+    assert all(g is p.grad for g, (_, p) in zip(grads, [pairs[0], pairs[1], pairs[2], pairs[4]]))
+    native = grad_stats(pairs)
+    monkeypatch.setattr(stats_mod, "_collect_grads", None)
+    python = grad_stats(iter(pairs))
+    assert native.names == python.names == ["0.weight", "0.bias", "2.weight", "0.weight#1"]
+    for field in ("sumsq", "amax", "counts", "numel"):
+        assert torch.equal(getattr(native, field), getattr(python, field)), field
+
+    class MyParam(nn.Parameter):
+        pass
+
+    class MyTensor(torch.Tensor):
+        pass
+
+    w = model[0].weight
+    odd_param = MyParam(torch.ones(2))
+    odd_param.grad = torch.ones(2)
+    odd_grad = nn.Parameter(torch.ones(2))
+    odd_grad.grad = torch.ones(2).as_subclass(MyTensor)
+    for items in ([("a", odd_param)], [("a", odd_grad)], [["a", w]], [("a", w, 1)], [(1, w)], [w], [("a", 3)]):
+        assert collect(items, nn.Parameter) is None, items
+    with TorchFunctionMode():
+        assert collect([("a", w)], nn.Parameter) is None
+    assert collect([], nn.Parameter) == ([], [], ())
+    with pytest.raises(TypeError):
+        collect((("a", w),), nn.Parameter)  # a list only

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from typing import Any
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -39,3 +40,11 @@ def _load() -> tuple[bool, str | None]:
 
 
 HAS_EXTENSION, EXTENSION_ERROR = _load()
+
+
+def native_function(name: str) -> Any:
+    """A function of the compiled module ``torch_gradstats._C`` (csrc/python_module.cpp), or None when the module is
+    not loaded or has no such function (an older build)."""
+    if not HAS_EXTENSION:
+        return None
+    return getattr(importlib.import_module("torch_gradstats._C"), name, None)

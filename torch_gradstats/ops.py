@@ -30,7 +30,7 @@ counts     int64 [N, 3]      number of elements == 0 (-0.0 too), NaN, +-inf
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -121,7 +121,11 @@ for _key in ("NestedTensorCPU", "NestedTensorCUDA"):
     _lib.impl(OP_NAME, _reject_nested, _key)
 
 # Load the compiled kernels only now, after the schema they register against exists.
-from torch_gradstats._extension import HAS_EXTENSION  # noqa: E402,F401
+from torch_gradstats._extension import HAS_EXTENSION, native_function  # noqa: E402,F401
+
+#: The CUDA kernel for a list of plain CUDA tensors, called without the dispatcher (None: use torch.ops), when the
+#: compiled library has it: see csrc/python_module.cpp.
+_cuda_stats: Callable[[list[Tensor]], tuple[Tensor, Tensor, Tensor] | None] | None = native_function("cuda_stats")
 
 
 def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
@@ -150,8 +154,13 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
         # exception" with the message hidden. The fake kernel runs the same checks and Dynamo quotes its error.
         return TensorStats(*op(tensors))
     # Eager: the kernels check their inputs themselves; the Python checks (a loop over every tensor) run only to
-    # turn a failure into the same clear, named error on every backend.
+    # turn a failure into the same clear, named error on every backend. Plain CUDA tensors go to the CUDA kernel
+    # without the dispatcher's per-tensor bookkeeping (same kernel, same results); anything else through torch.ops.
     try:
+        if _cuda_stats is not None:
+            out = _cuda_stats(tensors)
+            if out is not None:
+                return TensorStats(*out)
         return TensorStats(*op(tensors))
     except (TypeError, ValueError, RuntimeError):
         check_inputs(tensors)

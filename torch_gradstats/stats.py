@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import numbers
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from torch_gradstats._extension import native_function
 from torch_gradstats._transfer import host_int64, repeated_int64, to_device, to_host
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, OP_NAME, SUPPORTED_DTYPES, ZERO, check_inputs, multi_tensor_stats
@@ -53,6 +54,12 @@ def _dtensor_types() -> tuple[type, ...]:
         if isinstance(cls, type) and cls not in types:
             types.append(cls)
     return tuple(types)
+
+
+#: grad_stats's walk over plain (name, parameter) pairs in C++ (csrc/python_module.cpp), when the library has it.
+_collect_grads: Callable[[list[Any], type], tuple[list[str], list[Tensor], tuple[int, ...]] | None] | None = (
+    native_function("collect_grads")
+)
 
 
 def _named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:
@@ -337,23 +344,33 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
             dtype (both errors name the item or parameter).
         ValueError: a sparse or nested gradient, or one whose storage was freed (named).
     """
-    named = _named_params(params)
-    dtensor_types = _dtensor_types()
     names: list[str] = []
     grads: list[Tensor] = []  # as given (possibly DTensors): for numel and the distributed hook
     local: list[Tensor] = []  # what the op reads
     any_dtensor = False
-    for name, p in named:
-        g = p.grad
-        if g is None:
-            continue
-        names.append(name)
-        grads.append(g)
-        if dtensor_types and isinstance(g, dtensor_types):
-            any_dtensor = True
-            local.append(cast(Any, g).to_local())  # a DTensor (its class is only known at run time)
-        else:
-            local.append(g)
+    if _collect_grads is not None and not isinstance(params, (Tensor, str, bytes)) and isinstance(params, Iterable):
+        params = params if type(params) is list else list(params)  # consumed once, whichever walk reads it
+        collected = None if torch.compiler.is_compiling() else _collect_grads(params, torch.nn.Parameter)
+    else:
+        collected = None
+    numels: tuple[int, ...] | None
+    if collected is not None:  # plain (name, parameter) pairs with plain gradients, walked in C++
+        names, local, numels = collected
+        grads = local
+    else:
+        dtensor_types = _dtensor_types()
+        for name, p in _named_params(params):
+            g = p.grad
+            if g is None:
+                continue
+            names.append(name)
+            grads.append(g)
+            if dtensor_types and isinstance(g, dtensor_types):
+                any_dtensor = True
+                local.append(cast(Any, g).to_local())  # a DTensor (its class is only known at run time)
+            else:
+                local.append(g)
+        numels = None  # read after the op: a .grad that is not a tensor is named there
 
     if not local:
         return _empty_stats(torch.device("cpu"))
@@ -365,7 +382,9 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
         _check_grads(names, local)  # the same failure, named by parameter rather than by list index
         raise
 
-    numel = repeated_int64([g.numel() for g in grads], home)  # DTensor.numel() is the logical (global) numel
+    if numels is None:
+        numels = tuple(g.numel() for g in grads)  # DTensor.numel() is the logical (global) numel
+    numel = repeated_int64(numels, home)
     rank_nonfinite = None
     if group is not None or any_dtensor:
         from torch_gradstats.distributed import reduce_across_ranks  # only on this path: no import otherwise

@@ -805,6 +805,9 @@ std::vector<int64_t> metadata_cache_info() {
 
 }  // namespace
 
+// For the eager entry point that skips the dispatcher (csrc/python_module.cpp).
+const bool kCudaKernelSet = (set_cuda_kernel(&multi_tensor_stats_cuda), true);
+
 TORCH_LIBRARY_IMPL(torch_gradstats, CUDA, m) {
   m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cuda>>());
 }
