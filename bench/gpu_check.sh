@@ -18,7 +18,8 @@
 #   CXX / CC               replaced by /usr/bin/g++ / /usr/bin/gcc when those exist and differ: a compiler driver
 #                          that links its own static libstdc++ into the extension makes every C++ error message
 #                          crash the process (the build step checks the library for it afterwards)
-#   GPU_CHECK_COMMIT       commit to record when the tree has no .git (default: git rev-parse, else "unknown")
+#   GPU_CHECK_COMMIT       commit to record when the tree has no .git or a stale one (default: git rev-parse, else
+#                          "unknown"); the benchmarks record it too (TORCH_GRADSTATS_COMMIT)
 #   GPU_CHECK_SKIP         space-separated step names to skip, e.g. "test_cpu bench_training"
 #   GPU_CHECK_DRY_RUN=1    print the plan (environment, steps, limits, commands) and run nothing; also --dry-run
 set -uo pipefail
@@ -64,9 +65,11 @@ if [[ -z "${CUDA_HOME:-}" ]] && command -v nvcc >/dev/null; then
   export CUDA_HOME="$(cd "$NVCC_BIN/.." && pwd)"
 fi
 COMMIT="${GPU_CHECK_COMMIT:-$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-if git -C "$REPO" rev-parse HEAD >/dev/null 2>&1 && [[ -n "$(git -C "$REPO" status --porcelain 2>/dev/null)" ]]; then
+if [[ -z "${GPU_CHECK_COMMIT:-}" ]] && git -C "$REPO" rev-parse HEAD >/dev/null 2>&1 &&
+  [[ -n "$(git -C "$REPO" status --porcelain 2>/dev/null)" ]]; then
   COMMIT="$COMMIT (with uncommitted changes)"
 fi
+export TORCH_GRADSTATS_COMMIT="${GPU_CHECK_COMMIT:-}"  # the benchmarks record the same commit
 log "commit $COMMIT; CXX=${CXX:-default} CUDA_HOME=${CUDA_HOME:-unset} TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST" \
   "MAX_JOBS=$MAX_JOBS PYTHONPATH=$PYTHONPATH budget ${BUDGET} s"
 

@@ -42,7 +42,10 @@ def machine_description(device: torch.device) -> dict[str, str]:
         "python": platform.python_version(),
         "compiled extension loaded": str(torch_gradstats.HAS_EXTENSION),
     }
-    commit = _tool(["git", "describe", "--always", "--dirty", "--abbrev=10"], cwd=Path(__file__).resolve().parent)
+    # TORCH_GRADSTATS_COMMIT names the commit when the tree measured is a copy whose .git is not its own.
+    commit = os.environ.get("TORCH_GRADSTATS_COMMIT") or _tool(
+        ["git", "describe", "--always", "--dirty", "--abbrev=10"], cwd=Path(__file__).resolve().parent
+    )
     info["commit measured"] = commit or "unknown (not run from a git checkout)"
     if hasattr(os, "getloadavg"):
         info["load average at start"] = f"{os.getloadavg()[0]:.2f}"
