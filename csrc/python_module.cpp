@@ -44,7 +44,7 @@ PyObject* cuda_stats(PyObject* /*self*/, PyObject* list) {
   const torch_gradstats::Kernel kernel = torch_gradstats::cuda_kernel();
   if (kernel == nullptr || !PyList_CheckExact(list) || PyList_GET_SIZE(list) == 0 ||
       at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
-      !c10::impl::tls_local_dispatch_key_set().included_.empty()) {
+      !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty()) {
     Py_RETURN_NONE;
   }
   const Py_ssize_t n = PyList_GET_SIZE(list);
