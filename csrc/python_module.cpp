@@ -65,13 +65,14 @@ PyObject* cuda_stats(PyObject* /*self*/, PyObject* list) {
 // grad_stats's walk over (name, parameter) pairs, without per-parameter Python: the names, the gradients that are
 // not None, and their element counts, as (list[str], list[Tensor], tuple[int]). None when any pair needs the Python
 // walk, which handles every input form, names errors and recognises DTensors: an item that is not a (str, tensor)
-// tuple, a parameter that is neither a torch.Tensor nor exactly `parameter_type`, a gradient that is not a plain
-// torch.Tensor, or an active torch function mode (which may redefine .grad). `items` is a list; nothing is changed.
-PyObject* collect_grads(PyObject* /*self*/, PyObject* args) {
+// tuple, a parameter that is neither a torch.Tensor nor a torch.nn.Parameter (a subclass may redefine .grad), a
+// gradient that is not a plain tensor, or an active torch function mode. `items` is a list; nothing is changed.
+PyObject* collect_grads(PyObject* /*self*/, PyObject* items) {
   HANDLE_TH_ERRORS
-  PyObject* items = nullptr;
-  PyObject* parameter_type = nullptr;
-  if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &items, &parameter_type)) return nullptr;
+  if (!PyList_Check(items)) {
+    PyErr_SetString(PyExc_TypeError, "collect_grads: expected a list of (name, parameter) pairs");
+    return nullptr;
+  }
   if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
   const Py_ssize_t n = PyList_GET_SIZE(items);
   PyObject* names = PyList_New(0);
@@ -94,8 +95,7 @@ PyObject* collect_grads(PyObject* /*self*/, PyObject* args) {
     if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) return done(Py_NewRef(Py_None));
     PyObject* name = PyTuple_GET_ITEM(item, 0);
     PyObject* param = PyTuple_GET_ITEM(item, 1);
-    const bool tensor = THPVariable_CheckExact(param) || Py_TYPE(param) == (PyTypeObject*)parameter_type;
-    if (!PyUnicode_CheckExact(name) || !tensor) {
+    if (!PyUnicode_CheckExact(name) || !THPVariable_CheckExact(param)) {  // CheckExact: torch.Tensor or Parameter
       return done(Py_NewRef(Py_None));
     }
     const at::Tensor& grad = THPVariable_Unpack(param).grad();
@@ -128,8 +128,8 @@ PyMethodDef methods[] = {
     {"cuda_stats", cuda_stats, METH_O,
      "(sumsq, amax, counts) of a list of plain CUDA tensors from the CUDA kernel, called without the dispatcher "
      "(no per-tensor reference counting); None when the list needs the dispatcher (use torch.ops then)."},
-    {"collect_grads", collect_grads, METH_VARARGS,
-     "collect_grads(items: list, parameter_type) -> (names, grads, numels) | None: the (name, parameter) pairs' "
+    {"collect_grads", collect_grads, METH_O,
+     "collect_grads(items: list) -> (names, grads, numels) | None: the (name, parameter) pairs' "
      "gradients that are not None, walked in C++; None when a pair needs the Python walk."},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -57,7 +57,7 @@ def _dtensor_types() -> tuple[type, ...]:
 
 
 #: grad_stats's walk over plain (name, parameter) pairs in C++ (csrc/python_module.cpp), when the library has it.
-_collect_grads: Callable[[list[Any], type], tuple[list[str], list[Tensor], tuple[int, ...]] | None] | None = (
+_collect_grads: Callable[[list[Any]], tuple[list[str], list[Tensor], tuple[int, ...]] | None] | None = (
     native_function("collect_grads")
 )
 
@@ -350,7 +350,7 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
     any_dtensor = False
     if _collect_grads is not None and not isinstance(params, (Tensor, str, bytes)) and isinstance(params, Iterable):
         params = params if type(params) is list else list(params)  # consumed once, whichever walk reads it
-        collected = None if torch.compiler.is_compiling() else _collect_grads(params, torch.nn.Parameter)
+        collected = None if torch.compiler.is_compiling() else _collect_grads(params)
     else:
         collected = None
     numels: tuple[int, ...] | None
