@@ -211,6 +211,21 @@ __device__ __forceinline__ Partial warp_reduce(Partial p) {
   return p;
 }
 
+// Fixed-shape reduction over a block: the warp trees, then the warp results in order. Thread 0 ends with the block's
+// result; every thread must call it (two barriers), and `warp_results` may be reused as soon as it returns.
+__device__ __forceinline__ Partial block_reduce(Partial p, Partial* warp_results) {
+  p = warp_reduce(p);
+  if (threadIdx.x % 32 == 0) warp_results[threadIdx.x / 32] = p;
+  __syncthreads();
+  Partial r = warp_results[0];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) r = combine(r, warp_results[w]);
+  }
+  __syncthreads();  // every read of warp_results is done
+  return r;
+}
+
 // Reads elements [start, end) of the flat span at `base` with kWorkers threads (a block, or one warp for a small
 // tile), `worker` being this thread's index among them: a scalar head up to the first 16-byte boundary, 16-byte
 // vector loads (kUnroll in flight per thread), a scalar tail after the last boundary.
@@ -284,16 +299,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(cons
   __shared__ Partial warp_results[kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int64_t t = blockIdx.x; t < num_block_tiles; t += gridDim.x) {
-    Partial p = warp_reduce(tile_partial_of<kThreads>(meta[tile_tensor[t]], t, threadIdx.x));
-    if (lane == 0) warp_results[warp] = p;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      Partial r = warp_results[0];
-#pragma unroll
-      for (int w = 1; w < kThreads / 32; ++w) r = combine(r, warp_results[w]);
-      store_partial(r, t, num_tiles, p_sumsq, p_amax, p_counts);
-    }
-    __syncthreads();  // warp_results is reused by the next tile
+    const Partial r = block_reduce(tile_partial_of<kThreads>(meta[tile_tensor[t]], t, threadIdx.x), warp_results);
+    if (threadIdx.x == 0) store_partial(r, t, num_tiles, p_sumsq, p_amax, p_counts);
   }
   // Warps are ranked from the first block that ran one block tile fewer than the others, so the warp tiles start
   // where the block tiles ran out first.
@@ -369,17 +376,9 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const TensorMeta* __
     const TensorMeta m = meta[i];
     const int64_t n_tiles = tiles_of(m);
     if (n_tiles <= kFinalizeWarpTiles) continue;
-    const Partial p =
-        warp_reduce(strided_partials<kThreads>(m, n_tiles, threadIdx.x, num_tiles, p_sumsq, p_amax, p_counts));
-    if (lane == 0) warp_results[warp] = p;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      Partial r = warp_results[0];
-#pragma unroll
-      for (int w = 1; w < kThreads / 32; ++w) r = combine(r, warp_results[w]);
-      write_output(r, i, sumsq, amax, counts);
-    }
-    __syncthreads();  // warp_results is reused by the next large tensor
+    const Partial r = block_reduce(
+        strided_partials<kThreads>(m, n_tiles, threadIdx.x, num_tiles, p_sumsq, p_amax, p_counts), warp_results);
+    if (threadIdx.x == 0) write_output(r, i, sumsq, amax, counts);
   }
 }
 
