@@ -16,6 +16,7 @@ exactly one device-to-host transfer per report. This module owns that rule:
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -71,6 +72,7 @@ def host_int64(values: Sequence[int], device: torch.device) -> Tensor:
 #: (device, values) -> the device tensor last made of them; see :func:`repeated_int64`.
 _REPEATED: OrderedDict[tuple[torch.device, tuple[int, ...]], Tensor] = OrderedDict()
 _REPEATED_MAX = 8
+_REPEATED_LOCK = threading.Lock()
 
 
 def repeated_int64(values: Sequence[int], device: torch.device) -> Tensor:
@@ -86,16 +88,17 @@ def repeated_int64(values: Sequence[int], device: torch.device) -> Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return host_int64(values, device)
     key = (device, tuple(values))
-    kept = _REPEATED.get(key)
-    if kept is not None and kept._version == 0:
+    with _REPEATED_LOCK:  # threads may train side by side (one model per GPU)
+        kept = _REPEATED.get(key)
+        if kept is not None and kept._version == 0:
+            _REPEATED.move_to_end(key)
+            return kept
+        made = host_int64(key[1], device)
+        _REPEATED[key] = made
         _REPEATED.move_to_end(key)
-        return kept
-    made = host_int64(key[1], device)
-    _REPEATED[key] = made
-    _REPEATED.move_to_end(key)
-    while len(_REPEATED) > _REPEATED_MAX:
-        _REPEATED.popitem(last=False)
-    return made
+        while len(_REPEATED) > _REPEATED_MAX:
+            _REPEATED.popitem(last=False)
+        return made
 
 
 # ---------------------------------------------------------------------------------------------- packing
