@@ -52,6 +52,7 @@ MODELS: dict[str, dict] = {
     "gpt2-small": {"vocab": 50257, "d_model": 768, "n_layer": 12, "n_head": 12, "seq": 512, "batch": 8, "bf16": True,
                    "head_bias": False},
 }  # fmt: skip
+NAN = float("nan")
 #: variant -> largest overhead allowed on the GPU (%)
 GOALS = {"grad_stats": 1.0, "grad_stats+report10": 2.0}
 
@@ -166,9 +167,6 @@ def run(device: torch.device, rounds: int, steps: int, variants: list[str], mode
         row["kernel_overhead_pct"] = 100.0 * (row["kernel_ms_per_step"] / kernels["baseline"] - 1.0) if kernels else NAN
         out.append(row)
     return out
-
-
-NAN = float("nan")
 
 
 def _kernel_ms_per_step(block: Callable[[str], float], name: str, steps: int) -> float:
