@@ -50,7 +50,7 @@ void check_inputs(const TensorRefs& tensors) {
 }
 
 namespace {
-Kernel g_cuda_kernel = nullptr;  // written once, by a static initialiser of the CUDA source, before any call
+Kernel g_cuda_kernel = nullptr;  // set once by the CUDA source's registration, while the library loads
 }  // namespace
 
 Kernel cuda_kernel() { return g_cuda_kernel; }

@@ -804,11 +804,9 @@ std::vector<int64_t> metadata_cache_info() {
 
 }  // namespace
 
-// For the eager entry point that skips the dispatcher (csrc/python_module.cpp).
-const bool kCudaKernelSet = (set_cuda_kernel(&multi_tensor_stats_cuda), true);
-
 TORCH_LIBRARY_IMPL(torch_gradstats, CUDA, m) {
   m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cuda>>());
+  set_cuda_kernel(&multi_tensor_stats_cuda);  // and for the eager entry point that skips the dispatcher
 }
 
 // A second op of the namespace, defined here because only the CUDA build has the cache it reports on.
