@@ -10,7 +10,9 @@ Three times per contender and point, each per call:
   sync). A contender that syncs, or whose calls fill the launch queue, waits for the device inside it.
 
 A block is as many calls as make about ``block_s`` (at least one); the contenders' blocks run interleaved, the order
-rotating every repetition, with Python's garbage collector off; each figure is the median over the repetitions.
+rotating every repetition, with Python's garbage collector off; each figure is the median over the repetitions. Each
+block reads the input copies that follow the ones the block before it read (see ``make_samples``), so no contender
+reads data another has just brought into the cache.
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ def run_point(
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()  # no collector pauses inside timed calls
+    cursor = 0  # the next input copy: each block goes on where the one before stopped, so none starts on warm data
     try:
         for r in range(reps):
             for k in range(len(live)):
@@ -191,7 +194,8 @@ def run_point(
                 if m.note.startswith("skipped"):
                     continue
                 try:
-                    eager, host = _guarded(m, device, _eager_block, m, samples, r * m.n_inner, device)
+                    eager, host = _guarded(m, device, _eager_block, m, samples, cursor, device)
+                    cursor += m.n_inner
                     m.eager.append(eager)
                     m.host.append(host)
                     if m.graph is not None:
