@@ -1,7 +1,7 @@
 // The Python module torch_gradstats._C. The kernels register themselves with the dispatcher from static
 // initialisers (TORCH_LIBRARY_IMPL), and importing this module is what loads them. Its functions:
 //   cpu_capability()    the instruction set the CPU kernel runs with ("AVX512", "AVX2" or "DEFAULT");
-//   cuda_stats(list)    the CUDA kernel called on a list of plain CUDA tensors without the dispatcher, or None;
+//   direct_stats(list)  the CPU or CUDA kernel called on a list of plain tensors without the dispatcher, or None;
 //   collect_grads(...)  grad_stats's walk over (name, parameter) pairs, or None.
 // Compiled only by setup.py; the CMake build produces the same library without Python.
 #include <Python.h>
@@ -12,6 +12,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/pybind11.h>
 
 #include <vector>
 
@@ -23,40 +24,91 @@ PyObject* cpu_capability(PyObject* /*self*/, PyObject* /*args*/) {
   return PyUnicode_FromString(torch_gradstats::cpu_kernel_capability());
 }
 
-// A tensor the CUDA kernel can read exactly as the dispatcher would route it: a plain torch.Tensor (no subclass, no
-// Python or functionalization key), strided, on a CUDA device.
-bool plain_cuda(PyObject* obj) {
+// A tensor that the dispatcher would send to the kernel of its device type as it is: a plain torch.Tensor (no
+// subclass, no Python or functionalization key) and strided.
+bool plain_tensor(PyObject* obj) {
   if (!THPVariable_CheckExact(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
   const c10::DispatchKeySet keys = t.key_set();
-  return t.is_cuda() && t.layout() == at::kStrided && !keys.has(c10::DispatchKey::Python) &&
+  return t.layout() == at::kStrided && !keys.has(c10::DispatchKey::Python) &&
          !keys.has(c10::DispatchKey::Functionalize);
 }
 
+// The compiled kernel for a device type, or nullptr (the dispatcher decides: meta, XPU, the fallback...).
+torch_gradstats::Kernel kernel_for(c10::DeviceType type) {
+  switch (type) {
+    case c10::DeviceType::CPU:
+      return &torch_gradstats::multi_tensor_stats_cpu;
+    case c10::DeviceType::CUDA:
+      return torch_gradstats::cuda_kernel();
+    default:
+      return nullptr;
+  }
+}
+
+// A Python reference, dropped when it goes out of scope (with the GIL held).
+class OwnedRef {
+ public:
+  explicit OwnedRef(PyObject* obj) : obj_(obj) {}
+  OwnedRef(const OwnedRef&) = delete;
+  OwnedRef& operator=(const OwnedRef&) = delete;
+  ~OwnedRef() { Py_XDECREF(obj_); }
+  PyObject* get() const { return obj_; }
+
+ private:
+  PyObject* obj_;
+};
+
+// A CPU list of at least this many elements runs without the GIL (other Python threads go on meanwhile); a smaller
+// one takes less time than handing the GIL over and back.
+constexpr int64_t kReleaseGilElems = int64_t{1} << 16;
+
 // Why: a call through torch.ops turns the list into a boxed Tensor[] first, taking a reference to every tensor and
-// dropping it afterwards through the GIL; that bookkeeping costs more host time per tensor than the kernel's own.
-// Here the tensors are borrowed from the list, which the caller holds and this function never releases the GIL for.
-// Anything the dispatcher would treat differently returns None, and the caller takes torch.ops: a tensor that is not
-// a plain CUDA tensor, an active torch function or dispatch mode, or thread-local dispatch keys (vmap, fake
-// tensors). Errors are the kernel's own (ValueError / TypeError naming the tensor's index).
-PyObject* cuda_stats(PyObject* /*self*/, PyObject* list) {
+// dropping it afterwards through the GIL, and goes through the dispatcher's Python binding: for a short list that
+// costs more host time than the kernel, and for a long one more per tensor than the kernel's own work. Here the
+// tensors are read from the list in place and the kernel of their device type is called directly. Anything the
+// dispatcher would treat differently returns None, and the caller takes torch.ops: a tensor that is not a plain
+// CPU or CUDA tensor, tensors of different device types, an active torch function or dispatch mode, or thread-local
+// dispatch keys (vmap, fake tensors). Errors are the kernel's own (ValueError / TypeError naming the tensor's index).
+// The GIL is released while the kernel runs (CUDA: its launches may wait for room in the queue; CPU: lists of
+// kReleaseGilElems or more); the list's items are then held by a copy of the list, so another thread emptying the
+// list cannot free a tensor in use.
+PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   HANDLE_TH_ERRORS
-  const torch_gradstats::Kernel kernel = torch_gradstats::cuda_kernel();
-  if (kernel == nullptr || !PyList_CheckExact(list) || PyList_GET_SIZE(list) == 0 ||
-      at::impl::torch_function_mode_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+  if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) == 0 || at::impl::torch_function_mode_enabled() ||
+      c10::impl::TorchDispatchModeTLS::any_modes_set() ||
       !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty()) {
     Py_RETURN_NONE;
   }
   const Py_ssize_t n = PyList_GET_SIZE(list);
   thread_local std::vector<const at::Tensor*> refs;  // reused: no allocation in steady state
   refs.resize(size_t(n));
+  c10::DeviceType type = c10::DeviceType::CPU;
+  int64_t elems = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* obj = PyList_GET_ITEM(list, i);
-    if (!plain_cuda(obj)) Py_RETURN_NONE;
-    refs[size_t(i)] = &THPVariable_Unpack(obj);
+    if (!plain_tensor(obj)) Py_RETURN_NONE;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (i == 0) type = t.device().type();
+    if (t.device().type() != type) Py_RETURN_NONE;
+    elems += t.numel();
+    refs[size_t(i)] = &t;
   }
+  const torch_gradstats::Kernel kernel = kernel_for(type);
+  if (kernel == nullptr) Py_RETURN_NONE;
+  const bool release_gil = type != c10::DeviceType::CPU || elems >= kReleaseGilElems;
+  OwnedRef held(release_gil ? PyList_GetSlice(list, 0, n) : nullptr);  // strong references to every item
+  if (release_gil && held.get() == nullptr) return nullptr;
   RECORD_FUNCTION("torch_gradstats::multi_tensor_stats", c10::ArrayRef<const c10::IValue>{});
-  auto [sumsq, amax, counts] = kernel(torch_gradstats::TensorRefs(c10::ArrayRef<const at::Tensor*>(refs)));
+  const torch_gradstats::TensorRefs tensors(c10::ArrayRef<const at::Tensor*>(refs.data(), refs.size()));
+  torch_gradstats::Stats out;
+  if (release_gil) {
+    pybind11::gil_scoped_release no_gil;  // taken back before `held` lets go of the items
+    out = kernel(tensors);
+  } else {
+    out = kernel(tensors);
+  }
+  auto& [sumsq, amax, counts] = out;
   return Py_BuildValue("(NNN)", THPVariable_Wrap(std::move(sumsq)), THPVariable_Wrap(std::move(amax)),
                        THPVariable_Wrap(std::move(counts)));
   END_HANDLE_TH_ERRORS
@@ -125,9 +177,9 @@ PyMethodDef methods[] = {
     {"cpu_capability", cpu_capability, METH_NOARGS,
      "Instruction set of the CPU kernel on this machine: 'AVX512', 'AVX2' or 'DEFAULT' (follows ATen's choice, so "
      "ATEN_CPU_CAPABILITY=default forces the baseline)."},
-    {"cuda_stats", cuda_stats, METH_O,
-     "(sumsq, amax, counts) of a list of plain CUDA tensors from the CUDA kernel, called without the dispatcher "
-     "(no per-tensor reference counting); None when the list needs the dispatcher (use torch.ops then)."},
+    {"direct_stats", direct_stats, METH_O,
+     "(sumsq, amax, counts) of a list of plain CPU or CUDA tensors from the compiled kernel of their device type, "
+     "called without the dispatcher; None when the list needs the dispatcher (use torch.ops then)."},
     {"collect_grads", collect_grads, METH_O,
      "collect_grads(items: list) -> (names, grads, numels) | None: the (name, parameter) pairs' "
      "gradients that are not None, walked in C++; None when a pair needs the Python walk."},

@@ -950,7 +950,7 @@ def test_eager_entry_point_skips_the_dispatcher_with_the_same_bits(gen):
 
     tensors = [randn(n, dt, gen) for n, dt in [(5, torch.float16), (70_001, torch.bfloat16), (1 << 20, torch.float32)]]
     tensors.append(randn(64, torch.float64, gen).view(8, 8).t())
-    direct = _C.cuda_stats(tensors)
+    direct = _C.direct_stats(tensors)
     assert direct is not None
     for a, b in zip(direct, OP(tensors)):
         assert torch.equal(a.view(torch.int64), b.view(torch.int64))
@@ -987,17 +987,17 @@ def test_eager_entry_point_leaves_what_the_dispatcher_must_see_to_it(gen):
             return func(*args, **(kwargs or {}))
 
     param = torch.nn.Parameter(t.clone())  # to C++ a Parameter is a plain tensor (torch's THPVariable_CheckExact)
-    assert torch.equal(_C.cuda_stats([param])[0], OP([param])[0])
-    assert _C.cuda_stats([t.as_subclass(Sub)]) is None
-    assert _C.cuda_stats([t, t.cpu()]) is None and _C.cuda_stats([]) is None and _C.cuda_stats((t,)) is None
+    assert torch.equal(_C.direct_stats([param])[0], OP([param])[0])
+    assert _C.direct_stats([t.as_subclass(Sub)]) is None
+    assert _C.direct_stats([t, t.cpu()]) is None and _C.direct_stats([]) is None and _C.direct_stats((t,)) is None
     with TorchFunctionMode():
-        assert _C.cuda_stats([t]) is None
+        assert _C.direct_stats([t]) is None
     mode = SeeOps()
     with mode:
-        assert _C.cuda_stats([t]) is None
+        assert _C.direct_stats([t]) is None
         torch_gradstats.multi_tensor_stats([t])
     assert any("multi_tensor_stats" in name for name in mode.seen)
     with torch._subclasses.fake_tensor.FakeTensorMode() as fake_mode:
         fake = fake_mode.from_tensor(t)
-        assert _C.cuda_stats([fake]) is None
+        assert _C.direct_stats([fake]) is None
         assert torch_gradstats.multi_tensor_stats([fake]).sumsq.shape == (1,)

@@ -327,17 +327,100 @@ def test_extension_state_is_reported():
 
 
 @pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
-def test_direct_cuda_entry_point_declines_everything_but_plain_cuda_tensors():
-    """The eager entry point that skips the dispatcher serves plain CUDA tensors only (test_cuda.py runs it); CPU
-    tensors, empty lists and anything not a list go through torch.ops."""
+def test_direct_entry_point_gives_the_ops_bits_and_names_errors():
+    """multi_tensor_stats on plain CPU tensors calls the compiled kernel without the dispatcher (test_cuda.py does the
+    same on CUDA): the op's bits, the op's name in the profiler, the kernel's errors naming the tensor."""
     import torch_gradstats.ops as ops_mod
     from torch_gradstats import _C
 
-    assert ops_mod._cuda_stats is _C.cuda_stats
-    for arg in ([torch.ones(3)], [], (torch.ones(3),), [None], [torch.ones(3), "x"]):
-        assert _C.cuda_stats(arg) is None, arg
+    assert ops_mod._direct_stats is _C.direct_stats
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(5, generator=g).half(), torch.randn(70_001, generator=g).bfloat16(),
+               torch.randn(1 << 17, generator=g), torch.randn(64, dtype=torch.float64, generator=g).view(8, 8).t(),
+               torch.randn(30, generator=g)[::3], torch.empty(0)]  # fmt: skip
+    tensors[2][7] = float("nan")
+    direct = _C.direct_stats(tensors)
+    assert direct is not None
+    for a, b in zip(direct, op(tensors)):
+        assert torch.equal(a.view(torch.int64), b.view(torch.int64))
+    assert_matches_reference(tensors, TensorStats(*direct))
+    param = torch.nn.Parameter(tensors[2].clone())  # to C++ a Parameter is a plain tensor
+    assert torch.equal(_C.direct_stats([param])[2], op([param])[2])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tg.multi_tensor_stats(tensors)
+    assert any(e.name == "torch_gradstats::multi_tensor_stats" for e in prof.events())
+    with pytest.raises(TypeError, match=r"tensors\[1\] has dtype Long"):
+        _C.direct_stats([tensors[0], torch.zeros(3, dtype=torch.long)])
+    with pytest.raises(ValueError, match="at least one tensor"):
+        tg.multi_tensor_stats([])
+
+
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_entry_point_leaves_what_the_dispatcher_must_see_to_it():
+    """Anything the dispatcher treats differently gets None, and the wrapper takes torch.ops: subclasses, torch
+    function and dispatch modes (which then see the op), fake and meta tensors, mixed device types, non-lists."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torch_gradstats import _C
+
+    t = torch.randn(10)
+
+    class Sub(torch.Tensor):
+        pass
+
+    class SeeOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for arg in ([], (t,), [None], [t, "x"], [t.as_subclass(Sub)], [torch.empty(3, device="meta")],
+                [t, torch.empty(3, device="meta")]):  # fmt: skip
+        assert _C.direct_stats(arg) is None, arg
     with pytest.raises(TypeError):
-        _C.cuda_stats()
+        _C.direct_stats()
+    with TorchFunctionMode():
+        assert _C.direct_stats([t]) is None
+    mode = SeeOps()
+    with mode:
+        assert _C.direct_stats([t]) is None
+        tg.multi_tensor_stats([t])
+    assert any("multi_tensor_stats" in name for name in mode.seen)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as fake_mode:
+        fake = fake_mode.from_tensor(t)
+        assert _C.direct_stats([fake]) is None
+        assert tg.multi_tensor_stats([fake]).sumsq.shape == (1,)
+    with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.Functionalize):  # a thread-local dispatch key
+        assert _C.direct_stats([t]) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast passes the op through: served directly
+        assert torch.equal(_C.direct_stats([t])[0], op([t])[0])
+
+
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_entry_point_without_the_gil_survives_the_list_being_emptied():
+    """A large CPU list runs without the GIL; another thread clearing the list (the only other reference to its
+    tensors) must not free them under the kernel. In a subprocess: a use after free could crash."""
+    code = (
+        "import sys, threading, gc, torch\n"
+        "from torch_gradstats import _C\n"
+        "sys.setswitchinterval(10.0)  # the GIL changes hands only where the call releases it\n"
+        "for _ in range(20):\n"
+        "    lst = [torch.full((1 << 20,), 2.0) for _ in range(16)]\n"
+        "    out, calling = [], threading.Event()\n"
+        "    def call():\n"
+        "        calling.set()\n"
+        "        out.append(_C.direct_stats(lst))\n"
+        "    th = threading.Thread(target=call)\n"
+        "    th.start(); calling.wait(); lst.clear(); gc.collect(); th.join()\n"
+        "    assert out[0][0].tolist() == [4.0 * (1 << 20)] * 16, out\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
 def test_forced_fallback_in_subprocess():

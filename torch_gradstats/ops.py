@@ -123,9 +123,10 @@ for _key in ("NestedTensorCPU", "NestedTensorCUDA"):
 # Load the compiled kernels only now, after the schema they register against exists.
 from torch_gradstats._extension import HAS_EXTENSION, native_function  # noqa: E402,F401
 
-#: The CUDA kernel for a list of plain CUDA tensors, called without the dispatcher (None: use torch.ops), when the
-#: compiled library has it: see csrc/python_module.cpp.
-_cuda_stats: Callable[[list[Tensor]], tuple[Tensor, Tensor, Tensor] | None] | None = native_function("cuda_stats")
+#: The compiled kernel for a list of plain CPU or CUDA tensors, called without the dispatcher (None: use torch.ops),
+#: when the compiled library has it: see csrc/python_module.cpp.
+_direct_stats: Callable[[list[Tensor]], tuple[Tensor, Tensor, Tensor] | None] | None = native_function("direct_stats")
+_op = torch.ops.torch_gradstats.multi_tensor_stats.default
 
 
 def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
@@ -148,20 +149,19 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
         Dynamo's ``TorchRuntimeError``.
     """
     tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
-    op = torch.ops.torch_gradstats.multi_tensor_stats.default
     if torch.compiler.is_compiling():
         # No Python checks here: an exception raised while Dynamo traces this frame would surface as "Observed
         # exception" with the message hidden. The fake kernel runs the same checks and Dynamo quotes its error.
-        return TensorStats(*op(tensors))
+        return TensorStats(*_op(tensors))
     # Eager: the kernels check their inputs themselves; the Python checks (a loop over every tensor) run only to
-    # turn a failure into the same clear, named error on every backend. Plain CUDA tensors go to the CUDA kernel
-    # without the dispatcher's per-tensor bookkeeping (same kernel, same results); anything else through torch.ops.
+    # turn a failure into the same clear, named error on every backend. Plain CPU and CUDA tensors go to their
+    # compiled kernel without the dispatcher (same kernel, same results); anything else through torch.ops.
     try:
-        if _cuda_stats is not None:
-            out = _cuda_stats(tensors)
+        if _direct_stats is not None:
+            out = _direct_stats(tensors)
             if out is not None:
                 return TensorStats(*out)
-        return TensorStats(*op(tensors))
+        return TensorStats(*_op(tensors))
     except (TypeError, ValueError, RuntimeError):
         check_inputs(tensors)
         raise
