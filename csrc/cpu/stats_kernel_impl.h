@@ -54,6 +54,16 @@ constexpr int64_t kBlockElems = 4096;
 constexpr int64_t kBlockElems = 2048;
 #endif
 
+#if defined(TORCH_GRADSTATS_SIMD)
+// Every cache line is prefetched this far ahead. The hardware prefetchers alone left the op ~10% behind torch.sum
+// on memory-bound lists (two EPYC cores: float32 0.79-0.93 of torch.sum's rate, 0.96-1.06 with this; 1 and 4 KiB
+// measured, 4 KiB better). Prefetches past the end of a span are harmless: they never fault.
+constexpr int64_t kPrefetchBytes = 4096;
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+}
+#endif
+
 // A float block whose max |x| is below 2^-40 is summed again scaled by 2^90. Below the threshold, squares of its
 // elements may fall under FLT_MIN and lose precision; above it, what such elements lose is < 1e-9 of the block's
 // largest square. Scaled, any float (subnormals included) squares to a normal float and 4096 squares stay < 2^112.
@@ -388,6 +398,7 @@ SimdBlock simd_block(const T* x, int64_t n) {
   int64_t i = 0;
   for (; i + kRegs * kElems <= n; i += kRegs * kElems) {
     for (int r = 0; r < kRegs; ++r) {
+      prefetch_ahead(x + i + r * kElems);  // one register is one cache line (AVX512) or half of one (AVX2)
       const VI a = and_i(loadi(x + i + r * kElems), mask);
       if constexpr (k16) {
         mx[r & 1] = max16(mx[r & 1], a);
@@ -457,6 +468,7 @@ void accumulate_block_simd<double>(const double* x, int64_t n, Partial& p) {
   int64_t i = 0;
   for (; i + 4 * kElems <= n; i += 4 * kElems) {
     for (int r = 0; r < 4; ++r) {
+      prefetch_ahead(x + i + r * kElems);
       const VI a = and_i(loadi(x + i + r * kElems), mask);
       const VD v = as_double(a);
       sq[r] = fmadd_d(v, v, sq[r]);
