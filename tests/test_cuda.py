@@ -319,7 +319,8 @@ def fills(names: list[str]) -> list[str]:
 def cache_info() -> dict[str, int]:
     """State of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache::info)."""
     values = torch.ops.torch_gradstats._cuda_metadata_cache_info()
-    keys = ("entries", "bytes", "retired", "captured_calls", "fill_launches", "pool_reserved")
+    keys = ("entries", "bytes", "retired", "captured_calls", "fill_launches", "pool_reserved", "graph_buffers",
+            "graph_buffer_bytes")  # fmt: skip
     return dict(zip(keys, values))
 
 
@@ -544,8 +545,8 @@ def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(p
 
 @needs_cuda_kernel
 def test_capture_of_lists_longer_than_one_fill_launch(gen):
-    # 2,000 tensors need several fill launches (816 entries per launch with 32 KB of parameters, 100 with 4 KB), all
-    # captured into the graph: replays after in-place changes must see every tensor's metadata.
+    # 2,000 tensors need several fill launches (816 entries per launch with 32 KB of parameters, 100 with 4 KB) to
+    # write the graph's metadata while it is captured: replays after in-place changes must see every tensor's.
     tensors = [randn(1 + (i * 37) % 300, DTYPES[i % 4], gen) for i in range(2_000)]
     torch.cuda.synchronize()
     before = cache_info()
@@ -564,6 +565,41 @@ def test_capture_of_lists_longer_than_one_fill_launch(gen):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(captured, tensors)
+
+
+@needs_cuda_kernel
+def test_captured_call_owns_its_metadata_and_replays_only_the_two_kernels(gen):
+    # The metadata is written once while the graph is captured, into a buffer the graph owns (a CUDA user object):
+    # a replay runs the two kernels and nothing else, and destroying the graph frees the buffer.
+    import time
+
+    tensors = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([3, 70_003, 1 << 16, 4_097, 123, 9_999])]
+    torch.cuda.synchronize()
+    before = cache_info()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = OP(tensors)
+    during = cache_info()
+    assert during["graph_buffers"] == before["graph_buffers"] + 1, (before, during)
+    assert during["graph_buffer_bytes"] >= 6 * 40, (before, during)
+    names = cuda_activity(graph.replay)
+    assert any("tile_stats" in n for n in names), names  # the profiler sees the graph's kernels
+    assert not fills(names) and not memcpys(names) and len(names) == 2, names
+    for step in range(3):
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(randn(t.numel(), t.dtype, gen, scale=4.0**step))
+            tensors[step][step] = [float("nan"), float("inf"), 0.0][step]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(captured, tensors)
+    del graph  # CUDA runs the buffer's destructor on its own thread; the next call of the op frees it
+    deadline = time.monotonic() + 5.0
+    while cache_info()["graph_buffers"] != before["graph_buffers"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = cache_info()
+    assert after["graph_buffers"] == before["graph_buffers"], (before, after)
+    assert after["graph_buffer_bytes"] == before["graph_buffer_bytes"], (before, after)
 
 
 def settle() -> None:

@@ -13,8 +13,10 @@
 // parameters carry it (no memcpy, no host buffer to keep alive). Eager calls keep it in a content-addressed cache
 // whose memory is the cache's own (a CUDA memory pool, never PyTorch's caching allocator, so never a CUDA-graph
 // pool): in steady state nothing is written at all. A capturing stream never touches the cache: its graph gets its
-// own copy, filled by the captured kernels into a per-call temporary of the graph's pool (docs/cuda.md, "Metadata
-// and CUDA graphs").
+// own copy, written once while it is captured into memory of the same pool that the graph owns (a CUDA user
+// object frees it when the graph is destroyed), so a replay runs the two kernels and nothing else; where that is
+// not possible, fill kernels captured with the call rewrite a per-call temporary on every replay (docs/cuda.md,
+// "Metadata and CUDA graphs").
 #include "multi_tensor_stats.h"
 #include "packed16.h"
 
@@ -39,6 +41,8 @@
 #include <mutex>
 #include <type_traits>
 #include <vector>
+
+static_assert(CUDART_VERSION >= 12000, "torch_gradstats's CUDA kernel needs CUDA 12 or newer");
 
 namespace torch_gradstats {
 namespace {
@@ -506,8 +510,9 @@ size_t metadata_bytes(int64_t n, int64_t num_tiles) {
 //     that runs their warm-up and recording to their private pool, and a block kept there is one they do not track.
 //     Its memory comes from a CUDA memory pool of its own (cudaMemPoolCreate), allocated and freed stream-ordered
 //     (cudaMallocFromPoolAsync / cudaFreeAsync), only while the calling stream is not capturing.
-//  2. A capturing stream never reads it: the caller takes the per-call path instead, whose buffer and parameters
-//     belong to the graph. So no graph ever depends on an entry, and any entry can be evicted.
+//  2. A capturing stream never reads it: the graph gets a buffer of its own (for_capture), or the caller takes the
+//     per-call path, whose buffer and parameters belong to the graph. So no graph ever depends on an entry, and any
+//     entry can be evicted.
 //  3. An entry is filled on the stream of its first call; a call from another stream waits on `ready` once and is
 //     remembered in `users`. Eviction records an event on every user stream and frees on the cache's own stream
 //     after waiting on them: the memory is reused only after every kernel that read it.
@@ -538,6 +543,7 @@ class MetadataCache {
     DeviceState& ds = device_state(device);
     if (!ds.pools_supported) return nullptr;
     retry_retired();
+    free_released_graph_buffers();
     auto e = std::make_unique<Entry>();
     e->device = device;
     e->hash = hash;
@@ -565,6 +571,57 @@ class MetadataCache {
     return data;
   }
 
+  // Device pointer of the metadata for `meta`, for the graph that `capturing` is being captured into: written now,
+  // on the cache's upload stream, and waited for, so it is complete before the graph can run; owned by the graph
+  // through a CUDA user object, whose destructor hands it back once the graph is destroyed and its last launch has
+  // completed. Replays then read it as it is: no fill kernels in the graph. nullptr (the caller takes the per-call
+  // path) without CUDA memory pools, without memory for it, or when the capture has no graph to attach it to.
+  const uint8_t* for_capture(const std::vector<TensorMeta>& meta, int64_t num_tiles, c10::DeviceIndex device,
+                             cudaStream_t capturing) {
+    // Relaxed: this thread may allocate, synchronize its own stream and create objects during its capture.
+    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+    if (cudaStreamGetCaptureInfo(capturing, &status, nullptr, &graph) != cudaSuccess ||
+        status != cudaStreamCaptureStatusActive || graph == nullptr) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    DeviceState& ds = device_state(device);
+    if (!ds.pools_supported) return nullptr;
+    free_released_graph_buffers();
+    const size_t bytes = metadata_bytes(int64_t(meta.size()), num_tiles);
+    void* ptr = nullptr;
+    const cudaError_t alloc = cudaMallocFromPoolAsync(&ptr, bytes, ds.pool, ds.upload_stream);
+    if (alloc == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    C10_CUDA_CHECK(alloc);
+    fill_launches_ += fill_metadata(meta.data(), int64_t(meta.size()), static_cast<uint8_t*>(ptr), ds.upload_stream);
+    C10_CUDA_CHECK(cudaStreamSynchronize(ds.upload_stream));  // written before the graph exists, let alone runs
+    auto* owned = new GraphBuffer{this, device, ptr, bytes};
+    cudaUserObject_t object = nullptr;
+    if (cudaUserObjectCreate(&object, owned, &GraphBuffer::release, 1, cudaUserObjectNoDestructorSync) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      delete owned;
+      C10_CUDA_CHECK(cudaFreeAsync(ptr, ds.free_stream));  // nothing has read it
+      return nullptr;
+    }
+    graph_buffers_ += 1;
+    graph_buffer_bytes_ += bytes;
+    captured_calls_ += 1;
+    if (cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove) != cudaSuccess) {
+      (void)cudaGetLastError();
+      C10_CUDA_CHECK(cudaUserObjectRelease(object, 1));  // the destructor queues the buffer to be freed
+      captured_calls_ -= 1;
+      return nullptr;
+    }
+    return static_cast<const uint8_t*>(ptr);
+  }
+
   void count_per_call(bool capturing, int64_t launches) {
     std::lock_guard<std::mutex> lock(mu_);
     captured_calls_ += capturing ? 1 : 0;
@@ -572,9 +629,14 @@ class MetadataCache {
   }
 
   // For tests and debugging: [entries, bytes they hold, entries waiting to be freed, calls made while capturing,
-  // fill launches so far, bytes reserved by the memory pool of `device`].
+  // fill launches so far, bytes reserved by the memory pool of `device`, metadata buffers owned by CUDA graphs and
+  // not yet freed, the bytes they hold]. Buffers of graphs destroyed by now are freed first.
   std::vector<int64_t> info(c10::DeviceIndex device) {
     std::lock_guard<std::mutex> lock(mu_);
+    {
+      const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+      free_released_graph_buffers();
+    }
     int64_t reserved = 0;
     if (size_t(device) < devices_.size() && devices_[device].initialized && devices_[device].pools_supported) {
       uint64_t value = 0;
@@ -582,7 +644,7 @@ class MetadataCache {
       reserved = int64_t(value);
     }
     return {int64_t(entries_.size()), int64_t(live_bytes_), int64_t(retired_.size()), captured_calls_,
-            fill_launches_, reserved};
+            fill_launches_, reserved, graph_buffers_, int64_t(graph_buffer_bytes_)};
   }
 
  private:
@@ -603,9 +665,43 @@ class MetadataCache {
     bool initialized = false;
     bool pools_supported = false;
     cudaMemPool_t pool = nullptr;
-    cudaStream_t free_stream = nullptr;  // frees wait here on the users' events, never on the callers' streams
-    cudaEvent_t user_done = nullptr;     // re-recorded per user stream at eviction
+    cudaStream_t free_stream = nullptr;    // frees wait here on the users' events, never on the callers' streams
+    cudaEvent_t user_done = nullptr;       // re-recorded per user stream at eviction
+    cudaStream_t upload_stream = nullptr;  // writes the buffers of graphs being captured; never part of a capture
   };
+
+  // The metadata of one captured call, owned by its graph through a CUDA user object. CUDA runs the destructor on an
+  // internal thread, where no CUDA call is allowed, once the graph and every executable made from it are destroyed
+  // and their launches have completed: it only queues the buffer, which the next call of the op frees.
+  struct GraphBuffer {
+    MetadataCache* cache;
+    c10::DeviceIndex device;
+    void* data;
+    size_t bytes;
+
+    static void CUDART_CB release(void* self) {
+      auto* buffer = static_cast<GraphBuffer*>(self);
+      std::lock_guard<std::mutex> lock(buffer->cache->released_mu_);
+      buffer->cache->released_.push_back(buffer);
+    }
+  };
+
+  // Frees the buffers of destroyed graphs. Their last launch has completed (CUDA releases a graph's references only
+  // then), so nothing can read them any more. Called with mu_ held, in relaxed capture mode.
+  void free_released_graph_buffers() {
+    std::vector<GraphBuffer*> released;
+    {
+      std::lock_guard<std::mutex> lock(released_mu_);  // never held across a CUDA call: the destructor takes it
+      released.swap(released_);
+    }
+    for (GraphBuffer* buffer : released) {
+      const c10::cuda::CUDAGuard on_buffer_device(buffer->device);
+      C10_CUDA_CHECK(cudaFreeAsync(buffer->data, devices_[buffer->device].free_stream));
+      graph_buffers_ -= 1;
+      graph_buffer_bytes_ -= buffer->bytes;
+      delete buffer;
+    }
+  }
 
   // Created once per device and never destroyed (no CUDA calls during static destruction).
   DeviceState& device_state(c10::DeviceIndex device) {
@@ -626,6 +722,7 @@ class MetadataCache {
       C10_CUDA_CHECK(cudaMemPoolSetAttribute(ds.pool, cudaMemPoolReuseAllowInternalDependencies, &no));
       C10_CUDA_CHECK(cudaStreamCreateWithFlags(&ds.free_stream, cudaStreamNonBlocking));
       C10_CUDA_CHECK(cudaEventCreateWithFlags(&ds.user_done, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&ds.upload_stream, cudaStreamNonBlocking));
     }
     ds.pools_supported = supported != 0;
     ds.initialized = true;
@@ -674,6 +771,10 @@ class MetadataCache {
   size_t live_bytes_ = 0;
   int64_t captured_calls_ = 0;
   int64_t fill_launches_ = 0;
+  int64_t graph_buffers_ = 0;      // GraphBuffers created and not yet freed
+  size_t graph_buffer_bytes_ = 0;  // the bytes they hold
+  std::mutex released_mu_;              // guards released_ only
+  std::vector<GraphBuffer*> released_;  // buffers of destroyed graphs, to be freed
   std::vector<DeviceState> devices_;
   std::vector<std::unique_ptr<Entry>> entries_;
   std::vector<std::unique_ptr<Entry>> retired_;
@@ -755,14 +856,14 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
   const size_t workspace_bytes = size_t(num_tiles) * 5 * sizeof(double);
   const auto byte_options = at::TensorOptions().dtype(at::kByte).device(device);
   at::Tensor scratch;
-  const uint8_t* d_metadata = nullptr;
-  if (!capturing) d_metadata = cache.get(host_meta, hash, num_tiles, device.index(), stream.stream());
+  const uint8_t* d_metadata = capturing ? cache.for_capture(host_meta, num_tiles, device.index(), stream.stream())
+                                        : cache.get(host_meta, hash, num_tiles, device.index(), stream.stream());
   if (d_metadata != nullptr) {
     if (workspace_bytes > 0) scratch = at::empty({int64_t(workspace_bytes)}, byte_options);
   } else {
-    // Per call (always under capture): the metadata sits after the workspace in one temporary and is written by
-    // fill kernels on this stream; a captured graph owns both (its pool holds the buffer, its nodes the
-    // parameters), and they are rewritten by every replay.
+    // Per call (when neither the cache nor a graph-owned buffer can hold it): the metadata sits after the
+    // workspace in one temporary and is written by fill kernels on this stream; a captured graph owns both (its
+    // pool holds the buffer, its nodes the parameters), and they are rewritten by every replay.
     const size_t bytes = workspace_bytes + metadata_bytes(n, num_tiles);
     scratch = at::empty({int64_t(bytes)}, byte_options);
     uint8_t* md = static_cast<uint8_t*>(scratch.data_ptr()) + workspace_bytes;
