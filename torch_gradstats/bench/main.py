@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {', '.join(CONTENDERS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repetitions (smoke test)")
     p.add_argument("--repeats", type=_positive_int, default=None,
-                   help="minimum interleaved repetitions per point (default 5 on CPU, 9 on CUDA, 3 with --quick); "
+                   help="minimum interleaved repetitions per point (default 9, 3 with --quick); "
                    "cheap points get more, up to 200")
     p.add_argument("--warmup", type=_positive_int, default=1, help="untimed calls per contender first (default 1)")
     p.add_argument("--out", default=None, help="directory for bench_<device>.csv/.md and the PNG plots")
@@ -214,7 +214,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"bench: {device}", file=sys.stderr)
         return 2
     cuda = device.type == "cuda"
-    repeats = args.repeats or (3 if args.quick else (9 if cuda else 5))
+    repeats = args.repeats or (3 if args.quick else 9)
     names = args.contenders or list(CONTENDERS)
     contenders = {n: CONTENDERS[n] for n in CONTENDERS if n in names}
     compile_budget = args.compile_budget_s if args.compile_budget_s is not None else (0.0 if args.quick else 120.0)
