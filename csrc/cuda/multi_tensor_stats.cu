@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -41,8 +42,6 @@
 #include <mutex>
 #include <type_traits>
 #include <vector>
-
-static_assert(CUDART_VERSION >= 12000, "torch_gradstats's CUDA kernel needs CUDA 12 or newer");
 
 namespace torch_gradstats {
 namespace {
@@ -503,13 +502,14 @@ size_t metadata_bytes(int64_t n, int64_t num_tiles) {
 }
 
 // ----------------------------------------------------------------------------------------------------------------
-// The metadata cache (eager calls only).
+// The metadata cache (eager calls), and the buffers it makes for graphs being captured.
 //
 // Rules it relies on (docs/cuda.md, "Metadata and CUDA graphs"):
 //  1. Nothing it keeps comes from PyTorch's caching allocator: cudagraph trees route every allocation of the thread
 //     that runs their warm-up and recording to their private pool, and a block kept there is one they do not track.
 //     Its memory comes from a CUDA memory pool of its own (cudaMemPoolCreate), allocated and freed stream-ordered
-//     (cudaMallocFromPoolAsync / cudaFreeAsync), only while the calling stream is not capturing.
+//     (cudaMallocFromPoolAsync / cudaFreeAsync) on streams that are never captured: the caller's when it is not
+//     capturing, the cache's own upload and free streams otherwise.
 //  2. A capturing stream never reads it: the graph gets a buffer of its own (for_capture), or the caller takes the
 //     per-call path, whose buffer and parameters belong to the graph. So no graph ever depends on an entry, and any
 //     entry can be evicted.
@@ -526,6 +526,10 @@ class MetadataCache {
   const uint8_t* get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
                      cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (graph_buffers_released_.load(std::memory_order_acquire)) {  // one load per call when there is nothing
+      const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+      free_released_graph_buffers();
+    }
     ++clock_;
     for (auto& e : entries_) {
       if (e->device == device && e->hash == hash && e->meta.size() == meta.size() &&
@@ -543,7 +547,6 @@ class MetadataCache {
     DeviceState& ds = device_state(device);
     if (!ds.pools_supported) return nullptr;
     retry_retired();
-    free_released_graph_buffers();
     auto e = std::make_unique<Entry>();
     e->device = device;
     e->hash = hash;
@@ -573,21 +576,26 @@ class MetadataCache {
 
   // Device pointer of the metadata for `meta`, for the graph that `capturing` is being captured into: written now,
   // on the cache's upload stream, and waited for, so it is complete before the graph can run; owned by the graph
-  // through a CUDA user object, whose destructor hands it back once the graph is destroyed and its last launch has
-  // completed. Replays then read it as it is: no fill kernels in the graph. nullptr (the caller takes the per-call
-  // path) without CUDA memory pools, without memory for it, or when the capture has no graph to attach it to.
+  // through a CUDA user object, whose destructor hands it back once the graph and every executable made from it are
+  // destroyed and their last launch has completed. Replays then read it as it is: no fill kernels in the graph.
+  // nullptr (the caller takes the per-call path) without CUDA memory pools, without memory for it, or when the
+  // capture has no graph to attach it to.
   const uint8_t* for_capture(const std::vector<TensorMeta>& meta, int64_t num_tiles, c10::DeviceIndex device,
                              cudaStream_t capturing) {
-    // Relaxed: this thread may allocate, synchronize its own stream and create objects during its capture.
+    // Relaxed: this thread may allocate, wait for a stream of its own and create objects during its capture.
     const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     cudaGraph_t graph = nullptr;
-    if (cudaStreamGetCaptureInfo(capturing, &status, nullptr, &graph) != cudaSuccess ||
-        status != cudaStreamCaptureStatusActive || graph == nullptr) {
-      (void)cudaGetLastError();
+#if CUDART_VERSION >= 12000
+    const cudaError_t query = cudaStreamGetCaptureInfo(capturing, &status, nullptr, &graph);
+#else
+    const cudaError_t query = cudaStreamGetCaptureInfo_v2(capturing, &status, nullptr, &graph);
+#endif
+    if (query != cudaSuccess || status != cudaStreamCaptureStatusActive || graph == nullptr) {
+      (void)cudaGetLastError();  // the error this query left, so that no later launch check reports it
       return nullptr;
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     DeviceState& ds = device_state(device);
     if (!ds.pools_supported) return nullptr;
     free_released_graph_buffers();
@@ -599,26 +607,32 @@ class MetadataCache {
       return nullptr;
     }
     C10_CUDA_CHECK(alloc);
-    fill_launches_ += fill_metadata(meta.data(), int64_t(meta.size()), static_cast<uint8_t*>(ptr), ds.upload_stream);
-    C10_CUDA_CHECK(cudaStreamSynchronize(ds.upload_stream));  // written before the graph exists, let alone runs
     auto* owned = new GraphBuffer{this, device, ptr, bytes};
-    cudaUserObject_t object = nullptr;
-    if (cudaUserObjectCreate(&object, owned, &GraphBuffer::release, 1, cudaUserObjectNoDestructorSync) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      delete owned;
-      C10_CUDA_CHECK(cudaFreeAsync(ptr, ds.free_stream));  // nothing has read it
-      return nullptr;
-    }
-    graph_buffers_ += 1;
+    graph_buffers_ += 1;  // counted from here: every path below ends in free_graph_buffer or the graph owning it
     graph_buffer_bytes_ += bytes;
-    captured_calls_ += 1;
+    const cudaStream_t upload = ds.upload_stream;  // `ds` may move while the lock is released below
+    cudaUserObject_t object = nullptr;
+    try {
+      fill_launches_ += fill_metadata(meta.data(), int64_t(meta.size()), static_cast<uint8_t*>(ptr), upload);
+      // Wait without the lock: other threads' calls go on meanwhile. The upload stream is this cache's own and is
+      // never captured, so waiting for it cannot wait on a capture.
+      lock.unlock();
+      C10_CUDA_CHECK(cudaStreamSynchronize(upload));  // written before the graph exists, let alone runs
+      lock.lock();
+      C10_CUDA_CHECK(cudaUserObjectCreate(&object, owned, &GraphBuffer::release, 1, cudaUserObjectNoDestructorSync));
+    } catch (...) {
+      (void)cudaStreamSynchronize(upload);  // no fill may still be writing the buffer when it is freed
+      (void)cudaGetLastError();
+      if (!lock.owns_lock()) lock.lock();
+      free_graph_buffer(owned);
+      throw;
+    }
     if (cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove) != cudaSuccess) {
       (void)cudaGetLastError();
       C10_CUDA_CHECK(cudaUserObjectRelease(object, 1));  // the destructor queues the buffer to be freed
-      captured_calls_ -= 1;
       return nullptr;
     }
+    captured_calls_ += 1;
     return static_cast<const uint8_t*>(ptr);
   }
 
@@ -681,10 +695,21 @@ class MetadataCache {
 
     static void CUDART_CB release(void* self) {
       auto* buffer = static_cast<GraphBuffer*>(self);
-      std::lock_guard<std::mutex> lock(buffer->cache->released_mu_);
-      buffer->cache->released_.push_back(buffer);
+      MetadataCache& cache = *buffer->cache;
+      std::lock_guard<std::mutex> lock(cache.released_mu_);
+      cache.released_.push_back(buffer);
+      cache.graph_buffers_released_.store(true, std::memory_order_release);
     }
   };
+
+  // Called with mu_ held, in relaxed capture mode, once nothing can read the buffer any more.
+  void free_graph_buffer(GraphBuffer* buffer) {
+    const c10::cuda::CUDAGuard on_buffer_device(buffer->device);
+    C10_CUDA_CHECK(cudaFreeAsync(buffer->data, devices_[buffer->device].free_stream));
+    graph_buffers_ -= 1;
+    graph_buffer_bytes_ -= buffer->bytes;
+    delete buffer;
+  }
 
   // Frees the buffers of destroyed graphs. Their last launch has completed (CUDA releases a graph's references only
   // then), so nothing can read them any more. Called with mu_ held, in relaxed capture mode.
@@ -693,14 +718,9 @@ class MetadataCache {
     {
       std::lock_guard<std::mutex> lock(released_mu_);  // never held across a CUDA call: the destructor takes it
       released.swap(released_);
+      graph_buffers_released_.store(false, std::memory_order_relaxed);
     }
-    for (GraphBuffer* buffer : released) {
-      const c10::cuda::CUDAGuard on_buffer_device(buffer->device);
-      C10_CUDA_CHECK(cudaFreeAsync(buffer->data, devices_[buffer->device].free_stream));
-      graph_buffers_ -= 1;
-      graph_buffer_bytes_ -= buffer->bytes;
-      delete buffer;
-    }
+    for (GraphBuffer* buffer : released) free_graph_buffer(buffer);
   }
 
   // Created once per device and never destroyed (no CUDA calls during static destruction).
@@ -773,8 +793,9 @@ class MetadataCache {
   int64_t fill_launches_ = 0;
   int64_t graph_buffers_ = 0;      // GraphBuffers created and not yet freed
   size_t graph_buffer_bytes_ = 0;  // the bytes they hold
-  std::mutex released_mu_;              // guards released_ only
-  std::vector<GraphBuffer*> released_;  // buffers of destroyed graphs, to be freed
+  std::mutex released_mu_;                              // guards released_ only
+  std::vector<GraphBuffer*> released_;                  // buffers of destroyed graphs, to be freed
+  std::atomic<bool> graph_buffers_released_{false};     // released_ is not empty (read without the lock)
   std::vector<DeviceState> devices_;
   std::vector<std::unique_ptr<Entry>> entries_;
   std::vector<std::unique_ptr<Entry>> retired_;
