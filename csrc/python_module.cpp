@@ -25,13 +25,17 @@ PyObject* cpu_capability(PyObject* /*self*/, PyObject* /*args*/) {
 }
 
 // A tensor that the dispatcher would send to the kernel of its device type as it is: a plain torch.Tensor (no
-// subclass, no Python or functionalization key) and strided.
+// subclass), strided, whose dispatch keys are those of a dense tensor and nothing else. An allow-list: any other
+// key (Python, Functionalize, ZeroTensor, a functorch wrapper, sparse, quantized, ...) changes what the op sees.
 bool plain_tensor(PyObject* obj) {
+  static const c10::DispatchKeySet kPlain({c10::DispatchKey::Dense, c10::DispatchKey::ADInplaceOrView,
+                                           c10::DispatchKey::AutogradFunctionality, c10::DispatchKey::AutocastCPU,
+                                           c10::DispatchKey::AutocastCUDA,
+                                           c10::DispatchKey::Negative});  // the kernels ignore signs
   if (!THPVariable_CheckExact(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
-  const c10::DispatchKeySet keys = t.key_set();
-  return t.layout() == at::kStrided && !keys.has(c10::DispatchKey::Python) &&
-         !keys.has(c10::DispatchKey::Functionalize);
+  return t.layout() == at::kStrided &&
+         (t.key_set() - kPlain).highestFunctionalityKey() == c10::DispatchKey::Undefined;
 }
 
 // The compiled kernel for a device type, or nullptr (the dispatcher decides: meta, XPU, the fallback...).
@@ -66,13 +70,14 @@ constexpr int64_t kReleaseGilElems = int64_t{1} << 16;
 // Why: a call through torch.ops turns the list into a boxed Tensor[] first, taking a reference to every tensor and
 // dropping it afterwards through the GIL, and goes through the dispatcher's Python binding: for a short list that
 // costs more host time than the kernel, and for a long one more per tensor than the kernel's own work. Here the
-// tensors are read from the list in place and the kernel of their device type is called directly. Anything the
-// dispatcher would treat differently returns None, and the caller takes torch.ops: a tensor that is not a plain
-// CPU or CUDA tensor, tensors of different device types, an active torch function or dispatch mode, or thread-local
-// dispatch keys (vmap, fake tensors). Errors are the kernel's own (ValueError / TypeError naming the tensor's index).
-// The GIL is released while the kernel runs (CUDA: its launches may wait for room in the queue; CPU: lists of
-// kReleaseGilElems or more); the list's items are then held by a copy of the list, so another thread emptying the
-// list cannot free a tensor in use.
+// tensors are read in place and the kernel of their device type is called directly. Anything the dispatcher would
+// treat differently returns None, and the caller takes torch.ops: a tensor that is not a plain CPU or CUDA tensor,
+// tensors of different device types, an active torch function or dispatch mode, or thread-local dispatch keys
+// (vmap, fake tensors). Errors are the kernel's own (ValueError / TypeError naming the tensor's index).
+// The tensors are read from a private copy of the list, made first: it holds every item however the caller's list
+// changes (a __del__ run by the collector while this function allocates, another thread while the GIL is released)
+// and nothing else can reach it. The GIL is released while the kernel runs on CUDA (its launches may wait for room
+// in the queue) and on CPU lists of kReleaseGilElems elements or more.
 PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   HANDLE_TH_ERRORS
   if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) == 0 || at::impl::torch_function_mode_enabled() ||
@@ -80,13 +85,14 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
       !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty()) {
     Py_RETURN_NONE;
   }
-  const Py_ssize_t n = PyList_GET_SIZE(list);
-  thread_local std::vector<const at::Tensor*> refs;  // reused: no allocation in steady state
-  refs.resize(size_t(n));
+  const OwnedRef items(PyList_GetSlice(list, 0, PyList_GET_SIZE(list)));
+  if (items.get() == nullptr) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(items.get());
+  std::vector<const at::Tensor*> refs(static_cast<size_t>(n));  // per call: a call made by a __del__ during this one has its own
   c10::DeviceType type = c10::DeviceType::CPU;
   int64_t elems = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = PyList_GET_ITEM(list, i);
+    PyObject* obj = PyList_GET_ITEM(items.get(), i);
     if (!plain_tensor(obj)) Py_RETURN_NONE;
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (i == 0) type = t.device().type();
@@ -96,14 +102,11 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   }
   const torch_gradstats::Kernel kernel = kernel_for(type);
   if (kernel == nullptr) Py_RETURN_NONE;
-  const bool release_gil = type != c10::DeviceType::CPU || elems >= kReleaseGilElems;
-  OwnedRef held(release_gil ? PyList_GetSlice(list, 0, n) : nullptr);  // strong references to every item
-  if (release_gil && held.get() == nullptr) return nullptr;
   RECORD_FUNCTION("torch_gradstats::multi_tensor_stats", c10::ArrayRef<const c10::IValue>{});
   const torch_gradstats::TensorRefs tensors(c10::ArrayRef<const at::Tensor*>(refs.data(), refs.size()));
   torch_gradstats::Stats out;
-  if (release_gil) {
-    pybind11::gil_scoped_release no_gil;  // taken back before `held` lets go of the items
+  if (type != c10::DeviceType::CPU || elems >= kReleaseGilElems) {
+    pybind11::gil_scoped_release no_gil;  // taken back before `items` lets go of the tensors
     out = kernel(tensors);
   } else {
     out = kernel(tensors);

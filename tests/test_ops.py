@@ -401,6 +401,68 @@ def test_direct_entry_point_leaves_what_the_dispatcher_must_see_to_it():
 
 
 @pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_entry_point_declines_tensors_with_other_dispatch_keys():
+    """A ZeroTensor (no data at all) and a tensor that escaped torch.func.grad (a functorch wrapper) are strided CPU
+    torch.Tensors, but their dispatch keys change what the op sees: the direct call declines, torch.ops serves them."""
+    code = (  # in a subprocess: a ZeroTensor's kernel read of its null data pointer would crash
+        "import torch, torch_gradstats as tg\n"
+        "from torch_gradstats import _C\n"
+        "op = torch.ops.torch_gradstats.multi_tensor_stats.default\n"
+        "zero = torch._efficientzerotensor(3)\n"
+        "escaped = []\n"
+        "torch.func.grad(lambda t: (escaped.append(t), (t * t).sum())[1])(torch.ones(5))\n"
+        "for t in (zero, escaped[0]):\n"
+        "    assert _C.direct_stats([t]) is None, torch._C._dispatch_keys(t)\n"
+        "    assert all(torch.equal(a, b) for a, b in zip(tg.multi_tensor_stats([t]), op([t])))\n"
+        "assert tg.multi_tensor_stats([zero]).counts.tolist() == [[3, 0, 0]]\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+
+
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_entry_point_survives_a_finalizer_calling_it_during_the_call():
+    """The collector may run while the call allocates, and a __del__ may call the op again on the same thread: the
+    outer call must still read its own tensors. In a subprocess: reading freed tensors could crash."""
+    code = (
+        "import gc, torch, torch_gradstats\n"
+        "from torch_gradstats._C import direct_stats\n"
+        "op = torch.ops.torch_gradstats.multi_tensor_stats.default\n"
+        "armed, keep = [False], []\n"
+        "class Cyc:\n"
+        "    def __init__(self, extra):\n"
+        "        self.me = self\n"
+        "        for i in range(extra):\n"
+        "            setattr(self, 'b%d' % i, object.__new__(type('B', (), {})))\n"
+        "    def __del__(self):\n"
+        "        if armed[0]:\n"
+        "            armed[0] = False\n"
+        "            inner = [torch.full((2,), 1000.0 + k) for k in range(5)]\n"
+        "            keep.append(inner)\n"
+        "            torch_gradstats.multi_tensor_stats(inner)\n"
+        "xs = [torch.randn(70000), torch.ones(4), torch.ones(4)]\n"
+        "want = op(xs)\n"
+        "gc.collect(); gc.set_threshold(1, 1, 1)\n"
+        "fired = 0\n"
+        "for attempt in range(50):\n"
+        "    drain = [[] for _ in range(100)]\n"
+        "    Cyc(attempt % 4)\n"
+        "    armed[0] = True\n"
+        "    got = direct_stats(xs)\n"
+        "    fired += not armed[0]\n"
+        "    armed[0] = False\n"
+        "    del drain\n"
+        "    assert all(torch.equal(a, b) for a, b in zip(got, want)), (attempt, got[0], want[0])\n"
+        "gc.set_threshold(700, 10, 10)\n"
+        "assert fired > 0, 'the finalizer never ran during a call: the test checked nothing'\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+
+
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
 def test_direct_entry_point_without_the_gil_survives_the_list_being_emptied():
     """A large CPU list runs without the GIL; another thread clearing the list (the only other reference to its
     tensors) must not free them under the kernel. In a subprocess: a use after free could crash."""
