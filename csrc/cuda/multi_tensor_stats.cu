@@ -367,14 +367,19 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const TensorMeta* __
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t first = int64_t(blockIdx.x) * per_block;
   const int64_t last = first + per_block < num_tensors ? first + per_block : num_tensors;
+  bool large = false;
   if (warp < last - first) {  // small tensors: one warp each
     const TensorMeta m = meta[first + warp];
     const int64_t n_tiles = tiles_of(m);
-    if (n_tiles <= kFinalizeWarpTiles) {
+    large = n_tiles > kFinalizeWarpTiles;
+    if (!large) {
       const Partial p = warp_reduce(strided_partials<32>(m, n_tiles, lane, num_tiles, p_sumsq, p_amax, p_counts));
       if (lane == 0) write_output(p, first + warp, sumsq, amax, counts);
     }
   }
+  // A block without a large tensor (every block of a list of small ones) is done: the walk below would read each of
+  // its tensors' metadata again, one dependent load after the other, to find none.
+  if (!__syncthreads_or(large)) return;
   for (int64_t i = first; i < last; ++i) {  // large tensors: the whole block (the test is the same for every thread)
     const TensorMeta m = meta[i];
     const int64_t n_tiles = tiles_of(m);
