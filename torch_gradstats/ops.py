@@ -148,7 +148,8 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
         storage was freed. Under ``torch.compile`` the same message comes from the op's fake kernel, inside
         Dynamo's ``TorchRuntimeError``.
     """
-    tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    if type(tensors) is not list:  # a list is used as it is: neither path keeps or changes it
+        tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
     if torch.compiler.is_compiling():
         # No Python checks here: an exception raised while Dynamo traces this frame would surface as "Observed
         # exception" with the message hidden. The fake kernel runs the same checks and Dynamo quotes its error.
