@@ -58,7 +58,7 @@ Kernel cuda_kernel() { return g_cuda_kernel; }
 void set_cuda_kernel(Kernel kernel) { g_cuda_kernel = kernel; }
 
 Stats empty_stats(int64_t n, const at::Device& device) {
-  if (device.is_cpu()) {  // without the dispatcher: a third of the op's host time on a short CPU list
+  if (device.is_cpu()) {  // without the dispatcher: part of the host time that a call on a short list costs
     return {at::detail::empty_cpu({n}, at::kDouble), at::detail::empty_cpu({n}, at::kDouble),
             at::detail::empty_cpu({n, kNumCounts}, at::kLong)};
   }

@@ -28,10 +28,10 @@ PyObject* cpu_capability(PyObject* /*self*/, PyObject* /*args*/) {
 // subclass), strided, whose dispatch keys are those of a dense tensor and nothing else. An allow-list: any other
 // key (Python, Functionalize, ZeroTensor, a functorch wrapper, sparse, quantized, ...) changes what the op sees.
 bool plain_tensor(PyObject* obj) {
+  // Negative (a negated view) is served too: every statistic ignores the sign.
   static const c10::DispatchKeySet kPlain({c10::DispatchKey::Dense, c10::DispatchKey::ADInplaceOrView,
                                            c10::DispatchKey::AutogradFunctionality, c10::DispatchKey::AutocastCPU,
-                                           c10::DispatchKey::AutocastCUDA,
-                                           c10::DispatchKey::Negative});  // the kernels ignore signs
+                                           c10::DispatchKey::AutocastCUDA, c10::DispatchKey::Negative});
   if (!THPVariable_CheckExact(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
   return t.layout() == at::kStrided &&
@@ -88,7 +88,8 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   const OwnedRef items(PyList_GetSlice(list, 0, PyList_GET_SIZE(list)));
   if (items.get() == nullptr) return nullptr;
   const Py_ssize_t n = PyList_GET_SIZE(items.get());
-  std::vector<const at::Tensor*> refs(static_cast<size_t>(n));  // per call: a call made by a __del__ during this one has its own
+  // Per call, not reused: a call made by a __del__ while this one allocates must not overwrite it.
+  std::vector<const at::Tensor*> refs(static_cast<size_t>(n));
   c10::DeviceType type = c10::DeviceType::CPU;
   int64_t elems = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
