@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib.util
+import itertools
 import math
 import os
 import re
@@ -138,6 +139,20 @@ def test_workloads_shapes_and_rotation():
     assert {p.dtype_label for p in big4} == {"float32", "bfloat16", "float16", "float64", "bfloat16+float32"}
     assert all(p.shapes == [(256 << 20,)] * 4 and p.label == "4x256M" for p in big4)
     assert points[-1].workload == "sweep" and points[-1].total_bytes == 4 << 30
+
+
+def test_no_timed_call_reads_the_copy_the_call_before_it_read():
+    """Each block goes on with the input copies after the previous block's, whichever contender ran it: a contender
+    never starts on data the one before it has just left in the cache (on the CPU, two copies at least)."""
+    reads: list[int] = []
+    record = bench.Contender("a", lambda s: reads.append(id(s)), lambda s, o: {})
+    contenders = {name: dataclasses.replace(record, name=name) for name in ("a", "b", "c")}
+    big = bench.Point("t", "p", [(1 << 16,)], [torch.float32])  # 256 KiB > a 64 KiB "cache": two copies
+    assert len(bench.make_samples(big, torch.device("cpu"), llc=64 * 1024, seed=0)) == 2
+    bench.run_point(big, contenders, torch.device("cpu"), repeats=4, min_seconds=0.0, block_s=1e-9)
+    timed = reads[3:]  # after one warm-up call each
+    assert len(timed) >= 12
+    assert all(x != y for x, y in itertools.pairwise(timed)), timed
 
 
 def _row(workload, contender, dtype="float32", n=292, device="cuda", device_ms=NAN, eager_ms=1.0, host_ms=NAN,
