@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 import torch_gradstats as tg
 from torch_gradstats import fallback as fallback_module
 from torch_gradstats.bench.timing import peak_allocated_bytes
-from torch_gradstats.ops import INF, NAN, ZERO, TensorStats, fallback_multi_tensor_stats, reference_multi_tensor_stats
+from torch_gradstats.ops import (
+    INF,
+    NAN,
+    OP_QUALNAME,
+    ZERO,
+    TensorStats,
+    fallback_multi_tensor_stats,
+    reference_multi_tensor_stats,
+)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-5, torch.float64: 1e-12}
@@ -355,16 +363,25 @@ def test_direct_entry_point_gives_the_ops_bits_and_names_errors():
         tg.multi_tensor_stats([])
 
 
+def _has_cuda_kernel() -> bool:
+    return torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(OP_QUALNAME, "CUDA")
+
+
 @pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
-def test_direct_entry_point_leaves_what_the_dispatcher_must_see_to_it():
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _has_cuda_kernel(), reason="no CUDA kernel"))]
+)
+def test_direct_entry_point_leaves_what_the_dispatcher_must_see_to_it(device):
     """Anything the dispatcher treats differently gets None, and the wrapper takes torch.ops: subclasses, torch
-    function and dispatch modes (which then see the op), fake and meta tensors, mixed device types, non-lists."""
+    function and dispatch modes (which then see the op), fake and meta tensors, mixed device types, non-lists. A
+    Parameter is served (to C++ it is a plain tensor)."""
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch_gradstats import _C
 
-    t = torch.randn(10)
+    t = torch.randn(10, device=device)
+    assert torch.equal(_C.direct_stats([torch.nn.Parameter(t.clone())])[0], op([t])[0])
 
     class Sub(torch.Tensor):
         pass
@@ -396,7 +413,7 @@ def test_direct_entry_point_leaves_what_the_dispatcher_must_see_to_it():
         assert tg.multi_tensor_stats([fake]).sumsq.shape == (1,)
     with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.Functionalize):  # a thread-local dispatch key
         assert _C.direct_stats([t]) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast passes the op through: served directly
+    with torch.autocast(device, dtype=torch.bfloat16):  # autocast passes the op through: served directly
         assert torch.equal(_C.direct_stats([t])[0], op([t])[0])
 
 
@@ -417,7 +434,7 @@ def test_direct_entry_point_declines_tensors_with_other_dispatch_keys():
         "assert tg.multi_tensor_stats([zero]).counts.tolist() == [[3, 0, 0]]\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    res = _run_child(code, fallback=False)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
 
 
@@ -458,7 +475,7 @@ def test_direct_entry_point_survives_a_finalizer_calling_it_during_the_call():
         "assert fired > 0, 'the finalizer never ran during a call: the test checked nothing'\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    res = _run_child(code, fallback=False)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
 
 
@@ -481,7 +498,7 @@ def test_direct_entry_point_without_the_gil_survives_the_list_being_emptied():
         "    assert out[0][0].tolist() == [4.0 * (1 << 20)] * 16, out\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    res = _run_child(code, fallback=False)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
