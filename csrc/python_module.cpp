@@ -2,6 +2,7 @@
 // initialisers (TORCH_LIBRARY_IMPL), and importing this module is what loads them. Its functions:
 //   cpu_capability()    the instruction set the CPU kernel runs with ("AVX512", "AVX2" or "DEFAULT");
 //   direct_stats(list)  the CPU or CUDA kernel called on a list of plain tensors without the dispatcher, or None;
+//   set_stats_type(t)   the tuple subclass direct_stats returns (torch_gradstats.TensorStats);
 //   collect_grads(...)  grad_stats's walk over (name, parameter) pairs, or None.
 // Compiled only by setup.py; the CMake build produces the same library without Python.
 #include <Python.h>
@@ -10,11 +11,10 @@
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/pybind11.h>
-
-#include <vector>
 
 #include "multi_tensor_stats.h"
 
@@ -50,18 +50,61 @@ torch_gradstats::Kernel kernel_for(c10::DeviceType type) {
   }
 }
 
-// A Python reference, dropped when it goes out of scope (with the GIL held).
-class OwnedRef {
+// The items of a list at one moment, each held by a reference of its own (dropped, with the GIL held, when this
+// goes out of scope): the list itself may change meanwhile. Inline for short lists: no allocation.
+class ListItems {
  public:
-  explicit OwnedRef(PyObject* obj) : obj_(obj) {}
-  OwnedRef(const OwnedRef&) = delete;
-  OwnedRef& operator=(const OwnedRef&) = delete;
-  ~OwnedRef() { Py_XDECREF(obj_); }
-  PyObject* get() const { return obj_; }
+  explicit ListItems(PyObject* list) {  // nothing here can run Python code (a __del__) and change the list
+    items_.reserve(static_cast<size_t>(PyList_GET_SIZE(list)));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) {
+      items_.push_back(Py_NewRef(PyList_GET_ITEM(list, i)));
+    }
+  }
+  ListItems(const ListItems&) = delete;
+  ListItems& operator=(const ListItems&) = delete;
+  ~ListItems() {
+    for (PyObject* item : items_) Py_DECREF(item);
+  }
+  size_t size() const { return items_.size(); }
+  PyObject* operator[](size_t i) const { return items_[i]; }
 
  private:
-  PyObject* obj_;
+  c10::SmallVector<PyObject*, 8> items_;
 };
+
+// The type direct_stats returns: torch_gradstats.TensorStats once set_stats_type has been called (ops.py does, on
+// import), a plain tuple before. Built here rather than from a returned tuple in Python: that costs as much host time
+// as a call's whole kernel on a short list.
+PyTypeObject* g_stats_type = &PyTuple_Type;
+
+PyObject* set_stats_type(PyObject* /*self*/, PyObject* type) {
+  // A tuple subclass without per-instance dict is a tuple in memory (a NamedTuple is one): filled like a tuple.
+  if (!PyType_Check(type) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &PyTuple_Type) ||
+      reinterpret_cast<PyTypeObject*>(type)->tp_dictoffset != 0) {
+    PyErr_SetString(PyExc_TypeError, "set_stats_type: expected a tuple subclass without __dict__ (a NamedTuple)");
+    return nullptr;
+  }
+  Py_INCREF(type);  // kept for the life of the process
+  g_stats_type = reinterpret_cast<PyTypeObject*>(type);
+  Py_RETURN_NONE;
+}
+
+PyObject* wrap_stats(torch_gradstats::Stats out) {
+  PyObject* result = g_stats_type->tp_alloc(g_stats_type, 3);
+  if (result == nullptr) return nullptr;
+  auto& [sumsq, amax, counts] = out;
+  PyObject* items[3] = {THPVariable_Wrap(std::move(sumsq)), THPVariable_Wrap(std::move(amax)),
+                        THPVariable_Wrap(std::move(counts))};
+  for (Py_ssize_t i = 0; i < 3; ++i) {
+    if (items[i] == nullptr) {  // the tuple drops the items already set
+      for (Py_ssize_t j = i + 1; j < 3; ++j) Py_XDECREF(items[j]);
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result, i, items[i]);
+  }
+  return result;
+}
 
 // A CPU list of at least this many elements runs without the GIL (other Python threads go on meanwhile); a smaller
 // one takes less time than handing the GIL over and back.
@@ -74,10 +117,10 @@ constexpr int64_t kReleaseGilElems = int64_t{1} << 16;
 // treat differently returns None, and the caller takes torch.ops: a tensor that is not a plain CPU or CUDA tensor,
 // tensors of different device types, an active torch function or dispatch mode, or thread-local dispatch keys
 // (vmap, fake tensors). Errors are the kernel's own (ValueError / TypeError naming the tensor's index).
-// The tensors are read from a private copy of the list, made first: it holds every item however the caller's list
-// changes (a __del__ run by the collector while this function allocates, another thread while the GIL is released)
-// and nothing else can reach it. The GIL is released while the kernel runs on CUDA (its launches may wait for room
-// in the queue) and on CPU lists of kReleaseGilElems elements or more.
+// The tensors are read from a private copy of the list's items, made first: it holds every item however the caller's
+// list changes (a __del__ run by the collector while this function allocates, another thread while the GIL is
+// released) and nothing else can reach it. The GIL is released while the kernel runs on CUDA (its launches may wait
+// for room in the queue) and on CPU lists of kReleaseGilElems elements or more.
 PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   HANDLE_TH_ERRORS
   if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) == 0 || at::impl::torch_function_mode_enabled() ||
@@ -85,21 +128,19 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
       !(c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty()) {
     Py_RETURN_NONE;
   }
-  const OwnedRef items(PyList_GetSlice(list, 0, PyList_GET_SIZE(list)));
-  if (items.get() == nullptr) return nullptr;
-  const Py_ssize_t n = PyList_GET_SIZE(items.get());
+  const ListItems items(list);
   // Per call, not reused: a call made by a __del__ while this one allocates must not overwrite it.
-  std::vector<const at::Tensor*> refs(static_cast<size_t>(n));
+  c10::SmallVector<const at::Tensor*, 8> refs(items.size());
   c10::DeviceType type = c10::DeviceType::CPU;
   int64_t elems = 0;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = PyList_GET_ITEM(items.get(), i);
+  for (size_t i = 0; i < items.size(); ++i) {
+    PyObject* obj = items[i];
     if (!plain_tensor(obj)) Py_RETURN_NONE;
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (i == 0) type = t.device().type();
     if (t.device().type() != type) Py_RETURN_NONE;
     elems += t.numel();
-    refs[size_t(i)] = &t;
+    refs[i] = &t;
   }
   const torch_gradstats::Kernel kernel = kernel_for(type);
   if (kernel == nullptr) Py_RETURN_NONE;
@@ -112,9 +153,7 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   } else {
     out = kernel(tensors);
   }
-  auto& [sumsq, amax, counts] = out;
-  return Py_BuildValue("(NNN)", THPVariable_Wrap(std::move(sumsq)), THPVariable_Wrap(std::move(amax)),
-                       THPVariable_Wrap(std::move(counts)));
+  return wrap_stats(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
@@ -184,6 +223,8 @@ PyMethodDef methods[] = {
     {"direct_stats", direct_stats, METH_O,
      "(sumsq, amax, counts) of a list of plain CPU or CUDA tensors from the compiled kernel of their device type, "
      "called without the dispatcher; None when the list needs the dispatcher (use torch.ops then)."},
+    {"set_stats_type", set_stats_type, METH_O,
+     "set_stats_type(type): the tuple subclass (torch_gradstats.TensorStats) direct_stats returns its results as."},
     {"collect_grads", collect_grads, METH_O,
      "collect_grads(items: list) -> (names, grads, numels) | None: the (name, parameter) pairs' "
      "gradients that are not None, walked in C++; None when a pair needs the Python walk."},

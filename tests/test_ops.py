@@ -348,10 +348,11 @@ def test_direct_entry_point_gives_the_ops_bits_and_names_errors():
                torch.randn(30, generator=g)[::3], torch.empty(0)]  # fmt: skip
     tensors[2][7] = float("nan")
     direct = _C.direct_stats(tensors)
-    assert direct is not None
+    assert type(direct) is TensorStats  # built in C++, fields and all
+    assert direct.sumsq is direct[0] and direct.counts is direct[2] and len(direct) == 3
     for a, b in zip(direct, op(tensors)):
         assert torch.equal(a.view(torch.int64), b.view(torch.int64))
-    assert_matches_reference(tensors, TensorStats(*direct))
+    assert_matches_reference(tensors, direct)
     param = torch.nn.Parameter(tensors[2].clone())  # to C++ a Parameter is a plain tensor
     assert torch.equal(_C.direct_stats([param])[2], op([param])[2])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -361,6 +362,20 @@ def test_direct_entry_point_gives_the_ops_bits_and_names_errors():
         _C.direct_stats([tensors[0], torch.zeros(3, dtype=torch.long)])
     with pytest.raises(ValueError, match="at least one tensor"):
         tg.multi_tensor_stats([])
+
+
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_entry_point_result_type_must_be_a_plain_tuple_subclass():
+    """The C++ side fills its result like a tuple: any other type is refused, and the type in use stays."""
+    from torch_gradstats import _C
+
+    class WithDict(tuple):  # instances have a __dict__
+        pass
+
+    for bad in (list, dict, WithDict, TensorStats(None, None, None), "TensorStats"):
+        with pytest.raises(TypeError, match="tuple subclass without __dict__"):
+            _C.set_stats_type(bad)
+    assert type(tg.multi_tensor_stats(torch.ones(3))) is TensorStats
 
 
 def _has_cuda_kernel() -> bool:

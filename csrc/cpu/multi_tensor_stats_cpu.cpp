@@ -29,6 +29,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -46,6 +47,7 @@ namespace {
 using cpu::Partial;
 
 constexpr int64_t kChunkElems = int64_t{1} << 16;  // segment and task size: 256 KiB of float32, fits in L2
+constexpr unsigned kInlineTensors = 8;              // lists up to this long need no heap for the work split
 
 struct Kernel {
   cpu::AccumulateFn fn;
@@ -127,10 +129,11 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
   // (the last one may be smaller); task_first[k] is task k's first segment. Dense tensors (any permutation) are read
   // in place as a flat span, others from a contiguous copy. The neg bit of a view can be ignored: every statistic is
   // symmetric in the sign.
+  // Small vectors: a call on a short list allocates nothing here (its host time is mostly allocations).
   std::vector<at::Tensor> copies;  // keeps the copies of non-dense tensors alive
-  std::vector<Segment> segments;
+  c10::SmallVector<Segment, kInlineTensors> segments;
   segments.reserve(n);
-  std::vector<size_t> task_first{0};
+  c10::SmallVector<size_t, kInlineTensors> task_first{0};
   int64_t task_elems = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
@@ -160,7 +163,7 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
   const int64_t num_tasks = static_cast<int64_t>(task_first.size()) - 1;
 
   const cpu::AccumulateFn accumulate = kernel().fn;
-  std::vector<Partial> partials(segments.size());
+  c10::SmallVector<Partial, kInlineTensors> partials(segments.size());
   at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
     [[maybe_unused]] const IeeeDenormals ieee_in_worker;
     for (size_t s = task_first[task_begin]; s < task_first[task_end]; ++s) {
@@ -170,7 +173,7 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
   });
 
   // Combine in segment order (deterministic), then apply the NaN/Inf semantics from the counts.
-  std::vector<Partial> totals(n);
+  c10::SmallVector<Partial, kInlineTensors> totals(n);
   for (size_t s = 0; s < segments.size(); ++s) {
     totals[segments[s].tensor].merge(partials[s]);
   }
