@@ -3,7 +3,7 @@
 //   cpu_capability()    the instruction set the CPU kernel runs with ("AVX512", "AVX2" or "DEFAULT");
 //   direct_stats(list)  the CPU or CUDA kernel called on a list of plain tensors without the dispatcher, or None;
 //   set_stats_type(t)   the tuple subclass direct_stats returns (torch_gradstats.TensorStats);
-//   collect_grads(...)  grad_stats's walk over (name, parameter) pairs, or None.
+//   collect_grads(...)  grad_stats's walk over its parameters, or None.
 // Compiled only by setup.py; the CMake build produces the same library without Python.
 #include <Python.h>
 
@@ -157,19 +157,21 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   END_HANDLE_TH_ERRORS
 }
 
-// grad_stats's walk over (name, parameter) pairs, without per-parameter Python: the names, the gradients that are
-// not None, and their element counts, as (list[str], list[Tensor], tuple[int]). None when any pair needs the Python
-// walk, which handles every input form, names errors and recognises DTensors: an item that is not a (str, tensor)
-// tuple, a parameter that is neither a torch.Tensor nor a torch.nn.Parameter (a subclass may redefine .grad), a
-// gradient that is not a plain tensor, or an active torch function mode. `items` is a list; nothing is changed.
+// grad_stats's walk over its parameters, without per-parameter Python: the names, the gradients that are not None,
+// and their element counts, as (list[str], list[Tensor], tuple[int]). Items are (name, parameter) pairs or
+// parameters alone, named by their position as the Python walk names them. None when any item needs the Python
+// walk, which handles every input form, names errors and recognises DTensors: an item that is neither a
+// (str, tensor) tuple nor a tensor, a parameter that is neither a torch.Tensor nor a torch.nn.Parameter (a subclass
+// may redefine .grad), a gradient that is not a plain tensor, or an active torch function mode. `items` is a list;
+// nothing is changed. Its items are held from the start: a __del__ run by an allocation here may change the list.
 PyObject* collect_grads(PyObject* /*self*/, PyObject* items) {
   HANDLE_TH_ERRORS
   if (!PyList_Check(items)) {
-    PyErr_SetString(PyExc_TypeError, "collect_grads: expected a list of (name, parameter) pairs");
+    PyErr_SetString(PyExc_TypeError, "collect_grads: expected a list of parameters or (name, parameter) pairs");
     return nullptr;
   }
   if (at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
-  const Py_ssize_t n = PyList_GET_SIZE(items);
+  const ListItems held(items);
   PyObject* names = PyList_New(0);
   PyObject* grads = PyList_New(0);
   PyObject* numels = PyList_New(0);
@@ -185,15 +187,18 @@ PyObject* collect_grads(PyObject* /*self*/, PyObject* items) {
     Py_XDECREF(numels);
     return nullptr;
   }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PyList_GET_ITEM(items, i);
-    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) return done(Py_NewRef(Py_None));
-    PyObject* name = PyTuple_GET_ITEM(item, 0);
-    PyObject* param = PyTuple_GET_ITEM(item, 1);
-    if (!PyUnicode_CheckExact(name) || !THPVariable_CheckExact(param)) {  // CheckExact: torch.Tensor or Parameter
-      return done(Py_NewRef(Py_None));
+  for (size_t i = 0; i < held.size(); ++i) {
+    PyObject* param = held[i];
+    PyObject* name = nullptr;  // borrowed from the pair (which `held` keeps); none for a parameter alone
+    if (PyTuple_CheckExact(param)) {
+      if (PyTuple_GET_SIZE(param) != 2 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(param, 0))) {
+        return done(Py_NewRef(Py_None));
+      }
+      name = PyTuple_GET_ITEM(param, 0);
+      param = PyTuple_GET_ITEM(param, 1);
     }
-    const at::Tensor& grad = THPVariable_Unpack(param).grad();
+    if (!THPVariable_CheckExact(param)) return done(Py_NewRef(Py_None));  // exact: torch.Tensor or Parameter
+    const at::Tensor grad = THPVariable_Unpack(param).grad();  // a reference of its own: .grad may be reassigned
     if (!grad.defined()) continue;
     PyObject* grad_obj = THPVariable_Wrap(grad);  // what `param.grad` returns
     if (grad_obj == nullptr) return done(nullptr);
@@ -201,10 +206,12 @@ PyObject* collect_grads(PyObject* /*self*/, PyObject* items) {
       Py_DECREF(grad_obj);
       return done(Py_NewRef(Py_None));
     }
+    PyObject* name_obj = name != nullptr ? Py_NewRef(name) : PyUnicode_FromFormat("%zu", i);
     PyObject* numel = PyLong_FromLongLong(grad.numel());
-    const bool ok = numel != nullptr && PyList_Append(names, name) == 0 && PyList_Append(grads, grad_obj) == 0 &&
-                    PyList_Append(numels, numel) == 0;
+    const bool ok = name_obj != nullptr && numel != nullptr && PyList_Append(names, name_obj) == 0 &&
+                    PyList_Append(grads, grad_obj) == 0 && PyList_Append(numels, numel) == 0;
     Py_DECREF(grad_obj);
+    Py_XDECREF(name_obj);
     Py_XDECREF(numel);
     if (!ok) return done(nullptr);
   }
@@ -226,8 +233,8 @@ PyMethodDef methods[] = {
     {"set_stats_type", set_stats_type, METH_O,
      "set_stats_type(type): the tuple subclass (torch_gradstats.TensorStats) direct_stats returns its results as."},
     {"collect_grads", collect_grads, METH_O,
-     "collect_grads(items: list) -> (names, grads, numels) | None: the (name, parameter) pairs' "
-     "gradients that are not None, walked in C++; None when a pair needs the Python walk."},
+     "collect_grads(items: list) -> (names, grads, numels) | None: the gradients that are not None of a list of "
+     "parameters or (name, parameter) pairs, walked in C++; None when an item needs the Python walk."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};

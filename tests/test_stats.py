@@ -409,12 +409,20 @@ def test_native_walk_matches_the_python_walk(monkeypatch):
     names, grads, numels = collect(pairs)
     assert names == ["0.weight", "0.bias", "2.weight", "0.weight"] and numels == (12, 3, 6, 12)
     assert all(g is p.grad for g, (_, p) in zip(grads, [pairs[0], pairs[1], pairs[2], pairs[4]]))
+    # Parameters alone, and mixed with pairs, are named by their position as the Python walk names them.
+    mixed = [model[0].weight, ("b", model[0].bias), model[2].bias, model[2].weight]
+    assert collect(mixed) == (["0", "b", "3"], [model[0].weight.grad, model[0].bias.grad, model[2].weight.grad],
+                              (12, 3, 6))  # fmt: skip
     native = grad_stats(pairs)
+    native_mixed = grad_stats(mixed)
     monkeypatch.setattr(stats_mod, "_collect_grads", None)
     python = grad_stats(iter(pairs))
+    python_mixed = grad_stats(mixed)
     assert native.names == python.names == ["0.weight", "0.bias", "2.weight", "0.weight#1"]
+    assert native_mixed.names == python_mixed.names == ["0", "b", "3"]
     for field in ("sumsq", "amax", "counts", "numel"):
         assert torch.equal(getattr(native, field), getattr(python, field)), field
+        assert torch.equal(getattr(native_mixed, field), getattr(python_mixed, field)), field
 
     class MyParam(nn.Parameter):
         pass
@@ -427,10 +435,49 @@ def test_native_walk_matches_the_python_walk(monkeypatch):
     odd_param.grad = torch.ones(2)
     odd_grad = nn.Parameter(torch.ones(2))
     odd_grad.grad = torch.ones(2).as_subclass(MyTensor)
-    for items in ([("a", odd_param)], [("a", odd_grad)], [["a", w]], [("a", w, 1)], [(1, w)], [w], [("a", 3)]):
+    for items in ([("a", odd_param)], [("a", odd_grad)], [["a", w]], [("a", w, 1)], [(1, w)], [("a", 3)], [3],
+                  [odd_param], ["a"]):  # fmt: skip
         assert collect(items) is None, items
     with TorchFunctionMode():
         assert collect([("a", w)]) is None
     assert collect([]) == ([], [], ())
     with pytest.raises(TypeError):
         collect((("a", w),))  # a list only
+
+
+@pytest.mark.skipif(stats_mod._collect_grads is None, reason="needs the compiled library")
+def test_native_walk_survives_a_finalizer_emptying_the_list_during_the_walk():
+    """The walk allocates (gradients made by backward get their Python object only when first read), so the
+    collector may run a __del__ that empties the list being walked: the walk must go on over the items it was given.
+    In a subprocess: reading the emptied list crashed."""
+    import subprocess
+
+    code = (
+        "import gc, torch\n"
+        "from torch_gradstats import _C\n"
+        "armed, box = [False], {}\n"
+        "class Cyc:\n"
+        "    def __init__(self):\n"
+        "        self.me = self\n"
+        "    def __del__(self):\n"
+        "        if armed[0]:\n"
+        "            armed[0] = False\n"
+        "            box['items'].clear()\n"
+        "fired = 0\n"
+        "for attempt in range(30):\n"
+        "    lin = torch.nn.Linear(8, 8)\n"
+        "    lin(torch.randn(2, 8)).sum().backward()  # gradients without a Python object yet\n"
+        "    items = box['items'] = [('p%d' % k, p) for k in range(20) for p in lin.parameters()]\n"
+        "    gc.collect(); gc.set_threshold(1, 1, 1)\n"
+        "    Cyc(); armed[0] = True\n"
+        "    got = _C.collect_grads(items)\n"
+        "    fired += not armed[0]\n"
+        "    armed[0] = False; gc.set_threshold(700, 10, 10)\n"
+        "    names, grads, numels = got\n"
+        "    assert names == ['p%d' % k for k in range(20) for _ in range(2)], names\n"
+        "    assert numels == (64, 8) * 20 and grads[0] is lin.weight.grad, numels\n"
+        "assert fired > 0, 'the finalizer never ran during a walk: the test checked nothing'\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]

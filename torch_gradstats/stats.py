@@ -56,7 +56,8 @@ def _dtensor_types() -> tuple[type, ...]:
     return tuple(types)
 
 
-#: grad_stats's walk over plain (name, parameter) pairs in C++ (csrc/python_module.cpp), when the library has it.
+#: grad_stats's walk over plain parameters or (name, parameter) pairs in C++ (csrc/python_module.cpp), when the
+#: library has it.
 _collect_grads: Callable[[list[Any]], tuple[list[str], list[Tensor], tuple[int, ...]] | None] | None = (
     native_function("collect_grads")
 )
@@ -354,7 +355,7 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
     else:
         collected = None
     numels: tuple[int, ...] | None
-    if collected is not None:  # plain (name, parameter) pairs with plain gradients, walked in C++
+    if collected is not None:  # plain parameters or (name, parameter) pairs with plain gradients, walked in C++
         names, local, numels = collected
         grads = local
     else:
