@@ -8,7 +8,6 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
 
-#include <initializer_list>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -35,8 +34,6 @@ class TensorRefs {
   TensorRefs(at::TensorList tensors) : tensors_(tensors.data()), size_(tensors.size()) {}  // NOLINT: implicit
   TensorRefs(const std::vector<at::Tensor>& tensors)                                      // NOLINT: implicit
       : tensors_(tensors.data()), size_(tensors.size()) {}
-  TensorRefs(std::initializer_list<at::Tensor> tensors)  // NOLINT: implicit; lives as long as the call
-      : tensors_(tensors.begin()), size_(tensors.size()) {}
   // The elements of a boxed Tensor[] (every one a tensor: the schema says so, and the dispatcher checked it).
   explicit TensorRefs(c10::ArrayRef<c10::IValue> list) : ivalues_(list.data()), size_(list.size()) {}
   // Tensors held elsewhere (by Python objects: csrc/python_module.cpp).

@@ -16,6 +16,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/pybind11.h>
 
+#include <charconv>
+
 #include "multi_tensor_stats.h"
 
 namespace {
@@ -77,32 +79,42 @@ class ListItems {
 // as a call's whole kernel on a short list.
 PyTypeObject* g_stats_type = &PyTuple_Type;
 
+// Only a NamedTuple of the three outputs is taken: tuple.__new__ fills any tuple subclass, but a C-level one (a
+// struct sequence such as torch.return_types.max) frees as many items as it has fields, whatever it was given.
 PyObject* set_stats_type(PyObject* /*self*/, PyObject* type) {
-  // A tuple subclass without per-instance dict is a tuple in memory (a NamedTuple is one): filled like a tuple.
-  if (!PyType_Check(type) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &PyTuple_Type) ||
-      reinterpret_cast<PyTypeObject*>(type)->tp_dictoffset != 0) {
-    PyErr_SetString(PyExc_TypeError, "set_stats_type: expected a tuple subclass without __dict__ (a NamedTuple)");
+  bool ok = PyType_Check(type) && reinterpret_cast<PyTypeObject*>(type)->tp_base == &PyTuple_Type &&
+            PyType_HasFeature(reinterpret_cast<PyTypeObject*>(type), Py_TPFLAGS_HEAPTYPE);
+  if (ok) {
+    PyObject* fields = PyObject_GetAttrString(type, "_fields");
+    PyObject* want = Py_BuildValue("(sss)", "sumsq", "amax", "counts");
+    ok = fields != nullptr && want != nullptr && PyObject_RichCompareBool(fields, want, Py_EQ) == 1;
+    Py_XDECREF(fields);
+    Py_XDECREF(want);
+    PyErr_Clear();
+  }
+  if (!ok) {
+    PyErr_SetString(PyExc_TypeError,
+                    "set_stats_type: expected a NamedTuple class with the fields (sumsq, amax, counts)");
     return nullptr;
   }
-  Py_INCREF(type);  // kept for the life of the process
-  g_stats_type = reinterpret_cast<PyTypeObject*>(type);
+  PyTypeObject* old = g_stats_type;
+  g_stats_type = reinterpret_cast<PyTypeObject*>(Py_NewRef(type));
+  if (old != &PyTuple_Type) Py_DECREF(old);
   Py_RETURN_NONE;
 }
 
+// The three outputs as a g_stats_type. The tensors are wrapped first and the tuple made from them by CPython's own
+// tuple.__new__: a collection run by any of these allocations never sees a tuple with empty slots.
 PyObject* wrap_stats(torch_gradstats::Stats out) {
-  PyObject* result = g_stats_type->tp_alloc(g_stats_type, 3);
-  if (result == nullptr) return nullptr;
   auto& [sumsq, amax, counts] = out;
-  PyObject* items[3] = {THPVariable_Wrap(std::move(sumsq)), THPVariable_Wrap(std::move(amax)),
-                        THPVariable_Wrap(std::move(counts))};
-  for (Py_ssize_t i = 0; i < 3; ++i) {
-    if (items[i] == nullptr) {  // the tuple drops the items already set
-      for (Py_ssize_t j = i + 1; j < 3; ++j) Py_XDECREF(items[j]);
-      Py_DECREF(result);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(result, i, items[i]);
-  }
+  PyObject* items = Py_BuildValue("(NNN)", THPVariable_Wrap(std::move(sumsq)), THPVariable_Wrap(std::move(amax)),
+                                  THPVariable_Wrap(std::move(counts)));
+  if (items == nullptr || g_stats_type == &PyTuple_Type) return items;
+  PyObject* args = PyTuple_Pack(1, items);
+  Py_DECREF(items);
+  if (args == nullptr) return nullptr;
+  PyObject* result = PyTuple_Type.tp_new(g_stats_type, args, nullptr);
+  Py_DECREF(args);
   return result;
 }
 
@@ -145,16 +157,28 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   const torch_gradstats::Kernel kernel = kernel_for(type);
   if (kernel == nullptr) Py_RETURN_NONE;
   RECORD_FUNCTION("torch_gradstats::multi_tensor_stats", c10::ArrayRef<const c10::IValue>{});
-  const torch_gradstats::TensorRefs tensors(c10::ArrayRef<const at::Tensor*>(refs.data(), refs.size()));
   torch_gradstats::Stats out;
-  if (type != c10::DeviceType::CPU || elems >= kReleaseGilElems) {
-    pybind11::gil_scoped_release no_gil;  // taken back before `items` lets go of the tensors
-    out = kernel(tensors);
+  if (type == c10::DeviceType::CPU && elems < kReleaseGilElems) {
+    out = kernel(torch_gradstats::TensorRefs(c10::ArrayRef<const at::Tensor*>(refs.data(), refs.size())));
   } else {
-    out = kernel(tensors);
+    // Without the GIL the tensors are held here too, as the dispatcher's boxed list would hold them: a Python object
+    // keeps its tensor, but torch.utils.swap_tensors, run by another thread meanwhile, swaps a tensor that nothing
+    // else uses out of its object (and its memory may then be freed under the kernel).
+    c10::SmallVector<at::Tensor, 8> held;
+    held.reserve(refs.size());
+    for (const at::Tensor* t : refs) held.push_back(*t);
+    pybind11::gil_scoped_release no_gil;  // taken back before `held` and `items` let go of the tensors
+    out = kernel(torch_gradstats::TensorRefs(at::TensorList(held.data(), held.size())));
   }
   return wrap_stats(std::move(out));
   END_HANDLE_TH_ERRORS
+}
+
+// str(i): a parameter given without a name is named by its position. (PyUnicode_FromFormat would parse a format.)
+PyObject* position_name(size_t i) {
+  char digits[24];
+  const char* end = std::to_chars(digits, digits + sizeof(digits), i).ptr;
+  return PyUnicode_FromStringAndSize(digits, end - digits);
 }
 
 // grad_stats's walk over its parameters, without per-parameter Python: the names, the gradients that are not None,
@@ -206,7 +230,7 @@ PyObject* collect_grads(PyObject* /*self*/, PyObject* items) {
       Py_DECREF(grad_obj);
       return done(Py_NewRef(Py_None));
     }
-    PyObject* name_obj = name != nullptr ? Py_NewRef(name) : PyUnicode_FromFormat("%zu", i);
+    PyObject* name_obj = name != nullptr ? Py_NewRef(name) : position_name(i);
     PyObject* numel = PyLong_FromLongLong(grad.numel());
     const bool ok = name_obj != nullptr && numel != nullptr && PyList_Append(names, name_obj) == 0 &&
                     PyList_Append(grads, grad_obj) == 0 && PyList_Append(numels, numel) == 0;

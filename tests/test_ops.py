@@ -365,17 +365,90 @@ def test_direct_entry_point_gives_the_ops_bits_and_names_errors():
 
 
 @pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
-def test_direct_entry_point_result_type_must_be_a_plain_tuple_subclass():
-    """The C++ side fills its result like a tuple: any other type is refused, and the type in use stays."""
+def test_direct_entry_point_result_type_is_only_ever_a_namedtuple_of_the_three_outputs():
+    """The C++ side builds its result with tuple.__new__, which fills any tuple subclass; a C-level one (a struct
+    sequence) would then free as many items as it has fields: read past the result, or leak one. Only a NamedTuple
+    with the op's three fields is taken, and the type in use stays."""
+    import collections
+    import time
+
     from torch_gradstats import _C
 
     class WithDict(tuple):  # instances have a __dict__
         pass
 
-    for bad in (list, dict, WithDict, TensorStats(None, None, None), "TensorStats"):
-        with pytest.raises(TypeError, match="tuple subclass without __dict__"):
+    Pair = collections.namedtuple("Pair", "sumsq amax")
+    Renamed = collections.namedtuple("Renamed", "a b c")
+    Four = collections.namedtuple("Four", "sumsq amax counts extra")
+
+    class Sub(TensorStats):
+        __slots__ = ()
+
+    for bad in (list, tuple, WithDict, time.struct_time, torch.return_types.max, Pair, Renamed, Four, Sub,
+                TensorStats(None, None, None), "TensorStats"):  # fmt: skip
+        with pytest.raises(TypeError, match="NamedTuple class with the fields"):
             _C.set_stats_type(bad)
+    got = tg.multi_tensor_stats(torch.ones(3))
+    assert type(got) is TensorStats and hash(got) == hash(tuple(got))
+    _C.set_stats_type(TensorStats)  # taken again: the reference to the one it replaces is released
     assert type(tg.multi_tensor_stats(torch.ones(3))) is TensorStats
+
+
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_entry_point_result_is_never_seen_half_built_by_a_finalizer():
+    """Wrapping the outputs allocates, so the collector may run a __del__ that looks at every object: the result
+    tuple must not exist with empty slots then. In a subprocess: reading an empty slot crashed."""
+    code = (
+        "import gc, torch, torch_gradstats as tg\n"
+        "class Peek:\n"
+        "    def __init__(self):\n"
+        "        self.me = self\n"
+        "    def __del__(self):\n"
+        "        for o in gc.get_objects():\n"
+        "            if isinstance(o, tg.TensorStats):\n"
+        "                o.counts.shape\n"
+        "x = [torch.ones(3)]\n"
+        "for _ in range(20):\n"
+        "    gc.collect(); gc.set_threshold(1, 1, 1)\n"
+        "    Peek()\n"
+        "    got = tg.multi_tensor_stats(x)\n"
+        "    gc.set_threshold(700, 10, 10)\n"
+        "    assert got.counts.tolist() == [[0, 0, 0]], got\n"
+        "print('ok')\n"
+    )
+    res = _run_child(code, fallback=False)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+
+
+@pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
+def test_direct_entry_point_without_the_gil_keeps_its_tensors_from_swap_tensors():
+    """While a large CPU call runs without the GIL, another thread's torch.utils.swap_tensors must find the tensor
+    in use and refuse (as it does during torch.ops), not swap its memory out from under the kernel and free it.
+    In a subprocess: the use after free crashed."""
+    code = (
+        "import threading, time, torch, torch_gradstats as tg\n"
+        "n = 1 << 24\n"
+        "lst = [torch.full((n,), 2.0)]\n"
+        "stop, results, refused = [False], [], [0]\n"
+        "def stats():\n"
+        "    while not stop[0]:\n"
+        "        results.append(tg.multi_tensor_stats(lst).sumsq.item())\n"
+        "th = threading.Thread(target=stats); th.start()\n"
+        "for _ in range(40):\n"
+        "    y = torch.full((n,), 2.0)\n"
+        "    try:\n"
+        "        torch.utils.swap_tensors(lst[0], y)\n"
+        "    except RuntimeError:\n"
+        "        refused[0] += 1\n"
+        "    del y\n"
+        "    time.sleep(0.002)\n"
+        "stop[0] = True; th.join()\n"
+        "assert refused[0] > 0, 'no swap met a running call: the test checked nothing'\n"
+        "assert set(results) == {4.0 * n}, set(results)\n"
+        "print('ok')\n"
+    )
+    res = _run_child(code, fallback=False)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
 
 
 def _has_cuda_kernel() -> bool:

@@ -68,17 +68,17 @@ int main() {
   check_against_reference({special, huge, tiny, at::randn({40, 30}).t(), at::randn({5, 1}).expand({5, 9})},
                           "special");
 
-  auto [sumsq, amax, counts] = torch_gradstats::multi_tensor_stats_cpu({huge});
+  auto [sumsq, amax, counts] = torch_gradstats::multi_tensor_stats_cpu(std::vector<at::Tensor>{huge});
   expect(std::isfinite(sumsq[0].item<double>()), "FLT_MAX squares stay finite");
 
   // Flush-denormal sets FTZ/DAZ in this thread only; neither counts nor sums may change, whatever the thread count.
   const at::Tensor sub = at::full({100000}, 1e-310, at::kDouble);
-  const auto want = torch_gradstats::multi_tensor_stats_cpu({sub});
+  const auto want = torch_gradstats::multi_tensor_stats_cpu(std::vector<at::Tensor>{sub});
   std::vector<torch_gradstats::Stats> flushed;
   if (at::globalContext().setFlushDenormal(true)) {
     for (int threads : {1, 2, 3}) {
       at::set_num_threads(threads);
-      flushed.push_back(torch_gradstats::multi_tensor_stats_cpu({sub}));
+      flushed.push_back(torch_gradstats::multi_tensor_stats_cpu(std::vector<at::Tensor>{sub}));
     }
     at::globalContext().setFlushDenormal(false);
   }
@@ -94,7 +94,7 @@ int main() {
 
   bool threw = false;
   try {
-    torch_gradstats::multi_tensor_stats_cpu({at::randn({3}), at::arange(3)});
+    torch_gradstats::multi_tensor_stats_cpu(std::vector<at::Tensor>{at::randn({3}), at::arange(3)});
   } catch (const c10::Error& e) {
     threw = std::string(e.what()).find("tensors[1]") != std::string::npos;
   }
