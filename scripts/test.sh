@@ -14,6 +14,7 @@ PY=.venv/bin/python
 # incremental and re-runs the configure step itself when CMakeLists.txt changes. CMake's Torch package of a CUDA
 # build of torch insists on a CUDA toolkit: without one (torch>=2.6 from the default index on a machine without
 # CUDA) the C++ build and ctest are skipped, loudly; pytest below still tests the same kernel.
+command -v cmake >/dev/null || { say "cmake (>= 3.18) not found: install it (e.g. pip install cmake) to build the C++ tests"; exit 1; }
 read -r TORCH_CUDA PREFIX < <("$PY" -c 'import torch; print(int(bool(torch.version.cuda)), torch.utils.cmake_prefix_path)')
 NO_TOOLKIT="uses CUDA but I cannot find the CUDA"  # CMake's error for that case (Caffe2Config.cmake)
 if [ "$(cat build-cmake/.torch-prefix 2>/dev/null)" != "$PREFIX" ] || [ ! -f build-cmake/CMakeCache.txt ]; then
