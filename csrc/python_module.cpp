@@ -118,9 +118,11 @@ PyObject* wrap_stats(torch_gradstats::Stats out) {
   return result;
 }
 
-// A CPU list of at least this many elements runs without the GIL (other Python threads go on meanwhile); a smaller
-// one takes less time than handing the GIL over and back.
+// A CPU call runs without the GIL (other Python threads go on meanwhile) when its list is long enough to be worth
+// handing the GIL over and back, and its tensors are large enough on average that holding a reference to each, which
+// running without the GIL needs (below; ~30 ns a tensor, as long as reading 1 KiB), costs ~1% of reading them.
 constexpr int64_t kReleaseGilElems = int64_t{1} << 16;
+constexpr int64_t kReleaseGilElemsPerTensor = int64_t{1} << 14;
 
 // Why: a call through torch.ops turns the list into a boxed Tensor[] first, taking a reference to every tensor and
 // dropping it afterwards through the GIL, and goes through the dispatcher's Python binding: for a short list that
@@ -132,7 +134,7 @@ constexpr int64_t kReleaseGilElems = int64_t{1} << 16;
 // The tensors are read from a private copy of the list's items, made first: it holds every item however the caller's
 // list changes (a __del__ run by the collector while this function allocates, another thread while the GIL is
 // released) and nothing else can reach it. The GIL is released while the kernel runs on CUDA (its launches may wait
-// for room in the queue) and on CPU lists of kReleaseGilElems elements or more.
+// for room in the queue) and on large CPU lists (kReleaseGilElems, kReleaseGilElemsPerTensor).
 PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   HANDLE_TH_ERRORS
   if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) == 0 || at::impl::torch_function_mode_enabled() ||
@@ -158,7 +160,8 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   if (kernel == nullptr) Py_RETURN_NONE;
   RECORD_FUNCTION("torch_gradstats::multi_tensor_stats", c10::ArrayRef<const c10::IValue>{});
   torch_gradstats::Stats out;
-  if (type == c10::DeviceType::CPU && elems < kReleaseGilElems) {
+  const auto n = static_cast<int64_t>(refs.size());
+  if (type == c10::DeviceType::CPU && (elems < kReleaseGilElems || elems < kReleaseGilElemsPerTensor * n)) {
     out = kernel(torch_gradstats::TensorRefs(c10::ArrayRef<const at::Tensor*>(refs.data(), refs.size())));
   } else {
     // Without the GIL the tensors are held here too, as the dispatcher's boxed list would hold them: a Python object

@@ -146,8 +146,8 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
         :class:`TensorStats` of device tensors (no host sync): ``sumsq`` and ``amax`` float64 ``[N]``,
         ``counts`` int64 ``[N, 3]`` (zeros, NaNs, Infs).
 
-    Other Python threads run while the compiled kernel does (CUDA calls, and CPU lists of 65,536 elements or more
-    release the GIL), as they do during any torch op.
+    Other Python threads run while the compiled kernel does (CUDA calls, and CPU lists of at least 65,536 elements
+    and 16,384 per tensor on average release the GIL), as they do during any torch op.
 
     Raises:
         ValueError / TypeError naming the offending tensor's index for an empty list, an item that is not a
