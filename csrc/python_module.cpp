@@ -2,7 +2,7 @@
 // initialisers (TORCH_LIBRARY_IMPL), and importing this module is what loads them. Its functions:
 //   cpu_capability()    the instruction set the CPU kernel runs with ("AVX512", "AVX2" or "DEFAULT");
 //   direct_stats(list)  the CPU or CUDA kernel called on a list of plain tensors without the dispatcher, or None;
-//   set_stats_type(t)   the tuple subclass direct_stats returns (torch_gradstats.TensorStats);
+//   set_stats_type(t)   the NamedTuple direct_stats returns (torch_gradstats.TensorStats);
 //   collect_grads(...)  grad_stats's walk over its parameters, or None.
 // Compiled only by setup.py; the CMake build produces the same library without Python.
 #include <Python.h>
@@ -258,7 +258,7 @@ PyMethodDef methods[] = {
      "(sumsq, amax, counts) of a list of plain CPU or CUDA tensors from the compiled kernel of their device type, "
      "called without the dispatcher; None when the list needs the dispatcher (use torch.ops then)."},
     {"set_stats_type", set_stats_type, METH_O,
-     "set_stats_type(type): the tuple subclass (torch_gradstats.TensorStats) direct_stats returns its results as."},
+     "set_stats_type(type): the NamedTuple (torch_gradstats.TensorStats) direct_stats returns its results as."},
     {"collect_grads", collect_grads, METH_O,
      "collect_grads(items: list) -> (names, grads, numels) | None: the gradients that are not None of a list of "
      "parameters or (name, parameter) pairs, walked in C++; None when an item needs the Python walk."},

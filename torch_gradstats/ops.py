@@ -157,7 +157,7 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
     """
     if type(tensors) is not list:  # a list is used as it is: neither path keeps or changes it
         tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
-    if is_dynamo_compiling():  # a constant to Dynamo; in eager a third of is_compiling()'s host time
+    if is_dynamo_compiling():  # a constant to Dynamo; in eager a quarter of is_compiling()'s host time
         # No Python checks here: an exception raised while Dynamo traces this frame would surface as "Observed
         # exception" with the message hidden. The fake kernel runs the same checks and Dynamo quotes its error.
         # (Other tracers, non-strict export's included, run the eager path: their tensors take torch.ops there.)
