@@ -416,8 +416,7 @@ def test_direct_entry_point_result_is_never_seen_half_built_by_a_finalizer():
         "    assert got.counts.tolist() == [[0, 0, 0]], got\n"
         "print('ok')\n"
     )
-    res = _run_child(code, fallback=False)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+    _assert_child_prints_ok(code)
 
 
 @pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
@@ -447,8 +446,7 @@ def test_direct_entry_point_without_the_gil_keeps_its_tensors_from_swap_tensors(
         "assert set(results) == {4.0 * n}, set(results)\n"
         "print('ok')\n"
     )
-    res = _run_child(code, fallback=False)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+    _assert_child_prints_ok(code)
 
 
 def _has_cuda_kernel() -> bool:
@@ -522,8 +520,7 @@ def test_direct_entry_point_declines_tensors_with_other_dispatch_keys():
         "assert tg.multi_tensor_stats([zero]).counts.tolist() == [[3, 0, 0]]\n"
         "print('ok')\n"
     )
-    res = _run_child(code, fallback=False)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+    _assert_child_prints_ok(code)
 
 
 @pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
@@ -563,8 +560,7 @@ def test_direct_entry_point_survives_a_finalizer_calling_it_during_the_call():
         "assert fired > 0, 'the finalizer never ran during a call: the test checked nothing'\n"
         "print('ok')\n"
     )
-    res = _run_child(code, fallback=False)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+    _assert_child_prints_ok(code)
 
 
 @pytest.mark.skipif(not tg.HAS_EXTENSION, reason="needs the compiled library")
@@ -586,8 +582,7 @@ def test_direct_entry_point_without_the_gil_survives_the_list_being_emptied():
         "    assert out[0][0].tolist() == [4.0 * (1 << 20)] * 16, out\n"
         "print('ok')\n"
     )
-    res = _run_child(code, fallback=False)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    _assert_child_prints_ok(code)
 
 
 def test_forced_fallback_in_subprocess():
@@ -607,6 +602,13 @@ def test_columns():
 
 
 # ---------------------------------------------------------------------------------------------- hardening
+def _assert_child_prints_ok(code: str) -> None:
+    """Runs ``code`` with the compiled library in a child process (where a crash is a failed test, not a dead run),
+    which must print ``ok``."""
+    res = _run_child(code, fallback=False)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-2000:] + res.stderr[-2000:]
+
+
 def _run_child(code: str, fallback: bool) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("TORCH_GRADSTATS_FORCE_FALLBACK", None)
