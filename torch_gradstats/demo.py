@@ -98,8 +98,8 @@ def _write_log(path: Path, summaries: Sequence[EpochSummary], meta: dict[str, An
 
 #: What the table's columns are (printed once above it): every norm is a global L2 norm over all gradients.
 TABLE_KEY = (
-    "max_norm, mean_norm: largest and mean global L2 gradient norm over the epoch's steps (finite ones); "
-    "min_health: the epoch's worst step"
+    "max_norm, mean_norm: largest and mean global L2 gradient norm of the epoch's steps; "
+    "min_health: its worst step's health"
 )
 
 
@@ -141,6 +141,7 @@ def _figure(summaries: Sequence[EpochSummary], inject_step: int | None) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [r for s in summaries for r in s.history]
     steps = [r.step for r in rows]
@@ -166,6 +167,7 @@ def _figure(summaries: Sequence[EpochSummary], inject_step: int | None) -> Any:
                  label="_nolegend_")
     top = max((r.nan_count + r.inf_count for r in bad_rows), default=0)
     axes[3].set_ylim(0, max(1.0, top * 1.15))  # counts: never a negative axis, room above the highest bar
+    axes[3].yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[3].set_ylabel("non-finite grad elements")
     axes[3].set_xlabel("optimizer step")
     if bad:
