@@ -37,6 +37,7 @@ Host syncs: none on steps that neither log nor check; on a logging step exactly 
 ``self.log``, which would turn each one into a device tensor and ``.item()`` it back). With ``on_nonfinite`` set
 every optimizer step must be checked: one small transfer per step (on logging steps the report's transfer serves
 both, except with ``log_update_ratio=True``, where the report comes after the step: two transfers on those steps).
+A step found non-finite that has no report makes one more small transfer, to name the parameter in the warning.
 
 Non-finite gradients (``on_nonfinite``):
 
@@ -44,7 +45,8 @@ Non-finite gradients (``on_nonfinite``):
   set_to_none=True)``) in ``on_before_optimizer_step``. PyTorch optimizers leave parameters without a gradient
   untouched: no update, no weight decay, no momentum or Adam state change. Lightning then still calls
   ``optimizer.step()`` (a no-op) and the LR scheduler, as it does when AMP's scaler skips a step. Skipped steps are
-  listed in ``callback.skipped_steps``.
+  listed in ``callback.skipped_steps``, and each is named in a warning on the ``torch_gradstats`` logger, logged
+  step or not: the first non-finite parameter (model order), how many more, and the NaN and Inf counts.
 * ``"stop"``: the step is skipped as above and ``trainer.should_stop`` is set, so training ends after this batch.
 
 Distributed: call it the same on every rank. Under DDP every rank holds the same averaged gradients, so no
