@@ -40,7 +40,7 @@ figures (passed through ``callbacks=``, the figures reach ``log_history`` and th
 
 Host syncs: exactly one device-to-host transfer per logging step (in ``on_log``, only on the main process; the
 figures are the same on every rank), none on other steps; with ``on_nonfinite`` one small transfer per optimizer
-step on every rank (so all ranks agree).
+step on every rank (so all ranks agree), and one more on a step found non-finite, to name the parameter.
 
 Non-finite gradients (``on_nonfinite``): ``"skip"`` sets every gradient to None before the Trainer clips and
 steps, so the optimizer leaves every parameter untouched (the LR scheduler still steps, as it does when AMP skips);
