@@ -85,6 +85,7 @@ def test_bad_policy_rejected():
     "value,error",
     [
         (float("-inf"), ValueError),
+        (float("nan"), ValueError),
         (-1e-9, ValueError),
         (-3, ValueError),
         (torch.tensor(-1.0), ValueError),
@@ -212,7 +213,7 @@ def test_infinite_penalty_is_rejected(field):
                                    "exploding_penalty"])
 @pytest.mark.parametrize("value", [math.nan, np.float32("nan"), torch.tensor(math.nan)], ids=repr)
 def test_nan_is_a_value_error_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=f"HealthPolicy.{field} must not be NaN"):
+    with pytest.raises(ValueError, match=f"HealthPolicy.{field} must be a number, not NaN"):
         HealthPolicy(**{field: value})
 
 

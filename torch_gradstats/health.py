@@ -78,8 +78,8 @@ def _checked_field(name: str, value: object) -> float:
     if math.isinf(result) and number != result:  # e.g. a finite numpy longdouble beyond float64's range
         raise too_large
     if math.isnan(result):
-        raise ValueError(f"HealthPolicy.{name} must not be NaN (a NaN threshold or penalty would never apply), "
-                         f"got {_short_repr(value)}")
+        raise ValueError(f"HealthPolicy.{name} must be a number, not NaN (a NaN threshold or penalty would never "
+                         f"apply), got {_short_repr(value)}")
     if result < 0:
         raise ValueError(f"HealthPolicy.{name} must be >= 0, got {_short_repr(value)}")
     if math.isinf(result) and name not in _THRESHOLDS:
