@@ -662,11 +662,15 @@ class MetadataCache {
       MetadataCache* cache;
       std::unique_ptr<GraphBuffer>& owned;
       cudaStream_t upload;
-      ~Unwind() {
+      ~Unwind() {  // noexcept, like every destructor: an error here leaks the buffer rather than terminate
         if (!owned) return;
         (void)cudaStreamSynchronize(upload);  // no fill may still be writing the buffer when it is freed
         (void)cudaGetLastError();
-        cache->free_graph_buffer(owned.release());
+        try {
+          cache->free_graph_buffer(owned.release());
+        } catch (...) {
+          (void)cudaGetLastError();
+        }
       }
     } unwind{this, owned, ds.upload_stream};
     fill_launches_.fetch_add(fill_metadata(meta.data(), int64_t(meta.size()), static_cast<uint8_t*>(owned->data),
