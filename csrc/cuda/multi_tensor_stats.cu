@@ -529,7 +529,10 @@ size_t metadata_bytes(int64_t n, int64_t num_tiles) {
 // Switches this thread to the relaxed capture mode; noexcept, for the paths that must not throw.
 class RelaxedCaptureMode {
  public:
-  RelaxedCaptureMode() noexcept { ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess; }
+  RelaxedCaptureMode() noexcept {
+    ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess;
+    if (!ok_) (void)cudaGetLastError();
+  }
   ~RelaxedCaptureMode() {
     if (ok_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
   }
