@@ -683,7 +683,9 @@ def test_memory_bounded_over_1000_distinct_lists(gen):
     settle()
     end = cache_info()
     assert end["fill_launches"] - start["fill_launches"] >= 1_000, (start, end)  # they really were misses
-    assert peak_entries <= 16 and end["retired"] == 0, end
+    # Entries evicted here were read on this stream only: freed at once. (Retired ones of earlier tests, read on
+    # streams that have not called since, may still wait for them.)
+    assert peak_entries <= 16 and end["retired"] <= start["retired"], (start, end)
     entry_bytes = 2 * 40 + (4096 + 1) * 4
     assert peak_bytes <= 16 * entry_bytes, (peak_bytes, entry_bytes)
     assert torch.cuda.memory_allocated() == allocated0, "a per-call temporary outlived its call"
