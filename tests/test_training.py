@@ -422,7 +422,7 @@ def test_bad_arguments_and_batches():
     with pytest.raises(ValueError, match="accumulation_steps"):
         Trainer(model, opt, nn.CrossEntropyLoss(), accumulation_steps=0)
     trainer = Trainer(model, opt, nn.CrossEntropyLoss(), progress=False)
-    with pytest.raises(ValueError, match=r"batch 0 is a Tensor; expected an \(inputs, targets\) pair"):
+    with pytest.raises(TypeError, match=r"batch 0 is a Tensor; expected an \(inputs, targets\) pair"):
         trainer.train_epoch([torch.zeros(2, 6)])
     bad_loss = Trainer(model, opt, nn.CrossEntropyLoss(reduction="none"), progress=False)
     x, y = _data(8)

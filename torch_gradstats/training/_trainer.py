@@ -176,11 +176,15 @@ class Trainer:
     def train_epoch(self, loader: Iterable[Any]) -> EpochSummary:
         """Train one epoch over ``loader`` (batches of ``(inputs, targets)``) and return its summary.
 
-        Empty batches are counted and skipped (see ``accumulation_steps``).
+        A batch is a pair (tuple, list or namedtuple); its inputs and targets may be tensors, dicts, namedtuples,
+        dataclasses or nested mixes of them, moved to the device as Lightning's ``move_data_to_device`` moves
+        them; the model gets the inputs and ``loss_fn`` the targets in the same structure. The batch size is read
+        from the shape of the first tensor with a batch dimension inside. Empty batches are counted and skipped
+        (see ``accumulation_steps``).
 
         Raises:
-            ValueError: the loader yields no batches or only empty ones, or a batch is not an ``(inputs, targets)``
-                pair.
+            TypeError: a batch is not a tuple, list or namedtuple.
+            ValueError: the loader yields no batches or only empty ones, or a batch does not have two items.
         """
         length = safe_len(loader)
         if length == 0:
