@@ -15,42 +15,54 @@ from torch import Tensor
 __all__ = ["as_pair", "batch_size", "move", "safe_len", "same_device", "validate_device"]
 
 
-def validate_device(device: torch.device | str | int | None) -> torch.device:
-    """Turn ``device`` into a :class:`torch.device` that exists on this machine, or raise a clear error.
+def validate_device(device: torch.device | str | int | None, *, name: str = "device") -> torch.device:
+    """Turn ``device`` into a :class:`torch.device` that exists on this machine and holds data, or raise a clear
+    error.
 
     Accepts a ``torch.device``, a string such as ``"cpu"``, ``"cuda"``, ``"cuda:1"``, or a CUDA index.
-    ``"cuda"`` without an index means the current CUDA device.
+    ``"cuda"`` without an index means the current CUDA device. ``name`` is how the errors call the argument (e.g.
+    ``"--device"`` for a command-line flag).
 
     Raises:
-        ValueError: the string is not a device, or the device type is not available, or the index is out of range.
+        ValueError: the string is not a device, the device type is not available, the index is out of range, or
+            the device is ``meta`` (shapes without data: nothing can be trained there).
     """
+
+    def use(value: str) -> str:  # how to pass another value, in the caller's words
+        return f"{name} {value}" if name.startswith("-") else f"{name}={value!r}"
+
     if device is None:
-        raise ValueError("device is None; pass e.g. 'cpu' or 'cuda:0'")
+        raise ValueError(f"{name} is None; pass e.g. {use('cpu')} or {use('cuda:0')}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"invalid device {device!r}: {exc}. Use e.g. 'cpu', 'cuda' or 'cuda:0'.") from None
+        raise ValueError(f"invalid {name} {device!r}: {exc}. Use e.g. 'cpu', 'cuda' or 'cuda:0'.") from None
     if dev.type == "cpu":
         return dev
+    if dev.type == "meta":
+        raise ValueError(
+            f"{name} {str(dev)!r} holds no data (meta tensors have shapes only): nothing can be trained there; "
+            f"use {use('cpu')} or a GPU"
+        )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
-                f"device {str(dev)!r} requested but CUDA is not available "
-                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use device='cpu'"
+                f"{name} {str(dev)!r} requested but CUDA is not available "
+                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use {use('cpu')}"
             )
         count = torch.cuda.device_count()
         if dev.index is None:
             return torch.device("cuda", torch.cuda.current_device())
         if dev.index >= count:
             raise ValueError(
-                f"device {str(dev)!r} requested but only {count} CUDA device(s) are visible "
+                f"{name} {str(dev)!r} requested but only {count} CUDA device(s) are visible "
                 f"(valid: {', '.join(f'cuda:{i}' for i in range(count))})"
             )
         return dev
     backend = getattr(torch, dev.type, None)
     is_available = getattr(backend, "is_available", None)
     if callable(is_available) and not is_available():
-        raise ValueError(f"device {str(dev)!r} requested but the {dev.type!r} backend is not available")
+        raise ValueError(f"{name} {str(dev)!r} requested but the {dev.type!r} backend is not available")
     return dev
 
 
