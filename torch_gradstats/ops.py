@@ -167,11 +167,14 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
     Other Python threads run while the compiled kernel does (CUDA calls, and CPU lists of at least 65,536 elements
     and 16,384 per tensor on average release the GIL), as they do during any torch op.
 
+    Under ``torch.vmap`` each batch element gets its statistics, the batch dimension first (``sumsq`` ``[B, N]``).
+
     Raises:
-        ValueError / TypeError naming the offending tensor's index for an empty list, an item that is not a
-        tensor, a non-float dtype, a sparse or nested tensor, tensors on different devices, or a tensor whose
-        storage was freed. Under ``torch.compile`` the same message comes from the op's fake kernel, inside
-        Dynamo's ``TorchRuntimeError``.
+        TypeError when ``tensors`` is neither a tensor nor a list, tuple or other ordered iterable of them (an int,
+        None, a str, a dict, a set). ValueError / TypeError naming the offending tensor's index for an empty list,
+        an item that is not a tensor, a non-float dtype, a sparse or nested tensor, tensors on different devices,
+        or a tensor whose storage was freed. Under ``torch.compile`` the same message comes from the op's fake
+        kernel, inside Dynamo's ``TorchRuntimeError``.
     """
     if type(tensors) is not list:  # a list is used as it is: neither path keeps or changes it
         if isinstance(tensors, Tensor):
