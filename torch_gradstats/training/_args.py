@@ -26,6 +26,7 @@ def check_positive_number(name: str, value: object) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a positive number or None, got {value!r} ({type(value).__name__})")
-    if not value > 0:  # also refuses NaN
+    number = float(value)
+    if not number > 0:  # also refuses NaN
         raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
+    return number

@@ -98,7 +98,7 @@ def move(x: Any, device: torch.device) -> Any:
         items = [(k, move(v, device)) for k, v in x.items()]
         if isinstance(x, defaultdict):
             return type(x)(x.default_factory, items)
-        return type(x)(items)
+        return type(x)(items)  # type: ignore[call-arg]
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple: its fields are positional arguments
         return type(x)(*(move(v, device) for v in x))
     if isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray)):
