@@ -130,6 +130,24 @@ def test_numpy_integers_are_accepted_like_ints():
     assert len(tg.grad_stats(model.named_parameters()).report(np.int64(1)).top_norms) == 1
 
 
+def test_validate_device_types_and_indexes():
+    from torch_gradstats.training import validate_device
+
+    for bad in (1.5, True, [0]):
+        with pytest.raises(TypeError, match="device must be a torch.device, a string such as 'cpu' or 'cuda:0', or a "
+                                            "CUDA index; got"):  # fmt: skip
+            validate_device(bad)
+    with pytest.raises(ValueError, match="device index must be >= 0, got -1"):
+        validate_device(np.int64(-1))
+    with pytest.raises(ValueError, match="device 'meta' holds no data"):
+        validate_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda:0' requested but CUDA is not available"):
+            validate_device(np.int64(0))
+    else:  # pragma: no cover
+        assert validate_device(np.int64(0)) == torch.device("cuda:0")
+
+
 # ----------------------------------------------------------------------------------------------- collector
 @pytest.mark.parametrize("bad", [{}, {"gradient_norm": 1.0}, {"_empty": False}], ids=["empty", "other", "partial"])
 def test_materialize_grad_stats_of_a_foreign_dict(bad):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import numbers
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from typing import Any
@@ -24,6 +25,7 @@ def validate_device(device: torch.device | str | int | None, *, name: str = "dev
     ``"--device"`` for a command-line flag).
 
     Raises:
+        TypeError: ``device`` is none of those types.
         ValueError: the string is not a device, the device type is not available, the index is out of range, or
             the device is ``meta`` (shapes without data: nothing can be trained there).
     """
@@ -33,6 +35,15 @@ def validate_device(device: torch.device | str | int | None, *, name: str = "dev
 
     if device is None:
         raise ValueError(f"{name} is None; pass e.g. {use('cpu')} or {use('cuda:0')}")
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, numbers.Integral)):
+        raise TypeError(
+            f"{name} must be a torch.device, a string such as 'cpu' or 'cuda:0', or a CUDA index; got "
+            f"{type(device).__name__}"
+        )
+    if isinstance(device, numbers.Integral):  # numpy integers too; a negative index is refused below
+        if device < 0:
+            raise ValueError(f"{name} index must be >= 0, got {int(device)}")
+        device = f"cuda:{int(device)}"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
