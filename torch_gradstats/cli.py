@@ -239,12 +239,7 @@ def _demo(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"demo: error: {problem}", file=sys.stderr)
         return 2
-    try:
-        return demo.run_from_args(args)
-    except RuntimeError as exc:  # torch's own errors (out of memory, a device that fails): one line, no traceback
-        first = (str(exc).strip().splitlines() or [""])[0]
-        print(f"demo: error: {type(exc).__name__}: {first}", file=sys.stderr)
-        return 2
+    return demo.run_from_args(args)
 
 
 def _parser() -> argparse.ArgumentParser:
