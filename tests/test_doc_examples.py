@@ -1,0 +1,127 @@
+"""Every example in README.md and docs/*.md runs as written, and every relative link resolves.
+
+The ```python blocks of one markdown file, concatenated in order, run as one script in a fresh subprocess from an
+empty directory (a tutorial may build on its earlier blocks), on the CPU, with the package under test first on the
+path. Each block keeps its line numbers from the markdown file, so a traceback's ``blocks.py``, line N is line N of
+the page. A block fenced ```python no-run (it needs a GPU, a service or several processes) is only compiled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+TIMEOUT_S = 240  # a page's examples take well under 30 s alone; this leaves room on a loaded machine
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,}|~{3,})(?P<info>.*)$")
+
+
+def code_blocks(text: str) -> list[tuple[int, str, str]]:
+    """(first line number, info string, code) of every fenced block of ``text``, in order."""
+    blocks: list[tuple[int, str, str]] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        indent, ticks, info = m["indent"], m["ticks"], m["info"].strip()
+        body: list[str] = []
+        i += 1
+        while i < len(lines) and not (lines[i].strip().startswith(ticks) and not lines[i].strip().strip(ticks[0])):
+            line = lines[i]
+            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
+            i += 1
+        blocks.append((i - len(body) + 1, info, "\n".join(body)))
+        i += 1
+    return blocks
+
+
+def python_blocks(page: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """The page's runnable and no-run python blocks as (first line number, code)."""
+    run, no_run = [], []
+    for line, info, code in code_blocks(page.read_text(encoding="utf-8")):
+        words = info.split()
+        if not words or words[0] not in ("python", "py"):
+            continue
+        (no_run if "no-run" in words[1:] else run).append((line, code))
+    return run, no_run
+
+
+def script_of(blocks: list[tuple[int, str]]) -> str:
+    """The blocks as one script, each at its own line numbers (blank lines in between)."""
+    out: list[str] = []
+    for line, code in blocks:
+        out.extend([""] * (line - 1 - len(out)))
+        out.extend(code.splitlines())
+    return "\n".join(out) + "\n"
+
+
+def page_id(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def test_pages_found() -> None:
+    names = [page_id(p) for p in PAGES]
+    assert "README.md" in names and "docs/design.md" in names, names
+
+
+def test_fence_parser() -> None:
+    text = "a\n```python\nx = 1\n```\n- item\n  ```python no-run\n  y = 2\n  ```\n```bash\nls\n```\n"
+    assert code_blocks(text) == [(3, "python", "x = 1"), (7, "python no-run", "y = 2"), (10, "bash", "ls")]
+    assert script_of([(3, "x = 1"), (7, "y = 2")]) == "\n\nx = 1\n\n\n\ny = 2\n"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_examples_run(page: Path, tmp_path: Path) -> None:
+    run, no_run = python_blocks(page)
+    for line, code in no_run:  # syntax only: compile() raises SyntaxError naming the page and line
+        compile("\n" * (line - 1) + code, str(page), "exec")
+    if not run:
+        return
+    script = tmp_path / "blocks.py"
+    script.write_text(script_of(run), encoding="utf-8")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg")
+    env.update(WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"the python blocks of {page_id(page)} exited with {proc.returncode} (line N of blocks.py is line N of "
+            f"the page):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}",
+            pytrace=False,
+        )
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_relative_links_resolve(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    # links inside code blocks are not links
+    prose = re.sub(r"^(`{3,}).*?^\1", "", text, flags=re.S | re.M)
+    broken = []
+    for target in LINK.findall(prose):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL (http:, mailto:) or an anchor on the same page
+        path = target.split("#", 1)[0]
+        if not (page.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{page_id(page)} links to files that do not exist: {broken}"
