@@ -74,9 +74,11 @@ def sumsq_errors(device: str, trials: int) -> None:
 
 
 def _clip_case(
-    g: torch.Generator, dtype: torch.dtype, device: str, norm: float, max_norm: float
-) -> tuple[float, float, float, float]:
-    """(exact norm, torch's total norm, norm after torch's clip, norm after ours) for random gradients."""
+    g: torch.Generator, dtype: torch.dtype, device: str, norm: float, max_norm: float, norm_type: float
+) -> tuple[float, float, float, float, bool]:
+    """For random gradients of about ``norm``: the exact total norm of order ``norm_type``, torch's total norm, the
+    L2 norms after torch's clip and after ours, and whether ours is at least as close to the exact clip (each
+    gradient times the float64 coefficient)."""
     import torch_gradstats as tg
 
     shapes = [
@@ -93,41 +95,60 @@ def _clip_case(
     def norm_of(ps: list[torch.nn.Parameter]) -> float:
         return math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in ps if p.grad is not None))
 
-    exact = norm_of(theirs)
-    total = float(torch.nn.utils.clip_grad_norm_(theirs, max_norm))
-    tg.clip_grad_norm_(ours, max_norm)
-    return exact, total, norm_of(theirs), norm_of(ours)
+    exact = norm_of(theirs) if norm_type == 2 else max(float(p.grad.double().abs().max()) for p in theirs)
+    total = float(torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type))
+    tg.clip_grad_norm_(ours, max_norm, norm_type)
+    coef = min(max_norm / (exact + 1e-6), 1.0)
+
+    def distance(ps: list[torch.nn.Parameter]) -> float:
+        return sum(float(((p.grad.double() - x.double() * coef) ** 2).sum()) for p, x in zip(ps, grads))
+
+    return exact, total, norm_of(theirs), norm_of(ours), distance(ours) <= distance(theirs)
 
 
 def clip_differences(device: str, trials: int) -> None:
     """Print, per case, the largest relative difference between the two clips (norms after clipping)."""
     g = torch.Generator().manual_seed(2)
+    f16_max = math.log10(65000)
+    always = lambda c: True  # noqa: E731
     cases = [
-        # label, dtype, log10 max_norm range, log10 largest norm, which coefficients max_norm / norm
-        ("float32, max_norm 0.01-10, norm up to 1e6", torch.float32, (-2, 1), 6, lambda c: True),
-        ("float16, max_norm 0.01-10, coef >= 6.1e-5", torch.float16, (-2, 1), math.log10(65000), lambda c: c >= 2**-14),
+        # label, dtype, norm_type, log10 of the max_norm range, log10 of the norm range (None: from max_norm),
+        # which coefficients max_norm / norm to keep
+        ("float32, max_norm 0.01-10, norm up to 1e6", torch.float32, 2.0, (-2, 1), (None, 6), always),
+        (
+            "float16, max_norm 0.01-10, coef >= 6.1e-5",
+            torch.float16,
+            2.0,
+            (-2, 1),
+            (None, f16_max),
+            lambda c: c >= 2**-14,
+        ),
         (
             "float16, max_norm 0.006-0.1, coef < 6.1e-5",
             torch.float16,
+            2.0,
             (-2.2, -1),
-            math.log10(65000),
+            (None, f16_max),
             lambda c: c < 2**-14,
         ),
-        ("float16, norm 7e4-3e5 (finite elements)", torch.float16, (-2, 1), 5.5, lambda c: True),
-        ("bfloat16, max_norm 0.01-10, norm up to 1e6", torch.bfloat16, (-2, 1), 6, lambda c: True),
+        ("float16, norm 7e4-3e5 (finite elements)", torch.float16, 2.0, (-2, 1), (4.85, 5.5), always),
+        ("bfloat16, max_norm 0.01-10, norm up to 1e6", torch.bfloat16, 2.0, (-2, 1), (None, 6), always),
+        ("float16, norm_type inf", torch.float16, math.inf, (-2, 1), (None, 4.8), always),
+        ("bfloat16, norm_type inf", torch.bfloat16, math.inf, (-2, 1), (None, 6), always),
     ]
-    for label, dtype, (lo, hi), top, keep in cases:
+    for label, dtype, norm_type, (lo, hi), (bottom, top), keep in cases:
         worst_clip = worst_norm = 0.0
-        zeroed = done = 0
+        zeroed = done = closer = 0
         example = ""
         while done < trials:
             max_norm = 10 ** (lo + (hi - lo) * torch.rand((), generator=g).item())
-            bottom = math.log10(max_norm) if "7e4" not in label else 4.85
-            norm = 10 ** (bottom + (top - bottom) * torch.rand((), generator=g).item())
+            low = math.log10(max_norm) if bottom is None else bottom
+            norm = 10 ** (low + (top - low) * torch.rand((), generator=g).item())
             if not keep(max_norm / norm):
                 continue
             done += 1
-            exact, total, theirs, ours = _clip_case(g, dtype, device, norm, max_norm)
+            exact, total, theirs, ours, ours_closer = _clip_case(g, dtype, device, norm, max_norm, norm_type)
+            closer += ours_closer
             if not math.isfinite(total):
                 zeroed += theirs == 0
                 continue
@@ -139,7 +160,7 @@ def clip_differences(device: str, trials: int) -> None:
         finite = done - zeroed
         print(
             f"  {label:44s} clipped norms differ <= {worst_clip:.2g}; torch's norm off <= {worst_norm:.2g} "
-            f"({finite} finite); "
+            f"({finite} finite); ours closer to the exact clip {closer}/{trials}; "
             f"torch's norm inf (gradients zeroed) {zeroed}/{trials}; worst: {example or '-'}",
             flush=True,
         )
