@@ -113,16 +113,40 @@ def test_examples_run(page: Path, tmp_path: Path) -> None:
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
+def without_code_blocks(text: str) -> str:
+    return re.sub(r"^(`{3,}).*?^\1", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a page: lower case, punctuation dropped, spaces as hyphens."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#+\s+(.*?)\s*$", without_code_blocks(text), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def test_anchor_slugs() -> None:
+    text = "# A `b.c_d` (e)\n## Per-step: x, y\n## Per-step: x, y\n```\n# not a heading\n```\n"
+    assert anchors(text) == {"a-bc_d-e", "per-step-x-y", "per-step-x-y-1"}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_relative_links_resolve(page: Path) -> None:
-    text = page.read_text(encoding="utf-8")
-    # links inside code blocks are not links
-    prose = re.sub(r"^(`{3,}).*?^\1", "", text, flags=re.DOTALL | re.MULTILINE)
     broken = []
-    for target in LINK.findall(prose):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # a URL (http:, mailto:) or an anchor on the same page
-        path = target.split("#", 1)[0]
-        if not (page.parent / path).exists():
+    for target in LINK.findall(without_code_blocks(page.read_text(encoding="utf-8"))):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # a URL (http:, mailto:)
+        path, _, anchor = target.partition("#")
+        dest = page.parent / path if path else page
+        missing_heading = (
+            dest.is_file()
+            and dest.suffix == ".md"
+            and anchor
+            and anchor not in anchors(dest.read_text(encoding="utf-8"))
+        )
+        if not dest.exists() or missing_heading:
             broken.append(target)
-    assert not broken, f"{page_id(page)} links to files that do not exist: {broken}"
+    assert not broken, f"{page_id(page)} links to files or headings that do not exist: {broken}"
