@@ -80,34 +80,65 @@ def test_fence_parser() -> None:
     assert script_of([(3, "x = 1"), (7, "y = 2")]) == "\n\nx = 1\n\n\n\ny = 2\n"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
-def test_examples_run(page: Path, tmp_path: Path) -> None:
+def run_page(page: Path, tmp_path: Path) -> subprocess.CompletedProcess[str] | None:
+    """Compile the page's no-run blocks, then run its python blocks as one script from an empty directory.
+
+    None if the page has no runnable block. A no-run block with a syntax error raises SyntaxError (page and line).
+    """
     run, no_run = python_blocks(page)
-    for line, code in no_run:  # syntax only: compile() raises SyntaxError naming the page and line
+    for line, code in no_run:
         compile("\n" * (line - 1) + code, str(page), "exec")
     if not run:
-        return
-    script = tmp_path / "blocks.py"
+        return None
+    script = tmp_path / "script" / "blocks.py"
+    script.parent.mkdir()
     script.write_text(script_of(run), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.update(WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg")
-    env.update(WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
+    env.update(WANDB_MODE="disabled", WANDB_SILENT="true", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(MPLBACKEND="Agg", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(
         [sys.executable, str(script)],
         check=False,
-        cwd=tmp_path,
+        cwd=work,
         env=env,
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
-    if proc.returncode != 0:
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_examples_run(page: Path, tmp_path: Path) -> None:
+    proc = run_page(page, tmp_path)
+    if proc is not None and proc.returncode != 0:
         pytest.fail(
             f"the python blocks of {page_id(page)} exited with {proc.returncode} (line N of blocks.py is line N of "
             f"the page):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}",
             pytrace=False,
         )
+
+
+def test_run_page_catches_failures(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A page\n```python\nimport os\nprint(sorted(os.listdir()))\n```\ntext\n"
+        "```python no-run\nimport a_package_that_is_not_installed\n```\n"
+        "```python\nimport torch_gradstats\nprint(torch_gradstats.__file__)\nraise ValueError('bad example')\n```\n",
+        encoding="utf-8",
+    )
+    proc = run_page(page, tmp_path)
+    assert proc is not None and proc.returncode == 1
+    assert proc.stdout.splitlines()[0] == "[]", proc.stdout  # run from an empty directory
+    assert proc.stdout.splitlines()[1] == str(ROOT / "torch_gradstats" / "__init__.py")  # the package under test
+    assert 'blocks.py", line 13' in proc.stderr and "ValueError: bad example" in proc.stderr, proc.stderr
+
+    page.write_text("```python no-run\ntorch.ones(1).to('cuda')\n```\n```python no-run\nif x\n```\n")
+    with pytest.raises(SyntaxError) as err:
+        run_page(page, tmp_path / "again")
+    assert err.value.lineno == 5
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
