@@ -139,6 +139,7 @@ def run_page(page: Path, tmp_path: Path) -> subprocess.CompletedProcess[str] | N
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_examples_run(page: Path, tmp_path: Path) -> None:
     proc = run_page(page, tmp_path)
