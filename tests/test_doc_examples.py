@@ -47,6 +47,9 @@ def code_blocks(text: str) -> list[tuple[int, str, str]]:
             i += 1
             continue
         indent, ticks, info = m["indent"], m["ticks"], m["info"].strip()
+        if ticks[0] == "`" and "`" in info:  # inline code at the start of a line, not a fence (CommonMark)
+            i += 1
+            continue
         body: list[str] = []
         i += 1
         while i < len(lines) and not (lines[i].strip().startswith(ticks) and not lines[i].strip().strip(ticks[0])):
@@ -97,6 +100,13 @@ def optional_imports(code: str) -> set[str]:
         if top in OPTIONAL:
             found.add(top)
     return found
+
+
+def test_fence_parser() -> None:
+    text = "a\n```python\nx = 1\n```\n- item\n  ```python no-run\n  y = 2\n  ```\n```bash\nls\n```\n"
+    assert code_blocks(text) == [(3, "python", "x = 1"), (7, "python no-run", "y = 2"), (10, "bash", "ls")]
+    assert code_blocks("```` ```python ```` is inline code\n```python\nz = 3\n```\n") == [(3, "python", "z = 3")]
+    assert script_of([(3, "x = 1"), (7, "y = 2")]) == "\n\nx = 1\n\n\n\ny = 2\n"
 
 
 def test_optional_imports() -> None:
