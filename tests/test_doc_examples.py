@@ -36,28 +36,31 @@ TIMEOUT_S = 240  # a page's examples take well under 30 s alone; this leaves roo
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,}|~{3,})(?P<info>.*)$")
 
 
-def code_blocks(text: str) -> list[tuple[int, str, str]]:
-    """(first line number, info string, code) of every fenced block of ``text``, in order."""
-    blocks: list[tuple[int, str, str]] = []
-    lines = text.splitlines()
+def fences(lines: list[str]) -> list[tuple[int, int, str, str]]:
+    """(opening line index, closing line index, indent, info string) of every fenced block, in order."""
+    found = []
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
-        if m is None:
+        if m is None or (m["ticks"][0] == "`" and "`" in m["info"]):  # no fence, or inline code (CommonMark)
             i += 1
             continue
-        indent, ticks, info = m["indent"], m["ticks"], m["info"].strip()
-        if ticks[0] == "`" and "`" in info:  # inline code at the start of a line, not a fence (CommonMark)
-            i += 1
-            continue
-        body: list[str] = []
-        i += 1
-        while i < len(lines) and not (lines[i].strip().startswith(ticks) and not lines[i].strip().strip(ticks[0])):
-            line = lines[i]
-            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
-            i += 1
-        blocks.append((i - len(body) + 1, info, "\n".join(body)))
-        i += 1
+        ticks = m["ticks"]
+        end = i + 1  # the closing fence: only fence characters, at least as many (or the end of the page)
+        while end < len(lines) and not (lines[end].strip().startswith(ticks) and not lines[end].strip(ticks[0] + " ")):
+            end += 1
+        found.append((i, end, m["indent"], m["info"].strip()))
+        i = end + 1
+    return found
+
+
+def code_blocks(text: str) -> list[tuple[int, str, str]]:
+    """(line number of the first line of code, info string, code) of every fenced block of ``text``, in order."""
+    lines = text.splitlines()
+    blocks = []
+    for start, end, indent, info in fences(lines):
+        body = [line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[start + 1 : end]]
+        blocks.append((start + 2, info, "\n".join(body)))
     return blocks
 
 
@@ -186,7 +189,10 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
 def without_code_blocks(text: str) -> str:
-    return re.sub(r"^(`{3,}).*?^\1", "", text, flags=re.DOTALL | re.MULTILINE)
+    lines = text.splitlines()
+    for start, end, _, _ in fences(lines):
+        lines[start : end + 1] = [""] * (min(end, len(lines) - 1) + 1 - start)
+    return "\n".join(lines)
 
 
 def anchors(text: str) -> set[str]:
