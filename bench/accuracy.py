@@ -23,6 +23,7 @@ import math
 import os
 import subprocess
 import sys
+from typing import Any
 
 import torch
 
@@ -45,8 +46,8 @@ def _sample(g: torch.Generator, dtype: torch.dtype, n: int, kind: str) -> torch.
     return (x * 10 ** (lo + (hi - lo) * torch.rand((), generator=g).item())).to(dtype)
 
 
-def sumsq_errors(device: str, trials: int) -> None:
-    """Print one line per dtype: the largest relative error of sumsq per distribution."""
+def sumsq_errors(device: str, trials: int, show: bool = True) -> dict[str, dict[str, float]]:
+    """The largest relative error of sumsq per dtype and distribution (printed, one line per dtype, if ``show``)."""
     import torch_gradstats as tg
 
     if device == "cpu":
@@ -55,10 +56,12 @@ def sumsq_errors(device: str, trials: int) -> None:
             from torch_gradstats import _C
 
             kernel = f"compiled, {_C.cpu_capability()}"
-        print(f"  (kernel in use: {kernel})")
+        if show:
+            print(f"  (kernel in use: {kernel})")
     g = torch.Generator().manual_seed(1)
+    out: dict[str, dict[str, float]] = {}
     for dtype in DTYPES:
-        worst = {}
+        worst = out[str(dtype)[6:]] = {}
         for kind in KINDS:
             worst[kind] = 0.0
             for t in range(trials):
@@ -70,7 +73,9 @@ def sumsq_errors(device: str, trials: int) -> None:
                     continue
                 got = float(tg.multi_tensor_stats([x.to(device)]).sumsq[0])
                 worst[kind] = max(worst[kind], abs(got - exact) / exact)
-        print(f"  {str(dtype)[6:]:9s} " + "  ".join(f"{k} {worst[k]:.2g}" for k in KINDS), flush=True)
+        if show:
+            print(f"  {str(dtype)[6:]:9s} " + "  ".join(f"{k} {worst[k]:.2g}" for k in KINDS), flush=True)
+    return out
 
 
 def _clip_case(
@@ -106,8 +111,10 @@ def _clip_case(
     return exact, total, norm_of(theirs), norm_of(ours), distance(ours) <= distance(theirs)
 
 
-def clip_differences(device: str, trials: int) -> None:
-    """Print, per case, the largest relative difference between the two clips (norms after clipping)."""
+def clip_differences(device: str, trials: int, show: bool = True) -> list[dict[str, Any]]:
+    """Per case, the largest relative difference between the two clips (L2 norms after clipping), the largest error
+    of torch's total norm, how often torch's norm was inf (gradients zeroed) and how often ours was the closer clip
+    (printed, one line per case, if ``show``)."""
     g = torch.Generator().manual_seed(2)
     f16_max = math.log10(65000)
     always = lambda c: True  # noqa: E731
@@ -136,6 +143,7 @@ def clip_differences(device: str, trials: int) -> None:
         ("float16, norm_type inf", torch.float16, math.inf, (-2, 1), (None, 4.8), always),
         ("bfloat16, norm_type inf", torch.bfloat16, math.inf, (-2, 1), (None, 6), always),
     ]
+    rows = []
     for label, dtype, norm_type, (lo, hi), (bottom, top), keep in cases:
         worst_clip = worst_norm = 0.0
         zeroed = done = closer = 0
@@ -157,13 +165,24 @@ def clip_differences(device: str, trials: int) -> None:
             if diff > worst_clip:
                 worst_clip = diff
                 example = f"norm {exact:.3g}, max_norm {max_norm:.3g}: torch {theirs:.4g}, ours {ours:.4g}"
-        finite = done - zeroed
-        print(
-            f"  {label:44s} clipped norms differ <= {worst_clip:.2g}; torch's norm off <= {worst_norm:.2g} "
-            f"({finite} finite); ours closer to the exact clip {closer}/{trials}; "
-            f"torch's norm inf (gradients zeroed) {zeroed}/{trials}; worst: {example or '-'}",
-            flush=True,
+        rows.append(
+            {
+                "case": label,
+                "diff": worst_clip,
+                "torch_norm_err": worst_norm,
+                "zeroed": zeroed,
+                "closer": closer,
+                "trials": trials,
+            }
         )
+        if show:
+            print(
+                f"  {label:44s} clipped norms differ <= {worst_clip:.2g}; torch's norm off <= {worst_norm:.2g}; "
+                f"ours closer to the exact clip {closer}/{trials}; "
+                f"torch's norm inf (gradients zeroed) {zeroed}/{trials}; worst: {example or '-'}",
+                flush=True,
+            )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
