@@ -111,12 +111,13 @@ def test_expanded_views_of_two_to_the_34_elements_take_milliseconds():
     counts exact in int64, the sums scaled. Each case is compared with the reference on its distinct elements."""
     n = 2**34
     g = torch.Generator().manual_seed(3)
+    mixed = torch.tensor([0.0, 2.0, float("inf"), 0.5])
     cases = [  # (view, its distinct elements, how many times each appears)
         (torch.ones(1).expand(n), torch.ones(1), n),
         (torch.zeros(1, dtype=torch.float16).expand(n), torch.zeros(1, dtype=torch.float16), n),
         (torch.tensor([float("nan")]).expand(n), torch.tensor([float("nan")]), n),
         (torch.tensor([float("-inf")], dtype=torch.bfloat16).expand(n), torch.tensor([-float("inf")]), n),
-        (torch.tensor([0.0, 2.0, float("inf"), 0.5]).expand(2**32, 4), torch.tensor([0.0, 2.0, float("inf"), 0.5]), 2**32),
+        (mixed.expand(2**32, 4), mixed, 2**32),
         (torch.randn(3, 1, 5, generator=g, dtype=torch.float64).expand(3, 2**30, 5).transpose(0, 1),
          None, 2**30),
         (torch.randn(4, 6, generator=g)[:, ::2].unsqueeze(1).expand(4, 2**32, 3), None, 2**32),  # copied: 12 elements
