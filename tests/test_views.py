@@ -54,14 +54,17 @@ def assert_matches_reference(tensors):
         assert_stats_equal(call(tensors), want, [t.dtype for t in tensors], name)
 
 
-def views(dtype):
+def views(dtype, device="cpu"):
     """Views of every kind that fit in memory once materialized; the specials sit in their distinct elements."""
     g = torch.Generator().manual_seed(1)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
-    specials = torch.tensor([float("nan"), float("inf"), 0.0, -0.0, 1.5, -float("inf")], dtype=dtype)
+    def tensor(values):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    specials = tensor([float("nan"), float("inf"), 0.0, -0.0, 1.5, -float("inf")])
     strided = randn(6, 8)[:, ::2]  # not dense: its distinct elements are copied
     base = randn(4000)
     return [
@@ -75,9 +78,9 @@ def views(dtype):
         strided.t().unsqueeze(1).expand(4, 7, 6),
         specials.expand(4, 6),
         specials[None, :, None].expand(3, 6, 5),
-        torch.zeros(1, dtype=dtype).expand(70_000),  # more than one segment of the kernel, materialized
-        torch.tensor([float("inf")], dtype=dtype).expand(3, 4),
-        torch.tensor([-0.0], dtype=dtype).expand(5),
+        tensor([0.0]).expand(70_000),  # more than one segment of the kernel, materialized
+        tensor([float("inf")]).expand(3, 4),
+        tensor([-0.0]).expand(5),
         randn(3, 1).expand(3, 0),  # empty
         randn(0, 1).expand(0, 4),
         base.as_strided((4, 3), (0, 1)),  # stride 0 by as_strided
@@ -234,3 +237,33 @@ def test_failed_copy_names_the_tensor_its_shape_dtype_and_bytes():
         assert line.startswith("RuntimeError | multi_tensor_stats: tensors[1] (shape [16777216], dtype Float, "
                                "strides [2]) is not dense and is read from a contiguous copy: allocating its "
                                "67108864 bytes failed"), line  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_views_on_cuda():
+    """The CUDA entry reads views as the CPU kernel does: the distinct elements of expanded ones, scaled on the
+    device; the same figures under CUDA graph capture and replay."""
+    assert tg.HAS_EXTENSION
+    for dtype in DTYPES:
+        tensors = views(dtype, "cuda")
+        want = reference_multi_tensor_stats([t.cpu() for t in tensors])
+        for name, call in entry_points():
+            got = [x.cpu() for x in call(tensors)]
+            assert_stats_equal(got, want, [t.dtype for t in tensors], f"{name} {dtype}")
+    huge = [torch.ones(1, device="cuda").expand(2**34), torch.zeros(3, 1, device="cuda").expand(3, 2**32)]
+    start = time.perf_counter()
+    got = op(huge)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - start < 0.5
+    assert got[2].tolist() == [[0, 0, 0], [3 * 2**32, 0, 0]] and got[0].tolist() == [float(2**34), 0.0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        op(huge)  # warm, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(huge)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured[2].tolist() == [[0, 0, 0], [3 * 2**32, 0, 0]] and captured[0].tolist() == [float(2**34), 0.0]
