@@ -337,13 +337,22 @@ def noise_scale_hook(state: NoiseScale, bucket: dist.GradBucket) -> torch.future
             "noise_scale_hook: the process group has 1 rank, so the big batch is the small one; the noise scale "
             "needs 2 or more ranks (or, in one process, NoiseScale.micro_batch() and step())"
         )
+    buffer = bucket.buffer()
     # Read before the all-reduce: the default hook divides the buffer in place.
-    state._bucket_launched(multi_tensor_stats(bucket.buffer()).sumsq.sum(), bucket.is_last())
+    state._bucket_launched(multi_tensor_stats(buffer).sumsq.sum(), bucket.is_last())
+    # A CUDA future runs its callbacks on streams of its own; the readings after the all-reduce go back to the
+    # backward's stream (after a wait for the callback's), so the sums and the EMAs only ever see one stream.
+    stream = torch.cuda.current_stream(buffer.device) if buffer.device.type == "cuda" else None
     fut = allreduce_hook(state.process_group, bucket)
 
     def after(f: torch.futures.Future[torch.Tensor]) -> Tensor:
         reduced = f.value()
-        state._bucket_reduced(multi_tensor_stats(reduced).sumsq.sum(), world)
+        if stream is None:
+            state._bucket_reduced(multi_tensor_stats(reduced).sumsq.sum(), world)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(reduced.device))
+            with torch.cuda.stream(stream):
+                state._bucket_reduced(multi_tensor_stats(reduced).sumsq.sum(), world)
         return reduced
 
     return fut.then(after)
