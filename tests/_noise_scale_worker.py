@@ -7,12 +7,14 @@ sample i is sum(w * x_i) with x_i = G + sigma * z_i, so the per-sample gradient 
 covariance sigma^2 I, and the true noise scale is B_simple = sigma^2 d / |G|^2.
 """
 
+import contextlib
 import datetime
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,32 +125,45 @@ def converges(rank: int, world: int) -> str:
     )
 
 
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def refusing_host_reads(calls: list[str]) -> Iterator[None]:
+    """Every read of a tensor value into Python raises (and is recorded in ``calls``), in every thread; except the
+    pure-PyTorch fallback's documented reads of CPU batches (no device, no sync: tests/test_layering.py)."""
+    saved = {n: getattr(torch.Tensor, n) for n in HOST_READS}
+
+    def refuse(name: str) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__")
+            if caller == "torch_gradstats.fallback" and self.device.type == "cpu":
+                return saved[name](self, *args, **kwargs)
+            calls.append(f"Tensor.{name}() from {caller}")
+            raise RuntimeError(f"host read: Tensor.{name}() from {caller}")
+
+        return read
+
+    for n in HOST_READS:
+        setattr(torch.Tensor, n, refuse(n))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
 def no_host_sync(rank: int, world: int) -> None:
     """Nothing in the hook or its callbacks reads a tensor value into Python: those reads raise during backward."""
     ns = NoiseScale(LOCAL_BATCH)
     model = make_ddp(torch.float32, ns)
     model(batch(0, rank, torch.float32)).backward()  # the first step, outside the patch (DDP's rebuild)
-    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
     calls: list[str] = []
-
-    def refuse(name: str) -> Any:
-        def read(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            raise RuntimeError(f"host read: Tensor.{name}() during backward")
-
-        return read
-
     for step in range(1, 4):
         model.zero_grad()
         loss = model(batch(step, rank, torch.float32))
-        for n in names:
-            setattr(torch.Tensor, n, refuse(n))
-        try:
+        with refusing_host_reads(calls):
             loss.backward()
-        finally:
-            for n, fn in saved.items():
-                setattr(torch.Tensor, n, fn)
     assert not calls, calls
     assert ns.steps == 4, ns.steps
     assert torch.isfinite(ns.b_simple), ns.b_simple
