@@ -101,6 +101,33 @@ def exact_float64(rank: int, world: int) -> None:
     assert sum(last for _, last in seen) == 3, seen
 
 
+def accumulation_no_sync(rank: int, world: int) -> None:
+    """Gradient accumulation under DDP: micro-batches under no_sync(), the last one synced. The hook compares the
+    rank's accumulated gradient (local_batch_size = micro-batches x micro-batch) with the all-reduced one."""
+    k = 3
+    ns = NoiseScale(k * LOCAL_BATCH, ema=0.5)
+    model = make_ddp(torch.float64, ns)
+    for step in range(2):
+        model.zero_grad()
+        xs = [batch(10 * step + j, rank, torch.float64) for j in range(k)]
+        with model.no_sync():
+            for x in xs[:-1]:
+                (model(x) / k).backward()
+        assert ns.steps == step, "the hook ran under no_sync()"
+        (model(xs[-1]) / k).backward()
+        assert ns.steps == step + 1, ns.steps
+    b_small, b_big = k * LOCAL_BATCH, k * LOCAL_BATCH * world
+    ema_g = ema_t = 0.0
+    for step in range(2):
+        local = torch.cat([batch(10 * step + j, rank, torch.float64) for j in range(k)]).mean(0)
+        every = [batch(10 * step + j, r, torch.float64) for r in range(world) for j in range(k)]
+        s, b = float(local.pow(2).sum()), float(torch.cat(every).mean(0).pow(2).sum())
+        ema_g = 0.5 * ema_g + 0.5 * (b_big * b - b_small * s) / (b_big - b_small)
+        ema_t = 0.5 * ema_t + 0.5 * (s - b) / (1 / b_small - 1 / b_big)
+    assert abs(float(ns.grad_sq) - ema_g / 0.75) <= 1e-10 * abs(ema_g), (float(ns.grad_sq), ema_g / 0.75)
+    assert abs(float(ns.trace_sigma) - ema_t / 0.75) <= 1e-10 * abs(ema_t), (float(ns.trace_sigma), ema_t / 0.75)
+
+
 def converges(rank: int, world: int) -> str:
     """500 float32 steps with the default ema: B_simple, |G|^2 and tr(Sigma) within 10% of the truth."""
     ns = NoiseScale(LOCAL_BATCH)
@@ -186,6 +213,7 @@ def one_rank_group(rank: int, world: int) -> None:
 
 SCENARIOS = {
     "exact_float64": exact_float64,
+    "accumulation_no_sync": accumulation_no_sync,
     "converges": converges,
     "no_host_sync": no_host_sync,
     "one_rank_group": one_rank_group,
