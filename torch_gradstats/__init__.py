@@ -15,9 +15,9 @@ from torch_gradstats import collector
 from torch_gradstats._extension import HAS_EXTENSION
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.health import HealthPolicy
+from torch_gradstats.noise_scale import NoiseScale, noise_scale_hook
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
 from torch_gradstats.training import EpochSummary, StepRecord, Trainer
-from torch_gradstats.noise_scale import NoiseScale, noise_scale_hook
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "GradReport",
     "GradStats",
     "HealthPolicy",
+    "NoiseScale",
     "StepRecord",
     "TensorStats",
     "Trainer",
@@ -35,6 +36,5 @@ __all__ = [
     "collector",
     "grad_stats",
     "multi_tensor_stats",
-    "NoiseScale",
     "noise_scale_hook",
 ]
