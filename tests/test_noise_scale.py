@@ -80,6 +80,8 @@ def test_bad_arguments_name_them() -> None:
         NoiseScale(4, ema="0.9")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"ema must be in \[0, 1\)"):
         NoiseScale(4, ema=1.0)
+    np = pytest.importorskip("numpy")
+    assert NoiseScale(np.int64(4), ema=np.float32(0.5)).local_batch_size == 4  # numpy scalars count as numbers
     ns = NoiseScale(4)
     with pytest.raises(ValueError, match="big_batch_size must exceed local_batch_size"):
         ns.update(1.0, 0.5, big_batch_size=4)

@@ -24,6 +24,7 @@ Every figure stays on the device; ``to_dict()`` brings the three to the host in 
 """
 
 import logging
+import numbers
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,7 +60,7 @@ def _as_sq(value: Tensor | float, what: str) -> Tensor:
                 f"{value.dtype} and shape {tuple(value.shape)}"
             )
         return value.reshape(()).to(torch.float64)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(f"NoiseScale.update: {what} must be a tensor or a float, got a {type(value).__name__}")
 
@@ -88,18 +89,18 @@ class NoiseScale:
     """
 
     def __init__(self, local_batch_size: int, *, ema: float = 0.99, process_group: Any = None) -> None:
-        if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, int):
+        if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, (int, numbers.Integral)):
             raise TypeError(f"NoiseScale: local_batch_size must be an int, got a {type(local_batch_size).__name__}")
         if local_batch_size < 1:
             raise ValueError(f"NoiseScale: local_batch_size must be >= 1, got {local_batch_size}")
-        if isinstance(ema, bool) or not isinstance(ema, (int, float)):
+        if isinstance(ema, bool) or not isinstance(ema, (int, float, numbers.Real)):
             raise TypeError(f"NoiseScale: ema must be a float, got a {type(ema).__name__}")
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"NoiseScale: ema must be in [0, 1), got {ema}")
-        self.local_batch_size = local_batch_size
-        self.ema = float(ema)
+        self.local_batch_size: int = int(local_batch_size)
+        self.ema: float = float(ema)
         self.process_group = process_group
-        self.steps = 0  # steps folded in (a host counter: no sync)
+        self.steps: int = 0  # steps folded in (a host counter: no sync)
         self._grad_sq_ema: Tensor | None = None
         self._trace_ema: Tensor | None = None
         self._lock = threading.Lock()  # bucket callbacks and autograd hooks can run on other threads
@@ -152,7 +153,7 @@ class NoiseScale:
         ``big_batch_size`` samples of the same step, both of mean (not summed) per-sample gradients. The hook and
         :meth:`step` call this; call it directly where the two norms come from elsewhere.
         """
-        if isinstance(big_batch_size, bool) or not isinstance(big_batch_size, int):
+        if isinstance(big_batch_size, bool) or not isinstance(big_batch_size, (int, numbers.Integral)):
             raise TypeError(f"NoiseScale.update: big_batch_size must be an int, got a {type(big_batch_size).__name__}")
         if big_batch_size <= self.local_batch_size:
             raise ValueError(
@@ -165,7 +166,7 @@ class NoiseScale:
             raise ValueError(f"NoiseScale.update: small_sq is on {small.device} but big_sq is on {big.device}")
         device = big.device if isinstance(big_sq, Tensor) else small.device
         small, big = to_device(small, device), to_device(big, device)  # a float's tensor joins the other
-        b_small, b_big = float(self.local_batch_size), float(big_batch_size)
+        b_small, b_big = float(self.local_batch_size), float(int(big_batch_size))
         grad_sq = (b_big * big - b_small * small) / (b_big - b_small)
         trace = (small - big) / (1.0 / b_small - 1.0 / b_big)
         with self._lock:
