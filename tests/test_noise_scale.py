@@ -143,9 +143,9 @@ def test_accumulation_matches_the_formulas(monkeypatch: pytest.MonkeyPatch, flus
     for step in range(3):
         xs = _window(step, k, m, 2 * d)
         for x in xs:
-            with ns.micro_batch(torch.nn.ParameterList([w, w2])):  # a module is accepted
+            with ns.micro_batch([w, w2, w]):  # a repeated tensor counts once
                 ((x * torch.cat([w, w2])).sum(1).mean() / k).backward()
-        ns.step([w, w2])
+        ns.step(torch.nn.ParameterList([w, w2]))  # a module is accepted
         small = sum(float(x.mean(0).pow(2).sum()) for x in xs) / k
         big = float(torch.cat(xs).mean(0).pow(2).sum())
         pairs.append((small, big, k * m))

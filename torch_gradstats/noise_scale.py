@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from torch_gradstats._transfer import to_device, to_host
 from torch_gradstats.ops import multi_tensor_stats
-from torch_gradstats.stats import _named_params
+from torch_gradstats.stats import _named_params, _stats_on_home
 
 __all__ = ["NoiseScale", "noise_scale_hook"]
 
@@ -66,9 +66,15 @@ def _as_sq(value: Tensor | float, what: str) -> Tensor:
 
 
 def _params_of(params: Any, caller: str) -> list[Tensor]:
+    """The distinct tensors of ``params`` (a module, or what grad_stats accepts), in order: a tied one once."""
     if isinstance(params, nn.Module):
         params = params.parameters()
-    return [p for _, p in _named_params(params, caller=caller)]
+    return list({id(p): p for _, p in _named_params(params, caller=caller)}.values())
+
+
+def _sumsq(tensors: list[Tensor]) -> Tensor:
+    """Sum of squares of every element of ``tensors`` (0-d float64): one op call per device."""
+    return _stats_on_home(tensors)[0].sum()
 
 
 class NoiseScale:
@@ -231,7 +237,7 @@ class NoiseScale:
 
         def flush() -> None:
             if pending:
-                sums.append(multi_tensor_stats(pending).sumsq.sum())
+                sums.append(_sumsq(pending))
                 pending.clear()
                 pending_bytes[0] = 0
 
@@ -252,7 +258,7 @@ class NoiseScale:
         if not sums:
             logger.warning("NoiseScale.micro_batch: no gradient reached the parameters in this block")
             return
-        total = torch.stack(sums).sum() if len(sums) > 1 else sums[0]
+        total = torch.stack([to_device(t, sums[0].device) for t in sums]).sum() if len(sums) > 1 else sums[0]
         with self._lock:
             self._micro_sq = total if self._micro_sq is None else self._micro_sq + total
             self._micro_batches += 1
@@ -275,7 +281,7 @@ class NoiseScale:
             )
         if not grads:
             raise ValueError("NoiseScale.step: no parameter in params has a gradient")
-        big = multi_tensor_stats(grads).sumsq.sum()
+        big = _sumsq(grads)
         self.update(micro * k, big, big_batch_size=k * self.local_batch_size)
 
     # ------------------------------------------------------------------------------------------- checkpoints
