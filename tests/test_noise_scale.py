@@ -120,6 +120,31 @@ def test_state_dict_round_trip_continues_the_same_estimates() -> None:
     assert empty.steps == 0 and math.isnan(empty.to_dict()["noise/b_simple"])
 
 
+def test_a_step_is_folded_when_its_last_all_reduce_completes_in_any_order() -> None:
+    """The bookkeeping behind noise_scale_hook: buckets' all-reduces may complete out of order (a process group can
+    run several at once); the step is folded once, after the last launched bucket AND every reduction are in."""
+    ns = NoiseScale(4)
+    t = torch.tensor
+    # bucket 0 is launched and completes before the last bucket is even launched
+    ns._bucket_launched(t(2.0, dtype=torch.float64), False)
+    ns._bucket_reduced(t(0.5, dtype=torch.float64), 2)
+    assert ns.steps == 0
+    ns._bucket_launched(t(1.0, dtype=torch.float64), False)
+    ns._bucket_launched(t(0.25, dtype=torch.float64), True)  # the last bucket
+    ns._bucket_reduced(t(0.125, dtype=torch.float64), 2)  # ...completes before bucket 1
+    assert ns.steps == 0
+    ns._bucket_reduced(t(0.375, dtype=torch.float64), 2)
+    assert ns.steps == 1
+    want = NoiseScale(4)
+    want.update(3.25, 1.0, big_batch_size=8)
+    assert ns.to_dict() == want.to_dict()
+    # the next step starts from nothing
+    ns._bucket_launched(t(3.25, dtype=torch.float64), True)
+    ns._bucket_reduced(t(1.0, dtype=torch.float64), 2)
+    want.update(3.25, 1.0, big_batch_size=8)
+    assert ns.steps == 2 and ns.to_dict() == want.to_dict()
+
+
 # ------------------------------------------------------------------------------------------------- accumulation
 def _window(step: int, k: int, m: int, d: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
