@@ -86,8 +86,8 @@ class NoiseScale:
         ema: decay of the two EMAs, in [0, 1). Both start at zero and are divided by ``1 - ema**steps`` (bias
             correction), so every step seen so far is weighted by ``ema**age``: 0.99 averages over about 200 steps,
             enough to bring the noisy per-step estimates within a few percent (docs/noise_scale.md).
-        process_group: the group DDP all-reduces over, as given to ``DistributedDataParallel``; None: the default
-            group. Used by :func:`noise_scale_hook` only.
+        process_group: the group given to ``DistributedDataParallel`` (None: the default group). The hook
+            all-reduces over it in DDP's place, so it must be DDP's own. Used by :func:`noise_scale_hook` only.
 
     Reading: :attr:`b_simple`, :attr:`grad_sq`, :attr:`trace_sigma` are 0-d float64 tensors on the gradients'
     device (NaN before the first step); reading one as a number is the one host sync. :meth:`to_dict` gives all
