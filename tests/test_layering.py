@@ -33,6 +33,7 @@ LAYERS = {
     "torch_gradstats.clip": 6,
     "torch_gradstats.collector": 6,
     "torch_gradstats.updates": 6,
+    "torch_gradstats.noise_scale": 6,
     "torch_gradstats.training": 7,  # and every module of the training package
     "torch_gradstats.integrations": 8,  # and every module of the integrations package
 }

@@ -15,6 +15,7 @@ from torch_gradstats import collector
 from torch_gradstats._extension import HAS_EXTENSION
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.health import HealthPolicy
+from torch_gradstats.noise_scale import NoiseScale, noise_scale_hook
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
 from torch_gradstats.training import EpochSummary, StepRecord, Trainer
 
@@ -27,6 +28,7 @@ __all__ = [
     "GradReport",
     "GradStats",
     "HealthPolicy",
+    "NoiseScale",
     "StepRecord",
     "TensorStats",
     "Trainer",
@@ -34,4 +36,5 @@ __all__ = [
     "collector",
     "grad_stats",
     "multi_tensor_stats",
+    "noise_scale_hook",
 ]
