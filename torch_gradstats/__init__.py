@@ -14,6 +14,7 @@ from torch_gradstats.ops import SUPPORTED_DTYPES, TensorStats, multi_tensor_stat
 from torch_gradstats import collector
 from torch_gradstats._extension import HAS_EXTENSION
 from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
 from torch_gradstats.training import EpochSummary, StepRecord, Trainer
@@ -27,6 +28,8 @@ __all__ = [
     "GradReport",
     "GradStats",
     "HealthPolicy",
+    "SpikeGuard",
+    "SpikeStreakError",
     "StepRecord",
     "TensorStats",
     "Trainer",

@@ -1,0 +1,344 @@
+"""SpikeGuard against independent reimplementations of its rule (exact rational statistics on Python lists, and
+OLMo-core's list-based rule), resumed from checkpoints, without host syncs, compiled, and on CUDA where there is one."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import statistics
+import sys
+
+import pytest
+import torch
+
+from torch_gradstats import SpikeGuard, SpikeStreakError
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _host_reads import HostReads
+
+NAN, INF = math.nan, math.inf
+
+
+# ---------------------------------------------------------------------------------------------- sequences
+def sequence(kind: str, n: int, seed: int) -> list[float]:
+    """Synthetic gradient norms or losses: noise, trends, spikes, plateaus, NaN/inf, and all of them mixed."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(n, generator=gen, dtype=torch.float64)
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    t = torch.arange(n, dtype=torch.float64)
+    if kind == "noise":
+        x = (0.3 * noise).exp()
+    elif kind == "trend":
+        x = 5.0 - 4.0 * t / n + 0.05 * noise
+    elif kind == "rising":
+        x = 1.0 + 0.01 * t + 0.02 * noise
+    elif kind == "spikes":
+        x = 1.0 + 0.1 * noise
+        x = torch.where(u < 0.03, x * 20, x)
+    elif kind == "plateaus":  # long runs of equal values (std exactly 0), steps between them, a few repeats
+        x = (t // 97).remainder(4) + 1.0
+        x = torch.where((u < 0.02) & (t.remainder(97) > 60), x + 0.5, x)
+    elif kind == "nonfinite":
+        x = 2.0 + 0.2 * noise
+        x = torch.where(u < 0.02, torch.full_like(x, NAN), x)
+        x = torch.where((u >= 0.02) & (u < 0.03), torch.full_like(x, INF), x)
+    elif kind == "mixed":
+        x = (3.0 - 2.0 * t / n) * (0.2 * noise).exp()
+        x = torch.where(u < 0.03, x * 50, x)
+        x = torch.where((u >= 0.03) & (u < 0.04), torch.full_like(x, NAN), x)
+        x = torch.where((t // 150).remainder(3) == 1, torch.full_like(x, 1.75), x)  # plateaus
+    else:
+        raise AssertionError(kind)
+    return x.tolist()
+
+
+KINDS = ["noise", "trend", "rising", "spikes", "plateaus", "nonfinite", "mixed"]
+
+
+# ---------------------------------------------------------------------------------------------- references
+class ReferenceRule:
+    """The rule as specified, on Python lists, with exact (rational) mean and Bessel std from ``statistics``."""
+
+    def __init__(self, window: int, sigma: float, min_history: int, count_skipped: bool) -> None:
+        self.window, self.sigma, self.min_history, self.count_skipped = window, sigma, min_history, count_skipped
+        self.hist: dict[str, list[float]] = {"g": [], "l": []}
+        self.skipped = self.consecutive = 0
+
+    def _skips(self, series: str, value: float) -> bool:
+        h = self.hist[series]
+        if len(h) < self.min_history:
+            return False
+        if not math.isfinite(value):
+            return True
+        if len(h) < 2:  # the std of fewer than two values is NaN, and NaN compares False
+            return False
+        return value - statistics.mean(h) > self.sigma * statistics.stdev(h)
+
+    def step(self, values: dict[str, float]) -> bool:
+        take = not any(self._skips(s, v) for s, v in values.items())
+        for s, v in values.items():
+            if math.isfinite(v) and (take or self.count_skipped):
+                self.hist[s] = (self.hist[s] + [v])[-self.window :]
+        self.skipped += not take
+        self.consecutive = 0 if take else self.consecutive + 1
+        return take
+
+
+class OlmoRule:
+    """OLMo-core's SkipStepOptimizer rule (warm-up max(2, window // 2)), reimplemented from its description: Python
+    lists of 0-d tensors, the last ``window + 1`` values (the current one last), restacked every step."""
+
+    def __init__(self, rolling_interval_length: int, sigma_factor: float) -> None:
+        self.n, self.sigma = rolling_interval_length, sigma_factor
+        self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
+
+    def step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        for lst, v in ((self.losses, loss), (self.grad_norms, grad_norm)):
+            lst.append(v)
+            while len(lst) > self.n + 1:
+                lst.pop(0)
+        if len(self.losses) < max(2, self.n // 2):
+            return True
+        loss_std, loss_mean = torch.std_mean(torch.stack(self.losses[:-1]))
+        gn_std, gn_mean = torch.std_mean(torch.stack(self.grad_norms[:-1]))
+        ok = torch.logical_and(
+            (self.losses[-1] - loss_mean) <= self.sigma * loss_std,
+            (self.grad_norms[-1] - gn_mean) <= self.sigma * gn_std,
+        )
+        return bool(ok)
+
+
+def _t(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------- the rule
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "window,sigma,count_skipped", [(128, 6.0, False), (16, 3.0, False), (7, 2.0, True)], ids=["w128", "w16", "w7cs"]
+)
+def test_decisions_equal_the_reference(kind, window, sigma, count_skipped):
+    n = 1200 if window == 128 else 500
+    norms, losses = sequence(kind, n, seed=1), sequence(kind, n, seed=2)
+    guard = SpikeGuard(window, sigma, count_skipped=count_skipped)
+    ref = ReferenceRule(window, sigma, guard.min_history, count_skipped)
+    got, want = [], []
+    for i, (g, ell) in enumerate(zip(norms, losses)):
+        watch_loss = i % 5 != 3  # some steps give no loss: the loss history skips them
+        got.append(guard.observe(_t(g), _t(ell) if watch_loss else None).item())
+        want.append(ref.step({"g": g, "l": ell} if watch_loss else {"g": g}))
+    assert got == [float(w) for w in want]
+    if kind in ("spikes", "plateaus", "nonfinite", "mixed"):
+        assert 0 < sum(want) < n  # the sequence exercises both outcomes
+    host = guard.check()
+    assert host["guard/skipped"] == ref.skipped and host["guard/consecutive"] == ref.consecutive
+
+
+def test_equal_history_has_std_exactly_zero():
+    guard = SpikeGuard(window=10, sigma=6.0, min_history=3)
+    for _ in range(12):
+        assert guard.observe(_t(0.1)).item() == 1.0  # 0.1 is not representable: running sums would drift
+    assert guard.grad_norm_z.item() == 0.0
+    st = guard.state_dict()
+    assert st["last"][0, 1].item() == 0.1 and st["last"][0, 2].item() == 0.0  # mean, std
+    assert guard.observe(_t(0.1 + 1e-12)).item() == 0.0  # anything above a flat history is a spike
+    assert guard.grad_norm_z.item() == math.inf
+
+
+def test_min_history_default_and_explicit():
+    assert SpikeGuard(128).min_history == 63
+    assert SpikeGuard(3).min_history == 1
+    guard = SpikeGuard(window=8, sigma=1.0, min_history=0)
+    assert guard.observe(_t(NAN)).item() == 0.0  # judged from the first step: a NaN is skipped at once
+    guard = SpikeGuard(window=8, sigma=1.0, min_history=2)
+    assert guard.observe(_t(NAN)).item() == 1.0  # too little history: taken, and the NaN never enters it
+    assert guard.observe(_t(1.0)).item() == 1.0
+    assert guard.observe(_t(INF)).item() == 1.0
+    assert guard.state_dict()["count"][0].item() == 1
+
+
+def test_loss_spike_alone_skips_and_watch_loss_false_ignores_it():
+    for watch in (True, False):
+        guard = SpikeGuard(window=8, sigma=3.0, watch_loss=watch)
+        for i in range(8):
+            guard.observe(_t(1.0 + 0.01 * i), _t(2.0 + 0.01 * (i % 3)))
+        assert guard.observe(_t(1.0), _t(40.0)).item() == (1.0 if not watch else 0.0)
+
+
+@pytest.mark.parametrize("window", [6, 8, 16, 128])
+@pytest.mark.parametrize("kind", ["noise", "spikes", "plateaus", "mixed_finite"])
+def test_count_skipped_equals_olmo_core(kind, window):
+    """count_skipped=True on finite values makes OLMo-core's decisions (its warm-up counts the current value)."""
+    n = 700
+    if kind == "mixed_finite":
+        norms = [v if math.isfinite(v) else 1e3 for v in sequence("mixed", n, seed=3)]
+        losses = [v if math.isfinite(v) else 7.0 for v in sequence("spikes", n, seed=4)]
+    else:
+        norms, losses = sequence(kind, n, seed=3), sequence(kind, n, seed=4)
+    guard = SpikeGuard(window, 3.0, count_skipped=True)
+    olmo = OlmoRule(window, 3.0)
+    got = [guard.observe(_t(g), _t(ell)).item() for g, ell in zip(norms, losses)]
+    want = [float(olmo.step(_t(ell), _t(g))) for g, ell in zip(norms, losses)]
+    assert got == want
+    if kind != "noise":
+        assert 0 < sum(want) < n
+
+
+@pytest.mark.parametrize("kind", ["mixed", "nonfinite", "plateaus"])
+def test_resume_from_state_dict_equals_uninterrupted(kind):
+    n, cut = 600, 257
+    norms, losses = sequence(kind, n, seed=5), sequence(kind, n, seed=6)
+    settings = {"window": 32, "sigma": 3.0, "max_consecutive": 50}
+    whole = SpikeGuard(**settings)
+    want = [whole.observe(_t(g), _t(ell)).item() for g, ell in zip(norms, losses)]
+
+    first = SpikeGuard(**settings)
+    got = [first.observe(_t(g), _t(ell)).item() for g, ell in zip(norms[:cut], losses[:cut])]
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    resumed = SpikeGuard()  # fresh, other settings: the state dict's settings win
+    resumed.load_state_dict(state)
+    assert resumed.window == 32 and resumed.sigma == 3.0 and resumed.max_consecutive == 50
+    got += [resumed.observe(_t(g), _t(ell)).item() for g, ell in zip(norms[cut:], losses[cut:])]
+    assert got == want
+    for key, value in whole.state_dict().items():
+        other = resumed.state_dict()[key]
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(other, value, rtol=0, atol=0, equal_nan=True, msg=key)
+        else:
+            assert value == other, key
+    assert _check(resumed) == _check(whole)
+
+
+def _check(guard: SpikeGuard) -> object:
+    try:
+        return guard.check()
+    except SpikeStreakError as err:  # a level shift (plateaus) locks a guard that keeps skipped values out
+        return err.step, err.consecutive, err.values, err.bands
+
+
+def test_load_state_dict_rejects_bad_states():
+    guard = SpikeGuard(window=4)
+    state = guard.state_dict()
+    with pytest.raises(TypeError, match="expected a dict"):
+        guard.load_state_dict([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no history"):
+        guard.load_state_dict({k: v for k, v in state.items() if k != "history"})
+    with pytest.raises(ValueError, match="'history' must be a torch.float64 tensor of shape \\(2, 4\\)"):
+        guard.load_state_dict({**state, "history": torch.zeros(2, 5, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        guard.load_state_dict({**state, "window": 0})
+
+
+# ---------------------------------------------------------------------------------------------- streaks
+def test_max_consecutive_raises_at_the_next_check_with_step_values_and_band():
+    guard = SpikeGuard(window=8, sigma=3.0, max_consecutive=3)
+    for i in range(8):
+        guard.observe(_t(1.0 + 0.01 * (i % 2)), _t(3.0))
+    for value in (50.0, 60.0):
+        assert guard.observe(_t(value), _t(3.0)).item() == 0.0
+    assert guard.check()["guard/consecutive"] == 2.0  # two in a row: no error yet
+    guard.observe(_t(70.0), _t(3.0))  # the third: the streak is recorded on the device ...
+    guard.observe(_t(1.0), _t(3.0))  # ... and survives a taken step before the host looks
+    with pytest.raises(SpikeStreakError, match="3 steps in a row were skipped") as info:
+        guard.check()
+    err = info.value
+    assert err.step == 11 and err.values == {"grad_norm": 70.0, "loss": 3.0}
+    mean, top = err.bands["grad_norm"]
+    assert mean == pytest.approx(1.005) and mean < top < 2.0
+    assert guard.check()["guard/skipped"] == 3.0  # raised once; the flag is cleared
+
+
+def test_no_streak_error_without_max_consecutive():
+    guard = SpikeGuard(window=4, sigma=1.0, min_history=2)
+    for v in [1.0, 1.0] + [NAN] * 20:
+        guard.observe(_t(v))
+    assert guard.check()["guard/consecutive"] == 20.0
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(TypeError, match="window must be an int"):
+        SpikeGuard(window=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        SpikeGuard(window=0)
+    with pytest.raises(ValueError, match="sigma must be finite, >= 0"):
+        SpikeGuard(sigma=-1.0)
+    with pytest.raises(TypeError, match="sigma must be a real number"):
+        SpikeGuard(sigma="6")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_history must be <= window"):
+        SpikeGuard(window=4, min_history=5)
+    with pytest.raises(TypeError, match="watch_loss must be a bool"):
+        SpikeGuard(watch_loss=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_consecutive must be >= 1"):
+        SpikeGuard(max_consecutive=0)
+    guard = SpikeGuard()
+    with pytest.raises(ValueError, match="grad_norm must be a one-element tensor"):
+        guard.observe(torch.ones(3))
+    with pytest.raises(TypeError, match="loss must be a real tensor"):
+        guard.observe(torch.ones(()), torch.ones((), dtype=torch.bool))
+    with pytest.raises(TypeError, match="grad_norm must be a tensor or a real number"):
+        guard.observe("1.0")  # type: ignore[arg-type]
+
+
+def test_numbers_and_float32_inputs_are_accepted():
+    a, b = SpikeGuard(window=8, sigma=2.0), SpikeGuard(window=8, sigma=2.0)
+    for v in sequence("spikes", 60, seed=7):
+        x = a.observe(v, loss=1.0)
+        y = b.observe(torch.tensor(v, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float32))
+        assert x.dtype == torch.float32 and x.shape == () and torch.equal(x, y)
+
+
+# ---------------------------------------------------------------------------------------------- no host sync
+HOST_READS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
+
+
+@pytest.fixture
+def no_host_reads(monkeypatch):
+    """Inside ``with no_host_reads():`` every way of reading a tensor's value into Python raises."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def forbid():
+        with monkeypatch.context() as m:
+            for name in HOST_READS:
+
+                def raiser(self, *args, _name=name, **kwargs):
+                    raise AssertionError(f"host read: Tensor.{_name}")
+
+                m.setattr(torch.Tensor, name, raiser)
+            yield
+
+    return forbid
+
+
+def test_the_fixture_catches_host_reads(no_host_reads):
+    with no_host_reads(), pytest.raises(AssertionError, match="host read: Tensor.__bool__"):
+        bool(torch.ones(()) > 0)
+
+
+def test_observe_never_reads_the_host(no_host_reads):
+    guard = SpikeGuard(window=8, sigma=3.0, max_consecutive=2)
+    values = sequence("mixed", 40, seed=8)
+    with no_host_reads(), HostReads() as mode:
+        out = [guard.observe(_t(v), torch.tensor(v, dtype=torch.float32)) for v in values]
+        _ = (guard.skipped, guard.consecutive, guard.grad_norm_z, guard.loss_z, guard.check_tensors())
+    assert mode.count == 0
+    assert any(o.item() == 0.0 for o in out)
+
+
+def test_observe_launches_the_same_ops_every_step():
+    from torch.profiler import ProfilerActivity, profile
+
+    guard = SpikeGuard(window=8, sigma=3.0, max_consecutive=3)
+    counts = []
+    for v in [1.0, 1.1, 1.0, 50.0, NAN, 1.05, INF, 1.0, 0.9, 1.0, 60.0, 70.0, 80.0]:
+        g, ell = _t(v), _t(2.0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            guard.observe(g, ell)
+        counts.append(sum(1 for e in prof.events() if e.name.startswith("aten::")))
+    assert len(set(counts)) == 1, counts
