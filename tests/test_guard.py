@@ -15,45 +15,10 @@ import torch
 from torch_gradstats import SpikeGuard, SpikeStreakError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _guard_helpers import KINDS, forbid_host_reads, sequence
 from _host_reads import HostReads
 
 NAN, INF = math.nan, math.inf
-
-
-# ---------------------------------------------------------------------------------------------- sequences
-def sequence(kind: str, n: int, seed: int) -> list[float]:
-    """Synthetic gradient norms or losses: noise, trends, spikes, plateaus, NaN/inf, and all of them mixed."""
-    gen = torch.Generator().manual_seed(seed)
-    noise = torch.randn(n, generator=gen, dtype=torch.float64)
-    u = torch.rand(n, generator=gen, dtype=torch.float64)
-    t = torch.arange(n, dtype=torch.float64)
-    if kind == "noise":
-        x = (0.3 * noise).exp()
-    elif kind == "trend":
-        x = 5.0 - 4.0 * t / n + 0.05 * noise
-    elif kind == "rising":
-        x = 1.0 + 0.01 * t + 0.02 * noise
-    elif kind == "spikes":
-        x = 1.0 + 0.1 * noise
-        x = torch.where(u < 0.03, x * 20, x)
-    elif kind == "plateaus":  # long runs of equal values (std exactly 0), steps between them, a few repeats
-        x = (t // 97).remainder(4) + 1.0
-        x = torch.where((u < 0.02) & (t.remainder(97) > 60), x + 0.5, x)
-    elif kind == "nonfinite":
-        x = 2.0 + 0.2 * noise
-        x = torch.where(u < 0.02, torch.full_like(x, NAN), x)
-        x = torch.where((u >= 0.02) & (u < 0.03), torch.full_like(x, INF), x)
-    elif kind == "mixed":
-        x = (3.0 - 2.0 * t / n) * (0.2 * noise).exp()
-        x = torch.where(u < 0.03, x * 50, x)
-        x = torch.where((u >= 0.03) & (u < 0.04), torch.full_like(x, NAN), x)
-        x = torch.where((t // 150).remainder(3) == 1, torch.full_like(x, 1.75), x)  # plateaus
-    else:
-        raise AssertionError(kind)
-    return x.tolist()
-
-
-KINDS = ["noise", "trend", "rising", "spikes", "plateaus", "nonfinite", "mixed"]
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -294,37 +259,15 @@ def test_numbers_and_float32_inputs_are_accepted():
 
 
 # ---------------------------------------------------------------------------------------------- no host sync
-HOST_READS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
-
-
-@pytest.fixture
-def no_host_reads(monkeypatch):
-    """Inside ``with no_host_reads():`` every way of reading a tensor's value into Python raises."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def forbid():
-        with monkeypatch.context() as m:
-            for name in HOST_READS:
-
-                def raiser(self, *args, _name=name, **kwargs):
-                    raise AssertionError(f"host read: Tensor.{_name}")
-
-                m.setattr(torch.Tensor, name, raiser)
-            yield
-
-    return forbid
-
-
-def test_the_fixture_catches_host_reads(no_host_reads):
-    with no_host_reads(), pytest.raises(AssertionError, match="host read: Tensor.__bool__"):
+def test_forbid_host_reads_catches_host_reads():
+    with forbid_host_reads(), pytest.raises(AssertionError, match="host read: Tensor.__bool__"):
         bool(torch.ones(()) > 0)
 
 
-def test_observe_never_reads_the_host(no_host_reads):
+def test_observe_never_reads_the_host():
     guard = SpikeGuard(window=8, sigma=3.0, max_consecutive=2)
     values = sequence("mixed", 40, seed=8)
-    with no_host_reads(), HostReads() as mode:
+    with forbid_host_reads(), HostReads() as mode:
         out = [guard.observe(_t(v), torch.tensor(v, dtype=torch.float32)) for v in values]
         _ = (guard.skipped, guard.consecutive, guard.grad_norm_z, guard.loss_z, guard.check_tensors())
     assert mode.count == 0

@@ -35,6 +35,7 @@ LAYERS = {
     "torch_gradstats.collector": 6,
     "torch_gradstats.updates": 6,
     "torch_gradstats.guard": 6,
+    "torch_gradstats.adaptive_clip": 6.5,  # a policy like guard, that clips through clip
     "torch_gradstats.training": 7,  # and every module of the training package
     "torch_gradstats.integrations": 8,  # and every module of the integrations package
 }
