@@ -285,3 +285,122 @@ def test_observe_launches_the_same_ops_every_step():
             guard.observe(g, ell)
         counts.append(sum(1 for e in prof.events() if e.name.startswith("aten::")))
     assert len(set(counts)) == 1, counts
+
+
+# ---------------------------------------------------------------------------------------------- step_or_skip
+OPTIMIZERS = {
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.1, fused=True),
+    "sgd_momentum_fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    "adagrad_fused": lambda p: torch.optim.Adagrad(p, lr=0.1, fused=True),
+    "adam_foreach": lambda p: torch.optim.Adam(p, lr=0.1, foreach=True),
+    "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.1),
+}
+
+
+def _twins(make_opt):
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    return a, b, make_opt(a.parameters()), make_opt(b.parameters())
+
+
+def _backward(models, i, bad=False, scalers=None):
+    for k, m in enumerate(models):
+        m.zero_grad()
+        loss = m(torch.ones(4, 3) * (i + 1)).sum() * (math.inf if bad else 1.0)
+        (loss if scalers is None else scalers[k].scale(loss)).backward()
+
+
+def _assert_same(a, b, opt_a, opt_b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert set(sb) <= set(sa)
+    for k in set(sa) - set(sb):  # a fused optimizer skipped on the device made its state, still untouched
+        assert all(not torch.as_tensor(v).any() for v in sa[k].values()), sa[k]
+    for k in sb:
+        assert sa[k].keys() == sb[k].keys()
+        for name in sa[k]:
+            assert torch.equal(torch.as_tensor(sa[k][name]), torch.as_tensor(sb[k][name])), (k, name)
+
+
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+def test_step_or_skip_equals_stepping_only_the_taken_steps(opt):
+    from torch_gradstats import step_or_skip
+
+    model, ref, optimizer, ref_opt = _twins(OPTIMIZERS[opt])
+    for i, f in enumerate([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]):  # a skipped first step too
+        _backward([model, ref], i)
+        step_or_skip(optimizer, torch.tensor(f))
+        if f:
+            ref_opt.step()
+        _assert_same(model, ref, optimizer, ref_opt)
+    assert not hasattr(optimizer, "found_inf")
+
+
+def test_step_or_skip_with_a_fused_optimizer_never_reads_the_host():
+    from torch_gradstats import step_or_skip
+
+    model, ref, optimizer, ref_opt = _twins(OPTIMIZERS["adamw_fused"])
+    guard = SpikeGuard(window=4, sigma=2.0, min_history=2)
+    norms = [1.0, 1.1, 1.05, 9.0, 1.0, NAN, 1.02]
+    taken = []
+    with forbid_host_reads(), HostReads() as mode:
+        for i, g in enumerate(norms):
+            _backward([model], i)
+            factor = guard.observe(_t(g))
+            step_or_skip(optimizer, factor)
+            taken.append(factor)
+    assert mode.count == 0
+    assert [t.item() for t in taken] == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    for i, t in enumerate(taken):
+        _backward([ref], i)
+        if t.item():
+            ref_opt.step()
+    _assert_same(model, ref, optimizer, ref_opt)
+
+
+@pytest.mark.parametrize("opt", ["adamw_fused", "adam_foreach", "sgd_momentum_fused"])
+def test_step_or_skip_composes_with_a_grad_scaler(opt):
+    """A step skipped by the scaler (inf gradients), by the factor, or by both is skipped once; the scaler's update
+    sees only its own inf checks (a skip by the factor alone keeps the scale)."""
+    from torch_gradstats import step_or_skip
+
+    model, ref, optimizer, ref_opt = _twins(OPTIMIZERS[opt])
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
+    plan = [(1.0, False), (0.0, False), (1.0, True), (0.0, True), (1.0, False), (1.0, False), (0.0, False), (1.0, 0)]
+    scales = []
+    for i, (f, bad) in enumerate(plan):
+        _backward([model, ref], i, bad=bool(bad), scalers=[scaler, ref_scaler])
+        step_or_skip(optimizer, torch.tensor(f), scaler)
+        if f:
+            ref_scaler.step(ref_opt)
+        else:
+            ref_scaler.unscale_(ref_opt)  # the scaler's inf check, without a step
+        ref_scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        scales.append(scaler.get_scale())
+        _assert_same(model, ref, optimizer, ref_opt)
+    assert scales[1] == 2.0**9 and scales[2] == 2.0**8 and scales[3] == 2.0**7  # skip alone: grown on schedule
+    assert "step" not in optimizer.__dict__ and not hasattr(optimizer, "found_inf")
+
+
+def test_step_or_skip_keeps_an_lr_scheduler_wrapper_and_rejects_bad_arguments():
+    from torch_gradstats import step_or_skip
+
+    model, _, optimizer, _ = _twins(OPTIMIZERS["adamw_fused"])
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    wrapped = optimizer.__dict__.get("step")
+    scaler = torch.amp.GradScaler("cpu")
+    _backward([model], 0, scalers=[scaler])
+    step_or_skip(optimizer, torch.tensor(1.0), scaler)
+    assert optimizer.__dict__.get("step") is wrapped
+    sched.step()
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        step_or_skip(model, torch.tensor(1.0))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="factor must be a tensor"):
+        step_or_skip(optimizer, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="factor must have one element"):
+        step_or_skip(optimizer, torch.ones(2))
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
+        step_or_skip(optimizer, torch.tensor(1.0), object())  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from torch_gradstats.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
 from torch_gradstats.training import EpochSummary, StepRecord, Trainer
+from torch_gradstats.training._skip import step_or_skip
 
 __version__ = "0.1.0"
 
@@ -39,4 +40,5 @@ __all__ = [
     "collector",
     "grad_stats",
     "multi_tensor_stats",
+    "step_or_skip",
 ]

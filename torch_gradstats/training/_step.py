@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["OptimizerStepper", "device_skip_step"]
+__all__ = ["OptimizerStepper", "device_skip_step", "momentum_pending"]
 
 
 def device_skip_step(optimizer: torch.optim.Optimizer) -> Callable[[Tensor], None] | None:
@@ -129,21 +129,27 @@ class OptimizerStepper:
             self.count += 1
 
     def _state_pending(self) -> bool:
-        """True while a fused SGD with momentum has not yet created its momentum buffers.
-
-        Its first step allocates them uninitialised (``empty_like``) and, told to skip by ``found_inf``, leaves them
-        so: a skipped first step would poison every later one. Until the buffers exist, the skip is decided on the
-        host (one sync per step, normally just the first).
-        """
+        """:func:`momentum_pending`, until it is False once."""
         if self._state_ready:
             return False
-        opt = self.optimizer
-        if isinstance(opt, torch.optim.SGD):
-            for group in opt.param_groups:
-                if group.get("momentum", 0) == 0:
-                    continue
-                for p in group["params"]:
-                    if p.grad is not None and "momentum_buffer" not in opt.state.get(p, {}):
-                        return True
+        if momentum_pending(self.optimizer):
+            return True
         self._state_ready = True
         return False
+
+
+def momentum_pending(optimizer: torch.optim.Optimizer) -> bool:
+    """True while an SGD with momentum has not yet created its momentum buffers.
+
+    A fused SGD's first step allocates them uninitialised (``empty_like``) and, told to skip by ``found_inf``, leaves
+    them so: a skipped first step would poison every later one. Until the buffers exist, a skip is decided on the
+    host (one sync per step, normally just the first).
+    """
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0) == 0:
+                continue
+            for p in group["params"]:
+                if p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {}):
+                    return True
+    return False
