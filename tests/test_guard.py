@@ -404,3 +404,57 @@ def test_step_or_skip_keeps_an_lr_scheduler_wrapper_and_rejects_bad_arguments():
         step_or_skip(optimizer, torch.ones(2))
     with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
         step_or_skip(optimizer, torch.tensor(1.0), object())  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- compiled
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_observe_and_threshold_compile_in_one_graph_without_recompiles(backend):
+    """A compiled post-backward step (statistics, guard, adaptive threshold, clipping) runs as one graph for 50 steps
+    and decides as the eager one; the in-place state updates survive compilation (a 0-d float64 attribute's would
+    not, on torch 2.13)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from torch_gradstats import AdaptiveClip, grad_stats, step_or_skip
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+
+    def after_backward(model, loss, guard, clip):
+        norm = grad_stats(model.parameters()).total_norm
+        factor = guard.observe(norm, loss)
+        threshold = clip.threshold(norm)
+        torch._foreach_mul_([p.grad for p in model.parameters()], (threshold / (norm + 1e-6)).clamp(max=1.0))
+        return factor, threshold
+
+    compiled = torch.compile(after_backward, fullgraph=True, backend=counter)
+    runs = {}
+    for name, fn in (("eager", after_backward), ("compiled", compiled)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        guard, clip = SpikeGuard(window=16, sigma=3.0, max_consecutive=4), AdaptiveClip(warmup=5, max_norm=5.0)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for step in range(50):
+            x, y = torch.randn(32, 8, generator=gen), torch.randn(32, 1, generator=gen)
+            if step in (20, 33, 34):
+                y = y * 100  # loss and gradient spikes
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            factor, threshold = fn(model, loss.detach(), guard, clip)
+            step_or_skip(optimizer, factor)
+            out.append((factor.item(), threshold.item()))
+        runs[name] = (out, guard.state_dict(), clip.state_dict(), [p.detach().clone() for p in model.parameters()])
+    (eager, e_guard, e_clip, e_params), (got, c_guard, c_clip, c_params) = runs["eager"], runs["compiled"]
+    assert counter.frame_count == 1, "recompiled or broke the graph"
+    assert [f for f, _ in got] == [f for f, _ in eager]
+    assert [f for f, _ in eager].count(0.0) >= 3  # the spikes were skipped
+    torch.testing.assert_close([t for _, t in got], [t for _, t in eager], rtol=1e-9, atol=0)
+    for eager_state, state in ((e_guard, c_guard), (e_clip, c_clip)):
+        assert state["count"].sum() > 0
+        for key, value in eager_state.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(state[key], value, rtol=1e-9, atol=0, equal_nan=True, msg=key)
+    torch.testing.assert_close(c_params, e_params, rtol=1e-5, atol=1e-7)
+    torch._dynamo.reset()
