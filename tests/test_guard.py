@@ -458,3 +458,104 @@ def test_observe_and_threshold_compile_in_one_graph_without_recompiles(backend):
                 torch.testing.assert_close(state[key], value, rtol=1e-9, atol=0, equal_nan=True, msg=key)
     torch.testing.assert_close(c_params, e_params, rtol=1e-5, atol=1e-7)
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_steps(n: int) -> list[tuple[float, float]]:
+    norms, losses = sequence("mixed", n, seed=21), sequence("spikes", n, seed=22)
+    return list(zip(norms, losses))
+
+
+def _eager_decisions(steps, device):
+    from torch_gradstats import AdaptiveClip
+
+    guard, clip = SpikeGuard(window=16, sigma=3.0), AdaptiveClip(warmup=5)
+    out = []
+    for g, ell in steps:
+        norm = torch.tensor(g, dtype=torch.float64, device=device)
+        f = guard.observe(norm, torch.tensor(ell, device=device))
+        out.append((f.item(), clip.threshold(norm).item()))
+    return out
+
+
+@cuda
+def test_cuda_observe_threshold_clip_and_fused_step_never_sync():
+    from torch_gradstats import AdaptiveClip, step_or_skip
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard, clip = SpikeGuard(window=8, sigma=3.0, device=device), AdaptiveClip(warmup=3, device=device)
+    x = torch.randn(16, 64, device=device)
+    model(x).square().mean().backward()
+    optimizer.step()  # the optimizer's state is made outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(12):
+            optimizer.zero_grad()
+            loss = model(x * (50.0 if step == 9 else 1.0)).square().mean()
+            loss.backward()
+            stats = clip.clip_(model.parameters())
+            step_or_skip(optimizer, guard.observe(stats.total_norm, loss))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert guard.check()["guard/skipped"] >= 1.0  # the spike at step 9
+
+
+@cuda
+def test_cuda_graph_replay_decides_as_eager():
+    from torch_gradstats import AdaptiveClip
+
+    device = torch.device("cuda")
+    steps = _cuda_steps(120)
+    want = _eager_decisions(steps, device)
+    guard, clip = SpikeGuard(window=16, sigma=3.0, device=device), AdaptiveClip(warmup=5, device=device)
+    norm, loss = torch.zeros((), device=device, dtype=torch.float64), torch.zeros((), device=device)
+    # Warm up on a side stream as torch.cuda.graph requires, on copies: the captured guard starts fresh.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        SpikeGuard(window=16, sigma=3.0, device=device).observe(norm, loss)
+        AdaptiveClip(warmup=5, device=device).threshold(norm)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        factor = guard.observe(norm, loss)
+        threshold = clip.threshold(norm)
+    got = []
+    for g, ell in steps:
+        norm.fill_(g)
+        loss.fill_(ell)
+        graph.replay()
+        got.append((factor.item(), threshold.item()))
+    assert [f for f, _ in got] == [f for f, _ in want]
+    torch.testing.assert_close([t for _, t in got], [t for _, t in want], rtol=1e-12, atol=0)
+
+
+@cuda
+def test_cuda_reduce_overhead_decides_as_eager():
+    from torch_gradstats import AdaptiveClip
+
+    device = torch.device("cuda")
+    steps = _cuda_steps(60)
+    want = _eager_decisions(steps, device)
+    torch._dynamo.reset()
+    guard, clip = SpikeGuard(window=16, sigma=3.0, device=device), AdaptiveClip(warmup=5, device=device)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def decide(norm, loss):
+        return guard.observe(norm, loss), clip.threshold(norm)
+
+    got = []
+    for g, ell in steps:
+        torch.compiler.cudagraph_mark_step_begin()
+        f, t = decide(torch.tensor(g, dtype=torch.float64, device=device), torch.tensor(ell, device=device))
+        got.append((f.item(), t.item()))
+    assert [f for f, _ in got] == [f for f, _ in want]
+    torch.testing.assert_close([t for _, t in got], [t for _, t in want], rtol=1e-9, atol=0)
+    torch._dynamo.reset()
