@@ -559,3 +559,44 @@ def test_cuda_reduce_overhead_decides_as_eager():
     assert [f for f, _ in got] == [f for f, _ in want]
     torch.testing.assert_close([t for _, t in got], [t for _, t in want], rtol=1e-9, atol=0)
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------- distributed
+@pytest.mark.distributed
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
+)
+def test_two_gloo_ranks_make_the_same_decisions_as_one_process(tmp_path):
+    """The decision is a function of global figures: every rank of a group decides alike, as one process holding
+    all the gradients does (spikes, a NaN in one rank's shard only, a loss spike)."""
+    import json
+    import socket
+    import time
+
+    import _guard_dist_worker as worker
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(
+        worker.run_worker, args=(2, port, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 180
+    try:
+        while not ctx.join(timeout=1.0):
+            assert time.monotonic() < deadline, "the 2-rank run did not finish in 180 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ref = worker.run(worker.full_grads, lambda step: torch.tensor(worker.full_loss(step), dtype=torch.float64))
+    for key in ranks[0]:
+        got, other, want = (torch.tensor(r[key]) for r in (ranks[0], ranks[1], ref))
+        torch.testing.assert_close(other, got, rtol=0, atol=0, equal_nan=True, msg=f"ranks differ in {key}")
+        exact = key == "factor"
+        torch.testing.assert_close(got, want, rtol=0 if exact else 1e-9, atol=0, equal_nan=True, msg=key)
+    skipped = [i for i, f in enumerate(ref["factor"]) if f == 0.0]
+    assert {25, 33, 41, 47} <= set(skipped), skipped
