@@ -600,3 +600,96 @@ def test_two_gloo_ranks_make_the_same_decisions_as_one_process(tmp_path):
         torch.testing.assert_close(got, want, rtol=0 if exact else 1e-9, atol=0, equal_nan=True, msg=key)
     skipped = [i for i, f in enumerate(ref["factor"]) if f == 0.0]
     assert {25, 33, 41, 47} <= set(skipped), skipped
+
+
+# ---------------------------------------------------------------------------------------------- the Trainer
+def _trainer_setup(seed=0):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32 * 40, 6, generator=gen)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return model, DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+
+
+SPIKE_STEPS = {14: 1e3, 27: 1e4, 28: 1e4}
+
+
+def _spike(step, model):
+    for p in model.parameters():
+        p.grad.mul_(SPIKE_STEPS.get(step, 1.0))
+
+
+def test_trainer_with_guard_and_adaptive_clip_equals_the_plain_loop():
+    from torch_gradstats import AdaptiveClip, Trainer, step_or_skip
+
+    settings = {"window": 16, "sigma": 4.0}
+    model, loader = _trainer_setup()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard, clip = SpikeGuard(**settings), AdaptiveClip(warmup=8)
+    trainer = Trainer(
+        model, optimizer, torch.nn.functional.mse_loss, spike_guard=guard, adaptive_clip=clip,
+        after_backward=lambda t: _spike(t.global_step, t.model), progress=False,
+    )
+    summary = trainer.train_epoch(loader)
+
+    ref_model, _ = _trainer_setup()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    ref_guard, ref_clip = SpikeGuard(**settings), AdaptiveClip(warmup=8)
+    factors = []
+    for step, (x, y) in enumerate(loader):
+        ref_opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(ref_model(x), y)
+        loss.backward()
+        _spike(step, ref_model)
+        stats = ref_clip.clip_(ref_model.named_parameters())
+        factor = ref_guard.observe(stats.total_norm, loss.detach().to(torch.float64))
+        step_or_skip(ref_opt, factor)
+        factors.append(factor.item())
+    skipped = [i for i, f in enumerate(factors) if f == 0.0]
+    assert set(SPIKE_STEPS) <= set(skipped)
+    assert summary.skipped_steps == len(skipped) and trainer.global_step == 40
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    figures = trainer.policy_figures
+    assert figures["guard/skipped"] == len(skipped)
+    assert figures == {**ref_guard.check(), **ref_clip.figures()}
+
+
+def test_trainer_raises_a_spike_streak_at_its_sync():
+    from torch_gradstats import Trainer
+
+    model, loader = _trainer_setup()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = SpikeGuard(window=16, sigma=4.0, max_consecutive=2)
+    trainer = Trainer(
+        model, optimizer, torch.nn.functional.mse_loss, spike_guard=guard, sync_every=10,
+        after_backward=lambda t: _spike(t.global_step, t.model), progress=False,
+    )
+    with pytest.raises(SpikeStreakError, match="2 steps in a row") as info:
+        trainer.train_epoch(loader)
+    assert info.value.step == 29  # steps 27 and 28 (0-based), 1-based in the guard; raised at the sync of step 30
+    assert trainer.global_step == 30
+
+
+def test_trainer_guard_with_a_grad_scaler_and_bad_arguments():
+    from torch_gradstats import AdaptiveClip, Trainer
+
+    model, loader = _trainer_setup()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    trainer = Trainer(
+        model, optimizer, torch.nn.functional.mse_loss, scaler=scaler, spike_guard=SpikeGuard(window=16, sigma=4.0),
+        after_backward=lambda t: _spike(t.global_step, t.model), progress=False,
+    )
+    summary = trainer.train_epoch(loader)
+    assert summary.skipped_steps >= 3 and scaler.get_scale() >= 2.0**4  # a guard's skip never shrinks the scale
+    assert optimizer.state_dict()["state"][0]["step"].item() == 40 - summary.skipped_steps
+    with pytest.raises(TypeError, match="spike_guard must be a SpikeGuard"):
+        Trainer(model, optimizer, torch.nn.functional.mse_loss, spike_guard=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="adaptive_clip must be an AdaptiveClip"):
+        Trainer(model, optimizer, torch.nn.functional.mse_loss, adaptive_clip=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_grad_norm or adaptive_clip, not both"):
+        Trainer(model, optimizer, torch.nn.functional.mse_loss, max_grad_norm=1.0, adaptive_clip=AdaptiveClip())

@@ -15,22 +15,12 @@ Three ways, chosen from metadata:
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from torch_gradstats._transfer import to_device, to_host
-from torch_gradstats.training._step import device_skip_step, momentum_pending
+from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending, scaler_step
 
 __all__ = ["step_or_skip"]
-
-
-def _skips_on_host(skip: Tensor) -> bool:
-    """The documented host read: one 0-d value."""
-    floats, _ = to_host([skip.reshape(1)], [])
-    return floats[0] != 0.0
 
 
 def step_or_skip(
@@ -61,33 +51,11 @@ def step_or_skip(
         if on_device:
             assert device_step is not None
             device_step(skip)
-        elif not _skips_on_host(skip):
+        elif not host_skips(skip):
             optimizer.step()
         if scaler is not None:
             scaler.update()
         return
 
-    # The scaler calls optimizer.step() only when it takes the step; this wrapper adds the factor's skip there.
-    instance_step = optimizer.__dict__.get("step")  # an LR scheduler may have wrapped step() on the instance
-    real_step = optimizer.step
-
-    @functools.wraps(real_step)
-    def guarded_step(*args: Any, **kwargs: Any) -> Any:
-        found = getattr(optimizer, "found_inf", None)
-        if isinstance(found, Tensor) and on_device:
-            merged = torch.clamp(found + to_device(skip, found.device), max=1.0)  # fused kernels test == 1
-            optimizer.found_inf = merged  # type: ignore[attr-defined]  # torch's GradScaler protocol
-            return real_step(*args, **kwargs)
-        if _skips_on_host(skip):
-            return None
-        return real_step(*args, **kwargs)
-
-    optimizer.step = guarded_step  # type: ignore[method-assign]
-    try:
-        scaler.step(optimizer)
-    finally:
-        if instance_step is None:
-            del optimizer.step
-        else:
-            optimizer.step = instance_step  # type: ignore[method-assign]
+    scaler_step(optimizer, scaler, skip)
     scaler.update()
