@@ -693,3 +693,48 @@ def test_trainer_guard_with_a_grad_scaler_and_bad_arguments():
         Trainer(model, optimizer, torch.nn.functional.mse_loss, adaptive_clip=1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_grad_norm or adaptive_clip, not both"):
         Trainer(model, optimizer, torch.nn.functional.mse_loss, max_grad_norm=1.0, adaptive_clip=AdaptiveClip())
+
+
+def test_trainer_with_policies_reads_the_host_once_per_epoch(monkeypatch):
+    """Guard, adaptive clip and the device-side skip add no host read: the epoch's one transfer carries their
+    figures."""
+    import torch_gradstats.training._trainer as trainer_mod
+    from torch_gradstats import AdaptiveClip, Trainer
+
+    model, loader = _trainer_setup()
+    batches = list(loader)  # the DataLoader draws a seed with .item() when an epoch starts: not the trainer's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    trainer = Trainer(
+        model, optimizer, torch.nn.functional.mse_loss, spike_guard=SpikeGuard(window=16, sigma=4.0),
+        adaptive_clip=AdaptiveClip(warmup=8), after_backward=lambda t: _spike(t.global_step, t.model),
+        progress=False,
+    )
+    transfers = []
+    real = trainer_mod.to_host
+    monkeypatch.setattr(trainer_mod, "to_host", lambda *a, **k: transfers.append(1) or real(*a, **k))
+    with HostReads() as mode:
+        summary = trainer.train_epoch(batches)
+    assert mode.count == 0 and len(transfers) == 1
+    assert summary.skipped_steps >= 3 and trainer.policy_figures["guard/skipped"] == summary.skipped_steps
+
+
+def test_bench_guard_runs():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_guard.py"
+    spec = importlib.util.spec_from_file_location("_bench_guard", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import contextlib
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert bench.main(["--reps", "8", "--rounds", "2"]) == 0
+    # name (20 columns), host us (9), launches (9): launches are what every contender but the optimizer makes
+    rows = {line[:20].strip(): (float(line[21:30]), int(line[31:40])) for line in out.getvalue().splitlines()[2:]}
+    assert set(rows) == {"grad_stats", "+ SpikeGuard", "+ AdaptiveClip", "AdaptiveClip.clip_", "clip_grad_norm_",
+                         "+ OLMo list rule", "step_or_skip", "optimizer.step"}
+    assert all(us > 0 for us, _ in rows.values())
+    assert rows["+ SpikeGuard"][1] > rows["grad_stats"][1] > 0
