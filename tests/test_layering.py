@@ -30,6 +30,7 @@ LAYERS = {
     "torch_gradstats.distributed": 3,
     "torch_gradstats._scalars": 3,
     "torch_gradstats.report": 4,
+    "torch_gradstats.groups": 4.5,  # per-group figures from per-parameter ones; GradStats.grouped delegates here
     "torch_gradstats.stats": 5,
     "torch_gradstats.clip": 6,
     "torch_gradstats.collector": 6,

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from torch_gradstats._extension import native_function
 from torch_gradstats._transfer import host_int64, repeated_int64, to_device, to_host
+from torch_gradstats.groups import GroupBy, GroupStats, group_stats
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, OP_NAME, SUPPORTED_DTYPES, ZERO, check_inputs, multi_tensor_stats
 from torch_gradstats.report import GradReport
@@ -247,6 +248,11 @@ class GradStats:
     def health(self, policy: HealthPolicy | None = None) -> Tensor:
         """Health score (see :class:`~torch_gradstats.health.HealthPolicy`) as a float64 0-d device tensor."""
         return (policy or _DEFAULT_POLICY).score(self.norms)
+
+    def grouped(self, by: GroupBy = "layer") -> GroupStats:
+        """Per-group figures (per layer, module, regex group...) from these per-parameter ones, on the device, no
+        sync; see :mod:`torch_gradstats.groups` for ``by``."""
+        return group_stats(self, by)
 
     # ---- host side
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> GradReport:

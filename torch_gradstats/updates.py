@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._transfer import to_device, to_host
+from torch_gradstats.groups import GroupBy, GroupStats, group_sums
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import SUPPORTED_DTYPES
 from torch_gradstats.stats import (
@@ -310,6 +311,10 @@ class GradWeightStats:
     def lr_update_ratios(self) -> Tensor | None:
         """float64 ``[P]``: ``lr * ||g|| / ||w||`` on the device (NaN where the optimizer lacks the parameter); None
         without learning rates. Moving the learning rates to an accelerator goes through pinned memory (no sync)."""
+        lr = self._lr_tensor()
+        return None if lr is None else lr * _device_ratio(self.grads.sumsq, self.weight_sumsq)
+
+    def _lr_tensor(self) -> Tensor | None:
         if self.lrs is None:
             return None
         device = self.grads.device
@@ -321,7 +326,22 @@ class GradWeightStats:
         if held:
             values = [to_device(self.lrs[i].reshape(()).to(torch.float64), device) for i in held]
             lr = lr.index_put((to_device(torch.tensor(held), device),), torch.stack(values))
-        return lr * _device_ratio(self.grads.sumsq, self.weight_sumsq)
+        return lr
+
+    def grouped(self, by: GroupBy = "layer") -> GroupStats:
+        """:meth:`GradStats.grouped` plus, per group, the weights' sum of squares, with an optimizer the squared
+        norm of plain SGD's update (``sum(lr_p**2 * ||g_p||**2)``, 0 for a parameter it does not hold) and with a
+        measured update its ``||Δw||²`` and ``||w_after||²``: device tensors, no sync; ratios in the report."""
+        out = self.grads.grouped(by)
+        out.weight_sumsq = group_sums(self.names, self.weight_sumsq, by, out.names)
+        lr = self._lr_tensor()
+        if lr is not None:
+            sgd = torch.nan_to_num(lr, nan=0.0).square() * self.grads.sumsq
+            out.lr_update_sumsq = group_sums(self.names, sgd, by, out.names)
+        if self.update is not None:
+            out.delta_sumsq = group_sums(self.update.names, self.update.delta_sumsq, by, out.names)
+            out.update_weight_sumsq = group_sums(self.update.names, self.update.weight_sumsq, by, out.names)
+        return out
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:
         """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update."""
