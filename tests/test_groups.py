@@ -268,3 +268,41 @@ def test_two_ranks_group_the_reduced_figures_without_a_collective(tmp_path) -> N
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["status"] == "ok", result.get("detail")
         assert result["groups"] == "embed,layers.0,layers.1,lm_head"
+
+
+# ------------------------------------------------------------------------------------ in the report's transfer
+def _count_fetches(monkeypatch) -> list[int]:
+    from torch_gradstats import _transfer
+
+    calls: list[int] = []
+    real = _transfer.fetch
+    monkeypatch.setattr(_transfer, "fetch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_groups_ride_in_the_reports_one_transfer(monkeypatch) -> None:
+    stats = tg.grad_stats(_trained().named_parameters())
+    grouped = stats.grouped("layer")
+    alone = grouped.report()
+    calls = _count_fetches(monkeypatch)
+    report = stats.report(groups=grouped)
+    assert len(calls) == 1
+    assert report.groups == alone
+    d = report.to_dict()
+    assert d["group/lm_head/norm"] == alone.norms["lm_head"] and d["total_norm"] == report.total_norm
+
+
+def test_weight_groups_ride_in_the_update_reports_one_transfer(monkeypatch) -> None:
+    model = _trained()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gw = grad_and_weight_stats(model.named_parameters(), optimizer=opt)
+    grouped = gw.grouped("layer")
+    alone = grouped.report()
+    calls = _count_fetches(monkeypatch)
+    gw.report()
+    without = len(calls)  # the transfer, then a host-side copy that GradStats.report reads (no device involved)
+    report = gw.report(groups=grouped)
+    assert len(calls) == 2 * without
+    assert report.grads.groups == alone
+    assert alone.weight_norms is not None
+    assert report.to_dict()["group/model.layers.0/weight_norm"] == alone.weight_norms["model.layers.0"]

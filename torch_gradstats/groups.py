@@ -41,6 +41,7 @@ from torch import Tensor
 
 from torch_gradstats._transfer import host_int64, to_host
 from torch_gradstats.ops import INF, NAN, ZERO
+from torch_gradstats.report import GroupReport
 
 __all__ = ["GroupBy", "GroupReport", "GroupStats", "group_names", "group_stats", "group_sums"]
 
@@ -219,17 +220,22 @@ class GroupStats:
 
     def report(self) -> GroupReport:
         """Every figure on the host in ONE device-to-host transfer."""
-        g = len(self.names)
+        return self._from_host(*to_host(*self._host_parts()))
+
+    def _host_parts(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The float and int tensors one transfer carries (a GradStats report takes them along in its own)."""
         extras = [t for t in (self.weight_sumsq, self.lr_update_sumsq, self.delta_sumsq, self.update_weight_sumsq)
                   if t is not None]
-        floats, ints = to_host([self.sumsq, self.amax, *extras], [self.counts, self.numel])
-        rows = [floats[i * g:(i + 1) * g] for i in range(2 + len(extras))]
-        sumsq, amax = rows[0], rows[1]
-        rest = iter(rows[2:])
-        wsumsq = next(rest) if self.weight_sumsq is not None else None
-        lrsumsq = next(rest) if self.lr_update_sumsq is not None else None
-        dsumsq = next(rest) if self.delta_sumsq is not None else None
-        usumsq = next(rest) if self.update_weight_sumsq is not None else None
+        return [self.sumsq, self.amax, *extras], [self.counts, self.numel]
+
+    def _from_host(self, floats: Sequence[float], ints: Sequence[int]) -> GroupReport:
+        g = len(self.names)
+        rows = iter([list(floats[i * g:(i + 1) * g]) for i in range(len(floats) // g if g else 0)])
+        sumsq, amax = (next(rows), next(rows)) if g else ([], [])
+        wsumsq = next(rows) if g and self.weight_sumsq is not None else None
+        lrsumsq = next(rows) if g and self.lr_update_sumsq is not None else None
+        dsumsq = next(rows) if g and self.delta_sumsq is not None else None
+        usumsq = next(rows) if g and self.update_weight_sumsq is not None else None
         out = GroupReport(
             norms=dict(zip(self.names, map(_sqrt, sumsq))),
             max_abs=dict(zip(self.names, amax)),
@@ -238,12 +244,12 @@ class GroupStats:
             inf_counts={n: ints[3 * i + INF] for i, n in enumerate(self.names)},
             numel=dict(zip(self.names, ints[3 * g:4 * g])),
         )
-        if wsumsq is not None:
-            out.weight_norms = dict(zip(self.names, map(_sqrt, wsumsq)))
-            if lrsumsq is not None:
-                out.lr_update_ratios = {n: _ratio(u, w) for n, u, w in zip(self.names, lrsumsq, wsumsq)}
-        if dsumsq is not None and usumsq is not None:
-            out.update_ratios = {n: _ratio(d, w) for n, d, w in zip(self.names, dsumsq, usumsq)}
+        if self.weight_sumsq is not None:
+            out.weight_norms = dict(zip(self.names, map(_sqrt, wsumsq or [])))
+            if self.lr_update_sumsq is not None:
+                out.lr_update_ratios = {n: _ratio(u, w) for n, u, w in zip(self.names, lrsumsq or [], wsumsq or [])}
+        if self.delta_sumsq is not None and self.update_weight_sumsq is not None:
+            out.update_ratios = {n: _ratio(d, w) for n, d, w in zip(self.names, dsumsq or [], usumsq or [])}
         return out
 
 
@@ -259,50 +265,6 @@ def _ratio(num_sumsq: float, den_sumsq: float) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
-
-
-@dataclass
-class GroupReport:
-    """Host-side per-group figures (plain Python numbers), made by :meth:`GroupStats.report`.
-
-    Attributes:
-        norms: group -> L2 norm of its gradients, in first-seen order.
-        max_abs: group -> max |g| (NaN if the group holds a NaN).
-        zero_counts, nan_counts, inf_counts, numel: group -> count.
-        weight_norms: group -> L2 norm of its weights (empty unless grouped from ``grad_and_weight_stats``).
-        lr_update_ratios: group -> ``sqrt(sum lr_p² ||g_p||²) / ||w||``, plain SGD's update over the weights
-            (empty without an optimizer).
-        update_ratios: group -> measured ``||Δw|| / ||w_after||`` (empty without a measured update).
-    """
-
-    norms: dict[str, float]
-    max_abs: dict[str, float]
-    zero_counts: dict[str, int]
-    nan_counts: dict[str, int]
-    inf_counts: dict[str, int]
-    numel: dict[str, int]
-    weight_norms: dict[str, float] | None = None
-    lr_update_ratios: dict[str, float] | None = None
-    update_ratios: dict[str, float] | None = None
-
-    @property
-    def nonfinite(self) -> list[str]:
-        """Groups holding a NaN or Inf, in order."""
-        return [n for n in self.norms if self.nan_counts[n] + self.inf_counts[n] > 0]
-
-    def to_dict(self, prefix: str = "") -> dict[str, float | int]:
-        """``group/<g>/norm``, ``group/<g>/max_abs``, ``group/<g>/nonfinite`` (NaN + Inf elements) for every group,
-        then, where present, ``group/<g>/weight_norm``, ``group/<g>/lr_update_ratio``, ``group/<g>/update_ratio``."""
-        out: dict[str, float | int] = {}
-        for n in self.norms:
-            out[f"{prefix}group/{n}/norm"] = self.norms[n]
-            out[f"{prefix}group/{n}/max_abs"] = self.max_abs[n]
-            out[f"{prefix}group/{n}/nonfinite"] = self.nan_counts[n] + self.inf_counts[n]
-        for key, values in (("weight_norm", self.weight_norms), ("lr_update_ratio", self.lr_update_ratios),
-                            ("update_ratio", self.update_ratios)):
-            for n, v in (values or {}).items():
-                out[f"{prefix}group/{n}/{key}"] = v
-        return out
 
 
 # ---------------------------------------------------------------------------------------------- grouping

@@ -343,8 +343,10 @@ class GradWeightStats:
             out.update_weight_sumsq = group_sums(self.update.names, self.update.weight_sumsq, by, out.names)
         return out
 
-    def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:
-        """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update."""
+    def report(self, k: int = 5, *, policy: HealthPolicy | None = None,
+               groups: GroupStats | None = None) -> UpdateReport:
+        """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update, and the
+        per-group figures of ``groups`` (:meth:`grouped`) as ``report.grads.groups``."""
         g = self.grads
         p = len(g.names)
         floats: list[Tensor] = [g.sumsq, g.amax, self.weight_sumsq]
@@ -359,7 +361,9 @@ class GradWeightStats:
         world = 0 if g.rank_nonfinite is None else int(g.rank_nonfinite.shape[1])
         if g.rank_nonfinite is not None:
             ints.append(g.rank_nonfinite)
-        fl, it = to_host(floats, ints)
+        group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
+        n_floats, n_ints = sum(t.numel() for t in floats), sum(t.numel() for t in ints)
+        fl, it = to_host(floats + group_floats, ints + group_ints)
 
         sumsq, amax, wsumsq = fl[:p], fl[p:2 * p], fl[2 * p:3 * p]
         pos = 3 * p
@@ -384,6 +388,8 @@ class GradWeightStats:
             device=torch.device("cpu"),
         )
         grads_report = host.report(k, policy=policy)
+        if groups is not None:
+            grads_report.groups = groups._from_host(fl[n_floats:], it[n_ints:])
 
         names = g.names
         weight_norms = {n: (math.sqrt(s) if not math.isnan(s) else math.nan) for n, s in zip(names, wsumsq)}
