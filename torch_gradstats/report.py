@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, ZERO
 
-__all__ = ["GradReport", "GroupReport"]
+__all__ = ["STYLES", "GradReport", "GroupReport"]
 
 _DEFAULT_POLICY = HealthPolicy()
 
@@ -161,14 +161,25 @@ class GradReport:
                 lines.append(f"  {name.ljust(width)}  {norm:.4g}{flag}")
         return "\n".join(lines)
 
-    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
+    def to_dict(
+        self, prefix: str = "", per_param: bool = True, style: str = "default"
+    ) -> dict[str, float | int | str | None]:
         """Flat dict for loggers (TensorBoard, W&B, JSON lines): numbers, except ``first_nonfinite`` (a parameter
         name or None; skip it when every value must be a scalar, e.g. for ``SummaryWriter.add_scalar``).
 
         Args:
             prefix: prepended to every key (e.g. ``"grad/"``).
-            per_param: include ``norm/<name>`` for every parameter.
+            per_param: include the per-parameter keys (``norm/<name>``, or the style's own).
+            style: whose key names (see :data:`STYLES`): ``"default"``, this library's own figures (with
+                ``clip_coef`` and ``clipped_norm`` after :func:`~torch_gradstats.clip_grad_norm_`, and the group
+                keys of a report made with ``groups=``); ``"lightning"``, ``grad_2.0_norm/<name>`` and
+                ``grad_2.0_norm_total`` as ``lightning.pytorch.utilities.grad_norm(module, 2)`` (nothing when no
+                gradient was read, as there); ``"hf"``, ``grad_norm`` (the pre-clip total norm the transformers
+                Trainer logs); ``"megatron"``, ``grad-norm`` and ``num-zeros``; ``"composer"``,
+                ``l2_norm/grad/global`` and ``l2_norm/grad/<name>``. The framework styles hold those keys only.
         """
+        if style != "default":
+            return {prefix + key: value for key, value in self._styled(style, per_param).items()}
         out: dict[str, float | int | str | None] = {
             "total_norm": self.total_norm,
             "inf_norm": self.inf_norm,
@@ -196,6 +207,33 @@ class GradReport:
         if self.groups is not None:
             out.update(self.groups.to_dict())
         return {prefix + key: value for key, value in out.items()}
+
+
+    def _styled(self, style: str, per_param: bool) -> dict[str, float | int | str | None]:
+        if not isinstance(style, str):
+            raise TypeError(f"to_dict: style must be a str, one of {', '.join(STYLES)}; got a {type(style).__name__}")
+        out: dict[str, float | int | str | None] = {}
+        if style == "lightning":
+            if self.norms:  # grad_norm returns {} when no parameter has a gradient
+                if per_param:
+                    out.update({f"grad_2.0_norm/{name}": norm for name, norm in self.norms.items()})
+                out["grad_2.0_norm_total"] = self.total_norm
+        elif style == "hf":
+            out["grad_norm"] = self.total_norm
+        elif style == "megatron":
+            out["grad-norm"] = self.total_norm
+            out["num-zeros"] = self.zero_count
+        elif style == "composer":
+            out["l2_norm/grad/global"] = self.total_norm
+            if per_param:
+                out.update({f"l2_norm/grad/{name}": norm for name, norm in self.norms.items()})
+        else:
+            raise ValueError(f"to_dict: style must be one of {', '.join(STYLES)}; got {style!r}")
+        return out
+
+
+#: The key styles of :meth:`GradReport.to_dict`.
+STYLES = ("default", "lightning", "hf", "megatron", "composer")
 
 
 # ---------------------------------------------------------------------------------------------- GroupReport

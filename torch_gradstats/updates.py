@@ -253,10 +253,14 @@ class UpdateReport:
     update_ratios: dict[str, float] = field(default_factory=dict)
     delta_norms: dict[str, float] = field(default_factory=dict)
 
-    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
+    def to_dict(self, prefix: str = "", per_param: bool = True,
+                style: str = "default") -> dict[str, float | int | str | None]:
         """Flat dict: the gradient figures of ``GradReport.to_dict`` plus ``weight_norm_total``,
         ``num_nonfinite_weights``, ``lr_update_ratio_max`` / ``update_ratio_max`` (largest finite... or NaN) and,
-        with ``per_param``, ``weight_norm/<name>``, ``lr_update_ratio/<name>``, ``update_ratio/<name>``."""
+        with ``per_param``, ``weight_norm/<name>``, ``lr_update_ratio/<name>``, ``update_ratio/<name>``. A framework
+        ``style`` gives the gradient keys of ``GradReport.to_dict(style=...)`` only."""
+        if style != "default":
+            return self.grads.to_dict(prefix, per_param, style)
         out: dict[str, float | int | str | None] = dict(self.grads.to_dict(per_param=per_param))
         out["weight_norm_total"] = self.weight_norm_total
         out["num_nonfinite_weights"] = len(self.weight_nonfinite)
