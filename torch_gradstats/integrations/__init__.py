@@ -7,7 +7,8 @@ imports any of them:
 * :mod:`torch_gradstats.integrations.lightning`: ``GradStatsCallback`` for ``lightning`` / ``pytorch_lightning``;
 * :mod:`torch_gradstats.integrations.transformers`: ``GradStatsCallback`` for ``transformers.Trainer``;
 * :mod:`torch_gradstats.integrations.tensorboard`: ``TensorBoardSink`` (a ``SummaryWriter``);
-* :mod:`torch_gradstats.integrations.wandb`: ``WandbSink`` (a W&B run).
+* :mod:`torch_gradstats.integrations.wandb`: ``WandbSink`` (a W&B run);
+* :mod:`torch_gradstats.integrations.files`: ``CSVSink`` and ``JSONLSink`` (standard library only; exported here).
 
 The sink protocol, for plain training loops (and for a trainer's ``log_to=[...]``): anything with a
 ``log(report, step)`` method, where ``report`` is a :class:`~torch_gradstats.GradReport` or an
@@ -78,3 +79,9 @@ def log_to(sinks: list[GradSink], report: AnyReport, step: int) -> None:
 
 def finite_values(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
+
+
+# The file sinks use the protocol and helpers above (standard library only, so always importable).
+from torch_gradstats.integrations.files import CSVSink, JSONLSink  # noqa: E402
+
+__all__ += ["CSVSink", "JSONLSink"]
