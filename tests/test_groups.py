@@ -306,3 +306,31 @@ def test_weight_groups_ride_in_the_update_reports_one_transfer(monkeypatch) -> N
     assert report.grads.groups == alone
     assert alone.weight_norms is not None
     assert report.to_dict()["group/model.layers.0/weight_norm"] == alone.weight_norms["model.layers.0"]
+
+
+def test_sinks_metrics_carry_the_groups() -> None:
+    from torch_gradstats.integrations import metrics
+
+    stats = tg.grad_stats(_trained().named_parameters())
+    figures = metrics(stats.report(groups=stats.grouped("layer")))
+    assert figures["grad/group/model.layers.1/nonfinite"] == 0.0
+    assert figures["grad/group/lm_head/norm"] > 0 and "grad/total_norm" in figures
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_grouping_never_syncs_and_keeps_nan() -> None:
+    model = _trained().cuda()
+    model(torch.arange(6, device="cuda")).square().mean().backward()
+    model.model.layers[0]["mlp"][0].weight.grad[1, 1] = math.nan
+    stats = tg.grad_stats(model.named_parameters())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):  # made, then from the kept index
+            grouped = stats.grouped("layer")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert grouped.device.type == "cuda"
+    report = grouped.report()
+    assert math.isnan(report.max_abs["model.layers.0"]) and report.nan_counts["model.layers.0"] == 1
+    assert math.isfinite(report.max_abs["model.layers.1"])
