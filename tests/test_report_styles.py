@@ -187,3 +187,23 @@ def test_hf_callback_grad_norm_is_the_trainers_and_groups_are_logged(tmp_path) -
                 "grad/group/transformer.ln_f/nonfinite", "grad/group/transformer.wte/norm"} <= entry.keys()
     assert cb.last_report is not None
     assert cb.last_report.to_dict(style="hf")["grad_norm"] == pytest.approx(logged[-1]["grad_norm"], rel=1e-5)
+
+
+def test_tensorboard_sink_key_style(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from torch_gradstats.integrations import metrics
+    from torch_gradstats.integrations.tensorboard import TensorBoardSink
+
+    report = tg.grad_stats(_model().named_parameters()).report()
+    assert metrics(report, "train/", style="megatron") == {"train/grad-norm": report.total_norm,
+                                                           "train/num-zeros": float(report.zero_count)}
+    writer = SummaryWriter(str(tmp_path))
+    TensorBoardSink(writer, prefix="", key_style="lightning").log(report, 3)
+    writer.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == sorted(report.to_dict(style="lightning"))
+    assert acc.Scalars("grad_2.0_norm_total")[0].value == pytest.approx(report.total_norm, rel=1e-6)

@@ -58,9 +58,14 @@ def nonfinite_index(report: AnyReport) -> int:
     return list(g.norms).index(g.first_nonfinite)
 
 
-def metrics(report: AnyReport, prefix: str = "grad/", per_param: bool = True) -> dict[str, float]:
+def metrics(report: AnyReport, prefix: str = "grad/", per_param: bool = True,
+            style: str = "default") -> dict[str, float]:
     """The report as ``{prefix + key: float}``: every number of ``to_dict`` (counts as floats, NaN/inf kept),
-    with ``first_nonfinite`` (a name) replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`)."""
+    with ``first_nonfinite`` (a name) replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`); with a
+    framework ``style`` (``GradReport.to_dict``'s), that style's keys alone."""
+    if style != "default":
+        return {prefix + k: float(v) for k, v in report.to_dict(per_param=per_param, style=style).items()
+                if isinstance(v, (int, float))}
     out: dict[str, float] = {}
     for key, value in report.to_dict(per_param=per_param).items():
         if key == "first_nonfinite":
