@@ -13,7 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats._transfer import PinnedBuffer, to_host
+from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.report import GradReport
 from torch_gradstats.stats import GradStats, grad_stats
@@ -67,6 +69,16 @@ class Trainer:
             optimizer steps the gradients' :class:`~torch_gradstats.GradReport` (before clipping) is sent to each
             sink: one host transfer per logging step, on top of the per-epoch sync.
         log_every: optimizer steps between two reports to ``log_to`` (default 1; ignored without ``log_to``).
+        spike_guard: a :class:`~torch_gradstats.SpikeGuard` that judges every step's gradient norm (before
+            clipping) and mean loss and skips the step it flags, on the device with a fused optimizer (with a
+            scaler: a step skipped by either is skipped once). Non-finite gradients are then skipped too.
+        adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` that clips every step to its threshold (from the
+            same read as the stats; instead of ``max_grad_norm``: give it ``max_norm=`` for a cap).
+
+    With ``spike_guard`` or ``adaptive_clip``, each sync also reads their figures (``guard/skipped``,
+    ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``, ``clip/threshold``, ``clip/coef``) in the same
+    transfer, into :attr:`policy_figures`, and raises :class:`~torch_gradstats.SpikeStreakError` there when the guard's
+    ``max_consecutive`` was reached since the last sync.
 
     ``global_step`` counts optimizer steps taken or skipped; it advances exactly when the optimizer steps (or a step
     is skipped), so after an interrupt it still agrees with the optimizer's own step counts.
@@ -95,6 +107,8 @@ class Trainer:
         after_backward: Callable[[Trainer], None] | None = None,
         log_to: Sequence[GradSink] = (),
         log_every: int = 1,
+        spike_guard: SpikeGuard | None = None,
+        adaptive_clip: AdaptiveClip | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -115,6 +129,15 @@ class Trainer:
         log_every = check_int("log_every", log_every)
         sync_every = None if sync_every is None else check_int("sync_every", sync_every, or_none=True)
         max_grad_norm = check_positive_number("max_grad_norm", max_grad_norm)
+        if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+            raise TypeError(f"spike_guard must be a SpikeGuard or None, got {type(spike_guard).__name__}")
+        if adaptive_clip is not None and not isinstance(adaptive_clip, AdaptiveClip):
+            raise TypeError(f"adaptive_clip must be an AdaptiveClip or None, got {type(adaptive_clip).__name__}")
+        if adaptive_clip is not None and max_grad_norm is not None:
+            raise ValueError("give max_grad_norm or adaptive_clip, not both (AdaptiveClip(max_norm=...) caps it)")
+        self.spike_guard = spike_guard
+        self.adaptive_clip = adaptive_clip
+        self.policy_figures: dict[str, float] = {}  #: the guard's and the clip's figures at the last sync
 
         self.model = model
         self.optimizer = optimizer
@@ -138,13 +161,15 @@ class Trainer:
         self.log_to = _check_sinks(log_to)
         self.log_every = log_every
         # Skipped steps can only be counted if every step is looked at.
-        self.must_check_every_step = skip_nonfinite or scaler is not None
+        self.must_check_every_step = (
+            skip_nonfinite or scaler is not None or spike_guard is not None or adaptive_clip is not None
+        )
         self.stats_every = 1 if self.must_check_every_step else stats_every
         if self.must_check_every_step and stats_every != 1:
             logger.info("torch_gradstats: stats_every=%d ignored: skip_nonfinite/GradScaler need stats every step",
                         stats_every)
         self.accumulation_steps = accumulation_steps
-        self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite)
+        self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite or spike_guard is not None)
         if skip_nonfinite and scaler is None and not self._stepper.skips_on_device:
             logger.warning(
                 "torch_gradstats: skip_nonfinite with %s (not fused) costs one host sync per optimizer step; "
@@ -234,8 +259,13 @@ class Trainer:
         take_stats = self.must_check_every_step or log_due or step % self.stats_every == 0
         stats = self._read_gradients(take_stats)
         nonfinite = self._nonfinite_flag(stats)
-        self._stepper.step(nonfinite)
+        flagged = None
+        if self.spike_guard is not None and stats is not None:
+            flagged = (self.spike_guard.observe(stats.total_norm, loss_sum / samples) == 0).to(torch.float64)
+        self._stepper.step(nonfinite, flagged)
         skipped = nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+        if flagged is not None:
+            skipped = torch.maximum(skipped, flagged)
         state.add_step(skipped)
         if stats is not None and take_stats:
             health = stats.health(self.health_policy)
@@ -273,7 +303,9 @@ class Trainer:
     def _read_gradients(self, take_stats: bool) -> GradStats | None:
         """The gradients' stats (clipping them on the way when ``max_grad_norm``), or None when none are read or
         no parameter has a gradient."""
-        if self.max_grad_norm is not None:
+        if self.adaptive_clip is not None:
+            stats = self.adaptive_clip.clip_(self.model.named_parameters())
+        elif self.max_grad_norm is not None:
             stats = clip_grad_norm_(self.model.named_parameters(), self.max_grad_norm)
         elif take_stats:
             stats = grad_stats(self.model.named_parameters())
@@ -283,7 +315,7 @@ class Trainer:
 
     def _nonfinite_flag(self, stats: GradStats | None) -> Tensor | None:
         """float64 0-d, 1.0 when a gradient is non-finite, where the step policy needs it; else None."""
-        if stats is None or not (self.skip_nonfinite or self.scaler is not None):
+        if stats is None or not (self.skip_nonfinite or self.scaler is not None or self.spike_guard is not None):
             return None
         return (stats.nonfinite_count > 0).to(torch.float64)
 
@@ -292,9 +324,24 @@ class Trainer:
         return self.sync_every is not None and state.steps % self.sync_every == 0
 
     def _sync(self, state: EpochState) -> EpochSummary:
-        """The epoch so far, in one device-to-host transfer."""
-        values, _ = to_host([state.buffer()], [], self._staging)
-        return state.summary(values)
+        """The epoch so far, and the policies' figures, in one device-to-host transfer."""
+        buffer = state.buffer()
+        floats, ints = [buffer], []
+        policies = [p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
+        spans = []
+        for policy in policies:
+            f, i = policy.check_tensors()
+            spans.append((sum(t.numel() for t in f), sum(t.numel() for t in i)))
+            floats += f
+            ints += i
+        values, host_ints = to_host(floats, ints, self._staging)
+        n = buffer.numel()
+        summary = state.summary(values[:n])
+        at_f, at_i = n, 0
+        for policy, (nf, ni) in zip(policies, spans):
+            self.policy_figures.update(policy.check_values(values[at_f : at_f + nf], host_ints[at_i : at_i + ni]))
+            at_f, at_i = at_f + nf, at_i + ni
+        return summary
 
 
 # --------------------------------------------------------------------------------------------------- helpers
