@@ -30,6 +30,7 @@ LAYERS = {
     "torch_gradstats.distributed": 3,
     "torch_gradstats.report": 4,
     "torch_gradstats.stats": 5,
+    "torch_gradstats.activations": 5,  # and every module of the activations package
     "torch_gradstats.clip": 6,
     "torch_gradstats.collector": 6,
     "torch_gradstats.updates": 6,
@@ -38,7 +39,7 @@ LAYERS = {
 }
 TOP = 100  # entry points: anything not listed
 #: Modules of one package may import each other (cycles are still forbidden).
-SAME_LAYER_OK = {"torch_gradstats.training", "torch_gradstats.integrations"}
+SAME_LAYER_OK = {"torch_gradstats.training", "torch_gradstats.integrations", "torch_gradstats.activations"}
 
 #: Private names one module may import from another, with the reason.
 ALLOWED_PRIVATE = {
