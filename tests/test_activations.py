@@ -559,3 +559,61 @@ def test_fsdp2_sharded_model_has_no_wrapper_prefix(gloo_group):
         report = watch.report()
     assert report.forward_origin == "mid"
     assert report.forward_propagators == ["fc2", "fc3"]
+
+
+# ------------------------------------------------------------------------------------------------- the Trainer
+def _trainer_data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def test_trainer_warns_with_the_origin_at_the_epoch_end_sync(caplog):
+    from torch_gradstats import Trainer
+
+    torch.manual_seed(0)
+    model = MLP(Log())
+    with torch.no_grad():
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    # skip_nonfinite keeps the weights finite, so the last step still shows the producer, not a poisoned layer
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = Trainer(model, opt, nn.MSELoss(), watch_activations=True, skip_nonfinite=True)
+    assert isinstance(trainer.activation_watch, ActivationWatch)
+    with caplog.at_level("WARNING", logger="torch_gradstats"):
+        summary = trainer.train_epoch(_trainer_data())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "forward origin mid" in warnings[0]
+    assert f"first non-finite parameter gradient: {summary.first_nonfinite_param} at step 0" in warnings[0]
+    assert summary.first_nonfinite_param is not None
+    report = trainer.last_activation_report
+    assert report is not None and report.step == 2 and report.forward_origin == "mid"
+    trainer.activation_watch.remove()
+
+
+def test_trainer_with_a_finite_model_keeps_the_report_and_does_not_warn(caplog):
+    from torch_gradstats import Trainer
+
+    model = MLP()
+    watch = ActivationWatch(model, every_n_steps=2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), watch_activations=watch)
+    assert trainer.activation_watch is watch
+    with caplog.at_level("WARNING", logger="torch_gradstats"):
+        trainer.train_epoch(_trainer_data())
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert trainer.last_activation_report is not None and trainer.last_activation_report.step == 2
+    assert not trainer.last_activation_report.nonfinite
+    watch.remove()
+
+
+def test_trainer_watch_activations_arguments():
+    from torch_gradstats import Trainer
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    assert Trainer(model, opt, nn.MSELoss(), watch_activations=False).activation_watch is None
+    assert Trainer(model, opt, nn.MSELoss()).activation_watch is None
+    with pytest.raises(TypeError, match="watch_activations must be an ActivationWatch, True, False or None, got str"):
+        Trainer(model, opt, nn.MSELoss(), watch_activations="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="watch_activations needs compile=False"):
+        Trainer(model, opt, nn.MSELoss(), watch_activations=True, compile=True)
