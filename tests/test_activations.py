@@ -581,8 +581,8 @@ def test_trainer_warns_with_the_origin_at_the_epoch_end_sync(caplog):
     assert isinstance(trainer.activation_watch, ActivationWatch)
     with caplog.at_level("WARNING", logger="torch_gradstats"):
         summary = trainer.train_epoch(_trainer_data())
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1, warnings
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "activations" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, at the epoch-end sync
     assert "forward origin mid" in warnings[0]
     assert f"first non-finite parameter gradient: {summary.first_nonfinite_param} at step 0" in warnings[0]
     assert summary.first_nonfinite_param is not None
