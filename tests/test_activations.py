@@ -617,3 +617,33 @@ def test_trainer_watch_activations_arguments():
         Trainer(model, opt, nn.MSELoss(), watch_activations="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="watch_activations needs compile=False"):
         Trainer(model, opt, nn.MSELoss(), watch_activations=True, compile=True)
+
+
+def test_a_tensor_is_read_once_per_step_unless_changed_in_place():
+    class Chain(nn.Module):
+        def __init__(self, poke: bool) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.poke = poke
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if self.poke:
+                h.mul_(math.inf)  # same memory, new values: b must read its input again
+            return self.b(h)
+
+    model = Chain(poke=False)
+    with ActivationWatch(model, backward=False) as watch:
+        model(torch.randn(2, 4))
+        slots = {watch._names[s.index]: s for s in watch._fwd_order}
+        assert slots["b"].layout[0] == (slots["a"], 0)  # b's input is a's output, which a read first
+        assert slots["a"].layout[0] == (watch._root_slot, 0)  # a's input is the model's input
+        assert slots["b"].sumsq.numel() == 3  # b read its output, weight and bias only
+        report = watch.report()
+    assert report.modules["b"].input_max_abs == report.modules["a"].max_abs
+    model.poke = True
+    with ActivationWatch(model, backward=False) as watch:
+        model(torch.randn(2, 4))
+        report = watch.report()
+    assert report.forward_origin is None  # the NaN was made between the modules, in the root's own code
+    assert report.forward_first_nonfinite == "b" and report.modules["b"].input_nonfinite > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
@@ -123,28 +124,52 @@ def _gather(obj: Any, out: list[Tensor]) -> None:
             _gather(getattr(obj, f.name), out)
 
 
-class _Slot:
-    """The device buffers of one hook call of one step: per tensor, sum of squares, max |x| and counts."""
+#: A tensor's identity and contents version -> (a weak reference to it, the slot that read it, its index there).
+_Seen = dict[tuple[Any, ...], tuple["weakref.ref[Tensor]", "_Slot", int]]
 
-    __slots__ = ("amax", "counts", "device", "groups", "index", "phase", "step", "sumsq")
+
+class _Slot:
+    """The device buffers of one hook call of one step: per tensor read, sum of squares, max |x| and counts.
+
+    A tensor already read in this step (one module's output is the next one's input; one module's grad_input the
+    previous one's grad_output) is not read again: ``layout`` points at the slot that read it.
+    """
+
+    __slots__ = ("amax", "counts", "device", "groups", "index", "layout", "phase", "step", "sumsq")
 
     def __init__(self, phase: int, index: int) -> None:
         self.phase, self.index = phase, index
         self.groups: tuple[int, ...] = ()  # how many tensors of each kind, in list order
+        self.layout: list[tuple[_Slot, int]] = []  # per tensor: the slot whose buffers hold it, and where
         self.step = -1  # the step these buffers describe
         self.device: torch.device | None = None
         self.sumsq = self.amax = self.counts = torch.empty(0)
 
-    def write(self, tensors: list[Tensor], groups: tuple[int, ...], step: int) -> None:
-        stats = multi_tensor_stats(tensors)
-        n, device = len(tensors), tensors[0].device
+    def write(self, tensors: list[Tensor], groups: tuple[int, ...], step: int, seen: _Seen) -> None:
+        own: list[Tensor] = []
+        layout: list[tuple[_Slot, int]] = []
+        for t in tensors:
+            # Same memory, shape, strides, dtype and in-place version: the same values. The weak reference proves
+            # the memory was not freed and reused by another tensor since.
+            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
+            hit = seen.get(key)
+            if hit is not None and hit[0]() is not None:
+                layout.append((hit[1], hit[2]))
+                continue
+            seen[key] = (weakref.ref(t), self, len(own))
+            layout.append((self, len(own)))
+            own.append(t)
+        self.groups, self.layout, self.step = groups, layout, step
+        if not own:
+            return
+        stats = multi_tensor_stats(own)
+        n, device = len(own), own[0].device
         if self.sumsq.numel() != n or self.device != device:  # first use, or the module emitted other tensors
             self.sumsq = torch.empty(n, dtype=torch.float64, device=device)
             self.amax = torch.empty(n, dtype=torch.float64, device=device)
             self.counts = torch.empty(n, 3, dtype=torch.int64, device=device)
             self.device = device
         torch._foreach_copy_([self.sumsq, self.amax, self.counts], list(stats))
-        self.groups, self.step = groups, step
 
 
 class ActivationWatch:
@@ -210,6 +235,7 @@ class ActivationWatch:
         self._fwd_order: list[_Slot] = []  # in the order the slots were first written: execution order
         self._bwd_order: list[_Slot] = []
         self._root_slot = _Slot(_ROOT, -1)
+        self._seen: _Seen = {}  # the tensors read in the recorded step
         self._root_has_inputs = False
         self._permanent: list[RemovableHandle] = []
         self._toggled: list[RemovableHandle] = []
@@ -275,12 +301,13 @@ class ActivationWatch:
         self._recorded = self._step
         self._calls = [0] * len(self._modules)
         self._bwd_calls = [0] * len(self._modules)
+        self._seen.clear()
         tensors: list[Tensor] = []
         _gather(args, tensors)
         _gather(kwargs, tensors)
         self._root_has_inputs = bool(tensors)
         if tensors:
-            self._root_slot.write(tensors, (len(tensors),), self._step)
+            self._root_slot.write(tensors, (len(tensors),), self._step, self._seen)
 
     def _slot(self, phase: int, i: int, calls: list[int]) -> _Slot:
         key = (phase, i, calls[i])
@@ -313,7 +340,8 @@ class ActivationWatch:
             device = tensors[n_in].device
             if any(t.device != device for t in tensors):
                 tensors = [t if t.device == device else t.detach().to(device, non_blocking=True) for t in tensors]
-            self._slot(_FWD, i, self._calls).write(tensors, (n_in, n_out, len(tensors) - n_in - n_out), self._step)
+            groups = (n_in, n_out, len(tensors) - n_in - n_out)
+            self._slot(_FWD, i, self._calls).write(tensors, groups, self._step, self._seen)
 
         return hook
 
@@ -330,7 +358,8 @@ class ActivationWatch:
             device = tensors[0].device
             if any(t.device != device for t in tensors):
                 tensors = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
-            self._slot(_BWD, i, self._bwd_calls).write(tensors, (n_out, len(tensors) - n_out), self._recorded)
+            groups = (n_out, len(tensors) - n_out)
+            self._slot(_BWD, i, self._bwd_calls).write(tensors, groups, self._recorded, self._seen)
 
         return hook
 
@@ -349,20 +378,21 @@ class ActivationWatch:
         backward_order = list(dict.fromkeys(names[s.index] for s in self._bwd_order))
         if not slots:
             return build_report(None if step < 0 else step, [], [], None, forward_order, backward_order)
-        devices = [s.device for s in slots]
-        home = next((d for d in devices if d is not None and d.type != "cpu"), devices[0])
-        assert home is not None
-        floats = [to_device(t, home) for s in slots for t in (s.sumsq, s.amax)]
-        ints = [to_device(s.counts, home) for s in slots]
+        read = [s for s in slots if s.device is not None]  # a slot may only point at tensors others read
+        devices = [s.device for s in read if s.device is not None]
+        home = next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+        floats = [to_device(t, home) for s in read for t in (s.sumsq, s.amax)]
+        ints = [to_device(s.counts, home) for s in read]
         fvals, ivals = to_host(floats, ints)  # the one transfer
-        per_slot: list[list[TensorFigures]] = []
+        own: dict[int, list[TensorFigures]] = {}  # id(slot) -> the figures of the tensors it read itself
         fpos = ipos = 0
-        for s in slots:
+        for s in read:
             n = s.sumsq.numel()
             sumsq, amax = fvals[fpos : fpos + n], fvals[fpos + n : fpos + 2 * n]
             counts = ivals[ipos : ipos + 3 * n]
             fpos, ipos = fpos + 2 * n, ipos + 3 * n
-            per_slot.append([(sumsq[k], amax[k], counts[3 * k + NAN], counts[3 * k + INF]) for k in range(n)])
+            own[id(s)] = [(sumsq[k], amax[k], counts[3 * k + NAN], counts[3 * k + INF]) for k in range(n)]
+        per_slot = [[own[id(ref)][k] for ref, k in s.layout] for s in slots]
         forward: list[HookFigures] = [(names[s.index], s.groups, v) for s, v in zip(fwd, per_slot)]
         backward: list[HookFigures] = [(names[s.index], s.groups, v) for s, v in zip(bwd, per_slot[len(fwd) :])]
         inputs = per_slot[-1] if root else None
