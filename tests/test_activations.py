@@ -647,3 +647,37 @@ def test_a_tensor_is_read_once_per_step_unless_changed_in_place():
         report = watch.report()
     assert report.forward_origin is None  # the NaN was made between the modules, in the root's own code
     assert report.forward_first_nonfinite == "b" and report.modules["b"].input_nonfinite > 0
+
+
+def test_report_is_one_transfer(monkeypatch):
+    from torch_gradstats import _transfer
+
+    calls = []
+    real = _transfer.fetch
+
+    def counting(buf: torch.Tensor, staging: object = None) -> torch.Tensor:
+        calls.append(buf.numel())
+        return real(buf, staging)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_transfer, "fetch", counting)
+    model = TinyTransformer()
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randint(0, 32, (2, 8)))
+        assert calls == []  # the step itself moved nothing
+        report = watch.report()
+    assert len(calls) == 1 and len(report.modules) == len(watch.module_names)
+
+
+def test_the_root_itself_can_be_watched_with_every_n_steps():
+    model = MLP(Log())
+    with torch.no_grad():
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    with ActivationWatch(model, modules=lambda path, m: True, every_n_steps=2) as watch:
+        for _ in range(3):
+            _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert report.step == 2
+    assert report.forward_origin == "mid"
+    assert report.forward_propagators == ["fc2", "fc3", ""]  # the root finishes last
+    assert report.modules[""].calls == 1 and report.backward_order[0] == ""
