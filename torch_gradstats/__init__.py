@@ -13,6 +13,7 @@ from torch_gradstats.ops import SUPPORTED_DTYPES, TensorStats, multi_tensor_stat
 # isort: split
 from torch_gradstats import collector
 from torch_gradstats._extension import HAS_EXTENSION
+from torch_gradstats.activations import ActivationReport, ActivationWatch
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.groups import GroupStats
@@ -29,6 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "HAS_EXTENSION",
     "SUPPORTED_DTYPES",
+    "ActivationReport",
+    "ActivationWatch",
     "AdaptiveClip",
     "EpochSummary",
     "GradReport",

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats._transfer import PinnedBuffer, to_host
+from torch_gradstats.activations import ActivationReport, ActivationWatch
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.guard import SpikeGuard
@@ -79,6 +80,13 @@ class Trainer:
     ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``, ``clip/threshold``, ``clip/coef``) in the same
     transfer, into :attr:`policy_figures`, and raises :class:`~torch_gradstats.SpikeStreakError` there when the guard's
     ``max_consecutive`` was reached since the last sync.
+        watch_activations: an :class:`~torch_gradstats.ActivationWatch` of ``model``, or True for
+            ``ActivationWatch(model)``. At each sync its report (one more transfer) is kept as
+            ``last_activation_report``, and a WARNING names the forward/backward origin module and the first
+            non-finite parameter when the watched step or the epoch's gradients were non-finite. The report describes
+            the watch's latest recorded step (a forward call): once a NaN reaches the weights, later steps name the
+            first poisoned layer, so hunt with ``skip_nonfinite=True`` or ``sync_every=1``. Not with
+            ``compile=True`` (the hooks cannot run in a compiled region).
 
     ``global_step`` counts optimizer steps taken or skipped; it advances exactly when the optimizer steps (or a step
     is skipped), so after an interrupt it still agrees with the optimizer's own step counts.
@@ -109,6 +117,7 @@ class Trainer:
         log_every: int = 1,
         spike_guard: SpikeGuard | None = None,
         adaptive_clip: AdaptiveClip | None = None,
+        watch_activations: ActivationWatch | bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -176,6 +185,8 @@ class Trainer:
                 "create the optimizer with fused=True for a device-side skip",
                 type(optimizer).__name__,
             )
+        self.activation_watch = _activation_watch(watch_activations, model, compile)
+        self.last_activation_report: ActivationReport | None = None
         self.epoch = 0  #: index of the next epoch
         self._staging = PinnedBuffer()  # reused by every host transfer of this trainer
 
@@ -341,10 +352,40 @@ class Trainer:
         for policy, (nf, ni) in zip(policies, spans):
             self.policy_figures.update(policy.check_values(values[at_f : at_f + nf], host_ints[at_i : at_i + ni]))
             at_f, at_i = at_f + nf, at_i + ni
+        if self.activation_watch is not None:
+            self._report_activations(summary)
         return summary
+
+    def _report_activations(self, summary: EpochSummary) -> None:
+        """Keep the watch's report (its own one transfer) and warn, naming the origin, when something was non-finite."""
+        assert self.activation_watch is not None
+        report = self.last_activation_report = self.activation_watch.report()
+        if not report.nonfinite and summary.first_nonfinite_step is None:
+            return
+        param = (
+            "none"
+            if summary.first_nonfinite_step is None
+            else f"{summary.first_nonfinite_param} at step {summary.first_nonfinite_step}"
+        )
+        logger.warning("torch_gradstats: epoch %d: %s; first non-finite parameter gradient: %s",
+                       summary.epoch, report.summary(), param)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _activation_watch(watch: ActivationWatch | bool | None, model: nn.Module, compile: bool) -> ActivationWatch | None:
+    if watch is None or watch is False:
+        return None
+    if watch is not True and not isinstance(watch, ActivationWatch):
+        raise TypeError(
+            f"Trainer: watch_activations must be an ActivationWatch, True, False or None, got {type(watch).__name__}"
+        )
+    if compile:
+        raise ValueError(
+            "Trainer: watch_activations needs compile=False: the watch's hooks cannot run in a compiled region"
+        )
+    return ActivationWatch(model) if watch is True else watch
+
+
 class GradSink(Protocol):
     """What ``log_to`` accepts (torch_gradstats.integrations defines the same protocol for its sinks)."""
 
