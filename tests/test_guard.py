@@ -738,3 +738,31 @@ def test_bench_guard_runs():
                          "+ OLMo list rule", "step_or_skip", "optimizer.step"}
     assert all(us > 0 for us, _ in rows.values())
     assert rows["+ SpikeGuard"][1] > rows["grad_stats"][1] > 0
+
+
+def test_load_state_dict_keeps_a_compiled_step_valid():
+    """Loading copies into the state tensors in place (same window): a compiled step keeps its graph and reads the
+    loaded state."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from torch_gradstats import AdaptiveClip
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    guard, clip = SpikeGuard(window=8, sigma=2.0), AdaptiveClip(warmup=4)
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def decide(norm):
+        return guard.observe(norm), clip.threshold(norm)
+
+    values = [_t(v) for v in sequence("spikes", 40, seed=31)]  # (a NaN 0-d CPU input would specialise the graph)
+    for v in values[:20]:
+        decide(v)
+    compiled = counter.frame_count
+    saved = (guard.state_dict(), clip.state_dict())
+    first = [tuple(t.item() for t in decide(v)) for v in values[20:]]
+    guard.load_state_dict(saved[0])
+    clip.load_state_dict(saved[1])
+    again = [tuple(t.item() for t in decide(v)) for v in values[20:]]
+    assert again == first and counter.frame_count == compiled  # no recompile
+    torch._dynamo.reset()
