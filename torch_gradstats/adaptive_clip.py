@@ -251,9 +251,9 @@ class AdaptiveClip:
                 )
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
-        for name, key in (("_warm", "warmup_norms"), ("_count", "count"), ("_ema", "ema"), ("_last", "last"),
-                          ("_slots", None)):
-            setattr(self, name, load_state(current[name], state[key] if key else getattr(self, name)))
+        for name, key in (("_warm", "warmup_norms"), ("_count", "count"), ("_ema", "ema"), ("_last", "last")):
+            setattr(self, name, load_state(current[name], state[key]))
+        self._slots = load_state(current["_slots"], self._slots)
 
     def __repr__(self) -> str:
         return (

@@ -344,8 +344,9 @@ class SpikeGuard:
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
         for name, key in (("_hist", "history"), ("_count", "count"), ("_pos", "position"), ("_counters", "counters"),
-                          ("_last", "last"), ("_trip", "trip"), ("_slots", None)):
-            setattr(self, name, load_state(current[name], state[key] if key else getattr(self, name)))
+                          ("_last", "last"), ("_trip", "trip")):
+            setattr(self, name, load_state(current[name], state[key]))
+        self._slots = load_state(current["_slots"], self._slots)
 
     def __repr__(self) -> str:
         return (
