@@ -483,7 +483,7 @@ def _eager_decisions(steps, device):
 
 @cuda
 def test_cuda_observe_threshold_clip_and_fused_step_never_sync():
-    from torch_gradstats import AdaptiveClip, step_or_skip
+    from torch_gradstats import AdaptiveClip, grad_stats, step_or_skip
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -493,6 +493,7 @@ def test_cuda_observe_threshold_clip_and_fused_step_never_sync():
     x = torch.randn(16, 64, device=device)
     model(x).square().mean().backward()
     optimizer.step()  # the optimizer's state is made outside the checked region
+    grad_stats(model.parameters())  # and the op's metadata cache entry of this gradient list
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
