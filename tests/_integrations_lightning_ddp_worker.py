@@ -20,7 +20,7 @@ from torch import nn
 
 from torch_gradstats.integrations.lightning import GradStatsCallback
 
-NAN_RANK, NAN_STEP = 1, 2
+NAN_RANK, NAN_STEP = 1, 3
 
 
 class Tiny(L.LightningModule):

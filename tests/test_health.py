@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -83,7 +84,6 @@ def test_bad_policy_rejected():
 @pytest.mark.parametrize(
     "value,error",
     [
-        (float("inf"), ValueError),
         (float("-inf"), ValueError),
         (float("nan"), ValueError),
         (-1e-9, ValueError),
@@ -169,3 +169,81 @@ def test_numpy_and_tensor_scalars_and_unordered_thresholds_are_accepted():
     assert p.score_host(norms.tolist()) == float(p.score(norms)) == max(0.0, 1 - 0.5 * 0.5 - 0.8 * 1.0)
     with pytest.raises(TypeError, match="vanishing_threshold must be a real number"):
         HealthPolicy(vanishing_threshold="small")
+
+
+@pytest.mark.parametrize("inf", [math.inf, np.float64("inf"), np.float32("inf"), torch.tensor(math.inf)],
+                         ids=["float", "np.float64", "np.float32", "tensor"])
+def test_infinite_thresholds_are_accepted_with_plain_comparison_semantics(inf):
+    norms = [0.0, 1e-9, 0.5, 11.0, 1e300, NAN, INF]
+    never_explodes = HealthPolicy(exploding_threshold=inf)
+    assert never_explodes.exploding_threshold == math.inf
+    # no finite norm is above inf; a non-finite norm still counts as exploding
+    assert never_explodes.classify_host(norms)[1] == [False, False, False, False, False, True, True]
+    assert never_explodes.score_host([0.5, 11.0, 1e300]) == 1.0
+    # every finite norm is below inf: all of them vanish (0 is the vanishing threshold that never fires)
+    all_vanish = HealthPolicy(vanishing_threshold=inf)
+    assert all_vanish.classify_host(norms)[0] == [True, True, True, True, True, False, False]
+    assert all_vanish.score_host([0.5, 1.0]) == 0.5
+    for policy in (never_explodes, all_vanish, HealthPolicy(inf, inf)):
+        t = torch.tensor(norms, dtype=torch.float64)
+        dev_v, dev_e = policy.classify(t)
+        assert (dev_v.tolist(), dev_e.tolist()) == policy.classify_host(norms)
+        for sub in (norms[:5], norms):
+            assert float(policy.score(torch.tensor(sub, dtype=torch.float64))) == policy.score_host(sub)
+
+
+def test_infinite_threshold_through_the_collector_as_in_the_original():
+    """The original collector accepted inf thresholds; the drop-in replacement does too."""
+    from torch_gradstats.collector import SeedGradientCollector, materialize_grad_stats
+
+    model = torch.nn.Linear(4, 4)
+    (model(torch.randn(8, 4)) * 1e6).sum().backward()  # norms far above the default exploding threshold
+    stats = materialize_grad_stats(SeedGradientCollector(exploding_threshold=float("inf")).collect_async(
+        model.parameters()))
+    assert not stats["has_exploding"] and stats["gradient_health"] == 1.0
+
+
+@pytest.mark.parametrize("field", ["vanishing_penalty", "exploding_penalty"])
+def test_infinite_penalty_is_rejected(field):
+    with pytest.raises(ValueError, match=f"HealthPolicy.{field} must be finite .*got inf"):
+        HealthPolicy(**{field: math.inf})
+
+
+@pytest.mark.parametrize("field", ["vanishing_threshold", "exploding_threshold", "vanishing_penalty",
+                                   "exploding_penalty"])
+@pytest.mark.parametrize("value", [math.nan, np.float32("nan"), torch.tensor(math.nan)], ids=repr)
+def test_nan_is_a_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"HealthPolicy.{field} must be a number, not NaN"):
+        HealthPolicy(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["vanishing_threshold", "exploding_threshold", "vanishing_penalty",
+                                   "exploding_penalty"])
+@pytest.mark.parametrize("value", [10**400, -(10**400), "longdouble"])
+def test_a_number_too_large_for_a_float_is_a_value_error_naming_the_field(field, value):
+    if value == "longdouble":
+        if np.finfo(np.longdouble).max <= np.finfo(np.float64).max:
+            pytest.skip("numpy's longdouble is float64 on this platform: 1e400 is inf there")
+        value = np.longdouble("1e400")
+    with pytest.raises(ValueError, match=f"HealthPolicy.{field} must be a number a float can hold") as info:
+        HealthPolicy(**{field: value})
+    assert len(str(info.value)) < 200  # the 401-digit number is shortened
+
+
+@pytest.mark.parametrize("field", ["vanishing_threshold", "exploding_threshold", "vanishing_penalty",
+                                   "exploding_penalty"])
+@pytest.mark.parametrize("value", [np.int64(3), np.int8(3), np.uint16(3), np.float32(3.0), np.float16(3.0),
+                                   np.float64(3.0)], ids=repr)
+def test_numpy_scalars_are_accepted_wherever_a_python_number_is(field, value):
+    policy = HealthPolicy(**{field: value})
+    assert getattr(policy, field) == 3.0 and type(getattr(policy, field)) is float
+    assert policy == HealthPolicy(**{field: 3})
+
+
+@pytest.mark.parametrize("field", ["vanishing_threshold", "exploding_threshold", "vanishing_penalty",
+                                   "exploding_penalty"])
+def test_a_string_is_a_type_error_naming_the_field_and_what_is_accepted(field):
+    with pytest.raises(TypeError) as info:
+        HealthPolicy(**{field: "1"})
+    assert str(info.value) == (f"HealthPolicy.{field} must be a real number (an int, a float, a numpy scalar or a "
+                               "one-element real tensor), got '1' (str)")

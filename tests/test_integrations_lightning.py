@@ -7,6 +7,7 @@ float64 PyTorch and with Lightning's own ``grad_norm`` utility.
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -78,8 +79,8 @@ def _data(n: int = 96) -> torch.utils.data.DataLoader:
 def _fit(module: L.LightningModule, callbacks: list, logger: Any, max_steps: int, **kw: Any) -> L.Trainer:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks, logger=logger,
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
-        **kw,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        log_every_n_steps=kw.pop("log_every_n_steps", 1), **kw,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -102,12 +103,12 @@ def test_logged_values_match_independent_figures_and_nan_step_is_skipped(tmp_pat
     logger = CSVLogger(tmp_path)
     # accumulation 2 and clipping far below the gradients' norm: the figures must be the accumulated,
     # unclipped gradients that the recorder sees in the same hook.
-    trainer = _fit(Tiny(nan_at=4), [rec, cb], logger, max_steps=6, accumulate_grad_batches=2,
+    trainer = _fit(Tiny(nan_at=5), [rec, cb], logger, max_steps=6, accumulate_grad_batches=2,
                    gradient_clip_val=1e-3)
     assert trainer.global_step == 6
     rows = _csv_rows(logger)
-    assert sorted(rows) == [0, 2, 4]
-    for step in (0, 2, 4):
+    assert sorted(rows) == [1, 3, 5]  # every second step counting from one, as Lightning logs
+    for step in (1, 3, 5):
         row = rows[step]
         # Lightning's own key names, with the values of Lightning's own grad_norm utility
         lightning_keys = {k for k in row if k.startswith("grad_2.0_norm")}
@@ -117,7 +118,7 @@ def test_logged_values_match_independent_figures_and_nan_step_is_skipped(tmp_pat
             got = row[f"grad_2.0_norm/{name}"]
             assert (math.isnan(ref) and math.isnan(got)) or got == pytest.approx(ref, rel=1e-6), (step, name)
         assert row["grad_stats/nan_count"] == rec.nans[step]
-    for step in (0, 2):
+    for step in (1, 3):
         total = math.sqrt(sum(v * v for v in rec.norms[step].values()))
         assert rows[step]["grad_2.0_norm_total"] == pytest.approx(total, rel=1e-6)
         assert rows[step]["grad_2.0_norm_total"] == pytest.approx(rec.lightning[step]["grad_2.0_norm_total"],
@@ -125,15 +126,15 @@ def test_logged_values_match_independent_figures_and_nan_step_is_skipped(tmp_pat
         assert total > 100 * 1e-3  # so clipping was active and the figures are from before it
         assert rows[step]["grad_stats/health"] == 1.0
         assert rows[step]["grad_stats/first_nonfinite_index"] == -1
-    bad = rows[4]
+    bad = rows[5]
     assert bad["grad_stats/nan_count"] == 1 and bad["grad_stats/health"] == 0.0
     assert bad["grad_stats/first_nonfinite_index"] == NAMES.index("net.2.weight")
     assert math.isnan(bad["grad_2.0_norm_total"])
     # the NaN step was skipped: weights unchanged by it, and finite at the end
-    assert cb.skipped_steps == [4]
+    assert cb.skipped_steps == [5]
     for name in NAMES:
-        torch.testing.assert_close(rec.after[4][name], rec.before[4][name], rtol=0, atol=0)
-        assert not torch.equal(rec.after[3][name], rec.before[3][name])  # a normal step did update
+        torch.testing.assert_close(rec.after[5][name], rec.before[5][name], rtol=0, atol=0)
+        assert not torch.equal(rec.after[4][name], rec.before[4][name])  # a normal step did update
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 
@@ -154,7 +155,7 @@ def test_host_syncs_only_when_logging_or_checking(tmp_path: Path, on_nonfinite: 
     cb = GradStatsCallback(every_n_steps=3, on_nonfinite=on_nonfinite)  # type: ignore[arg-type]
     counts = instrument(cb, ("on_before_optimizer_step", "on_train_batch_end"))
     _fit(Tiny(), [cb], CSVLogger(tmp_path), max_steps=6)
-    assert counts["report"] == 2  # steps 0 and 3: one packed transfer each
+    assert counts["report"] == 2  # steps 2 and 5: one packed transfer each
     if on_nonfinite is None:
         assert counts["check"] == 0 and counts["reads"] == 0  # nothing else reads the device
     else:
@@ -221,5 +222,84 @@ def test_pytorch_lightning_namespace(tmp_path: Path) -> None:
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match="on_nonfinite"):
         GradStatsCallback(on_nonfinite="ignore")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="on_nonfinite must be None, 'skip' or 'stop', got 1 \\(int\\)"):
+        GradStatsCallback(on_nonfinite=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="every_n_steps"):
         GradStatsCallback(every_n_steps=0)
+    with pytest.raises(TypeError, match="every_n_steps must be a positive int .* got '10' \\(str\\)"):
+        GradStatsCallback(every_n_steps="10")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="every_n_steps"):
+        GradStatsCallback(every_n_steps=2.0)  # type: ignore[arg-type]
+
+
+def test_numpy_integer_every_n_steps() -> None:
+    import numpy as np
+
+    cb = GradStatsCallback(every_n_steps=np.int64(4))  # type: ignore[arg-type]
+    assert cb.every_n_steps == 4 and type(cb.every_n_steps) is int
+
+
+class Logged(Tiny):
+    """Logs its loss with ``self.log``, the way the charts that grad_stats must line up with are made."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss
+
+
+def _steps_with(rows: dict[int, dict[str, float]], key: str) -> list[int]:
+    return sorted(step for step, row in rows.items() if key in row)
+
+
+@pytest.mark.parametrize(
+    "every_n_steps, fit_kw, expected",
+    [
+        (None, {"log_every_n_steps": 5}, [4, 9]),  # the trainer's log_every_n_steps
+        (3, {"log_every_n_steps": 3, "accumulate_grad_batches": 2}, [2, 5, 8, 11]),  # counted in optimizer steps
+    ],
+    ids=["trainer_default", "explicit_with_accumulation"],
+)
+def test_logs_on_the_steps_self_log_does(tmp_path: Path, every_n_steps: int | None, fit_kw: dict[str, Any],
+                                         expected: list[int]) -> None:
+    cb = GradStatsCallback(every_n_steps=every_n_steps)
+    logger = CSVLogger(tmp_path)
+    _fit(Logged(), [cb], logger, max_steps=12, **fit_kw)
+    rows = _csv_rows(logger)
+    assert _steps_with(rows, "loss") == expected  # where Lightning itself wrote self.log("loss")
+    assert _steps_with(rows, "grad_stats/total_norm") == expected
+    assert _steps_with(rows, "grad_2.0_norm_total") == expected
+
+
+def test_logs_the_step_it_stops_on_as_self_log_does(tmp_path: Path) -> None:
+    cb = GradStatsCallback(on_nonfinite="stop")
+    logger = CSVLogger(tmp_path)
+    _fit(Logged(nan_at=2), [cb], logger, max_steps=12, log_every_n_steps=5)
+    rows = _csv_rows(logger)
+    assert _steps_with(rows, "loss") == _steps_with(rows, "grad_stats/total_norm") == [2]
+    assert rows[2]["grad_stats/nan_count"] == 1
+
+
+def test_log_every_n_steps_zero_logs_nothing(tmp_path: Path) -> None:
+    cb = GradStatsCallback()
+    logger = CSVLogger(tmp_path)
+    _fit(Logged(), [cb], logger, max_steps=4, log_every_n_steps=0)
+    assert cb.last_report is None
+    assert not (Path(logger.log_dir) / "metrics.csv").exists()  # Lightning wrote no loss either
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+def test_skip_warning_names_the_parameter_on_a_step_it_does_not_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, on_nonfinite: str
+) -> None:
+    cb = GradStatsCallback(every_n_steps=100, on_nonfinite=on_nonfinite)  # type: ignore[arg-type]
+    counts = instrument(cb, ("on_before_optimizer_step",))
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _fit(Tiny(nan_at=2), [cb], CSVLogger(tmp_path), max_steps=4)
+    assert cb.skipped_steps == [2]
+    warned = [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"]
+    stopping = ", stopping" if on_nonfinite == "stop" else ""
+    expected = ("torch_gradstats: non-finite gradient at optimizer step 2: 'net.2.weight' (1 NaN, 0 Inf); "
+                f"step skipped{stopping}")
+    assert warned == [expected]
+    assert counts["reads"] == 0  # the name came through the same packed transfer path, no .item()

@@ -37,10 +37,10 @@ def test_ddp_ranks_agree_and_only_rank_zero_logs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
-    # only rank 0 brings the figures to the host (steps 0 and 2); rank 1 never does
+    # only rank 0 brings the figures to the host (steps 1 and 3, as Lightning logs every 2nd); rank 1 never does
     assert r0["reports"] == 2 and r1["reports"] == 0
     # the NaN came from rank 1's backward; DDP averaged it into every rank and every rank skipped that step
-    assert r0["skipped"] == r1["skipped"] == [2]
+    assert r0["skipped"] == r1["skipped"] == [3]
     assert r0["weights"] == r1["weights"]
     assert all(math.isfinite(v) for w in r0["weights"] for v in w)
     # every rank holds the same averaged gradients
@@ -51,8 +51,8 @@ def test_ddp_ranks_agree_and_only_rank_zero_logs(tmp_path: Path) -> None:
             assert (math.isnan(v) and math.isnan(u)) or v == pytest.approx(u, rel=1e-12)
     (metrics,) = list(tmp_path.rglob("metrics.csv"))
     rows = {int(r["step"]): r for r in csv.DictReader(metrics.open())}
-    assert sorted(rows) == [0, 2]
-    for name, ref in r0["norms"]["0"].items():
-        assert float(rows[0][f"grad_2.0_norm/{name}"]) == pytest.approx(ref, rel=1e-6)
-    assert float(rows[2]["grad_stats/nan_count"]) == 1.0
-    assert float(rows[2]["grad_stats/first_nonfinite_index"]) == 2.0  # net.2.weight
+    assert sorted(rows) == [1, 3]
+    for name, ref in r0["norms"]["1"].items():
+        assert float(rows[1][f"grad_2.0_norm/{name}"]) == pytest.approx(ref, rel=1e-6)
+    assert float(rows[3]["grad_stats/nan_count"]) == 1.0
+    assert float(rows[3]["grad_stats/first_nonfinite_index"]) == 2.0  # net.2.weight

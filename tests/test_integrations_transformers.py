@@ -5,6 +5,7 @@ gradients ``torch.nn.utils.clip_grad_norm_`` receives when the Trainer clips (re
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -222,3 +223,22 @@ def test_figures_are_taken_after_end_of_backward_callbacks(tmp_path: Path) -> No
     for e in logs:
         # the Trainer clips (and measures grad_norm) after the backward, so it sees the halved gradients too
         assert e["grad/total_norm"] == pytest.approx(e["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("logging_steps", [10, 2], ids=["step_not_logged", "step_logged"])
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+def test_skip_warning_names_the_parameter(tmp_path: Path, caplog: pytest.LogCaptureFixture, logging_steps: int,
+                                          on_nonfinite: str) -> None:
+    model = _model()
+    poison = Poison(model, at=1)  # optimizer step 1: global step 2 when it is done
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=3, logging_steps=logging_steps),
+                      train_dataset=_data(), callbacks=[poison])
+    cb = add_to_trainer(trainer, on_nonfinite=on_nonfinite)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _train(trainer)
+    assert cb.skipped_steps == [1]
+    n = dict(model.named_parameters())[POISONED].numel()
+    stopping = ", stopping" if on_nonfinite == "stop" else ""
+    expected = f"torch_gradstats: non-finite gradient at optimizer step 1: '{POISONED}' ({n} NaN, 0 Inf); step skipped"
+    # one warning per non-finite step, whether or not the Trainer logs that step
+    assert [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"] == [expected + stopping]

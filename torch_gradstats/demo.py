@@ -7,7 +7,10 @@ step is skipped on the device (fused Adam's ``found_inf``), and training goes on
 
 Outputs in ``--out`` (default ``runs/demo``): ``gradstats.png`` (loss, global gradient norm, health and non-finite
 counts over steps) and ``log.jsonl`` (one JSON object per step with stats and one per epoch; non-finite numbers are
-written as ``null``).
+written as ``null``). Without ``--inject-nan`` nothing goes non-finite, and the figure's non-finite panel says so.
+
+While training, a tqdm progress bar over the optimizer steps goes to stderr when stderr is a terminal (not in a
+pipe or a file; ``--no-progress`` turns it off); the per-epoch table goes to stdout.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import OrderedDict
@@ -92,16 +96,58 @@ def _write_log(path: Path, summaries: Sequence[EpochSummary], meta: dict[str, An
             f.write(json.dumps({"type": "epoch", **rec}, allow_nan=False) + "\n")
 
 
-def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: int | None) -> None:
+#: What the table's columns are (printed once above it): every norm is a global L2 norm over all gradients.
+TABLE_KEY = (
+    "max_norm, mean_norm: largest and mean global L2 gradient norm of the epoch's steps; "
+    "min_health: its worst step's health"
+)
+
+
+def _terminal_size(stream: Any) -> tuple[int, int]:
+    """Columns and rows of the terminal ``stream`` writes to, 80x24 where it reports none: a pseudo-terminal
+    nobody sized (``script``, some CI runners and containers) says 0x0, and tqdm then draws nothing at all."""
+    try:
+        cols, rows = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        cols, rows = 0, 0
+    return cols if cols > 0 else 80, rows if rows > 0 else 24
+
+
+def _stderr_isatty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _progress_bar(progress: bool | None, total: int) -> Any:
+    """The demo's tqdm bar over its optimizer steps, on stderr; None when ``progress`` is False, when it is None and
+    stderr is not a terminal, or without tqdm."""
+    if progress is False or (progress is None and not _stderr_isatty()):
+        return None
+    try:
+        from tqdm import tqdm  # lazy: only the demo needs it
+    except ImportError:
+        if progress:
+            print("tqdm is not installed: no progress bar (pip install tqdm)", file=sys.stderr)
+        return None
+    cols, rows = _terminal_size(sys.stderr)
+    return tqdm(total=total, desc="demo", unit="step", file=sys.stderr, ncols=cols, nrows=rows, leave=True)
+
+
+def _figure(summaries: Sequence[EpochSummary], inject_step: int | None) -> Any:
+    """The demo's matplotlib figure (four panels over the optimizer steps), from the per-step history."""
     import matplotlib  # lazy: only the demo needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [r for s in summaries for r in s.history]
     steps = [r.step for r in rows]
     fig, axes = plt.subplots(4, 1, figsize=(9, 9), sharex=True, constrained_layout=True)
-    bad = [r.step for r in rows if r.nan_count + r.inf_count > 0]
+    bad_rows = [r for r in rows if r.nan_count + r.inf_count > 0]
+    bad = [r.step for r in bad_rows]
 
     axes[0].plot(steps, [r.loss for r in rows], color="tab:blue", lw=1.2)
     axes[0].set_ylabel("loss (per sample)")
@@ -116,9 +162,19 @@ def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: int | None
     axes[3].bar(steps, [r.nan_count for r in rows], color="tab:red", width=1.0, label="NaN")
     axes[3].bar(steps, [r.inf_count for r in rows], bottom=[r.nan_count for r in rows], color="tab:orange",
                 width=1.0, label="Inf")
-    axes[3].set_ylabel("non-finite grads")
+    # A bar one step wide can be thinner than a pixel on a long run: a marker on top keeps each bad step visible.
+    axes[3].plot(bad, [r.nan_count + r.inf_count for r in bad_rows], "v", color="tab:red", markersize=7,
+                 label="_nolegend_")
+    top = max((r.nan_count + r.inf_count for r in bad_rows), default=0)
+    axes[3].set_ylim(0, max(1.0, top * 1.15))  # counts: never a negative axis, room above the highest bar
+    axes[3].yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[3].set_ylabel("non-finite grad elements")
     axes[3].set_xlabel("optimizer step")
-    axes[3].legend(loc="upper right")
+    if bad:
+        axes[3].legend(loc="upper right")
+    else:
+        axes[3].text(0.5, 0.5, "no NaN or Inf gradient in this run (--inject-nan STEP makes one)",
+                     transform=axes[3].transAxes, ha="center", va="center", color="tab:green", fontsize=10)
     for ax in axes:
         ax.grid(alpha=0.3)
         for b in bad:
@@ -127,11 +183,14 @@ def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: int | None
         if s.history:
             for ax in axes:
                 ax.axvline(s.history[0].step - 0.5, color="gray", alpha=0.25, lw=0.8)
-    if bad:
-        first = next(s for s in summaries if s.first_nonfinite_step is not None)
-        axes[1].annotate(
-            f"NaN in {first.first_nonfinite_param} at step {first.first_nonfinite_step}: step skipped",
-            xy=(first.first_nonfinite_step, 1.0),
+    first = next((s for s in summaries if s.first_nonfinite_step is not None), None)
+    row = next((r for r in bad_rows if first is not None and r.step == first.first_nonfinite_step), None)
+    if first is not None and row is not None:
+        what = " and ".join(f"{n} {kind}" for n, kind in ((row.nan_count, "NaN"), (row.inf_count, "Inf")) if n)
+        axes[3].annotate(
+            f"step {row.step}: {what} (first in {first.first_nonfinite_param})"
+            + ("; step skipped" if row.skipped else ""),
+            xy=(row.step, 1.0),
             xycoords=("data", "axes fraction"),
             xytext=(5, -14),
             textcoords="offset points",
@@ -142,8 +201,17 @@ def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: int | None
     if inject_step is not None:
         title += f" (NaN injected at step {inject_step})"
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: int | None) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = _figure(summaries, inject_step)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def run(
@@ -176,11 +244,15 @@ def run(
     # fused=True: skip_nonfinite skips on the device, through the optimizer's found_inf (no host sync).
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4, fused=True)
 
-    def inject(trainer: Trainer) -> None:
+    bar: Any = None
+
+    def after_backward(trainer: Trainer) -> None:
         if trainer.global_step == inject_nan:
             grad = dict(trainer.model.named_parameters())[inject_param].grad
             if grad is not None:
                 grad.fill_(float("nan"))
+        if bar is not None:
+            bar.update(1)
 
     trainer = Trainer(
         model,
@@ -188,14 +260,16 @@ def run(
         nn.CrossEntropyLoss(),
         device=dev,
         skip_nonfinite=True,
-        progress=progress,
-        after_backward=inject if inject_nan is not None else None,
+        progress=False,  # the demo's own bar spans the whole run, not one epoch
+        after_backward=after_backward,
     )
     print(
         f"torch_gradstats demo: {steps} steps, {dev}, torch {torch.__version__}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(names)} tensors"
-        + (f", NaN injected into {inject_param}'s gradient at step {inject_nan}" if inject_nan is not None else "")
+        + (f", NaN injected into {inject_param}'s gradient at step {inject_nan}" if inject_nan is not None else ""),
+        flush=True,
     )
+    print(TABLE_KEY, flush=True)
     writer = None
     if tensorboard is not None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -208,6 +282,7 @@ def run(
         # A model this small runs fastest on one thread; several threads spin against each other (and against
         # anything else on a busy machine): 1.7 ms vs 340 ms per step measured on a loaded 2-core box.
         torch.set_num_threads(1)
+    bar = _progress_bar(progress, steps)
     t0 = time.perf_counter()
     try:
         remaining = steps
@@ -220,9 +295,17 @@ def run(
 
                 log_step_records(writer, summary.history)
             lines = format_epoch_table([summary]).splitlines()
-            print("\n".join(lines if len(summaries) == 1 else lines[2:]), flush=True)
+            text = "\n".join(lines if len(summaries) == 1 else lines[2:])
+            if bar is not None:
+                bar.set_postfix(loss=f"{summary.loss:.4g}", skipped=sum(s.skipped_steps for s in summaries))
+                bar.write(text, file=sys.stdout)  # clears the bar, prints, redraws it below
+                sys.stdout.flush()
+            else:
+                print(text, flush=True)
             remaining -= n
     finally:
+        if bar is not None:
+            bar.close()
         torch.set_num_threads(threads)
         if writer is not None:
             writer.close()

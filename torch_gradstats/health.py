@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,29 +43,66 @@ DEFAULT_VANISHING_PENALTY = 0.5
 DEFAULT_EXPLODING_PENALTY = 0.8
 
 
-def _finite_non_negative(name: str, value: object) -> float:
-    """``value`` as a float, or a TypeError/ValueError naming the field."""
+_ACCEPTED = "an int, a float, a numpy scalar or a one-element real tensor"
+_THRESHOLDS = ("vanishing_threshold", "exploding_threshold")
+
+
+def _short_repr(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _checked_field(name: str, value: object) -> float:
+    """``value`` as a Python float, or a TypeError/ValueError naming the field and what it accepts."""
     number = value
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise TypeError(
-                f"HealthPolicy.{name} must be a real number; got a {value.dtype} tensor of shape {tuple(value.shape)}"
+                f"HealthPolicy.{name} must be a real number ({_ACCEPTED}); got a {value.dtype} tensor of shape "
+                f"{tuple(value.shape)}"
             )
         number = value.item()
     if isinstance(number, bool) or not isinstance(number, numbers.Real):
-        raise TypeError(f"HealthPolicy.{name} must be a real number, got {value!r} ({type(value).__name__})")
-    number = float(number)
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"HealthPolicy.{name} must be finite and >= 0, got {value!r}")
-    return number
+        raise TypeError(
+            f"HealthPolicy.{name} must be a real number ({_ACCEPTED}), got {_short_repr(value)} "
+            f"({type(value).__name__})"
+        )
+    too_large = ValueError(
+        f"HealthPolicy.{name} must be a number a float can hold (at most {sys.float_info.max:.4g}), got "
+        f"{_short_repr(value)}"
+    )
+    try:
+        result = float(number)
+    except OverflowError:  # an int (or Fraction) beyond float64's range
+        raise too_large from None
+    if math.isinf(result) and number != result:  # e.g. a finite numpy longdouble beyond float64's range
+        raise too_large
+    if math.isnan(result):
+        raise ValueError(f"HealthPolicy.{name} must be a number, not NaN (a NaN threshold or penalty would never "
+                         f"apply), got {_short_repr(value)}")
+    if result < 0:
+        raise ValueError(f"HealthPolicy.{name} must be >= 0, got {_short_repr(value)}")
+    if math.isinf(result) and name not in _THRESHOLDS:
+        raise ValueError(f"HealthPolicy.{name} must be finite (inf is accepted for the thresholds only), got "
+                         f"{_short_repr(value)}")
+    return result
 
 
 @dataclass(frozen=True)
 class HealthPolicy:
     """Thresholds and penalties of the gradient health score (see the module docstring for the formula).
 
-    Every field must be a finite real number >= 0 (int, float, numpy scalar or one-element tensor); anything else
-    raises a TypeError (strings, bools, non-numbers) or ValueError (negative, inf, NaN) naming the field.
+    Every field must be a real number >= 0: an int, a float, a numpy scalar (``np.int64``, ``np.float32``, ...) or a
+    one-element real tensor, stored as a Python float. Anything else raises, naming the field: a TypeError for
+    another type (strings, bools, complex numbers, lists), a ValueError for a negative number, NaN, an int too large
+    for a float, or an infinite penalty.
+
+    The thresholds may be ``float('inf')``, as the original collector allowed; the comparisons stay the plain
+    ``norm < vanishing_threshold`` and ``norm > exploding_threshold``. So ``exploding_threshold=inf`` never fires
+    (only non-finite norms count as exploding, as always), and ``vanishing_threshold=inf`` counts every finite norm
+    as vanishing (use ``vanishing_threshold=0`` for a vanishing test that never fires). NaN is rejected rather than
+    given the original's meaning (every comparison with NaN is false, so the threshold silently never fires): a NaN
+    here is almost always a bug upstream; say inf or 0 to switch a test off.
 
     Attributes:
         vanishing_threshold: per-tensor norm below which a tensor counts as vanishing (strictly below).
@@ -79,13 +117,12 @@ class HealthPolicy:
     exploding_penalty: float = DEFAULT_EXPLODING_PENALTY
 
     def __post_init__(self) -> None:
-        # Each field must be a finite, non-negative real number: a Python int/float, a numpy scalar or a one-element
-        # real tensor, stored as a Python float. Strings and bools are rejected rather than converted, and inf/NaN
-        # because they would make the device and host scores differ (inf * 0 is NaN). Thresholds are not required
-        # to be ordered: like the original collector, a norm can then be both vanishing and exploding, and counts
-        # in both shares.
+        # Strings and bools are rejected rather than converted. An infinite penalty is rejected because it would
+        # make the device and host scores differ (inf * 0 is NaN); an infinite threshold only enters comparisons.
+        # Thresholds are not required to be ordered: like the original collector, a norm can then be both vanishing
+        # and exploding, and counts in both shares.
         for name in ("vanishing_threshold", "exploding_threshold", "vanishing_penalty", "exploding_penalty"):
-            object.__setattr__(self, name, _finite_non_negative(name, getattr(self, name)))
+            object.__setattr__(self, name, _checked_field(name, getattr(self, name)))
 
     # ------------------------------------------------------------------ device side (no host sync)
     def classify(self, norms: Tensor) -> tuple[Tensor, Tensor]:

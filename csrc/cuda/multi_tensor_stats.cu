@@ -17,6 +17,7 @@
 // object frees it when the graph is destroyed), so a replay runs the two kernels and nothing else; where that is
 // not possible, fill kernels captured with the call rewrite a per-call temporary on every replay (docs/cuda.md,
 // "Metadata and CUDA graphs").
+#include "metadata_cache.h"
 #include "multi_tensor_stats.h"
 #include "packed16.h"
 
@@ -512,71 +513,124 @@ size_t metadata_bytes(int64_t n, int64_t num_tiles) {
 // Rules it relies on (docs/cuda.md, "Metadata and CUDA graphs"):
 //  1. Nothing it keeps comes from PyTorch's caching allocator: cudagraph trees route every allocation of the thread
 //     that runs their warm-up and recording to their private pool, and a block kept there is one they do not track.
-//     Its memory comes from a CUDA memory pool of its own (cudaMemPoolCreate), allocated and freed stream-ordered
-//     (cudaMallocFromPoolAsync / cudaFreeAsync) on streams that are never captured: the caller's when it is not
-//     capturing, the cache's own upload and free streams otherwise.
+//     Its memory comes from a CUDA memory pool of its own per device (cudaMemPoolCreate), allocated and freed
+//     stream-ordered (cudaMallocFromPoolAsync / cudaFreeAsync) on streams that are never captured: the caller's when
+//     it is not capturing, the cache's own upload and free streams otherwise.
 //  2. A capturing stream never reads it: the graph gets a buffer of its own (for_capture), or the caller takes the
-//     per-call path, whose buffer and parameters belong to the graph. So no graph ever depends on an entry, and any
-//     entry can be evicted.
-//  3. An entry is filled on the stream of its first call; a call from another stream waits on `ready` once and is
-//     remembered in `users`. Eviction records an event on every user stream and frees on the cache's own stream
-//     after waiting on them: the memory is reused only after every kernel that read it.
+//     per-call path, whose buffer and parameters belong to the graph. So no graph ever depends on an entry.
+//  3. The bookkeeping (metadata_cache.h, tested on the CPU): an entry is pinned from its lookup until the kernels
+//     that read it are enqueued, and only unpinned entries are evicted. An evicted entry's free waits, on the cache's
+//     free stream, for an event recorded on each stream that read it, recorded by a call on that stream (never by
+//     another thread on a stream it may be capturing), or, past a bound, on a stream found not capturing.
 //  4. Calls to CUDA that could invalidate another thread's capture in cudaStreamCaptureModeGlobal (allocation,
 //     event and stream creation) are made under cudaStreamCaptureModeRelaxed for this thread.
-class MetadataCache {
+//  5. Capacity is per device: 16 entries each, under a lock of their own.
+
+// Switches this thread to the relaxed capture mode; noexcept, for the paths that must not throw.
+class RelaxedCaptureMode {
  public:
-  // Device pointer of the metadata for `meta` (hash `hash`), filled on `stream` if missing; nullptr if it cannot be
-  // cached (no CUDA memory pools on this device, or no memory left for it), in which case the caller takes the
-  // per-call path.
-  const uint8_t* get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
-                     cudaStream_t stream) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (graph_buffers_released_.load(std::memory_order_acquire)) {  // one load per call when there is nothing
-      const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-      free_released_graph_buffers();
-    }
-    ++clock_;
-    for (auto& e : entries_) {
-      if (e->device == device && e->hash == hash && e->meta.size() == meta.size() &&
-          std::memcmp(e->meta.data(), meta.data(), meta.size() * sizeof(TensorMeta)) == 0) {
-        e->last_use = clock_;
-        if (std::find(e->users.begin(), e->users.end(), stream) == e->users.end()) {
-          // First use from this stream: order it after the fill (once is enough: later uses follow in stream order).
-          C10_CUDA_CHECK(cudaStreamWaitEvent(stream, e->ready, 0));
-          e->users.push_back(stream);
-        }
-        return e->data;
-      }
-    }
-    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-    DeviceState& ds = device_state(device);
-    if (!ds.pools_supported) return nullptr;
-    retry_retired();
-    auto e = std::make_unique<Entry>();
-    e->device = device;
-    e->hash = hash;
-    e->meta = meta;
-    e->bytes = metadata_bytes(int64_t(meta.size()), num_tiles);
+  RelaxedCaptureMode() noexcept {
+    ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess;
+    if (!ok_) (void)cudaGetLastError();
+  }
+  ~RelaxedCaptureMode() {
+    if (ok_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool ok_ = false;
+};
+
+// The device side of the cache's bookkeeping (the policy of metadata_cache.h), one per device. Every call is made
+// with the cache's lock held, under the caller's CUDAGuard for this device.
+struct CudaCachePolicy {
+  using Stream = cudaStream_t;
+  using Item = TensorMeta;
+  using Ready = cudaEvent_t;
+
+  cudaMemPool_t pool = nullptr;
+  cudaStream_t free_stream = nullptr;  // frees wait here on the users' events, never on the callers' streams
+  cudaEvent_t user_done = nullptr;     // re-recorded per user stream (a wait takes the event's state at the call)
+  std::atomic<int64_t>* fill_launches = nullptr;
+
+  void* allocate(size_t bytes, cudaStream_t stream) {
+    const RelaxedCaptureMode relaxed;
     void* ptr = nullptr;
-    const cudaError_t alloc = cudaMallocFromPoolAsync(&ptr, e->bytes, ds.pool, stream);
-    if (alloc == cudaErrorMemoryAllocation) {
+    const cudaError_t err = cudaMallocFromPoolAsync(&ptr, bytes, pool, stream);
+    if (err == cudaErrorMemoryAllocation) {
       // The GPU is full, possibly of blocks PyTorch's caching allocator keeps free: take the per-call path, whose
       // allocation that allocator can serve (or free its cache for and retry).
       (void)cudaGetLastError();
       return nullptr;
     }
-    C10_CUDA_CHECK(alloc);
-    e->data = static_cast<uint8_t*>(ptr);
-    fill_launches_ += fill_metadata(meta.data(), int64_t(meta.size()), e->data, stream);
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e->ready, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(e->ready, stream));
-    e->users.push_back(stream);
-    e->last_use = clock_;
-    live_bytes_ += e->bytes;
-    const uint8_t* data = e->data;
-    entries_.push_back(std::move(e));
-    if (entries_.size() > kCapacity) evict_lru();
-    return data;
+    C10_CUDA_CHECK(err);
+    return ptr;
+  }
+  void fill(void* data, const TensorMeta* items, size_t n, cudaStream_t stream) {
+    fill_launches->fetch_add(fill_metadata(items, int64_t(n), static_cast<uint8_t*>(data), stream),
+                             std::memory_order_relaxed);
+  }
+  cudaEvent_t fill_done(cudaStream_t stream) {
+    const RelaxedCaptureMode relaxed;
+    cudaEvent_t ready = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    const cudaError_t err = cudaEventRecord(ready, stream);
+    if (err != cudaSuccess) {
+      (void)cudaEventDestroy(ready);
+      C10_CUDA_CHECK(err);
+    }
+    return ready;
+  }
+  void wait(cudaEvent_t ready, cudaStream_t stream) { C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0)); }
+  void drop(cudaEvent_t& ready) noexcept {
+    if (ready != nullptr) (void)cudaEventDestroy(ready);  // legal while pending: released when it completes
+    ready = nullptr;
+  }
+  // The event covers every kernel already enqueued on `stream`, hence every read of an unpinned entry there.
+  void order_free_after(cudaStream_t stream) {
+    C10_CUDA_CHECK(cudaEventRecord(user_done, stream));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(free_stream, user_done, 0));
+  }
+  bool order_free_after_unless_capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+      (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: cannot tell
+      return false;
+    }
+    if (status != cudaStreamCaptureStatusNone) return false;
+    order_free_after(stream);
+    return true;
+  }
+  void release(void* data, size_t) {
+    const RelaxedCaptureMode relaxed;
+    C10_CUDA_CHECK(cudaFreeAsync(data, free_stream));
+  }
+  // A failed miss: after whatever of its fill was enqueued on `stream`.
+  void release_on(void* data, size_t, cudaStream_t stream) noexcept {
+    const RelaxedCaptureMode relaxed;
+    if (cudaFreeAsync(data, stream) != cudaSuccess) (void)cudaGetLastError();
+  }
+};
+
+using EntryCache = metadata_cache::Cache<CudaCachePolicy>;
+using MetadataLease = EntryCache::Lease;
+
+class MetadataCache {
+ public:
+  MetadataCache() : num_devices_(size_t(c10::cuda::device_count())), devices_(new DeviceState[num_devices_]) {}
+
+  // The pinned entry for `meta` (hash `hash`) on `device`, filled on `stream` if missing; empty when it cannot be
+  // cached (no CUDA memory pools on this device, no memory left for it, or too many evicted entries still waiting
+  // for their streams), in which case the caller takes the per-call path. `stream` is not capturing.
+  MetadataLease get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
+                    cudaStream_t stream) {
+    if (released_.load(std::memory_order_relaxed) != nullptr) free_released_graph_buffers();  // one load per call
+    DeviceState& ds = device_state(device);
+    if (!ds.cache) return MetadataLease();
+    return ds.cache->get(meta.data(), meta.size(), hash, metadata_bytes(int64_t(meta.size()), num_tiles), stream);
   }
 
   // Device pointer of the metadata for `meta`, for the graph that `capturing` is being captured into: written now,
@@ -584,155 +638,183 @@ class MetadataCache {
   // through a CUDA user object, whose destructor hands it back once the graph and every executable made from it are
   // destroyed and their last launch has completed. Replays then read it as it is: no fill kernels in the graph.
   // nullptr (the caller takes the per-call path) without CUDA memory pools, without memory for it, or when the
-  // capture has no graph to attach it to.
+  // capture has no graph to attach it to, or is no longer the same capture after the wait.
   const uint8_t* for_capture(const std::vector<TensorMeta>& meta, int64_t num_tiles, c10::DeviceIndex device,
                              cudaStream_t capturing) {
     // Relaxed: this thread may allocate, wait for a stream of its own and create objects during its capture.
     const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    cudaGraph_t graph = nullptr;
-#if CUDART_VERSION >= 12000
-    const cudaError_t query = cudaStreamGetCaptureInfo(capturing, &status, nullptr, &graph);
-#else
-    const cudaError_t query = cudaStreamGetCaptureInfo_v2(capturing, &status, nullptr, &graph);
-#endif
-    if (query != cudaSuccess || status != cudaStreamCaptureStatusActive || graph == nullptr) {
-      (void)cudaGetLastError();  // the error this query left, so that no later launch check reports it
-      return nullptr;
-    }
-    std::unique_lock<std::mutex> lock(mu_);
+    unsigned long long capture_id = 0;
+    if (capture_graph(capturing, &capture_id) == nullptr) return nullptr;
     DeviceState& ds = device_state(device);
-    if (!ds.pools_supported) return nullptr;
+    if (!ds.cache) return nullptr;
     free_released_graph_buffers();
-    const size_t bytes = metadata_bytes(int64_t(meta.size()), num_tiles);
-    void* ptr = nullptr;
-    const cudaError_t alloc = cudaMallocFromPoolAsync(&ptr, bytes, ds.pool, ds.upload_stream);
+    auto owned = std::make_unique<GraphBuffer>();  // before the allocation: nothing to undo if this throws
+    owned->cache = this;
+    owned->device = device;
+    owned->bytes = metadata_bytes(int64_t(meta.size()), num_tiles);
+    const cudaError_t alloc = cudaMallocFromPoolAsync(&owned->data, owned->bytes, ds.pool, ds.upload_stream);
     if (alloc == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
       return nullptr;
     }
     C10_CUDA_CHECK(alloc);
-    auto* owned = new GraphBuffer{this, device, ptr, bytes};
-    graph_buffers_ += 1;  // counted from here: every path below ends in free_graph_buffer or the graph owning it
-    graph_buffer_bytes_ += bytes;
-    const cudaStream_t upload = ds.upload_stream;  // `ds` may move while the lock is released below
+    graph_buffers_.fetch_add(1, std::memory_order_relaxed);  // from here every path frees it or hands it to CUDA
+    graph_buffer_bytes_.fetch_add(int64_t(owned->bytes), std::memory_order_relaxed);
+    // Frees the buffer on every exit before the user object owns it (an error, or the capture gone meanwhile).
+    struct Unwind {
+      MetadataCache* cache;
+      std::unique_ptr<GraphBuffer>& owned;
+      cudaStream_t upload;
+      ~Unwind() {  // noexcept, like every destructor: an error here leaks the buffer rather than terminate
+        if (!owned) return;
+        (void)cudaStreamSynchronize(upload);  // no fill may still be writing the buffer when it is freed
+        (void)cudaGetLastError();
+        try {
+          cache->free_graph_buffer(owned.release());
+        } catch (...) {
+          (void)cudaGetLastError();
+        }
+      }
+    } unwind{this, owned, ds.upload_stream};
+    fill_launches_.fetch_add(fill_metadata(meta.data(), int64_t(meta.size()), static_cast<uint8_t*>(owned->data),
+                                           ds.upload_stream),
+                             std::memory_order_relaxed);
+    // The upload stream is the cache's own and is never captured, so waiting for it cannot wait on a capture. No
+    // lock is held meanwhile: other threads' calls go on.
+    C10_CUDA_CHECK(cudaStreamSynchronize(ds.upload_stream));  // written before the graph exists, let alone runs
+    // The capture may have ended (or been invalidated by another thread) during the wait: ask again, and attach
+    // only to the same capture's graph.
+    unsigned long long id_now = 0;
+    cudaGraph_t graph = capture_graph(capturing, &id_now);
+    if (graph == nullptr || id_now != capture_id) return nullptr;
     cudaUserObject_t object = nullptr;
-    try {
-      fill_launches_ += fill_metadata(meta.data(), int64_t(meta.size()), static_cast<uint8_t*>(ptr), upload);
-      // Wait without the lock: other threads' calls go on meanwhile. The upload stream is this cache's own and is
-      // never captured, so waiting for it cannot wait on a capture.
-      lock.unlock();
-      C10_CUDA_CHECK(cudaStreamSynchronize(upload));  // written before the graph exists, let alone runs
-      lock.lock();
-      C10_CUDA_CHECK(cudaUserObjectCreate(&object, owned, &GraphBuffer::release, 1, cudaUserObjectNoDestructorSync));
-    } catch (...) {
-      (void)cudaStreamSynchronize(upload);  // no fill may still be writing the buffer when it is freed
-      (void)cudaGetLastError();
-      if (!lock.owns_lock()) lock.lock();
-      free_graph_buffer(owned);
-      throw;
-    }
+    C10_CUDA_CHECK(cudaUserObjectCreate(&object, owned.get(), &GraphBuffer::release, 1,
+                                        cudaUserObjectNoDestructorSync));
+    const uint8_t* data = static_cast<const uint8_t*>(owned->data);
+    (void)owned.release();  // the user object owns it: its destructor queues it for the next call to free
     if (cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove) != cudaSuccess) {
       (void)cudaGetLastError();
       C10_CUDA_CHECK(cudaUserObjectRelease(object, 1));  // the destructor queues the buffer to be freed
       return nullptr;
     }
-    captured_calls_ += 1;
-    return static_cast<const uint8_t*>(ptr);
+    captured_calls_.fetch_add(1, std::memory_order_relaxed);
+    return data;
   }
 
   void count_per_call(bool capturing, int64_t launches) {
-    std::lock_guard<std::mutex> lock(mu_);
-    captured_calls_ += capturing ? 1 : 0;
-    fill_launches_ += launches;
+    captured_calls_.fetch_add(capturing ? 1 : 0, std::memory_order_relaxed);
+    fill_launches_.fetch_add(launches, std::memory_order_relaxed);
   }
 
-  // For tests and debugging: [entries, bytes they hold, entries waiting to be freed, calls made while capturing,
-  // fill launches so far, bytes reserved by the memory pool of `device`, metadata buffers owned by CUDA graphs and
-  // not yet freed, the bytes they hold]. Buffers of graphs destroyed by now are freed first.
+  // For tests and debugging: [entries of `device`, bytes they hold, its evicted entries waiting to be freed, calls
+  // made while capturing, fill launches so far, bytes reserved by the memory pool of `device`, metadata buffers
+  // owned by CUDA graphs and not yet freed, the bytes they hold, pinned entries of `device`, entries per device].
+  // The counts of calls, launches and graph buffers cover every device. Buffers of graphs destroyed by now are
+  // freed first.
   std::vector<int64_t> info(c10::DeviceIndex device) {
-    std::lock_guard<std::mutex> lock(mu_);
-    {
-      const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-      free_released_graph_buffers();
-    }
+    free_released_graph_buffers();
+    EntryCache::Info entries{0, 0, 0, 0};
     int64_t reserved = 0;
-    if (size_t(device) < devices_.size() && devices_[device].initialized && devices_[device].pools_supported) {
+    if (size_t(device) < num_devices_ && devices_[device].initialized.load(std::memory_order_acquire) &&
+        devices_[device].cache) {
+      DeviceState& ds = devices_[device];
+      entries = ds.cache->info();
       uint64_t value = 0;
-      C10_CUDA_CHECK(cudaMemPoolGetAttribute(devices_[device].pool, cudaMemPoolAttrReservedMemCurrent, &value));
+      C10_CUDA_CHECK(cudaMemPoolGetAttribute(ds.pool, cudaMemPoolAttrReservedMemCurrent, &value));
       reserved = int64_t(value);
     }
-    return {int64_t(entries_.size()), int64_t(live_bytes_), int64_t(retired_.size()), captured_calls_,
-            fill_launches_, reserved, graph_buffers_, int64_t(graph_buffer_bytes_)};
+    return {entries.entries, entries.bytes, entries.retired, captured_calls_.load(), fill_launches_.load(),
+            reserved, graph_buffers_.load(), graph_buffer_bytes_.load(), entries.pinned,
+            int64_t(EntryCache::kCapacity)};
   }
 
  private:
-  static constexpr size_t kCapacity = 16;
-
-  struct Entry {
-    c10::DeviceIndex device = 0;
-    uint64_t hash = 0;
-    std::vector<TensorMeta> meta;  // the key: a pure function of (pointer, numel, dtype) of every tensor
-    uint8_t* data = nullptr;       // from the cache's CUDA memory pool
-    size_t bytes = 0;
-    cudaEvent_t ready = nullptr;       // recorded after the fill, on users[0]
-    std::vector<cudaStream_t> users;   // every stream that has read it
-    uint64_t last_use = 0;
-  };
-
   struct DeviceState {
-    bool initialized = false;
-    bool pools_supported = false;
+    std::mutex init_mu;
+    std::atomic<bool> initialized{false};
     cudaMemPool_t pool = nullptr;
-    cudaStream_t free_stream = nullptr;    // frees wait here on the users' events, never on the callers' streams
-    cudaEvent_t user_done = nullptr;       // re-recorded per user stream at eviction
     cudaStream_t upload_stream = nullptr;  // writes the buffers of graphs being captured; never part of a capture
+    cudaStream_t free_stream = nullptr;
+    std::unique_ptr<EntryCache> cache;     // null without CUDA memory pools
   };
 
   // The metadata of one captured call, owned by its graph through a CUDA user object. CUDA runs the destructor on an
   // internal thread, where no CUDA call is allowed, once the graph and every executable made from it are destroyed
-  // and their launches have completed: it only queues the buffer, which the next call of the op frees.
+  // and their last launch has completed: it only pushes the buffer on a lock-free list (no lock, no allocation:
+  // it cannot throw), which the next call of the op frees.
   struct GraphBuffer {
-    MetadataCache* cache;
-    c10::DeviceIndex device;
-    void* data;
-    size_t bytes;
+    MetadataCache* cache = nullptr;
+    c10::DeviceIndex device = 0;
+    void* data = nullptr;
+    size_t bytes = 0;
+    GraphBuffer* next = nullptr;
 
-    static void CUDART_CB release(void* self) {
+    static void CUDART_CB release(void* self) noexcept {
       auto* buffer = static_cast<GraphBuffer*>(self);
-      MetadataCache& cache = *buffer->cache;
-      std::lock_guard<std::mutex> lock(cache.released_mu_);
-      cache.released_.push_back(buffer);
-      cache.graph_buffers_released_.store(true, std::memory_order_release);
+      std::atomic<GraphBuffer*>& head = buffer->cache->released_;
+      GraphBuffer* old = head.load(std::memory_order_relaxed);
+      do {
+        buffer->next = old;
+      } while (!head.compare_exchange_weak(old, buffer, std::memory_order_release, std::memory_order_relaxed));
     }
   };
 
-  // Called with mu_ held, in relaxed capture mode, once nothing can read the buffer any more.
+  // The graph `stream` is being captured into (and the capture's id), or nullptr when it is not capturing.
+  static cudaGraph_t capture_graph(cudaStream_t stream, unsigned long long* id) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaGraph_t graph = nullptr;
+#if CUDART_VERSION >= 12000
+    const cudaError_t query = cudaStreamGetCaptureInfo(stream, &status, id, &graph);
+#else
+    const cudaError_t query = cudaStreamGetCaptureInfo_v2(stream, &status, id, &graph);
+#endif
+    if (query != cudaSuccess || status != cudaStreamCaptureStatusActive) {
+      (void)cudaGetLastError();  // the error this query left, so that no later launch check reports it
+      return nullptr;
+    }
+    return graph;
+  }
+
+  // Once nothing can read the buffer any more; in relaxed capture mode.
   void free_graph_buffer(GraphBuffer* buffer) {
+    std::unique_ptr<GraphBuffer> owned(buffer);
     const c10::cuda::CUDAGuard on_buffer_device(buffer->device);
+    graph_buffers_.fetch_sub(1, std::memory_order_relaxed);
+    graph_buffer_bytes_.fetch_sub(int64_t(buffer->bytes), std::memory_order_relaxed);
     C10_CUDA_CHECK(cudaFreeAsync(buffer->data, devices_[buffer->device].free_stream));
-    graph_buffers_ -= 1;
-    graph_buffer_bytes_ -= buffer->bytes;
-    delete buffer;
   }
 
   // Frees the buffers of destroyed graphs. Their last launch has completed (CUDA releases a graph's references only
-  // then), so nothing can read them any more. Called with mu_ held, in relaxed capture mode.
+  // then), so nothing can read them any more.
   void free_released_graph_buffers() {
-    std::vector<GraphBuffer*> released;
-    {
-      std::lock_guard<std::mutex> lock(released_mu_);  // never held across a CUDA call: the destructor takes it
-      released.swap(released_);
-      graph_buffers_released_.store(false, std::memory_order_relaxed);
+    GraphBuffer* list = released_.exchange(nullptr, std::memory_order_acquire);
+    if (list == nullptr) return;
+    const RelaxedCaptureMode relaxed;
+    while (list != nullptr) {
+      GraphBuffer* next = list->next;
+      try {
+        free_graph_buffer(list);
+      } catch (...) {  // the rest go back on the list for a later call
+        while (next != nullptr) {
+          GraphBuffer* after = next->next;
+          GraphBuffer::release(next);
+          next = after;
+        }
+        throw;
+      }
+      list = next;
     }
-    for (GraphBuffer* buffer : released) free_graph_buffer(buffer);
   }
 
-  // Created once per device and never destroyed (no CUDA calls during static destruction).
+  // Created once per device, on its first use, and never destroyed (no CUDA calls during static destruction).
   DeviceState& device_state(c10::DeviceIndex device) {
-    if (devices_.size() <= size_t(device)) devices_.resize(size_t(device) + 1);
+    TORCH_CHECK(device >= 0 && size_t(device) < num_devices_, "multi_tensor_stats: no CUDA device ", int(device));
     DeviceState& ds = devices_[device];
-    if (ds.initialized) return ds;
+    if (ds.initialized.load(std::memory_order_acquire)) return ds;
+    std::lock_guard<std::mutex> lock(ds.init_mu);
+    if (ds.initialized.load(std::memory_order_relaxed)) return ds;
+    const RelaxedCaptureMode relaxed;
+    const c10::cuda::CUDAGuard on_device(device);
     int supported = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device));
     if (supported) {
@@ -746,64 +828,25 @@ class MetadataCache {
       int no = 0;
       C10_CUDA_CHECK(cudaMemPoolSetAttribute(ds.pool, cudaMemPoolReuseAllowInternalDependencies, &no));
       C10_CUDA_CHECK(cudaStreamCreateWithFlags(&ds.free_stream, cudaStreamNonBlocking));
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&ds.user_done, cudaEventDisableTiming));
       C10_CUDA_CHECK(cudaStreamCreateWithFlags(&ds.upload_stream, cudaStreamNonBlocking));
+      CudaCachePolicy policy;
+      policy.pool = ds.pool;
+      policy.free_stream = ds.free_stream;
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&policy.user_done, cudaEventDisableTiming));
+      policy.fill_launches = &fill_launches_;
+      ds.cache = std::make_unique<EntryCache>(policy);
     }
-    ds.pools_supported = supported != 0;
-    ds.initialized = true;
+    ds.initialized.store(true, std::memory_order_release);
     return ds;
   }
 
-  void evict_lru() {
-    auto victim = entries_.begin();
-    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if ((*it)->last_use < (*victim)->last_use) victim = it;
-    }
-    std::unique_ptr<Entry> e = std::move(*victim);
-    entries_.erase(victim);
-    if (!try_free(*e)) retired_.push_back(std::move(e));
-  }
-
-  void retry_retired() {
-    for (auto it = retired_.begin(); it != retired_.end();) {
-      it = try_free(**it) ? retired_.erase(it) : it + 1;
-    }
-  }
-
-  // Frees an entry once every kernel that may read it has run. Recording an event on a stream that another thread
-  // is capturing would add it to that capture, so such an entry waits (in retired_) for a later call.
-  bool try_free(Entry& e) {
-    const c10::cuda::CUDAGuard on_entry_device(e.device);
-    for (cudaStream_t s : e.users) {
-      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-      const cudaError_t err = cudaStreamIsCapturing(s, &status);
-      if (err != cudaSuccess) (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures
-      if (err != cudaSuccess || status != cudaStreamCaptureStatusNone) return false;
-    }
-    DeviceState& ds = devices_[e.device];
-    for (cudaStream_t s : e.users) {
-      C10_CUDA_CHECK(cudaEventRecord(ds.user_done, s));
-      C10_CUDA_CHECK(cudaStreamWaitEvent(ds.free_stream, ds.user_done, 0));
-    }
-    C10_CUDA_CHECK(cudaFreeAsync(e.data, ds.free_stream));
-    C10_CUDA_CHECK(cudaEventDestroy(e.ready));  // legal while pending: released when it completes
-    live_bytes_ -= e.bytes;
-    return true;
-  }
-
-  std::mutex mu_;
-  uint64_t clock_ = 0;
-  size_t live_bytes_ = 0;
-  int64_t captured_calls_ = 0;
-  int64_t fill_launches_ = 0;
-  int64_t graph_buffers_ = 0;      // GraphBuffers created and not yet freed
-  size_t graph_buffer_bytes_ = 0;  // the bytes they hold
-  std::mutex released_mu_;                              // guards released_ only
-  std::vector<GraphBuffer*> released_;                  // buffers of destroyed graphs, to be freed
-  std::atomic<bool> graph_buffers_released_{false};     // released_ is not empty (read without the lock)
-  std::vector<DeviceState> devices_;
-  std::vector<std::unique_ptr<Entry>> entries_;
-  std::vector<std::unique_ptr<Entry>> retired_;
+  const size_t num_devices_;
+  std::unique_ptr<DeviceState[]> devices_;
+  std::atomic<GraphBuffer*> released_{nullptr};  // buffers of destroyed graphs, to be freed
+  std::atomic<int64_t> captured_calls_{0};
+  std::atomic<int64_t> fill_launches_{0};
+  std::atomic<int64_t> graph_buffers_{0};      // GraphBuffers created and not yet freed
+  std::atomic<int64_t> graph_buffer_bytes_{0};  // the bytes they hold
 };
 
 MetadataCache& metadata_cache() {
@@ -834,10 +877,10 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
   const int64_t n = int64_t(tensors.size());
   TORCH_CHECK_VALUE(n < std::numeric_limits<int32_t>::max(), "multi_tensor_stats: too many tensors (", n, ")");
 
-  // Dense tensors (contiguous or permuted) are read in place as the flat span of their storage; others are made
-  // contiguous first. `dense_copies` keeps those copies alive until both kernels are enqueued, after which the
-  // caching allocator (stream-ordered) may recycle them safely.
-  std::vector<at::Tensor> dense_copies;
+  // Dense tensors (contiguous or permuted) are read in place as the flat span of their storage; others as
+  // NonDenseInputs says (multi_tensor_stats.h). `dense_copies` keeps their copies alive until both kernels are
+  // enqueued, after which the caching allocator (stream-ordered) may recycle them safely.
+  NonDenseInputs dense_copies;
   thread_local std::vector<TensorMeta> host_meta;  // reused across calls: no allocation in steady state
   host_meta.resize(size_t(n));
   uint64_t hash = uint64_t(n);
@@ -846,8 +889,7 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
     if (!t->is_non_overlapping_and_dense()) {
-      dense_copies.push_back(t->contiguous());
-      t = &dense_copies.back();
+      t = &dense_copies.read(*t, size_t(i));
     }
     const int64_t numel = t->numel();
     const int64_t es = int64_t(t->element_size());
@@ -882,8 +924,15 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
   const size_t workspace_bytes = size_t(num_tiles) * 5 * sizeof(double);
   const auto byte_options = at::TensorOptions().dtype(at::kByte).device(device);
   at::Tensor scratch;
-  const uint8_t* d_metadata = capturing ? cache.for_capture(host_meta, num_tiles, device.index(), stream.stream())
-                                        : cache.get(host_meta, hash, num_tiles, device.index(), stream.stream());
+  // An eager call's entry stays pinned (never evicted, never freed) until both kernels that read it are enqueued.
+  MetadataLease lease;
+  const uint8_t* d_metadata = nullptr;
+  if (capturing) {
+    d_metadata = cache.for_capture(host_meta, num_tiles, device.index(), stream.stream());
+  } else {
+    lease = cache.get(host_meta, hash, num_tiles, device.index(), stream.stream());
+    d_metadata = static_cast<const uint8_t*>(lease.data());
+  }
   if (d_metadata != nullptr) {
     if (workspace_bytes > 0) scratch = at::empty({int64_t(workspace_bytes)}, byte_options);
   } else {
@@ -921,6 +970,8 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
       d_meta, n, per_block, num_tiles, p_sumsq, p_amax, p_counts, std::get<0>(out).data_ptr<double>(),
       std::get<1>(out).data_ptr<double>(), std::get<2>(out).data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  lease.reset();  // both reads are enqueued: the entry may be evicted, its free ordered after them
+  dense_copies.scale(out);  // the repeats of broadcast dimensions
   return out;
 }
 

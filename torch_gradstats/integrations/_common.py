@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 
 from torch_gradstats._transfer import to_host
@@ -18,12 +20,21 @@ logger = logging.getLogger("torch_gradstats")
 OnNonfinite = Literal["skip", "stop"] | None
 
 
-def check_options(every_n_steps: int | None, on_nonfinite: Any) -> None:
-    if every_n_steps is not None and (not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool)
-                                      or every_n_steps < 1):
-        raise ValueError(f"every_n_steps must be a positive int or None, got {every_n_steps!r}")
+def check_options(every_n_steps: Any, on_nonfinite: Any) -> int | None:
+    """Validate the options the callbacks share; returns ``every_n_steps`` as a Python int (or None)."""
+    if on_nonfinite is not None and not isinstance(on_nonfinite, str):
+        raise TypeError(f"on_nonfinite must be None, 'skip' or 'stop', got {on_nonfinite!r} "
+                        f"({type(on_nonfinite).__name__})")
     if on_nonfinite not in (None, "skip", "stop"):
         raise ValueError(f"on_nonfinite must be None, 'skip' or 'stop', got {on_nonfinite!r}")
+    if every_n_steps is None:
+        return None
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, numbers.Integral):
+        raise TypeError(f"every_n_steps must be a positive int (or numpy integer) or None, got {every_n_steps!r} "
+                        f"({type(every_n_steps).__name__})")
+    if every_n_steps < 1:
+        raise ValueError(f"every_n_steps must be a positive int or None, got {every_n_steps!r}")
+    return int(every_n_steps)
 
 
 class StatsTaker:
@@ -73,8 +84,24 @@ class StatsTaker:
         _, (count,) = to_host([], [g.nonfinite_count])
         return count > 0
 
+    @staticmethod
+    def describe_nonfinite(stats: GradStats | GradWeightStats) -> str:
+        """The first non-finite parameter by name, with the counts, as :func:`describe_nonfinite` words them.
+
+        One more small transfer: made only on a step already found non-finite, so a healthy step pays nothing."""
+        g = stats.grads if isinstance(stats, GradWeightStats) else stats
+        mask = g.nonfinite_mask
+        first_index = mask.to(torch.int32).argmax()  # argmax returns the first maximum: model order
+        _, (first, n_bad, nan, inf) = to_host([], [first_index, mask.sum(), g.nan_count, g.inf_count])
+        return _describe(g.names[first], n_bad, nan, inf)
+
 
 def describe_nonfinite(report: AnyReport) -> str:
+    """``'<first non-finite parameter>' and N more (a NaN, b Inf)`` from a report already on the host."""
     g = grad_report(report)
-    more = f" and {len(g.nonfinite) - 1} more" if len(g.nonfinite) > 1 else ""
-    return f"{g.first_nonfinite!r}{more} ({g.nan_count} NaN, {g.inf_count} Inf)"
+    return _describe(g.first_nonfinite, len(g.nonfinite), g.nan_count, g.inf_count)
+
+
+def _describe(first: str | None, n_tensors: int, nan: int, inf: int) -> str:
+    more = f" and {n_tensors - 1} more" if n_tensors > 1 else ""
+    return f"{first!r}{more} ({nan} NaN, {inf} Inf)"

@@ -13,7 +13,11 @@ true (unscaled, unclipped) gradients. (Exception: an optimizer that unscales ins
 fused Adam under ``precision="16-mixed"``, still holds loss-scaled gradients there; Lightning does not unscale them.)
 
 What is logged every ``every_n_steps`` optimizer steps (default: the trainer's ``log_every_n_steps``), with every
-logger of the trainer, at the step Lightning uses for ``self.log``:
+logger of the trainer, on the steps and at the step numbers where Lightning writes ``self.log`` values, so the charts
+line up with the loss. Lightning counts from one: with ``n`` = 10 it writes at logger steps 9, 19, 29, ... (and at
+the step on which ``trainer.should_stop`` is set, as when ``on_nonfinite="stop"`` stops); ``log_every_n_steps=0``
+writes no step values, and then neither does the callback unless ``every_n_steps`` is given. (A ``should_stop`` set
+by another callback after this hook has run is seen by Lightning but too late for the gradients to be read.)
 
 * Lightning's own key names, so dashboards built on ``lightning.pytorch.utilities.grad_norm`` keep working:
   ``grad_2.0_norm/<parameter>`` and ``grad_2.0_norm_total``;
@@ -33,6 +37,7 @@ Host syncs: none on steps that neither log nor check; on a logging step exactly 
 ``self.log``, which would turn each one into a device tensor and ``.item()`` it back). With ``on_nonfinite`` set
 every optimizer step must be checked: one small transfer per step (on logging steps the report's transfer serves
 both, except with ``log_update_ratio=True``, where the report comes after the step: two transfers on those steps).
+A step found non-finite that has no report makes one more small transfer, to name the parameter in the warning.
 
 Non-finite gradients (``on_nonfinite``):
 
@@ -40,7 +45,8 @@ Non-finite gradients (``on_nonfinite``):
   set_to_none=True)``) in ``on_before_optimizer_step``. PyTorch optimizers leave parameters without a gradient
   untouched: no update, no weight decay, no momentum or Adam state change. Lightning then still calls
   ``optimizer.step()`` (a no-op) and the LR scheduler, as it does when AMP's scaler skips a step. Skipped steps are
-  listed in ``callback.skipped_steps``.
+  listed in ``callback.skipped_steps``, and each is named in a warning on the ``torch_gradstats`` logger, logged
+  step or not: the first non-finite parameter (model order), how many more, and the NaN and Inf counts.
 * ``"stop"``: the step is skipped as above and ``trainer.should_stop`` is set, so training ends after this batch.
 
 Distributed: call it the same on every rank. Under DDP every rank holds the same averaged gradients, so no
@@ -115,8 +121,7 @@ class _GradStatsMixin:
             policy: health policy (default ``HealthPolicy()``).
         """
         super().__init__()
-        check_options(every_n_steps, on_nonfinite)
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_options(every_n_steps, on_nonfinite)
         self.per_param = per_param
         self.prefix = prefix
         self.lightning_names = lightning_names
@@ -129,8 +134,8 @@ class _GradStatsMixin:
     # ----------------------------------------------------------------------------------------------- hooks
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         step = trainer.global_step
-        every = self.every_n_steps or max(int(getattr(trainer, "log_every_n_steps", 50) or 1), 1)
-        log_now = step % every == 0
+        logger_step = self._logger_step(trainer)
+        log_now = self._log_due(trainer, logger_step)
         if not log_now and self.on_nonfinite is None:
             return  # nothing read, nothing synced
         stats = self.taker.take(pl_module, optimizer)
@@ -141,12 +146,16 @@ class _GradStatsMixin:
             g = grad_report(report) if report is not None else None
             bad = (g.nan_count + g.inf_count > 0) if g is not None else self.taker.nonfinite(stats)
             if bad:
-                self._handle_nonfinite(trainer, optimizer, step, report)
+                self._handle_nonfinite(trainer, optimizer, step, report, stats)
+                if not log_now and self._log_due(trainer, logger_step):  # "stop": Lightning logs this step too
+                    log_now = True
+                    if trainer.is_global_zero and not self.taker.log_update_ratio:
+                        report = self.taker.report(stats)
         if report is not None:
-            self._log(trainer, report, self._logger_step(trainer))
+            self._log(trainer, report, logger_step)
         elif log_now and self.taker.log_update_ratio:
             self.taker.snapshot(pl_module)
-            self._pending = (stats, self._logger_step(trainer), step)
+            self._pending = (stats, logger_step, step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._pending is None:
@@ -163,8 +172,23 @@ class _GradStatsMixin:
         # The step Lightning's logger connector gives self.log'd values of this batch.
         return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
 
-    def _handle_nonfinite(self, trainer: Any, optimizer: Any, step: int, report: AnyReport | None) -> None:
-        what = describe_nonfinite(report) if report is not None else "non-finite values"
+    def _log_due(self, trainer: Any, logger_step: int) -> bool:
+        """Lightning's own rule for writing ``self.log`` values of a training step
+        (``_LoggerConnector.should_update_logs``): the ``n``-th, ``2n``-th, ... step counting from one, and a step on
+        which training stops."""
+        if getattr(trainer, "fast_dev_run", False):
+            return True  # Lightning logs every step of a fast_dev_run
+        every = self.every_n_steps
+        if every is None:
+            every = int(getattr(trainer, "log_every_n_steps", 50) or 0)
+            if every <= 0:
+                return False  # log_every_n_steps=0: Lightning writes no step values
+        return (logger_step + 1) % every == 0 or bool(trainer.should_stop)
+
+    def _handle_nonfinite(self, trainer: Any, optimizer: Any, step: int, report: AnyReport | None,
+                          stats: GradStats | GradWeightStats) -> None:
+        # Named from the report when this step has one, else from one more small read (a non-finite step only).
+        what = describe_nonfinite(report) if report is not None else self.taker.describe_nonfinite(stats)
         optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter untouched
         self.skipped_steps.append(step)
         if self.on_nonfinite == "stop":

@@ -40,12 +40,14 @@ figures (passed through ``callbacks=``, the figures reach ``log_history`` and th
 
 Host syncs: exactly one device-to-host transfer per logging step (in ``on_log``, only on the main process; the
 figures are the same on every rank), none on other steps; with ``on_nonfinite`` one small transfer per optimizer
-step on every rank (so all ranks agree).
+step on every rank (so all ranks agree), and one more on a step found non-finite, to name the parameter.
 
 Non-finite gradients (``on_nonfinite``): ``"skip"`` sets every gradient to None before the Trainer clips and
 steps, so the optimizer leaves every parameter untouched (the LR scheduler still steps, as it does when AMP skips);
 under fp16 the ``GradScaler`` already skips such steps and nothing more is done. ``"stop"`` skips the step too and
-sets ``control.should_training_stop``. Skipped steps are in ``callback.skipped_steps``.
+sets ``control.should_training_stop``. Skipped steps are in ``callback.skipped_steps``. Each non-finite step is
+named in one warning on the ``torch_gradstats`` logger, logged or not: the first non-finite parameter (model order),
+how many more, and the NaN and Inf counts (one more small transfer, made only on such a step).
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class GradStatsCallback(TrainerCallback):
         logs.update(figures)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(figures)
-        if grad_report(report).first_nonfinite is not None:
+        if grad_report(report).first_nonfinite is not None and self.on_nonfinite is None:  # else already said
             logger.warning("torch_gradstats: first non-finite gradient at step %d: %s", step,
                            describe_nonfinite(report))
         self.last_report = report
@@ -217,22 +219,24 @@ class GradStatsCallback(TrainerCallback):
             if scale is not None:
                 stats = _unscaled(stats, scale)
         if self.on_nonfinite is not None and self.taker.nonfinite(stats):
-            self._handle_nonfinite(next_step - 1, scale is not None)
+            self._handle_nonfinite(next_step - 1, scale is not None, self.taker.describe_nonfinite(stats))
         if log_now:
             self._pending = (next_step, stats)
             if self.taker.log_update_ratio:
                 self.taker.snapshot(self._model)
                 self._measure_after_step = True
 
-    def _handle_nonfinite(self, step: int, scaler_skips: bool) -> None:
+    def _handle_nonfinite(self, step: int, scaler_skips: bool, what: str) -> None:
+        # ``what`` names the first non-finite parameter (read on this non-finite step only).
         if scaler_skips:
-            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d; the GradScaler skips it", step)
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: %s; the GradScaler skips it",
+                           step, what)
         else:
             for _, p in StatsTaker.trainable(self._model):
                 p.grad = None  # the optimizer then leaves every parameter untouched
             self.skipped_steps.append(step)
-            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d; step skipped%s", step,
-                           ", stopping" if self.on_nonfinite == "stop" else "")
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: %s; step skipped%s", step,
+                           what, ", stopping" if self.on_nonfinite == "stop" else "")
         if self.on_nonfinite == "stop":
             self._stop = True
 

@@ -79,9 +79,10 @@ def fmt(x: float | None, spec: str = ".4g") -> str:
 
 
 def format_epoch_table(summaries: Sequence[EpochSummary]) -> str:
-    """A short fixed-width table, one row per epoch summary."""
+    """A short fixed-width table, one row per epoch summary; columns are named after the :class:`EpochSummary`
+    fields they show (``max_norm``, ``mean_norm``: global L2 gradient norms; ``min_health``: the worst step)."""
     header = (
-        f"{'epoch':>5} {'steps':>5} {'loss':>9} {'max|g|':>9} {'mean|g|':>9} {'health':>6} "
+        f"{'epoch':>5} {'steps':>5} {'loss':>9} {'max_norm':>9} {'mean_norm':>9} {'min_health':>10} "
         f"{'NaN':>6} {'Inf':>6} {'skip':>4}  first non-finite"
     )
     lines = [header, "-" * len(header)]
@@ -89,7 +90,7 @@ def format_epoch_table(summaries: Sequence[EpochSummary]) -> str:
         first = "-" if s.first_nonfinite_step is None else f"step {s.first_nonfinite_step}: {s.first_nonfinite_param}"
         lines.append(
             f"{s.epoch:>5} {s.steps:>5} {fmt(s.loss):>9} {fmt(s.max_norm):>9} {fmt(s.mean_norm):>9} "
-            f"{fmt(s.min_health, '.3f'):>6} {s.nan_count:>6} {s.inf_count:>6} {s.skipped_steps:>4}  {first}"
+            f"{fmt(s.min_health, '.3f'):>10} {s.nan_count:>6} {s.inf_count:>6} {s.skipped_steps:>4}  {first}"
         )
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.report import GradReport
 from torch_gradstats.stats import GradStats, grad_stats
+from torch_gradstats.training._args import check_int, check_positive_number
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
 from torch_gradstats.training._step import OptimizerStepper
@@ -123,18 +124,11 @@ class Trainer:
                     f"parameter {name!r} is on {p.device} but the trainer's device is {self.device}; "
                     f"move the model first (model.to({str(self.device)!r})) and then create the optimizer"
                 )
-        for arg, value in (
-            ("stats_every", stats_every),
-            ("accumulation_steps", accumulation_steps),
-            ("log_every", log_every),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
-        bad_sync = isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
-        if sync_every is not None and bad_sync:
-            raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
+        stats_every = check_int("stats_every", stats_every)
+        accumulation_steps = check_int("accumulation_steps", accumulation_steps)
+        log_every = check_int("log_every", log_every)
+        sync_every = None if sync_every is None else check_int("sync_every", sync_every, or_none=True)
+        max_grad_norm = check_positive_number("max_grad_norm", max_grad_norm)
         if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
             raise TypeError(f"spike_guard must be a SpikeGuard or None, got {type(spike_guard).__name__}")
         if adaptive_clip is not None and not isinstance(adaptive_clip, AdaptiveClip):
@@ -192,9 +186,7 @@ class Trainer:
 
     @global_step.setter
     def global_step(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"global_step must be a non-negative int, got {value!r}")
-        self._stepper.count = value
+        self._stepper.count = check_int("global_step", value, minimum=0)
 
     @property
     def device_side_skip(self) -> bool:
@@ -203,17 +195,21 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- public
     def fit(self, loader: Iterable[Any], epochs: int) -> list[EpochSummary]:
-        """Run ``epochs`` epochs over ``loader``; return their summaries."""
-        return [self.train_epoch(loader) for _ in range(epochs)]
+        """Run ``epochs`` epochs (an int >= 1) over ``loader``; return their summaries."""
+        return [self.train_epoch(loader) for _ in range(check_int("epochs", epochs))]
 
     def train_epoch(self, loader: Iterable[Any]) -> EpochSummary:
         """Train one epoch over ``loader`` (batches of ``(inputs, targets)``) and return its summary.
 
-        Empty batches are counted and skipped (see ``accumulation_steps``).
+        A batch is a pair (tuple, list or namedtuple); its inputs and targets may be tensors, dicts, namedtuples,
+        dataclasses or nested mixes of them, moved to the device as Lightning's ``move_data_to_device`` moves
+        them; the model gets the inputs and ``loss_fn`` the targets in the same structure. The batch size is read
+        from the shape of the first tensor with a batch dimension inside. Empty batches are counted and skipped
+        (see ``accumulation_steps``).
 
         Raises:
-            ValueError: the loader yields no batches or only empty ones, or a batch is not an ``(inputs, targets)``
-                pair.
+            TypeError: a batch is not a tuple, list or namedtuple.
+            ValueError: the loader yields no batches or only empty ones, or a batch does not have two items.
         """
         length = safe_len(loader)
         if length == 0:

@@ -1,0 +1,174 @@
+"""The demo's table labels, its progress bar (on a real pseudo-terminal and in a pipe) and the data behind its
+figure (the matplotlib artists and log.jsonl, not pixels)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torch_gradstats import demo
+from torch_gradstats.training import format_epoch_table
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _steps(log: Path) -> list[dict]:
+    return [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "step"]
+
+
+# ------------------------------------------------------------------------------------------------- the table
+def test_table_columns_are_named_for_what_they_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = demo.run(steps=30, out=tmp_path, progress=False, plot=False, inject_nan=27)
+    out = capsys.readouterr().out
+    assert demo.TABLE_KEY in out
+    header, _, *rows = format_epoch_table(result.summaries).splitlines()
+    assert "max|g|" not in out and "mean|g|" not in out
+    columns = header.split()[:8]
+    assert columns == ["epoch", "steps", "loss", "max_norm", "mean_norm", "min_health", "NaN", "Inf"]
+    assert header in out
+    for summary, row in zip(result.summaries, rows):
+        cells = dict(zip(columns, row.split()))
+        # each column holds the EpochSummary field it is named after
+        assert float(cells["max_norm"]) == pytest.approx(summary.max_norm, rel=1e-3)
+        assert float(cells["mean_norm"]) == pytest.approx(summary.mean_norm, rel=1e-3)
+        assert float(cells["min_health"]) == pytest.approx(summary.min_health, abs=1e-3)
+    # the norms are global L2 norms of the steps; min_health is the worst step, 0.0 in the epoch of the NaN
+    steps = _steps(result.log)
+    second = [r for r in steps if r["epoch"] == 1]
+    assert result.summaries[1].max_norm == max(r["total_norm"] for r in second if r["total_norm"] is not None)
+    assert result.summaries[1].min_health == 0.0 and result.summaries[0].min_health == 1.0
+
+
+# ------------------------------------------------------------------------------------------------- progress bar
+def _demo_in_pty(tmp_path: Path, args: list[str], size: tuple[int, int] | None) -> tuple[int, str]:
+    """Run ``python -m torch_gradstats demo`` with stdin, stdout and stderr on a new pseudo-terminal; returns the
+    exit status and everything the terminal received."""
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    if size is not None:
+        rows, cols = size
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "torch_gradstats", "demo", *args], stdin=slave, stdout=slave,
+                            stderr=slave, cwd=tmp_path, env=ENV, close_fds=True)
+    os.close(slave)
+    received = bytearray()
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                break
+            if not data:
+                break
+            received += data
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return proc.wait(timeout=30), received.decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [(24, 100), None], ids=["sized_terminal", "unsized_terminal"])
+def test_progress_bar_shows_on_a_terminal(tmp_path: Path, size: tuple[int, int] | None) -> None:
+    """A terminal gets the bar; one that reports a 0x0 size (``script``, CI runners) gets it too, 80 wide."""
+    pytest.importorskip("tqdm")
+    rc, text = _demo_in_pty(tmp_path, ["--steps", "30", "--no-plot", "--out", "o"], size)
+    assert rc == 0, text
+    assert "demo: 100%|" in text and "30/30" in text, text
+    assert "max_norm" in text and "Skipped 0 optimizer step(s)" in text  # the table and summary still show
+    if size is None:
+        final = text[text.rindex("demo: 100%|"):].split("\r")[0].split("\n")[0]
+        assert len(final) == 80  # tqdm's own width for an unsized terminal would draw nothing
+
+
+@pytest.mark.slow
+def test_no_progress_on_a_terminal(tmp_path: Path) -> None:
+    pytest.importorskip("tqdm")
+    rc, text = _demo_in_pty(tmp_path, ["--steps", "5", "--no-plot", "--no-progress", "--out", "o"], (24, 100))
+    assert rc == 0, text
+    assert "demo:" not in text.replace("torch_gradstats demo:", "") and "%|" not in text
+
+
+@pytest.mark.slow
+def test_progress_bar_stays_quiet_in_a_pipe(tmp_path: Path) -> None:
+    pytest.importorskip("tqdm")
+    proc = subprocess.run([sys.executable, "-m", "torch_gradstats", "demo", "--steps", "30", "--no-plot", "--out",
+                           "o"], capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # nothing for a log file: no bar, no carriage returns
+    assert "max_norm" in proc.stdout and "\r" not in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------- the figure
+def _nonfinite_panel(result: demo.DemoResult, inject_step: int | None) -> tuple[Any, Any]:  # figure, Axes
+    pytest.importorskip("matplotlib")
+    fig = demo._figure(result.summaries, inject_step)
+    return fig, fig.axes[3]
+
+
+def _bar_heights(ax: Any) -> dict[int, float]:
+    """Height of the stacked NaN + Inf bars at each step, read from the bar artists."""
+    heights: dict[int, float] = {}
+    for container in ax.containers:
+        for patch in container.patches:
+            step = round(patch.get_x() + patch.get_width() / 2)
+            heights[step] = heights.get(step, 0.0) + patch.get_height()
+    return heights
+
+
+def test_figure_shows_the_injected_nan_step(tmp_path: Path) -> None:
+    result = demo.run(steps=30, inject_nan=20, out=tmp_path, progress=False, plot=True)
+    assert result.plot is not None and result.plot.read_bytes()[:4] == b"\x89PNG"
+    steps = _steps(result.log)
+    numel = dict(demo.make_model(0).named_parameters())["hidden.weight"].numel()
+    logged = {r["step"]: r["nan_count"] + r["inf_count"] for r in steps}
+    assert {s: n for s, n in logged.items() if n} == {20: numel}
+
+    fig, ax = _nonfinite_panel(result, 20)
+    heights = _bar_heights(ax)
+    assert heights == {s: float(n) for s, n in logged.items()}  # the bars are the log, step for step
+    markers = [line for line in ax.lines if line.get_marker() == "v"]
+    assert [(list(m.get_xdata()), list(m.get_ydata())) for m in markers] == [([20], [numel])]
+    low, high = ax.get_ylim()
+    assert low == 0 and high > numel  # the bar fits in the panel
+    texts = [t.get_text() for t in ax.texts]
+    assert texts == [f"step 20: {numel} NaN (first in hidden.weight); step skipped"]
+    assert "NaN injected at step 20" in fig._suptitle.get_text()
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert [list(line.get_xdata()) for line in dashed] == [[20, 20]]
+
+
+def test_default_run_figure_says_nothing_went_non_finite(tmp_path: Path) -> None:
+    result = demo.run(steps=30, out=tmp_path, progress=False, plot=True)
+    steps = _steps(result.log)
+    assert len(steps) == 30 and not any(r["nan_count"] or r["inf_count"] or r["skipped"] for r in steps)
+
+    fig, ax = _nonfinite_panel(result, None)
+    assert set(_bar_heights(ax).values()) == {0.0}
+    assert ax.get_ylim()[0] == 0  # a count axis, not one centred on zero with negative ticks
+    assert [t.get_text() for t in ax.texts] == ["no NaN or Inf gradient in this run (--inject-nan STEP makes one)"]
+    assert not any(line.get_marker() == "v" and len(line.get_xdata()) for line in ax.lines)
+    assert ax.get_legend() is None
+    assert "injected" not in fig._suptitle.get_text()
+    assert all(math.isfinite(r["total_norm"]) for r in steps)
