@@ -30,10 +30,12 @@ LAYERS = {
     "torch_gradstats.distributed": 3,
     "torch_gradstats._scalars": 3,
     "torch_gradstats.report": 4,
+    "torch_gradstats.groups": 4.5,  # per-group figures from per-parameter ones; GradStats.grouped delegates here
     "torch_gradstats.stats": 5,
     "torch_gradstats.clip": 6,
     "torch_gradstats.collector": 6,
     "torch_gradstats.updates": 6,
+    "torch_gradstats.noise_scale": 6,
     "torch_gradstats.guard": 6,
     "torch_gradstats.adaptive_clip": 6.5,  # a policy like guard, that clips through clip
     "torch_gradstats.training": 7,  # and every module of the training package

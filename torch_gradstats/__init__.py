@@ -15,8 +15,11 @@ from torch_gradstats import collector
 from torch_gradstats._extension import HAS_EXTENSION
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.groups import GroupStats
 from torch_gradstats.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.health import HealthPolicy
+from torch_gradstats.noise_scale import NoiseScale, noise_scale_hook
+from torch_gradstats.report import GroupReport
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
 from torch_gradstats.training import EpochSummary, StepRecord, Trainer
 from torch_gradstats.training._skip import step_or_skip
@@ -30,7 +33,10 @@ __all__ = [
     "EpochSummary",
     "GradReport",
     "GradStats",
+    "GroupReport",
+    "GroupStats",
     "HealthPolicy",
+    "NoiseScale",
     "SpikeGuard",
     "SpikeStreakError",
     "StepRecord",
@@ -40,5 +46,6 @@ __all__ = [
     "collector",
     "grad_stats",
     "multi_tensor_stats",
+    "noise_scale_hook",
     "step_or_skip",
 ]

@@ -89,7 +89,9 @@ def clip_grad_norm_(
 
     Returns:
         The :class:`~torch_gradstats.stats.GradStats` of the gradients *before* clipping, with ``clip_norm`` (the
-        total norm used, float64 0-d) and ``clip_coef`` (the clamped coefficient applied) set. ``clip_norm``
+        total norm used, float64 0-d), ``clip_coef`` (the clamped coefficient applied) and ``clipped_norm`` (the
+        total norm after clipping, ``clip_coef * clip_norm``) set, all device tensors; its report carries
+        ``clip_coef`` and ``clipped_norm``. ``clip_norm``
         equals what ``torch.nn.utils.clip_grad_norm_`` returns (as float64), except where PyTorch's norm, computed
         in the gradients' dtype, overflows or rounds (see the module docstring): there ``clip_norm`` is the true
         finite norm, and gradients PyTorch would zero are scaled to ``max_norm`` instead.
@@ -124,6 +126,7 @@ def clip_grad_norm_(
     if not grads:
         stats.clip_norm = torch.zeros((), dtype=torch.float64, device=home)
         stats.clip_coef = torch.ones((), dtype=torch.float64, device=home)
+        stats.clipped_norm = stats.clip_norm
         return stats
 
     if norm_type == 2.0:
@@ -174,4 +177,5 @@ def clip_grad_norm_(
 
     stats.clip_norm = total
     stats.clip_coef = coef
+    stats.clipped_norm = total * coef  # the norm the gradients have now (pre-clip is clip_norm, or total_norm)
     return stats
