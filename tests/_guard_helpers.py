@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
+import torch_gradstats.fallback
+
 KINDS = ["noise", "trend", "rising", "spikes", "plateaus", "nonfinite", "mixed"]
 
 
@@ -51,8 +53,10 @@ HOST_READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist",
 @contextlib.contextmanager
 def forbid_host_reads() -> Iterator[None]:
     """Every way of reading a tensor's value into Python (``Tensor.item``, ``bool()``, ``float()``, ``tolist``,
-    ``cpu``, ...) raises inside this context."""
+    ``cpu``, ...) raises inside this context. The pure-PyTorch kernel is told it is on another device: on the CPU it
+    reads a batch's min/max |x| (no sync there), elsewhere it reads nothing."""
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    branches = torch_gradstats.fallback._branches_on_host
 
     def raiser(name: str):  # type: ignore[no-untyped-def]
         def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -63,7 +67,9 @@ def forbid_host_reads() -> Iterator[None]:
     try:
         for name in HOST_READS:
             setattr(torch.Tensor, name, raiser(name))
+        torch_gradstats.fallback._branches_on_host = lambda device: False
         yield
     finally:
+        torch_gradstats.fallback._branches_on_host = branches
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)

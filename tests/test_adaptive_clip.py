@@ -161,9 +161,11 @@ def test_clip_grad_norm_takes_a_tensor_max_norm_like_a_number():
     with forbid_host_reads(), HostReads() as mode:
         got = clip_grad_norm_(b.parameters(), torch.tensor(0.5, dtype=torch.float32))
     assert mode.count == 0
-    assert torch.equal(got.clip_coef, want.clip_coef) and got.clip_coef.item() < 1
+    # (bit-equal with the compiled kernel; the pure-PyTorch one takes another path when it may not read the host)
+    torch.testing.assert_close(got.clip_coef, want.clip_coef, rtol=1e-6, atol=0)
+    assert got.clip_coef.item() < 1
     for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p.grad, q.grad)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="max_norm must have one element"):
         clip_grad_norm_(b.parameters(), torch.ones(2))
     with pytest.raises(TypeError, match="max_norm as a tensor must be floating point"):

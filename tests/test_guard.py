@@ -483,7 +483,7 @@ def _eager_decisions(steps, device):
 
 @cuda
 def test_cuda_observe_threshold_clip_and_fused_step_never_sync():
-    from torch_gradstats import AdaptiveClip, step_or_skip
+    from torch_gradstats import AdaptiveClip, grad_stats, step_or_skip
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -493,6 +493,7 @@ def test_cuda_observe_threshold_clip_and_fused_step_never_sync():
     x = torch.randn(16, 64, device=device)
     model(x).square().mean().backward()
     optimizer.step()  # the optimizer's state is made outside the checked region
+    grad_stats(model.parameters())  # and the op's metadata cache entry of this gradient list
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -738,3 +739,31 @@ def test_bench_guard_runs():
                          "+ OLMo list rule", "step_or_skip", "optimizer.step"}
     assert all(us > 0 for us, _ in rows.values())
     assert rows["+ SpikeGuard"][1] > rows["grad_stats"][1] > 0
+
+
+def test_load_state_dict_keeps_a_compiled_step_valid():
+    """Loading copies into the state tensors in place (same window): a compiled step keeps its graph and reads the
+    loaded state."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from torch_gradstats import AdaptiveClip
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    guard, clip = SpikeGuard(window=8, sigma=2.0), AdaptiveClip(warmup=4)
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def decide(norm):
+        return guard.observe(norm), clip.threshold(norm)
+
+    values = [_t(v) for v in sequence("spikes", 40, seed=31)]  # (a NaN 0-d CPU input would specialise the graph)
+    for v in values[:20]:
+        decide(v)
+    compiled = counter.frame_count
+    saved = (guard.state_dict(), clip.state_dict())
+    first = [tuple(t.item() for t in decide(v)) for v in values[20:]]
+    guard.load_state_dict(saved[0])
+    clip.load_state_dict(saved[1])
+    again = [tuple(t.item() for t in decide(v)) for v in values[20:]]
+    assert again == first and counter.frame_count == compiled  # no recompile
+    torch._dynamo.reset()

@@ -1,5 +1,5 @@
-"""Settings and per-step figures of the policies that act on statistics (guard, adaptive_clip): checked settings,
-and a figure given as a tensor or a number made a float64 0-d tensor on the policy's device without a host sync."""
+"""What the policies that act on statistics (guard, adaptive_clip) share: checked settings, a per-step figure given as
+a tensor or a number made a float64 0-d tensor without a host sync, and the moves of their state between devices."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numbers
 import torch
 from torch import Tensor
 
-from torch_gradstats._transfer import to_device
+from torch_gradstats._transfer import fetch, to_device
 
-__all__ = ["as_figure", "check_int", "check_real"]
+__all__ = ["as_figure", "check_int", "check_real", "load_state", "moved"]
 
 
 def check_real(
@@ -56,3 +56,20 @@ def as_figure(where: str, value: object, device: torch.device) -> Tensor:
     if torch.compiler.is_compiling():  # a constant of the graph
         return torch.tensor(float(value), dtype=torch.float64, device=device)
     return to_device(torch.tensor(float(value), dtype=torch.float64), device)
+
+
+def moved(t: Tensor, device: torch.device) -> Tensor:
+    """A copy of the state tensor ``t`` on ``device`` (to the host only when loading or moving state, not per step)."""
+    if t.device == device:
+        return t.clone()
+    if device.type == "cpu":
+        return fetch(t).clone()
+    return to_device(t, device).clone()
+
+
+def load_state(current: Tensor, saved: Tensor) -> Tensor:
+    """``saved`` as the new value of the state tensor ``current``: copied into it in place where the shapes agree,
+    so a compiled function or a captured CUDA graph that holds ``current`` keeps working; else a copy on its device."""
+    if current.shape == saved.shape and current.dtype == saved.dtype:
+        return current.copy_(moved(saved, current.device))
+    return moved(saved, current.device)

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._scalars import as_figure, check_int, check_real
-from torch_gradstats._transfer import fetch, to_device, to_host
+from torch_gradstats._scalars import as_figure, check_int, check_real, load_state, moved
+from torch_gradstats._transfer import to_host
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.stats import GradStats, ParamsLike, _named_params, grad_stats
 
@@ -39,14 +39,6 @@ _EPS = 1e-6  # ZClip's eps in the z-score, and the eps of the clipping coefficie
 _CLIP_OPTIONS = ("adaptive_scaling", "mean")
 # Columns of _last: the threshold, the coefficient clipping to it applies, the z-score.
 _THRESHOLD, _COEF, _Z = range(3)
-
-
-def _move(t: Tensor, device: torch.device) -> Tensor:
-    if t.device == device:
-        return t.clone()
-    if device.type == "cpu":
-        return fetch(t).clone()
-    return to_device(t, device).clone()
 
 
 class AdaptiveClip:
@@ -108,7 +100,7 @@ class AdaptiveClip:
         """Move the state to ``device`` (not needed per step: :meth:`threshold` moves it once); returns self."""
         device = torch.device(device)
         for name in self._STATE:
-            setattr(self, name, _move(getattr(self, name), device))
+            setattr(self, name, moved(getattr(self, name), device))
         return self
 
     # ------------------------------------------------------------------------------------------- the step
@@ -257,11 +249,11 @@ class AdaptiveClip:
                 raise ValueError(
                     f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+        current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
-        self._warm = _move(state["warmup_norms"], self.device)
-        self._count = _move(state["count"], self.device)
-        self._ema = _move(state["ema"], self.device)
-        self._last = _move(state["last"], self.device)
+        for name, key in (("_warm", "warmup_norms"), ("_count", "count"), ("_ema", "ema"), ("_last", "last")):
+            setattr(self, name, load_state(current[name], state[key]))
+        self._slots = load_state(current["_slots"], self._slots)
 
     def __repr__(self) -> str:
         return (

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._scalars import as_figure, check_int, check_real
-from torch_gradstats._transfer import fetch, to_device, to_host
+from torch_gradstats._scalars import as_figure, check_int, check_real, load_state, moved
+from torch_gradstats._transfer import to_device, to_host
 
 __all__ = ["SpikeGuard", "SpikeStreakError"]
 
@@ -59,15 +59,6 @@ class SpikeStreakError(RuntimeError):
         self.consecutive = consecutive
         self.values = values
         self.bands = bands
-
-
-def _move(t: Tensor, device: torch.device) -> Tensor:
-    """A copy of the state tensor ``t`` on ``device`` (to the host only when loading or moving state, not per step)."""
-    if t.device == device:
-        return t.clone()
-    if device.type == "cpu":
-        return fetch(t).clone()
-    return to_device(t, device).clone()
 
 
 class SpikeGuard:
@@ -140,7 +131,7 @@ class SpikeGuard:
         """Move the state to ``device`` (not needed per step: :meth:`observe` moves it once); returns self."""
         device = torch.device(device)
         for name in self._STATE:
-            setattr(self, name, _move(getattr(self, name), device))
+            setattr(self, name, moved(getattr(self, name), device))
         return self
 
     # ------------------------------------------------------------------------------------------- the step
@@ -350,13 +341,12 @@ class SpikeGuard:
                 raise ValueError(
                     f"SpikeGuard.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+        current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
-        self._hist = _move(state["history"], self.device)
-        self._count = _move(state["count"], self.device)
-        self._pos = _move(state["position"], self.device)
-        self._counters = _move(state["counters"], self.device)
-        self._last = _move(state["last"], self.device)
-        self._trip = _move(state["trip"], self.device)
+        for name, key in (("_hist", "history"), ("_count", "count"), ("_pos", "position"), ("_counters", "counters"),
+                          ("_last", "last"), ("_trip", "trip")):
+            setattr(self, name, load_state(current[name], state[key]))
+        self._slots = load_state(current["_slots"], self._slots)
 
     def __repr__(self) -> str:
         return (
