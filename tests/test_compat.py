@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import torch_gradstats.compat.shards as shards_module
+import torch_gradstats.fallback
 from torch_gradstats.compat import megatron, torchtitan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +55,9 @@ def _ref_norm(params: list[nn.Parameter], p: float) -> float:
 
 @pytest.fixture
 def no_host_sync(monkeypatch):
-    """Every way of reading a tensor into Python raises inside the test body."""
+    """Every way of reading a tensor into Python raises inside the test body. The pure-PyTorch kernel reads a CPU
+    batch's min/max |x| (no sync on the CPU); it is told it is elsewhere, so it runs its sync-free path."""
+    monkeypatch.setattr(torch_gradstats.fallback, "_branches_on_host", lambda device: False)
 
     def forbid(name):
         def raiser(*args, **kwargs):
