@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
-from torch_gradstats.compat import megatron, torchtitan
+from torch_gradstats.compat import deepspeed, megatron, torchtitan
+from torch_gradstats.ops import reference_multi_tensor_stats
 
 NORMS = (2.0, 1.0, math.inf, 3.0)
 
@@ -167,10 +168,29 @@ def megatron_dtensor(rank: int, world: int) -> None:
         assert zeros == sum(int((g == 0).sum()) for g in full), zeros
 
 
+def zero_partitions(rank: int, world: int) -> None:
+    """ZeRO stage 1/2 layout: flat buffer padded to alignment * world, equal partitions; parameters straddle them."""
+    full = _full(5)
+    full[0][1, 1] = float("nan")
+    numels = [g.numel() for g in full]
+    for alignment in (1, 2, 4):
+        flat = torch.cat([g.reshape(-1) for g in full])
+        unit = alignment * world
+        padded = -(-flat.numel() // unit) * unit
+        flat = torch.cat([flat, torch.full((padded - flat.numel(),), 7.0)])  # padding must not count
+        size = padded // world
+        part = flat[rank * size : (rank + 1) * size].clone()
+        got = deepspeed.partition_stats(part, numels, alignment=alignment)
+        want = reference_multi_tensor_stats(full)
+        torch.testing.assert_close(got.sumsq, want[0], rtol=1e-6, atol=0, equal_nan=True)
+        torch.testing.assert_close(got.amax, want[1], equal_nan=True)
+        assert torch.equal(got.counts, want[2]), (got.counts, want[2])
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (pipeline_split, dtensor_shards, expert_and_dense_meshes, nonfinite_raises_on_every_rank, megatron_group,
-              megatron_dtensor)
+              megatron_dtensor, zero_partitions)
 }
 
 

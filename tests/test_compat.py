@@ -1,6 +1,7 @@
-"""The drop-ins of torch_gradstats.compat: torchtitan's clip_grad_norm_ and Megatron-LM's get_grad_norm_fp32 /
-count_zeros_fp32, against torch.nn.utils.clip_grad_norm_ and a float64 reference, in one process and on 2 gloo
-ranks (pipeline stages, DTensor shards, expert and dense meshes, a model-parallel group)."""
+"""The drop-ins of torch_gradstats.compat: torchtitan's clip_grad_norm_, Megatron-LM's get_grad_norm_fp32 /
+count_zeros_fp32 and the ZeRO partition statistics, against torch.nn.utils.clip_grad_norm_ and a float64 reference,
+in one process and on 2 gloo ranks (pipeline stages, DTensor shards, expert and dense meshes, a model-parallel
+group, ZeRO partitions)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch import nn
 
 import torch_gradstats.compat.shards as shards_module
 import torch_gradstats.fallback
-from torch_gradstats.compat import megatron, torchtitan
+from torch_gradstats.compat import deepspeed, megatron, torchtitan
+from torch_gradstats.ops import reference_multi_tensor_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _compat_dist_worker
@@ -202,6 +204,44 @@ def test_megatron_single_tensor_and_bad_arguments():
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="not initialized"):
             megatron.get_grad_norm_fp32(g, 2, object())
+
+
+# ------------------------------------------------------------------------------------------------ ZeRO partitions
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("alignment", [1, 2, 4])
+def test_zero_partition_pieces_cover_each_element_once(world, alignment):
+    numels = [5, 9, 0, 1, 6, 33]
+    pieces = deepspeed.partition_pieces(numels, world, alignment)
+    size = -(-sum(numels) // (alignment * world)) * alignment
+    assert len(pieces) == world and size % alignment == 0
+    seen = [torch.zeros(n, dtype=torch.int64) for n in numels]
+    for rank, mine in enumerate(pieces):
+        for p in mine:
+            assert 0 <= p.partition_start and p.partition_start + p.length <= size
+            # the piece's place in the flat buffer is the parameter's offset plus its start
+            assert rank * size + p.partition_start == sum(numels[: p.param]) + p.param_start
+            seen[p.param][p.param_start : p.param_start + p.length] += 1
+    assert all(bool((s == 1).all()) for s in seen)
+
+
+def test_zero_partition_stats_single_rank_and_bad_inputs():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    grads = [torch.randn(3, 2), torch.zeros(4), torch.tensor([float("inf")])]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.ones(1)])  # padded to alignment 2
+    got = deepspeed.partition_stats(flat, [6, 4, 1], alignment=2)
+    want = reference_multi_tensor_stats(grads)
+    torch.testing.assert_close(got.sumsq, want[0])
+    torch.testing.assert_close(got.amax, want[1])
+    assert torch.equal(got.counts, want[2])
+    with pytest.raises(ValueError, match="12 elements"):
+        deepspeed.partition_stats(flat[:-1], [6, 4, 1], alignment=2)
+    with pytest.raises(TypeError, match="partition"):
+        deepspeed.partition_stats([1.0], [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"numels\[1\]"):
+        deepspeed.partition_pieces([1, -2], 2)
+    with pytest.raises(TypeError, match="world_size"):
+        deepspeed.partition_pieces([1], 2.0)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------ 2 gloo ranks

@@ -4,11 +4,13 @@
   (pipeline mesh, expert-parallel switch, DTensor gradients), one fused read and no host sync.
 * :mod:`torch_gradstats.compat.megatron`: ``get_grad_norm_fp32`` and ``count_zeros_fp32`` with Megatron-LM's
   signatures and return types; the two share one read (and one reduction) when called on the same gradients.
+* :mod:`torch_gradstats.compat.deepspeed`: whole-parameter statistics from DeepSpeed ZeRO stage 1/2 gradient
+  partitions, by the layout's arithmetic.
 
-Neither module imports torchtitan or Megatron: they reproduce the functions' contracts on plain PyTorch
+None of them imports torchtitan, Megatron or DeepSpeed: they reproduce the functions' contracts on plain PyTorch
 (``torch.distributed`` and DTensor). See docs/compat.md.
 """
 
 from __future__ import annotations
 
-__all__ = ["megatron", "torchtitan"]
+__all__ = ["deepspeed", "megatron", "torchtitan"]
