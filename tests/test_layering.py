@@ -34,6 +34,7 @@ LAYERS = {
     "torch_gradstats.stats": 5,
     "torch_gradstats.activations": 5,  # and every module of the activations package
     "torch_gradstats.clip": 6,
+    "torch_gradstats.compat": 6,  # drop-ins that read and clip like clip.py, on the op and torch.distributed
     "torch_gradstats.collector": 6,
     "torch_gradstats.updates": 6,
     "torch_gradstats.noise_scale": 6,
@@ -44,7 +45,12 @@ LAYERS = {
 }
 TOP = 100  # entry points: anything not listed
 #: Modules of one package may import each other (cycles are still forbidden).
-SAME_LAYER_OK = {"torch_gradstats.training", "torch_gradstats.integrations", "torch_gradstats.activations"}
+SAME_LAYER_OK = {
+    "torch_gradstats.training",
+    "torch_gradstats.integrations",
+    "torch_gradstats.activations",
+    "torch_gradstats.compat",
+}
 
 #: Private names one module may import from another, with the reason.
 ALLOWED_PRIVATE = {
