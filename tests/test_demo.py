@@ -256,7 +256,9 @@ def test_nan_in_a_module_forward_names_that_module(
     assert steps[20]["loss"] is None and steps[20]["nan_count"] > 0 and steps[21]["loss"] is not None
 
 
-def test_gradient_nan_with_the_watch_names_no_forward_origin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gradient_nan_with_the_watch_names_no_forward_origin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = demo.run(steps=30, inject_nan=20, watch_activations=True, out=tmp_path, progress=False, plot=False)
     out = capsys.readouterr().out
     # the NaN was put into a gradient after the backward: every activation was finite
