@@ -456,7 +456,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="python -m torch_gradstats demo", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
     p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
-                   help="make one parameter's gradient NaN at this optimizer step (0-based)")
+                   help="make one parameter's gradient (or a module's output: --nan-module) NaN at this optimizer step "
+                        "(0-based)")  # fmt: skip
     p.add_argument("--inject-param", default=None, metavar="NAME",
                    help="the parameter whose gradient --inject-nan poisons (default hidden.weight)")
     p.add_argument("--nan-module", default=None, metavar="NAME",
