@@ -277,3 +277,45 @@ def test_cli_tensorboard_missing_names_the_package(tmp_path):
 def test_cli_demo_in_range_extreme_seed_runs(tmp_path):
     assert main(["demo", "--steps", "1", "--seed", str(2**64 - 2), "--out", str(tmp_path), "--no-plot",
                  "--no-progress"]) == 0  # fmt: skip
+
+
+_MODULES = "one of ['embed', 'act1', 'hidden', 'act2', 'head']"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--inject-spike", "-1"], ["demo: error: --inject-spike -1 is outside the run's optimizer steps 0..199"]),
+        (["--steps", "30", "--inject-spike", "30"], ["--inject-spike 30 is outside the run's optimizer steps 0..29"]),
+        (["--inject-spike", "3"], ["--inject-spike 3 falls in the spike guard's warm-up: it judges steps 11..199"]),
+        (["--inject-spike", "2.5"], ["demo: error: argument --inject-spike: invalid int value: '2.5'"]),
+        (["--inject-nan", "5", "--nan-module", "nope"], ["demo: error: --nan-module 'nope' is not a module", _MODULES]),
+        (["--nan-module", "hidden"], ["--nan-module hidden needs --inject-nan STEP"]),
+        (["--inject-nan", "-2", "--nan-module", "hidden"], ["--inject-nan -2 is outside the run's optimizer steps"]),
+        (["--inject-nan", "5", "--nan-module", "hidden", "--inject-param", "head.bias"],
+         ["give --inject-param (a gradient) or --nan-module (a forward output) to poison, not both"]),
+    ],
+    ids=["spike-negative", "spike-past-end", "spike-in-warm-up", "spike-not-int", "bad-module", "module-no-step",
+         "nan-negative", "param-and-module"],
+)
+def test_cli_injection_errors_are_status_2_and_one_line(tmp_path, args, expected):
+    out = tmp_path / "out"
+    proc = _run_cli(["demo", *args, "--out", str(out), "--no-plot", "--no-progress"], tmp_path)
+    _assert_one_line_error(proc, *expected)
+    assert not out.exists()  # refused before training
+
+
+def test_cli_nan_module_names_the_forward_origin(tmp_path):
+    proc = _run_cli(["demo", "--steps", "30", "--inject-nan", "20", "--nan-module", "hidden", "--no-plot",
+                     "--out", str(tmp_path)], tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "forward origin hidden" in proc.stdout
+    assert "ActivationWatch: forward origin of the non-finite values: hidden (step 20)." in proc.stdout
+    assert proc.stderr == ""  # the Trainer's repeated warnings are printed once, on stdout, not on stderr
+
+
+def test_cli_inject_spike_names_the_skipped_step(tmp_path, capsys):
+    assert main(["demo", "--steps", "30", "--inject-spike", "20", "--adaptive-clip", "--no-plot", "--no-progress",
+                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "with SpikeGuard, AdaptiveClip" in out and "SpikeGuard skipped step 20 (global grad norm" in out

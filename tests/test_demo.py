@@ -172,3 +172,97 @@ def test_default_run_figure_says_nothing_went_non_finite(tmp_path: Path) -> None
     assert ax.get_legend() is None
     assert "injected" not in fig._suptitle.get_text()
     assert all(math.isfinite(r["total_norm"]) for r in steps)
+
+
+# ------------------------------------------------------------------------------------- spike guard, clip, watch
+def _run_record(log: Path) -> dict:
+    return next(r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "run")
+
+
+def _labelled(ax: Any, label: str) -> Any:
+    return next(line for line in ax.lines if line.get_label() == label)
+
+
+def test_spike_guard_skips_the_injected_spike(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = demo.run(steps=30, inject_spike=20, out=tmp_path, progress=False, plot=True)
+    out = capsys.readouterr().out
+    assert "gradients multiplied by 1000 at step 20; with SpikeGuard" in out
+    assert "SpikeGuard skipped step 20 (global grad norm" in out
+    run = _run_record(result.log)
+    assert run["inject_spike"] == 20 and run["spike_guard"] is True and run["guard_skipped_steps"] == [20]
+    assert run["policy_figures"]["guard/skipped"] == 1
+    steps = _steps(result.log)
+    assert [r["step"] for r in steps if r["skipped"]] == [20]
+    assert not any(r["nan_count"] or r["inf_count"] for r in steps)  # finite: the guard skipped it, not the NaN check
+    others = sorted(r["total_norm"] for r in steps if r["step"] != 20)
+    assert steps[20]["total_norm"] > 100 * others[-1]  # the spike the log recorded is the injected one
+    assert result.plot is not None
+
+    fig = demo._figure(result.summaries, None, None, 20)
+    marker = _labelled(fig.axes[1], "skipped by SpikeGuard")
+    assert list(marker.get_xdata()) == [20] and list(marker.get_ydata()) == [steps[20]["total_norm"]]
+    assert [t.get_text() for t in fig.axes[1].texts] == ["step 20 skipped"]
+    for ax in fig.axes:  # a dotted line marks the skipped step on every panel
+        assert [list(line.get_xdata()) for line in ax.lines if line.get_linestyle() == ":"] == [[20, 20]]
+    assert "gradients x1000 at step 20" in fig._suptitle.get_text()
+
+
+def test_spike_guard_alone_skips_nothing_in_a_clean_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = demo.run(steps=50, spike_guard=True, out=tmp_path, progress=False, plot=False)
+    assert "SpikeGuard skipped no step." in capsys.readouterr().out
+    assert _run_record(result.log)["guard_skipped_steps"] == []
+    assert not any(r["skipped"] for r in _steps(result.log))
+
+
+def test_adaptive_clip_threshold_is_logged_and_drawn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = demo.run(steps=30, inject_spike=20, adaptive_clip=True, out=tmp_path, progress=False, plot=False)
+    out = capsys.readouterr().out
+    steps = _steps(result.log)
+    assert len(result.thresholds) == len(steps) == 30
+    # the log holds each step's threshold (null where it is inf: no clip on that step)
+    assert [r["clip_threshold"] for r in steps] == [t if math.isfinite(t) else None for t in result.thresholds]
+    assert all(math.isinf(t) for t in result.thresholds[:10])  # the 10-step warm-up clips nothing
+    spike = steps[20]
+    assert math.isfinite(result.thresholds[20]) and result.thresholds[20] < spike["total_norm"] / 100
+    assert spike["skipped"]  # the guard judges the norm before clipping: it still skips the spike
+    clipped = sum(r["total_norm"] > t for r, t in zip(steps, result.thresholds))
+    assert f"AdaptiveClip clipped {clipped} of 30 steps" in out and clipped >= 1
+    assert _run_record(result.log)["policy_figures"]["clip/threshold"] == steps[-1]["clip_threshold"]
+
+    pytest.importorskip("matplotlib")
+    fig = demo._figure(result.summaries, None, result.thresholds, 20)
+    line = _labelled(fig.axes[1], "AdaptiveClip threshold")
+    assert list(line.get_xdata()) == [r["step"] for r in steps]
+    drawn = list(line.get_ydata())
+    assert [None if math.isnan(v) else v for v in drawn] == [r["clip_threshold"] for r in steps]
+
+
+@pytest.mark.parametrize("module", ["embed", "hidden", "head"])
+def test_nan_in_a_module_forward_names_that_module(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], module: str
+) -> None:
+    result = demo.run(steps=30, inject_nan=20, nan_module=module, out=tmp_path, progress=False, plot=False)
+    out = capsys.readouterr().out
+    assert f"NaN injected into {module}'s forward output at step 20; with ActivationWatch" in out
+    # the Trainer's warning, and its last_activation_report, name the module as the forward origin
+    assert f"Trainer warning: torch_gradstats: epoch 0: non-finite activations at step 20: forward origin {module} (" \
+        in out  # fmt: skip
+    assert f"ActivationWatch: forward origin of the non-finite values: {module} (step 20)." in out
+    run = _run_record(result.log)
+    assert (run["nan_module"], run["activation_origin"], run["activation_step"]) == (module, module, 20)
+    assert run["inject_param"] is None and run["watch_activations"] is True
+    steps = _steps(result.log)
+    assert [r["step"] for r in steps if r["skipped"]] == [20]
+    assert steps[20]["loss"] is None and steps[20]["nan_count"] > 0 and steps[21]["loss"] is not None
+
+
+def test_gradient_nan_with_the_watch_names_no_forward_origin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = demo.run(steps=30, inject_nan=20, watch_activations=True, out=tmp_path, progress=False, plot=False)
+    out = capsys.readouterr().out
+    # the NaN was put into a gradient after the backward: every activation was finite
+    assert "activations finite at step 20; first non-finite parameter gradient: hidden.weight at step 20" in out
+    assert "forward origin of the non-finite values" not in out
+    run = _run_record(result.log)
+    assert run["activation_origin"] is None and run["inject_param"] == "hidden.weight"

@@ -3,7 +3,10 @@
 Everything is generated locally (no downloads): a 3-class problem of noisy concentric rings in 2-d, lifted to 16
 features, learned by a small MLP with :class:`torch_gradstats.training.Trainer`. With ``--inject-nan STEP`` one
 named parameter's gradient is set to NaN at that optimizer step; the demo then names that step and parameter, the
-step is skipped on the device (fused Adam's ``found_inf``), and training goes on.
+step is skipped on the device (fused Adam's ``found_inf``), and training goes on. With ``--nan-module NAME`` the NaN
+goes into that module's forward output instead, and an ActivationWatch names the module as the forward origin.
+``--inject-spike STEP`` multiplies that step's gradients by 1000 and a SpikeGuard skips it; ``--adaptive-clip`` clips
+with AdaptiveClip.
 
 Outputs in ``--out`` (default ``runs/demo``): ``gradstats.png`` (loss, global gradient norm, health and non-finite
 counts over steps) and ``log.jsonl`` (one JSON object per step with stats and one per epoch; non-finite numbers are
@@ -17,24 +20,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats._demo_figure import figure
+from torch_gradstats.activations import ActivationReport
+from torch_gradstats.adaptive_clip import AdaptiveClip
+from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.training import EpochSummary, Trainer, format_epoch_table, validate_device
 
 __all__ = ["DemoResult", "build_parser", "main", "make_data", "make_model", "run"]
 
 FEATURES, CLASSES, BATCH, STEPS_PER_EPOCH = 16, 3, 64, 25
+#: ``--inject-spike`` multiplies every gradient of its step by this.
+SPIKE_FACTOR = 1000.0
+
+
+def make_guard() -> SpikeGuard:
+    """The demo's SpikeGuard: a one-epoch window, so it judges steps from step ``min_history`` (11) on, and 12 sigma:
+    early in training this small model's norm climbs by up to 10 sigma of the steps before."""
+    return SpikeGuard(window=STEPS_PER_EPOCH, sigma=12.0)
+
+
+def make_clip() -> AdaptiveClip:
+    """The demo's AdaptiveClip: ZClip's defaults with a 10-step warm-up, so short runs see it clip."""
+    return AdaptiveClip(warmup=10)
 
 
 def make_data(n: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -72,6 +94,7 @@ class DemoResult:
     seconds: float
     plot: Path | None
     log: Path
+    thresholds: list[float] = field(default_factory=list)  #: AdaptiveClip's threshold per step (with adaptive_clip)
 
 
 def _epoch_batches(x: Tensor, y: Tensor, n_batches: int, g: torch.Generator) -> list[tuple[Tensor, Tensor]]:
@@ -85,12 +108,14 @@ def _json_number(v: Any) -> Any:
     return v
 
 
-def _write_log(path: Path, summaries: Sequence[EpochSummary], meta: dict[str, Any]) -> None:
+def _write_log(
+    path: Path, summaries: Sequence[EpochSummary], meta: dict[str, Any], extra: dict[int, dict[str, Any]]
+) -> None:
     with path.open("w") as f:
         f.write(json.dumps({"type": "run", **meta}, allow_nan=False) + "\n")
         for s in summaries:
             for r in s.history:
-                rec = {k: _json_number(v) for k, v in r.to_dict().items()}
+                rec = {k: _json_number(v) for k, v in {**r.to_dict(), **extra.get(r.step, {})}.items()}
                 f.write(json.dumps({"type": "step", **rec}, allow_nan=False) + "\n")
             rec = {k: _json_number(v) for k, v in s.to_dict().items()}
             f.write(json.dumps({"type": "epoch", **rec}, allow_nan=False) + "\n")
@@ -135,106 +160,102 @@ def _progress_bar(progress: bool | None, total: int) -> Any:
     return tqdm(total=total, desc="demo", unit="step", file=sys.stderr, ncols=cols, nrows=rows, leave=True)
 
 
-def _figure(summaries: Sequence[EpochSummary], inject_step: int | None) -> Any:
-    """The demo's matplotlib figure (four panels over the optimizer steps), from the per-step history."""
-    import matplotlib  # lazy: only the demo needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    rows = [r for s in summaries for r in s.history]
-    steps = [r.step for r in rows]
-    fig, axes = plt.subplots(4, 1, figsize=(9, 9), sharex=True, constrained_layout=True)
-    bad_rows = [r for r in rows if r.nan_count + r.inf_count > 0]
-    bad = [r.step for r in bad_rows]
-
-    axes[0].plot(steps, [r.loss for r in rows], color="tab:blue", lw=1.2)
-    axes[0].set_ylabel("loss (per sample)")
-    # Non-finite norms become NaN: a gap in the line where the gradient went bad.
-    axes[1].plot(steps, [r.total_norm if math.isfinite(r.total_norm) else math.nan for r in rows],
-                 color="tab:purple", lw=1.2)
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel("global grad norm")
-    axes[2].plot(steps, [r.health for r in rows], color="tab:green", lw=1.2)
-    axes[2].set_ylim(-0.05, 1.05)
-    axes[2].set_ylabel("health")
-    axes[3].bar(steps, [r.nan_count for r in rows], color="tab:red", width=1.0, label="NaN")
-    axes[3].bar(steps, [r.inf_count for r in rows], bottom=[r.nan_count for r in rows], color="tab:orange",
-                width=1.0, label="Inf")
-    # A bar one step wide can be thinner than a pixel on a long run: a marker on top keeps each bad step visible.
-    axes[3].plot(bad, [r.nan_count + r.inf_count for r in bad_rows], "v", color="tab:red", markersize=7,
-                 label="_nolegend_")
-    top = max((r.nan_count + r.inf_count for r in bad_rows), default=0)
-    axes[3].set_ylim(0, max(1.0, top * 1.15))  # counts: never a negative axis, room above the highest bar
-    axes[3].yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[3].set_ylabel("non-finite grad elements")
-    axes[3].set_xlabel("optimizer step")
-    if bad:
-        axes[3].legend(loc="upper right")
-    else:
-        axes[3].text(0.5, 0.5, "no NaN or Inf gradient in this run (--inject-nan STEP makes one)",
-                     transform=axes[3].transAxes, ha="center", va="center", color="tab:green", fontsize=10)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        for b in bad:
-            ax.axvline(b, color="tab:red", alpha=0.35, lw=1, ls="--")
-    for s in summaries[1:]:
-        if s.history:
-            for ax in axes:
-                ax.axvline(s.history[0].step - 0.5, color="gray", alpha=0.25, lw=0.8)
-    first = next((s for s in summaries if s.first_nonfinite_step is not None), None)
-    row = next((r for r in bad_rows if first is not None and r.step == first.first_nonfinite_step), None)
-    if first is not None and row is not None:
-        what = " and ".join(f"{n} {kind}" for n, kind in ((row.nan_count, "NaN"), (row.inf_count, "Inf")) if n)
-        axes[3].annotate(
-            f"step {row.step}: {what} (first in {first.first_nonfinite_param})"
-            + ("; step skipped" if row.skipped else ""),
-            xy=(row.step, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(5, -14),
-            textcoords="offset points",
-            color="tab:red",
-            fontsize=9,
-        )
-    title = "torch_gradstats demo: gradient telemetry over training"
-    if inject_step is not None:
-        title += f" (NaN injected at step {inject_step})"
-    fig.suptitle(title)
-    return fig
+def _figure(
+    summaries: Sequence[EpochSummary],
+    inject_step: int | None,
+    thresholds: Sequence[float] | None = None,
+    spike_step: int | None = None,
+) -> Any:
+    """The demo's matplotlib figure (see :mod:`torch_gradstats._demo_figure`)."""
+    spike = None if spike_step is None else f"gradients x{SPIKE_FACTOR:g} at step {spike_step}"
+    return figure(summaries, inject_step, thresholds, spike)
 
 
-def _plot(path: Path, summaries: Sequence[EpochSummary], inject_step: int | None) -> None:
+def _plot(
+    path: Path,
+    summaries: Sequence[EpochSummary],
+    inject_step: int | None,
+    thresholds: Sequence[float] | None,
+    spike_step: int | None,
+) -> None:
     import matplotlib.pyplot as plt
 
-    fig = _figure(summaries, inject_step)
+    fig = _figure(summaries, inject_step, thresholds, spike_step)
     try:
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
 
 
+class _ActivationWarnings(logging.Filter):
+    """Keeps the Trainer's activation warnings (one per sync while the epoch has a non-finite step) for the demo to
+    print the first, instead of repeating them on stderr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno == logging.WARNING and "first non-finite parameter gradient" in message:
+            self.messages.append(message)
+            return False
+        return True
+
+
+def _check_step(flag: str, step: int | None, steps: int) -> None:
+    if step is not None and not 0 <= step < steps:
+        raise ValueError(f"{flag} {step} is outside the run's optimizer steps 0..{steps - 1}")
+
+
 def run(
     steps: int = 200,
     inject_nan: int | None = None,
-    inject_param: str = "hidden.weight",
+    inject_param: str | None = None,
     out: str | Path = "runs/demo",
     seed: int = 0,
     progress: bool | None = None,
     device: str | None = None,
     plot: bool = True,
     tensorboard: str | Path | None = None,
+    *,
+    nan_module: str | None = None,
+    inject_spike: int | None = None,
+    spike_guard: bool = False,
+    adaptive_clip: bool = False,
+    watch_activations: bool = False,
 ) -> DemoResult:
-    """Train the demo model for ``steps`` optimizer steps; print the per-epoch table; write the plot and log."""
+    """Train the demo model for ``steps`` optimizer steps; print the per-epoch table; write the plot and log.
+
+    ``inject_nan`` poisons ``inject_param``'s gradient (default ``hidden.weight``) or, with ``nan_module``, that
+    module's forward output (and turns ``watch_activations`` on). ``inject_spike`` multiplies every gradient of that
+    step by :data:`SPIKE_FACTOR` (and turns ``spike_guard`` on)."""
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     dev = validate_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = make_model(seed).to(dev)
     names = [n for n, _ in model.named_parameters()]
+    modules = [n for n, _ in model.named_modules() if n]
+    if nan_module is not None and inject_param is not None:
+        raise ValueError("give --inject-param (a gradient) or --nan-module (a forward output) to poison, not both")
+    if inject_param is None:
+        inject_param = "hidden.weight"
     if inject_param not in names:
         raise ValueError(f"--inject-param {inject_param!r} is not a parameter of the demo model; one of {names}")
-    if inject_nan is not None and not 0 <= inject_nan < steps:
-        raise ValueError(f"--inject-nan {inject_nan} is outside the run's optimizer steps 0..{steps - 1}")
+    if nan_module is not None and nan_module not in modules:
+        raise ValueError(f"--nan-module {nan_module!r} is not a module of the demo model; one of {modules}")
+    if nan_module is not None and inject_nan is None:
+        raise ValueError(f"--nan-module {nan_module} needs --inject-nan STEP: the step whose forward it poisons")
+    _check_step("--inject-nan", inject_nan, steps)
+    _check_step("--inject-spike", inject_spike, steps)
+    watch_activations = watch_activations or nan_module is not None
+    guard = make_guard() if spike_guard or inject_spike is not None else None
+    if guard is not None and inject_spike is not None and inject_spike < guard.min_history:
+        raise ValueError(
+            f"--inject-spike {inject_spike} falls in the spike guard's warm-up: it judges steps "
+            f"{guard.min_history}..{steps - 1} (it takes every step until its history holds {guard.min_history} norms)"
+        )
+    clip = make_clip() if adaptive_clip else None
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -245,15 +266,37 @@ def run(
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4, fused=True)
 
     bar: Any = None
+    thresholds: list[Tensor] = []  # AdaptiveClip's threshold of each step, kept on the device
+    first_report: ActivationReport | None = None  # the first non-finite one the Trainer kept
 
     def after_backward(trainer: Trainer) -> None:
-        if trainer.global_step == inject_nan:
+        nonlocal first_report
+        step = trainer.global_step
+        if step == inject_nan and nan_module is None:
             grad = dict(trainer.model.named_parameters())[inject_param].grad
             if grad is not None:
                 grad.fill_(float("nan"))
+        if step == inject_spike:
+            for p in trainer.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(SPIKE_FACTOR)
+        if clip is not None and step > 0:
+            thresholds.append(clip.last_threshold)  # the previous step's
+        report = trainer.last_activation_report  # from the previous step's sync
+        if first_report is None and report is not None and report.nonfinite:
+            first_report = report
         if bar is not None:
             bar.update(1)
 
+    def poison_output(module: nn.Module, args: Any, output: Tensor) -> Tensor | None:
+        if module.training and trainer.global_step == inject_nan:
+            return output * float("nan")
+        return None
+
+    handles = []
+    if nan_module is not None:
+        # prepend: the watch's own hook on that module must see the poisoned output
+        handles.append(model.get_submodule(nan_module).register_forward_hook(poison_output, prepend=True))
     trainer = Trainer(
         model,
         opt,
@@ -262,11 +305,25 @@ def run(
         skip_nonfinite=True,
         progress=False,  # the demo's own bar spans the whole run, not one epoch
         after_backward=after_backward,
+        spike_guard=guard,
+        adaptive_clip=clip,
+        watch_activations=watch_activations,
+        # The watch reports its latest step: sync after every step so the poisoned step's report is read.
+        sync_every=1 if watch_activations else None,
     )
+    injected = []
+    if inject_nan is not None:
+        where = f"{nan_module}'s forward output" if nan_module is not None else f"{inject_param}'s gradient"
+        injected.append(f"NaN injected into {where} at step {inject_nan}")
+    if inject_spike is not None:
+        injected.append(f"gradients multiplied by {SPIKE_FACTOR:g} at step {inject_spike}")
+    policies = [name for name, on in (("SpikeGuard", guard is not None), ("AdaptiveClip", clip is not None),
+                                      ("ActivationWatch", watch_activations)) if on]  # fmt: skip
     print(
         f"torch_gradstats demo: {steps} steps, {dev}, torch {torch.__version__}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(names)} tensors"
-        + (f", NaN injected into {inject_param}'s gradient at step {inject_nan}" if inject_nan is not None else ""),
+        + "".join(f", {text}" for text in injected)
+        + (f"; with {', '.join(policies)}" if policies else ""),
         flush=True,
     )
     print(TABLE_KEY, flush=True)
@@ -283,37 +340,55 @@ def run(
         # anything else on a busy machine): 1.7 ms vs 340 ms per step measured on a loaded 2-core box.
         torch.set_num_threads(1)
     bar = _progress_bar(progress, steps)
+    trainer_warnings = _ActivationWarnings()
+    logger = logging.getLogger("torch_gradstats")
+    logger.addFilter(trainer_warnings)
     t0 = time.perf_counter()
     try:
-        remaining = steps
-        while remaining > 0:
-            n = min(STEPS_PER_EPOCH, remaining)
-            summary = trainer.train_epoch(_epoch_batches(x, y, n, g))
-            summaries.append(summary)
-            if writer is not None:
-                from torch_gradstats.integrations.tensorboard import log_step_records
+        with warnings.catch_warnings():
+            # The watch's backward hook on the first layer, whose input needs no gradient: expected, not news.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            remaining = steps
+            while remaining > 0:
+                n = min(STEPS_PER_EPOCH, remaining)
+                summary = trainer.train_epoch(_epoch_batches(x, y, n, g))
+                summaries.append(summary)
+                if writer is not None:
+                    from torch_gradstats.integrations.tensorboard import log_step_records
 
-                log_step_records(writer, summary.history)
-            lines = format_epoch_table([summary]).splitlines()
-            text = "\n".join(lines if len(summaries) == 1 else lines[2:])
-            if bar is not None:
-                bar.set_postfix(loss=f"{summary.loss:.4g}", skipped=sum(s.skipped_steps for s in summaries))
-                bar.write(text, file=sys.stdout)  # clears the bar, prints, redraws it below
-                sys.stdout.flush()
-            else:
-                print(text, flush=True)
-            remaining -= n
+                    log_step_records(writer, summary.history)
+                lines = format_epoch_table([summary]).splitlines()
+                text = "\n".join(lines if len(summaries) == 1 else lines[2:])
+                if bar is not None:
+                    bar.set_postfix(loss=f"{summary.loss:.4g}", skipped=sum(s.skipped_steps for s in summaries))
+                    bar.write(text, file=sys.stdout)  # clears the bar, prints, redraws it below
+                    sys.stdout.flush()
+                else:
+                    print(text, flush=True)
+                remaining -= n
     finally:
+        logger.removeFilter(trainer_warnings)
+        for handle in handles:
+            handle.remove()
         if bar is not None:
             bar.close()
         torch.set_num_threads(threads)
         if writer is not None:
             writer.close()
     seconds = time.perf_counter() - t0
+    report = trainer.last_activation_report
+    if first_report is None and report is not None and report.nonfinite:
+        first_report = report
+    if clip is not None:
+        thresholds.append(clip.last_threshold)
+    threshold_values = [float(v) for v in torch.stack(thresholds).tolist()] if thresholds else []  # one transfer
+    if trainer.activation_watch is not None:
+        trainer.activation_watch.remove()  # the held-out pass below is no training step
 
     model.eval()
     with torch.no_grad():
         accuracy = float((model(x_test).argmax(1) == y_test).double().mean())
+    rows = [r for s in summaries for r in s.history]
     bad = [s for s in summaries if s.first_nonfinite_step is not None]
     if bad:
         s = bad[0]
@@ -321,6 +396,19 @@ def run(
             f"\nNon-finite gradient first seen at optimizer step {s.first_nonfinite_step} (epoch {s.epoch}) in "
             f"parameter '{s.first_nonfinite_param}'."
         )
+    if trainer_warnings.messages:
+        print(f"Trainer warning: {trainer_warnings.messages[0]}")
+    if first_report is not None:
+        print(f"ActivationWatch: forward origin of the non-finite values: {first_report.forward_origin or 'none'} "
+              f"(step {first_report.step}).")  # fmt: skip
+    guard_skips = [r for r in rows if r.skipped and r.nan_count + r.inf_count == 0]
+    if guard is not None:
+        print("SpikeGuard skipped "
+              + (", ".join(f"step {r.step} (global grad norm {r.total_norm:.4g})" for r in guard_skips) or "no step")
+              + ".")  # fmt: skip
+    if clip is not None:
+        clipped = sum(r.total_norm > t for r, t in zip(rows, threshold_values))
+        print(f"AdaptiveClip clipped {clipped} of {len(rows)} steps (its threshold is finite only on a step it clips).")
     skipped = sum(s.skipped_steps for s in summaries)
     params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     print(
@@ -332,24 +420,35 @@ def run(
     meta = {
         "steps": steps,
         "inject_nan": inject_nan,
-        "inject_param": inject_param if inject_nan is not None else None,
+        "inject_param": inject_param if inject_nan is not None and nan_module is None else None,
+        "nan_module": nan_module,
+        "inject_spike": inject_spike,
+        "spike_factor": SPIKE_FACTOR if inject_spike is not None else None,
+        "spike_guard": guard is not None,
+        "guard_skipped_steps": [r.step for r in guard_skips] if guard is not None else None,
+        "adaptive_clip": clip is not None,
+        "policy_figures": {k: _json_number(v) for k, v in trainer.policy_figures.items()},
+        "watch_activations": watch_activations,
+        "activation_origin": first_report.origin if first_report is not None else None,
+        "activation_step": first_report.step if first_report is not None else None,
         "seed": seed,
         "device": str(dev),
         "torch": torch.__version__,
         "accuracy": accuracy,
         "seconds": seconds,
     }
-    _write_log(log_path, summaries, meta)
+    extra = {r.step: {"clip_threshold": t} for r, t in zip(rows, threshold_values)}
+    _write_log(log_path, summaries, meta, extra)
     plot_path: Path | None = None
     if plot:
         try:
             plot_path = out_dir / "gradstats.png"
-            _plot(plot_path, summaries, inject_nan)
+            _plot(plot_path, summaries, inject_nan, threshold_values or None, inject_spike)
         except ImportError:
             plot_path = None
             print("matplotlib is not installed: no plot (pip install matplotlib)")
     print(f"Wrote {log_path}" + (f" and {plot_path}" if plot_path else ""))
-    return DemoResult(summaries, accuracy, seconds, plot_path, log_path)
+    return DemoResult(summaries, accuracy, seconds, plot_path, log_path, threshold_values)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -357,9 +456,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="python -m torch_gradstats demo", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default 200)")
     p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
-                   help="make one parameter's gradient NaN at this optimizer step (0-based)")
-    p.add_argument("--inject-param", default="hidden.weight", metavar="NAME",
-                   help="the parameter --inject-nan poisons (default hidden.weight)")
+                   help="make one parameter's gradient (or a module's output: --nan-module) NaN at this optimizer step "
+                        "(0-based)")  # fmt: skip
+    p.add_argument("--inject-param", default=None, metavar="NAME",
+                   help="the parameter whose gradient --inject-nan poisons (default hidden.weight)")
+    p.add_argument("--nan-module", default=None, metavar="NAME",
+                   help="poison this module's forward output instead (embed, hidden, head, ...); turns on "
+                        "--watch-activations")  # fmt: skip
+    p.add_argument("--watch-activations", action="store_true",
+                   help="watch every module's activations (ActivationWatch) to name where a NaN starts")
+    p.add_argument("--inject-spike", type=int, default=None, metavar="STEP",
+                   help=f"multiply every gradient by {SPIKE_FACTOR:g} at this optimizer step; turns on --spike-guard")
+    p.add_argument("--spike-guard", action="store_true",
+                   help="skip steps whose gradient norm or loss spikes (SpikeGuard, one-epoch window, 12 sigma)")
+    p.add_argument("--adaptive-clip", action="store_true",
+                   help="clip each step to an adaptive threshold (AdaptiveClip, ZClip's rule); drawn in the figure")
     p.add_argument("--out", default="runs/demo", metavar="DIR", help="output folder (default runs/demo)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
@@ -388,6 +499,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             device=args.device,
             plot=not args.no_plot,
             tensorboard=getattr(args, "tensorboard", None),
+            nan_module=args.nan_module,
+            inject_spike=args.inject_spike,
+            spike_guard=args.spike_guard,
+            adaptive_clip=args.adaptive_clip,
+            watch_activations=args.watch_activations,
         )
     except ValueError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
