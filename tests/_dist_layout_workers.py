@@ -1,0 +1,163 @@
+"""Worker side of tests/test_distributed_layout.py: ranks that hold different parameters (missing gradients,
+pipeline stages, expert parallelism), run by every rank of a gloo process group on the CPU.
+
+Each scenario compares what every rank reports with a single-process float64 reference on the union of the
+tensors the ranks hold (see _dist_workers for the scenario protocol).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from _dist_workers import _check_report_equal, _params_with_grads, _seq
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+from torch_gradstats.stats import grad_stats
+
+try:
+    from torch_gradstats.distributed import is_logging_rank
+except ImportError:  # the logging rank is not there yet
+    is_logging_rank = None  # type: ignore[assignment]
+
+
+def _shard_flat(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Near-even flat shards: every rank holds some of every tensor."""
+    return torch.tensor_split(t.reshape(-1), world)[rank]
+
+
+def _full(seed: int, names: list[str]) -> dict[str, torch.Tensor]:
+    """One float32 tensor per name, with some exact zeros, and sizes that shard unevenly."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, name in enumerate(names):
+        t = torch.randn(5 + 3 * i, generator=gen)
+        t[::4] = 0
+        out[name] = t
+    return out
+
+
+def _reference(full: dict[str, torch.Tensor]):
+    """Single-process report on the whole tensors, in float64."""
+    return grad_stats(_params_with_grads([(n, t.double()) for n, t in full.items()])).report()
+
+
+def _params(named: list[tuple[str, torch.Tensor | None]]):
+    """(name, parameter) pairs; a None gradient leaves the parameter without .grad."""
+    out = []
+    for name, g in named:
+        p = torch.nn.Parameter(torch.zeros_like(g) if g is not None else torch.zeros(0))
+        p.grad = g
+        out.append((name, p))
+    return out
+
+
+def _expect_error(fn: Callable[[], object], *needles: str) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        for needle in needles:
+            assert needle in str(exc), f"{needle!r} not in {exc}"
+        return str(exc)
+    raise AssertionError("no ValueError was raised")
+
+
+# ---------------------------------------------------------------------------------------------- missing gradients
+def missing_grad_one_rank(rank: int, world: int) -> None:
+    """A parameter without .grad on some ranks counts as an empty shard there; names and figures equal the
+    single-process reference on the union of what the ranks hold, and the steady state costs one SUM and one MAX."""
+    pg = dist.group.WORLD
+    names = ["a", "b", "c", "d"]
+    full = _full(1, names)
+    shards = {n: _shard_flat(t, rank, world) for n, t in full.items()}
+
+    # Rank 0 lacks "b" and rank 1 lacks "c": both hold three gradients, so nothing but names tells the rows apart.
+    missing = {0: "b", 1: "c"}.get(rank)
+    held = {n: t for n, t in shards.items() if n != missing}
+    ref_full = {n: torch.cat([_shard_flat(full[n], r, world) for r in range(world) if {0: "b", 1: "c"}.get(r) != n])
+                for n in names}
+    for call in range(2):
+        before = _seq(pg)
+        rep = grad_stats(_params([(n, held.get(n)) for n in names]), group=pg).report()
+        _check_report_equal(f"missing b/c, call {call}", rep, _reference(ref_full))
+        if call == 1:
+            assert _seq(pg) - before == 2, f"steady state: {_seq(pg) - before} collectives, expected 2"
+
+    # The last rank holds only "d": the buffers differ in size across ranks.
+    held = {"d": shards["d"]} if rank == world - 1 else shards
+    ref_full = {n: torch.cat([_shard_flat(full[n], r, world) for r in range(world - 1)]) for n in names}
+    ref_full["d"] = full["d"]
+    rep = grad_stats(_params([(n, held.get(n)) for n in names]), group=pg).report()
+    _check_report_equal("only d on the last rank", rep, _reference(ref_full))
+
+    # Every rank holds everything again: back to the whole tensors.
+    rep = grad_stats(_params(list(shards.items())), group=pg).report()
+    _check_report_equal("all held", rep, _reference(full))
+
+
+def rank_without_gradients(rank: int, world: int) -> None:
+    """A rank that holds no gradient at all still takes part and reports the others' figures."""
+    pg = dist.group.WORLD
+    full = _full(2, ["x", "y"])
+    owners = range(world - 1)  # the last rank holds nothing
+    named = [(n, _shard_flat(t, rank, len(owners))) for n, t in full.items()] if rank in owners else []
+    for _ in range(2):
+        rep = grad_stats(_params(named), group=pg).report()
+        _check_report_equal("rank without gradients", rep, _reference(full))
+
+
+def irreconcilable_layouts(rank: int, world: int) -> None:
+    """The same name with different dtypes raises the same ValueError on every rank, naming it; no hang, and the
+    group works afterwards. Unnamed gradients (reduce_across_ranks without names) must match exactly."""
+    from torch_gradstats.distributed import reduce_across_ranks
+    from torch_gradstats.ops import multi_tensor_stats
+
+    pg = dist.group.WORLD
+    full = _full(3, ["ok", "w"])
+    named = [(n, _shard_flat(t, rank, world)) for n, t in full.items()]
+    grad_stats(_params(named), group=pg)  # agree on a layout first: the conflict then shows up as a change
+    if rank == 1:
+        named[1] = ("w", named[1][1].double())
+    msg = _expect_error(lambda: grad_stats(_params(named), group=pg), "'w'", "torch.float32", "torch.float64")
+    gathered: list[object] = [None] * world
+    dist.all_gather_object(gathered, msg, group=pg)
+    assert all(m == msg for m in gathered), f"ranks raised different errors: {gathered}"
+
+    named[1] = ("w", named[1][1].float())
+    rep = grad_stats(_params(named), group=pg).report()
+    _check_report_equal("after the error", rep, _reference(full))
+
+    # Without names, rows are matched by position only: a different number of gradients is an error everywhere.
+    local = [t for _, t in named][: 1 if rank == 0 else 2]
+    s, a, c = multi_tensor_stats(local)
+    _expect_error(lambda: reduce_across_ranks(local, s, a, c, pg), "different gradient lists", "names=")
+
+
+def dtensor_missing_grad(rank: int, world: int) -> None:
+    """DTensor gradients (Shard(0), FSDP2-like) where one rank lacks one of them."""
+    mesh = init_device_mesh("cpu", (world,))
+    full = {"p": torch.randn(world + 1, 3), "q": torch.randn(2 * world, 2)}
+    dts = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+    named = [(n, dts[n] if not (rank == 1 and n == "q") else None) for n in full]
+    params = []
+    for n, g in named:
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full[n]), mesh, [Shard(0)]))
+        p.grad = g
+        params.append((n, p))
+    ref = dict(full)
+    ref["q"] = torch.cat([torch.chunk(full["q"], world)[r] for r in range(world) if r != 1])
+    for _ in range(2):
+        rep = grad_stats(params).report()
+        _check_report_equal("dtensor, q missing on rank 1", rep, _reference(ref), check_numel=False)
+
+
+SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
+    f.__name__: f
+    for f in (
+        missing_grad_one_rank,
+        rank_without_gradients,
+        irreconcilable_layouts,
+        dtensor_missing_grad,
+    )
+}
