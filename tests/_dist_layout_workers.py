@@ -152,6 +152,99 @@ def dtensor_missing_grad(rank: int, world: int) -> None:
         _check_report_equal("dtensor, q missing on rank 1", rep, _reference(ref), check_numel=False)
 
 
+# ---------------------------------------------------------------------------------------------- pipeline stages
+def _stage_groups(world: int):
+    """(stage group, shard group within the stage, stage index, stage count): two stages of world/2 ranks each
+    on 4 ranks (the stage's tensors sharded over its ranks), two stages of one rank on 2."""
+    if world == 2:
+        return dist.group.WORLD, None, dist.get_rank(), 2
+    rank = dist.get_rank()
+    dp = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in the same order
+    pp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return pp[rank % 2], dp[rank // 2], rank // 2, 2
+
+
+def pipeline_stages(rank: int, world: int) -> None:
+    """stage_group: every rank reports all stages' parameters; a name on two stages gets a stage suffix, or is
+    counted once when declared tied; one SUM and one MAX per group in steady state."""
+    pp, dp, stage, n_stages = _stage_groups(world)
+    shard_world = 1 if dp is None else dist.get_world_size(dp)
+    shard_rank = 0 if dp is None else dist.get_rank(dp)
+    full = _full(4, ["emb0", "layers.0.w", "layers.1.w", "emb1"])
+    held = {0: {"emb": full["emb0"], "layers.0.w": full["layers.0.w"]},
+            1: {"layers.1.w": full["layers.1.w"], "emb": full["emb1"]}}[stage]
+    named = [(n, _shard_flat(t, shard_rank, shard_world)) for n, t in held.items()]
+    ref = {"emb@stage0": full["emb0"], "layers.0.w": full["layers.0.w"], "layers.1.w": full["layers.1.w"],
+           "emb@stage1": full["emb1"]}
+    for call in range(2):
+        b_pp, b_dp = _seq(pp), (_seq(dp) if dp is not None else 0)
+        rep = grad_stats(_params(named), group=dp, stage_group=pp).report()
+        _check_report_equal(f"stages, call {call}", rep, _reference(ref))
+        if call == 1:
+            assert _seq(pp) - b_pp == 2, f"stage group: {_seq(pp) - b_pp} collectives, expected 2"
+            if dp is not None:
+                assert _seq(dp) - b_dp == 2, f"shard group: {_seq(dp) - b_dp} collectives, expected 2"
+
+    # Tied: both stages hold the same gradient (as after Megatron's embedding all-reduce): one row, counted once.
+    tied_held = dict(held, emb=full["emb0"])
+    named = [(n, _shard_flat(t, shard_rank, shard_world)) for n, t in tied_held.items()]
+    ref = {"emb": full["emb0"], "layers.0.w": full["layers.0.w"], "layers.1.w": full["layers.1.w"]}
+    for call in range(2):
+        rep = grad_stats(_params(named), group=dp, stage_group=pp, tied={"emb"}).report()
+        _check_report_equal(f"tied, call {call}", rep, _reference(ref))
+    assert n_stages == 2
+
+
+# ---------------------------------------------------------------------------------------------- experts
+def expert_parallel(rank: int, world: int) -> None:
+    """expert_group: expert parameters are reduced over the expert group, dense ones over group; one SUM and one
+    MAX per distinct group (on 2 ranks both are the whole world: one pair in total)."""
+    if world == 2:
+        ep, ep_rank, ep_world = dist.group.WORLD, rank, 2
+    else:
+        eps = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # two expert-parallel replicas
+        ep, ep_rank, ep_world = eps[rank // 2], rank % 2, 2
+    dense = _full(5, ["embed", "out"])
+    experts = _full(6, ["moe.experts.w1", "moe.experts.w2"])
+    named = [(n, _shard_flat(t, rank, world)) for n, t in dense.items()]
+    named += [(n, _shard_flat(t, ep_rank, ep_world)) for n, t in experts.items()]
+    pg = dist.group.WORLD
+    for call in range(2):
+        b_pg, b_ep = _seq(pg), _seq(ep)
+        rep = grad_stats(
+            _params(named), group=pg, expert_group=ep, is_expert=lambda name: ".experts." in name
+        ).report()
+        _check_report_equal(f"experts, call {call}", rep, _reference({**dense, **experts}))
+        if call == 1:
+            if ep is pg:
+                assert _seq(pg) - b_pg == 2, f"one group: {_seq(pg) - b_pg} collectives, expected 2"
+            else:
+                assert (_seq(pg) - b_pg, _seq(ep) - b_ep) == (2, 2), (_seq(pg) - b_pg, _seq(ep) - b_ep)
+
+
+# ---------------------------------------------------------------------------------------------- logging rank
+def logging_rank(rank: int, world: int) -> str | None:
+    """One rank logs: the last stage's first shard rank under pipeline parallelism, rank 0 otherwise, or the
+    user's choice."""
+    if is_logging_rank is None:
+        return "skip: is_logging_rank not available"
+    pp, dp, stage, n_stages = _stage_groups(world)
+    flags: list[object] = [None] * world
+    chosen = (
+        is_logging_rank(pp, group=dp),
+        is_logging_rank(),
+        is_logging_rank(pp, group=dp, rank=1),
+    )
+    dist.all_gather_object(flags, chosen)
+    expected_pp = 1 if world == 2 else 2  # world 4: ranks 2 and 3 are the last stage, 2 is first in its group
+    assert [r for r in range(world) if flags[r][0]] == [expected_pp], flags
+    assert [r for r in range(world) if flags[r][1]] == [0], flags
+    assert [r for r in range(world) if flags[r][2]] == [1], flags
+    _expect_error(lambda: is_logging_rank(rank=world), "rank must be in")
+    assert stage == dist.get_rank(pp) and n_stages == dist.get_world_size(pp)
+    return None
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f
     for f in (
@@ -159,5 +252,8 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
         rank_without_gradients,
         irreconcilable_layouts,
         dtensor_missing_grad,
+        pipeline_stages,
+        expert_parallel,
+        logging_rank,
     )
 }

@@ -58,6 +58,7 @@ class _Entry:
     group: Any  # kept so that the id of a destroyed group is never mistaken for this one
     mode: str
     local: list[Desc]
+    tied: frozenset[str]
     agreed: Agreed
 
 
@@ -156,13 +157,13 @@ def _agree(
     return Agreed(names, out_descs, positions, _fingerprint(names, all_descs))
 
 
-def cached(group: Any, mode: str, local: list[Desc]) -> tuple[Agreed | None, bool]:
+def cached(group: Any, mode: str, local: list[Desc], tied: Collection[str]) -> tuple[Agreed | None, bool]:
     """The last agreed layout of ``group`` (or None: never agreed, exchange now) and whether this rank is dirty
-    (its own description changed since; it then packs nothing and the group exchanges again)."""
+    (its own description or the tied names changed since; it then packs nothing and the group exchanges again)."""
     entry = _CACHE.get((id(group), mode))
     if entry is None or entry.group is not group:
         return None, False
-    if entry.local == local:
+    if entry.local == local and entry.tied == frozenset(tied):
         return entry.agreed, False
     return entry.agreed, True
 
@@ -172,8 +173,9 @@ def exchange(
 ) -> Agreed:
     """Exchange every rank's descriptions over ``group`` (one ``all_gather_object``), agree, and remember."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
+    dist.all_gather_object(gathered, (local, sorted(tied)), group=group)
     _CACHE.pop((id(group), mode), None)  # an error below leaves no layout behind: every rank exchanges next time
-    agreed = _agree(mode, gathered, dist.get_rank(group), tied, who, strict)
-    _CACHE[(id(group), mode)] = _Entry(group, mode, list(local), agreed)
+    all_tied = frozenset(name for _, names in gathered for name in names)  # one rank's declaration is enough
+    agreed = _agree(mode, [descs for descs, _ in gathered], dist.get_rank(group), all_tied, who, strict)
+    _CACHE[(id(group), mode)] = _Entry(group, mode, list(local), frozenset(tied), agreed)
     return agreed

@@ -66,7 +66,7 @@ from torch_gradstats._layout import Desc
 from torch_gradstats._transfer import host_int64, to_device, to_host
 from torch_gradstats.ops import INF, NAN, multi_tensor_stats
 
-__all__ = ["ReducedStats", "reduce_across_ranks"]
+__all__ = ["ReducedStats", "is_logging_rank", "reduce_across_ranks"]
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -255,7 +255,7 @@ def _reduce_step(
     """
     device = table.sum_buf.device
     local = [table.descs[i] for i in rows]
-    agreed, dirty = _layout.cached(pg, mode, local)
+    agreed, dirty = _layout.cached(pg, mode, local, tied)
     fresh = agreed is None
     while True:
         if agreed is None:
@@ -450,3 +450,35 @@ def _check_options(
     if names is None and (expert_group is not None or stage_group is not None):
         raise ValueError("reduce_across_ranks: expert_group and stage_group match parameters by name; pass names=")
     return frozenset(tied)
+
+
+def is_logging_rank(stage_group: Any = None, *, group: Any = None, rank: int | None = None) -> bool:
+    """Whether this process is the one that logs reports (one rank logs; the figures are the same on every rank).
+
+    Args:
+        stage_group: the pipeline-stage group passed to ``grad_stats``: the logging rank is then on the last stage
+            (where the loss is computed, as torchtitan and Megatron log).
+        group: the group the stage's parameters are sharded over (data/shard parallel): among the last stage's
+            ranks, its first rank logs.
+        rank: a global rank chosen by the user; overrides the rule above.
+
+    Returns:
+        True on exactly one rank of each pipeline (with ``stage_group`` and ``group`` covering every other
+        dimension, exactly one rank in all): ``rank`` if given; else, with a ``stage_group``, the last rank of
+        ``stage_group`` that is also the first of ``group`` (if given); else global rank 0. Always True when
+        torch.distributed is not initialized. No communication.
+    """
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise TypeError(f"is_logging_rank: rank must be an int (a global rank), got a {type(rank).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if rank is not None:
+        if not 0 <= rank < dist.get_world_size():
+            raise ValueError(f"is_logging_rank: rank must be in [0, {dist.get_world_size()}), got {rank}")
+        return dist.get_rank() == rank
+    if stage_group is None:
+        return dist.get_rank() == 0
+    stage_group = _resolve_group(stage_group, "stage_group")
+    group = _resolve_group(group, "group")
+    last_stage = dist.get_rank(stage_group) == dist.get_world_size(stage_group) - 1
+    return last_stage and (group is None or dist.get_rank(group) == 0)
