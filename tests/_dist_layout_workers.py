@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from _dist_workers import _check_report_equal, _params_with_grads, _seq
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from torch_gradstats.stats import grad_stats
 
@@ -128,6 +128,18 @@ def irreconcilable_layouts(rank: int, world: int) -> None:
     rep = grad_stats(_params(named), group=pg).report()
     _check_report_equal("after the error", rep, _reference(full))
 
+    # DTensors of one name whose shapes contradict each other (rank 1 claims a larger logical tensor).
+    mesh = init_device_mesh("cpu", (world,))
+    shape = (world + (1 if rank == 1 else 0), 3)
+    local_rows = torch.ones(1 if rank < world - 1 or rank == 1 else 0, 3)
+    dt = DTensor.from_local(local_rows, mesh, [Shard(0)], run_check=False, shape=shape, stride=(3, 1))
+    p = torch.nn.Parameter(DTensor.from_local(torch.zeros_like(local_rows), mesh, [Shard(0)], run_check=False,
+                                              shape=shape, stride=(3, 1)))
+    p.grad = dt
+    msg = _expect_error(lambda: grad_stats([("v", p)]), "'v'", f"shape [{world}, 3]", f"shape [{world + 1}, 3]")
+    dist.all_gather_object(gathered, msg, group=pg)
+    assert all(m == msg for m in gathered), f"ranks raised different errors: {gathered}"
+
     # Without names, rows are matched by position only: a different number of gradients is an error everywhere.
     local = [t for _, t in named][: 1 if rank == 0 else 2]
     s, a, c = multi_tensor_stats(local)
@@ -184,6 +196,15 @@ def pipeline_stages(rank: int, world: int) -> None:
             assert _seq(pp) - b_pp == 2, f"stage group: {_seq(pp) - b_pp} collectives, expected 2"
             if dp is not None:
                 assert _seq(dp) - b_dp == 2, f"shard group: {_seq(dp) - b_dp} collectives, expected 2"
+
+    # A gradient missing on one rank of a stage (4 ranks: rank 3, stage 1): that stage's other shard only.
+    if dp is not None:
+        lacking = rank == 3
+        named_missing = [(n, None if (lacking and n == "layers.1.w") else t) for n, t in named]
+        ref_missing = dict(ref, **{"layers.1.w": _shard_flat(full["layers.1.w"], 0, 2)})
+        for call in range(2):
+            rep = grad_stats(_params(named_missing), group=dp, stage_group=pp).report()
+            _check_report_equal(f"stages, layers.1.w missing on rank 3, call {call}", rep, _reference(ref_missing))
 
     # Tied: both stages hold the same gradient (as after Megatron's embedding all-reduce): one row, counted once.
     tied_held = dict(held, emb=full["emb0"])

@@ -56,3 +56,45 @@ def test_scenario(layout_results, scenario: str) -> None:
     if all(o["status"] == "skip" for o in outcomes):
         pytest.skip(outcomes[0]["detail"])
     assert all(o["status"] == "ok" for o in outcomes), outcomes
+
+
+# ---------------------------------------------------------------------------------------------- single process
+def test_bad_arguments_name_the_argument() -> None:
+    from torch_gradstats.distributed import is_logging_rank, reduce_across_ranks
+    from torch_gradstats.ops import multi_tensor_stats
+
+    tensors = [torch.randn(3), torch.randn(2)]
+    s, a, c = multi_tensor_stats(tensors)
+    with pytest.raises(TypeError, match="names"):
+        reduce_across_ranks(tensors, s, a, c, names="ab")
+    with pytest.raises(ValueError, match="names must be unique"):
+        reduce_across_ranks(tensors, s, a, c, names=["w", "w"])
+    with pytest.raises(ValueError, match="names must be 2 strings"):
+        reduce_across_ranks(tensors, s, a, c, names=["w"])
+    with pytest.raises(TypeError, match="is_expert"):
+        reduce_across_ranks(tensors, s, a, c, names=["a", "b"], expert_group=object(), is_expert="experts")
+    with pytest.raises(ValueError, match="expert_group and is_expert"):
+        reduce_across_ranks(tensors, s, a, c, names=["a", "b"], is_expert=lambda n: True)
+    with pytest.raises(TypeError, match="tied"):
+        reduce_across_ranks(tensors, s, a, c, names=["a", "b"], stage_group=object(), tied="a")
+    with pytest.raises(ValueError, match="pass stage_group"):
+        reduce_across_ranks(tensors, s, a, c, names=["a", "b"], tied={"a"})
+    with pytest.raises(ValueError, match="pass names="):
+        reduce_across_ranks(tensors, s, a, c, stage_group=object())
+    with pytest.raises(TypeError, match="rank must be an int"):
+        is_logging_rank(rank="0")
+
+
+def test_without_init_process_group() -> None:
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    from torch_gradstats.distributed import is_logging_rank, reduce_across_ranks
+    from torch_gradstats.ops import multi_tensor_stats
+
+    tensors = [torch.randn(3)]
+    s, a, c = multi_tensor_stats(tensors)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        reduce_across_ranks(tensors, s, a, c, names=["w"], stage_group=object())
+    out = reduce_across_ranks(tensors, s, a, c, names=["w"])
+    assert out.names == ["w"] and out.sumsq is s
+    assert is_logging_rank() and is_logging_rank(rank=3)
