@@ -216,6 +216,26 @@ def pipeline_stages(rank: int, world: int) -> None:
     assert n_stages == 2
 
 
+def pipeline_stages_dtensor(rank: int, world: int) -> None:
+    """stage_group with FSDP2-like DTensor gradients inside each stage (a 2-D ("pp", "dp") mesh)."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage, dp_mesh, pp = mesh.get_coordinate()[0], mesh["dp"], mesh.get_group("pp")
+    gen = torch.Generator().manual_seed(7)
+    full = {f"layers.{s}.{k}": torch.randn(world + 1 + s, 3, generator=gen) for s in range(2) for k in ("w", "b")}
+    params = []
+    for name, t in full.items():
+        if name.startswith(f"layers.{stage}."):
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(t), dp_mesh, [Shard(0)]))
+            p.grad = distribute_tensor(t, dp_mesh, [Shard(0)])
+            params.append((name, p))
+    for call in range(2):
+        b_pp = _seq(pp)
+        rep = grad_stats(params, stage_group=pp).report()
+        _check_report_equal(f"stages with DTensors, call {call}", rep, _reference(full))
+        if call == 1:
+            assert _seq(pp) - b_pp == 2, f"stage group: {_seq(pp) - b_pp} collectives, expected 2"
+
+
 # ---------------------------------------------------------------------------------------------- experts
 def expert_parallel(rank: int, world: int) -> None:
     """expert_group: expert parameters are reduced over the expert group, dense ones over group; one SUM and one
@@ -274,6 +294,7 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
         irreconcilable_layouts,
         dtensor_missing_grad,
         pipeline_stages,
+        pipeline_stages_dtensor,
         expert_parallel,
         logging_rank,
     )
