@@ -28,6 +28,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
 #: Fingerprints travel in float64 and are summed over at most 2**12 ranks without rounding.
@@ -39,7 +40,7 @@ class Desc(NamedTuple):
     shape and placements (None for a plain tensor)."""
 
     name: str
-    dtype: str
+    dtype: torch.dtype
     dtensor: tuple[tuple[int, ...], str] | None
 
 

@@ -53,6 +53,7 @@ without blocking. The one host read is the layout check above.
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
@@ -186,27 +187,40 @@ def _materialize_partials(
     return planned, sumsq, amax, counts
 
 
-def _desc(g: Any, name: str, dtensor_cls: type[Any] | None) -> Desc:
-    if dtensor_cls is not None and isinstance(g, dtensor_cls):
-        return Desc(name, str(g.dtype), (tuple(g.shape), repr(tuple(g.placements))))
-    return Desc(name, str(g.dtype), None)
+def _descs(grads: Sequence[Any], names: Sequence[str], dtensor_cls: type[Any] | None, has_dtensor: bool) -> list[Desc]:
+    if dtensor_cls is None or not has_dtensor:  # the per-step cost of the layout check: one tuple per row
+        return list(map(Desc._make, zip(names, [g.dtype for g in grads], itertools.repeat(None))))
+    return [
+        Desc(n, g.dtype, (tuple(g.shape), repr(tuple(g.placements))) if isinstance(g, dtensor_cls) else None)
+        for g, n in zip(grads, names)
+    ]
 
 
 def _plan(
     grads: Sequence[Any],
     names: Sequence[str],
     dtensor_cls: type[Any] | None,
-    explicit: Sequence[tuple[Any, Callable[[str], bool]]],
+    explicit: Sequence[tuple[Any, Callable[[str], bool] | None]],
 ) -> tuple[list[tuple[Any, list[int]]], list[int]]:
     """The reduction steps: each process group (the explicit ones first, always, so that a rank holding none of
     their rows still takes part; then each mesh dimension group in first-use order) with the rows reduced over it.
 
-    ``explicit`` lists (group, which plain rows it reduces). Also returns each row's local element count.
+    ``explicit`` lists (group, which plain rows it reduces: None for all). Also returns each row's local element
+    count.
     """
     steps: dict[int, tuple[Any, list[int]]] = {}
+    sizes: dict[int, int] = {}  # dist.get_world_size costs microseconds: once per group, not once per row
+
+    def size(pg: Any) -> int:
+        n = sizes.get(id(pg))
+        if n is None:
+            n = sizes[id(pg)] = dist.get_world_size(pg)
+        return n
+
     for pg, _ in explicit:
-        if pg is not None and dist.get_world_size(pg) > 1:
+        if pg is not None and size(pg) > 1:
             steps.setdefault(id(pg), (pg, []))
+    only = explicit[0][0] if len(explicit) == 1 and explicit[0][1] is None else None  # it takes every plain row
     local_numel: list[int] = []
     for i, (g, name) in enumerate(zip(grads, names)):
         row_groups: list[Any] = []
@@ -218,11 +232,13 @@ def _plan(
             logical = g.numel()
         else:
             local_numel.append(g.numel())
-            pg = next((pg for pg, takes in explicit if takes(name)), None)
+            pg = only
+            if pg is None:
+                pg = next((pg for pg, takes in explicit if takes is None or takes(name)), None)
             logical = g.numel()
             if pg is not None:
                 row_groups = [pg]
-                logical *= dist.get_world_size(pg)  # an upper bound: every shard as large
+                logical *= size(pg)  # an upper bound: every shard as large
         if logical >= _EXACT_F64_INT:
             raise ValueError(
                 f"reduce_across_ranks: grads[{i}] has about {logical} elements across ranks; counts travel as "
@@ -230,7 +246,7 @@ def _plan(
             )
         seen: set[int] = set()
         for pg in row_groups:
-            if id(pg) in seen or dist.get_world_size(pg) == 1:
+            if id(pg) in seen or size(pg) == 1:
                 continue
             seen.add(id(pg))
             steps.setdefault(id(pg), (pg, []))[1].append(i)
@@ -262,9 +278,14 @@ def _reduce_step(
             agreed = _layout.exchange(pg, mode, local, tied, "reduce_across_ranks", strict)
             dirty = False
         n = len(agreed.names)
-        sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
-        sub_max = torch.zeros(n + 1, dtype=torch.float64, device=device)
-        if not dirty:
+        identity = not dirty and n == len(table.descs) and rows == agreed.positions == list(range(n))
+        if identity:  # the common case: this rank holds every row, in the agreed order
+            sub_sum = torch.cat([table.sum_buf, table.sum_buf.new_zeros(1, table.sum_buf.shape[1])])
+            sub_max = torch.cat([table.max_buf, table.max_buf.new_zeros(1)])
+        else:
+            sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
+            sub_max = torch.zeros(n + 1, dtype=torch.float64, device=device)
+        if not dirty and not identity:
             placed = [(r, pos) for r, pos in zip(rows, agreed.positions) if pos is not None]
             if placed:
                 src = host_int64([r for r, _ in placed], device)
@@ -296,6 +317,8 @@ def _reduce_step(
 
 
 def _reorder(table: _Table, row_names: list[str]) -> _Table:
+    if len(table.descs) == len(row_names) and all(d.name == n for d, n in zip(table.descs, row_names)):
+        return table
     where = {d.name: i for i, d in enumerate(table.descs)}
     order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
     if order == list(range(len(order))):
@@ -396,11 +419,11 @@ def reduce_across_ranks(
     # The rank that produced a NaN/Inf is named from what it held before any materialization.
     local_nonfinite = counts[:, NAN] + counts[:, INF]
     planned, sumsq, amax, counts = _materialize_partials(grads, dtensor_cls, sumsq, amax, counts)
-    explicit: list[tuple[Any, Callable[[str], bool]]] = []
+    explicit: list[tuple[Any, Callable[[str], bool] | None]] = []
     if expert_group is not None and is_expert is not None:
         explicit.append((expert_group, is_expert))
     if group is not None:
-        explicit.append((group, lambda _name: True))
+        explicit.append((group, None))
     steps, local_numel = _plan(planned, row_names, dtensor_cls, explicit)
 
     # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer.
@@ -408,7 +431,7 @@ def reduce_across_ranks(
     ranks[:, rank] = local_nonfinite.to(torch.float64)
     numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device).unsqueeze(1)
     sum_buf = torch.cat([sumsq.unsqueeze(1), counts.to(torch.float64), ranks, numel_col], dim=1)
-    table = _Table(sum_buf, amax.clone(), [_desc(g, n, dtensor_cls) for g, n in zip(planned, row_names)])
+    table = _Table(sum_buf, amax.clone(), _descs(planned, row_names, dtensor_cls, has_dtensor))
     for pg, rows in steps:
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
