@@ -85,6 +85,15 @@ def test_bad_arguments_name_the_argument() -> None:
         is_logging_rank(rank="0")
 
 
+def test_grad_stats_rejects_a_string_as_tied() -> None:
+    from torch_gradstats import grad_stats
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    with pytest.raises(TypeError, match="tied"):
+        grad_stats([("emb", p)], stage_group=object(), tied="emb")
+
+
 def test_without_init_process_group() -> None:
     if torch.distributed.is_initialized():
         pytest.skip("a process group is initialized in this process")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import numbers
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -335,7 +335,7 @@ def grad_stats(
     *,
     group: Any = None,
     stage_group: Any = None,
-    tied: Iterable[str] = (),
+    tied: Collection[str] = (),
     expert_group: Any = None,
     is_expert: Callable[[str], bool] | None = None,
 ) -> GradStats:
@@ -414,7 +414,7 @@ def grad_stats(
 
         # Plain shards: no rank knows a parameter's full size, so numel travels in the same SUM collective.
         sumsq, amax, counts, rank_nonfinite, numel, out_names = reduce_across_ranks(
-            grads, sumsq, amax, counts, group, names=names, stage_group=stage_group, tied=tuple(tied),
+            grads, sumsq, amax, counts, group, names=names, stage_group=stage_group, tied=tied,
             expert_group=expert_group, is_expert=is_expert,
         )
         names = out_names if out_names is not None else names
