@@ -9,7 +9,7 @@ Each rank describes the rows it reduces over a group (:class:`Desc`: name, dtype
 the group agrees on an ordered union of them, the *agreed layout*; a rank packs zeros in the rows it does not hold
 (an empty shard). The full descriptions are exchanged (``all_gather_object``) only on the first call on a group and
 when a rank's own description changed since the last exchange. In between, the agreed layout is reused, and the
-existing SUM/MAX reductions carry one extra row (:data:`CHECK`): each rank's fingerprint of the layout it packed by
+existing SUM/MAX reductions carry one extra row, the check row: each rank's fingerprint of the layout it packed by
 and whether its own description changed ("dirty"). Every rank reads the reduced check row (the same values on every
 rank, so the same decision everywhere): all fingerprints equal and nobody dirty means the result is valid; otherwise
 every rank exchanges and reduces again. Layout errors are decided from the exchanged descriptions, which every rank
@@ -31,8 +31,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-#: Fingerprints travel in float64 and are summed over at most 2**12 ranks without rounding.
-_FP_BITS = 40
+_FP_BITS = 52  # float64 holds every integer below 2**53; the reduction scales it down to the group's size
 
 
 class Desc(NamedTuple):
@@ -65,11 +64,6 @@ class _Entry:
 
 #: The last agreed layout per (group, mode): identical on every rank of the group, which all exchange together.
 _CACHE: dict[tuple[int, str], _Entry] = {}
-
-
-def clear_cache() -> None:
-    """Forget every agreed layout: the next reduction on any group exchanges descriptions again."""
-    _CACHE.clear()
 
 
 def _fingerprint(names: Sequence[str], descs: Sequence[Sequence[Desc]]) -> int:

@@ -272,6 +272,7 @@ def _reduce_step(
     device = table.sum_buf.device
     local = [table.descs[i] for i in rows]
     agreed, dirty = _layout.cached(pg, mode, local, tied)
+    group_size = dist.get_world_size(pg)
     fresh = agreed is None
     while True:
         if agreed is None:
@@ -293,15 +294,17 @@ def _reduce_step(
                 sub_sum.index_copy_(0, dst, table.sum_buf.index_select(0, src))
                 sub_max.index_copy_(0, dst, table.max_buf.index_select(0, src))
         # The check row: the fingerprint of the layout packed by (summed and maxed) and whether this rank is dirty.
-        sub_sum[n, 0] = float(agreed.fingerprint)
+        # Scaled so that its sum over the group stays below 2**52: exact in float64 at any group size.
+        fp = agreed.fingerprint % (2**52 // group_size)
+        sub_sum[n, 0] = float(fp)
         sub_sum[n, 1] = float(dirty)
-        sub_max[n] = float(agreed.fingerprint)
+        sub_max[n] = float(fp)
         dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
         dist.all_reduce(sub_max, op=dist.ReduceOp.MAX, group=pg)
         if fresh:
             break  # every rank of the group has just agreed on this layout
         (fp_sum, dirty_sum, fp_max), _ = to_host([sub_sum[n, :2], sub_max[n : n + 1]], [])
-        if dirty_sum == 0 and fp_sum == fp_max * dist.get_world_size(pg):
+        if dirty_sum == 0 and fp_sum == fp_max * group_size:
             break
         logger.debug("reduce_across_ranks: a rank's parameter layout changed; exchanging layouts again")
         agreed, fresh = None, True
