@@ -62,6 +62,31 @@ void check_inputs(const TensorRefs& tensors);
 // Allocates the three outputs for `n` tensors on `device`.
 Stats empty_stats(int64_t n, const at::Device& device);
 
+// The inputs a kernel cannot read in place as a flat span: those for which t.is_non_overlapping_and_dense() is false
+// (expanded, sliced with gaps, overlapping as_strided views). A kernel reads every other tensor in place (that one
+// flag is all the hot path pays) and, for these, the tensor read(t, i) returns, then calls scale(out) on its outputs:
+//  * a dimension of stride 0 and size > 1 (a broadcast: expand, stride-0 as_strided) repeats the same elements, so
+//    it is left out of what is read and scale() multiplies that tensor's sumsq and counts by the sizes left out (amax
+//    is unchanged): x.expand(2**40) costs what x does, and nothing of its size is allocated;
+//  * the rest is read in place when dense, else from a contiguous copy. A view whose elements overlap (as_strided
+//    with overlapping strides) is copied too, giving every element its multiplicity, unless the copy would be both
+//    larger than kMaxOverlapCopyBytes and more than twice the memory the view addresses: that is a ValueError
+//    naming the tensor. A copy whose allocation fails is an error naming the tensor, its shape, dtype and the bytes.
+class NonDenseInputs {
+ public:
+  static constexpr int64_t kMaxOverlapCopyBytes = int64_t{64} << 20;
+
+  // What to read for tensors[i] == t; the reference stays valid until the next call of read or the end of this object.
+  const at::Tensor& read(const at::Tensor& t, size_t i);
+  // Multiplies sumsq[i] and counts[i] by the repeat of every tensor that had broadcast dimensions (device-side ops
+  // on a CUDA output: two per such tensor, none when there is none).
+  void scale(const Stats& out) const;
+
+ private:
+  std::vector<at::Tensor> read_;                         // views and copies, alive until the kernel has read them
+  std::vector<std::pair<int64_t, int64_t>> repeats_;     // (index, repeat > 1)
+};
+
 // A backend's kernel as the dispatcher calls it, boxed: (Tensor[] tensors) on the stack in, the three outputs out.
 // Register with torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&the_kernel>>().
 template <Stats (*Kernel)(const TensorRefs&)>

@@ -12,11 +12,13 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/pybind11.h>
 
 #include <charconv>
+#include <limits>
 
 #include "multi_tensor_stats.h"
 
@@ -153,7 +155,8 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (i == 0) type = t.device().type();
     if (t.device().type() != type) Py_RETURN_NONE;
-    elems += t.numel();
+    // Saturating: the sum only decides whether the GIL is released, and expanded views may add up past int64.
+    if (c10::add_overflows(elems, t.numel(), &elems)) elems = std::numeric_limits<int64_t>::max();
     refs[i] = &t;
   }
   const torch_gradstats::Kernel kernel = kernel_for(type);

@@ -199,3 +199,81 @@ def test_module_entry_point_runs_in_a_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "optimizer step 20 (epoch 0) in parameter 'hidden.weight'" in proc.stdout
     assert (tmp_path / "gradstats.png").exists() and (tmp_path / "log.jsonl").exists()
+
+
+# ------------------------------------------------------------------------- errors: status 2, one line, no traceback
+def _run_cli(args: list[str], cwd: Path, prelude: str = "") -> subprocess.CompletedProcess:
+    """``python -m torch_gradstats ARGS`` in a child process (``prelude``: Python run first in the child)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = f"{prelude}\nimport runpy, sys\nsys.argv = ['torch_gradstats', *{args!r}]\n" \
+           "runpy.run_module('torch_gradstats', run_name='__main__')"  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=300, check=False)  # fmt: skip
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> str:
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert len(err) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for text in expected:
+        assert text in err[0], err[0]
+    return err[0]
+
+
+_SEED_RANGE = "--seed must be an integer from -9223372036854775808 to 18446744073709551614"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["demo", "--device", "meta"], ["demo: error: --device 'meta'", "holds no data", "use --device cpu"]),
+        (["demo", "--device", "tpu:0"], ["demo: error: invalid --device 'tpu:0'"]),
+        (["demo", "--seed", str(2**64 - 1)], [_SEED_RANGE, "got 18446744073709551615"]),
+        (["demo", "--seed", str(2**64)], [_SEED_RANGE, "got 18446744073709551616"]),
+        (["demo", "--seed", str(-(2**63) - 1)], [_SEED_RANGE]),
+        (["demo", "--steps", "many"], ["demo: error: argument --steps: invalid int value: 'many'"]),
+        (["demo", "--no-such-flag"], ["error: unrecognized arguments: --no-such-flag"]),
+        (["frobnicate"], ["error: argument {info,demo,bench}: invalid choice: 'frobnicate'"]),
+        (["bench", "--seed", str(2**64)], ["argument --seed: expected an integer from -9223372036854775808 to",
+                                           "18446744073709551615, got 18446744073709551616"]),
+        (["bench", "--device", "meta"], ["--device must be cpu or cuda, got 'meta'"]),
+    ],
+    ids=["meta", "bad-device", "seed-2**64-1", "seed-2**64", "seed-below", "steps", "flag", "command", "bench-seed",
+         "bench-meta"],
+)
+def test_cli_errors_are_status_2_and_one_line(tmp_path, args, expected):
+    if args[0] == "demo":
+        args = [*args, "--out", str(tmp_path / "out"), "--no-plot", "--no-progress"]
+    _assert_one_line_error(_run_cli(args, tmp_path), *expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_cuda_without_cuda_names_the_flag(tmp_path):
+    line = _assert_one_line_error(_run_cli(["demo", "--device", "cuda", "--out", str(tmp_path)], tmp_path),
+                                  "--device 'cuda' requested but CUDA is not available", "use --device cpu")
+    assert "device='cpu'" not in line
+
+
+@pytest.mark.parametrize("where", ["{file}", "{file}/sub", "/proc/forbidden"], ids=["a-file", "under-a-file", "proc"])
+def test_cli_unwritable_tensorboard_dir_names_its_flag(tmp_path, where):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    where = where.format(file=a_file)
+    proc = _run_cli(["demo", "--steps", "1", "--no-plot", "--out", str(tmp_path / "out"), "--tensorboard", where],
+                    tmp_path)  # fmt: skip
+    line = _assert_one_line_error(proc, f"demo: error: --tensorboard {where!r}", "pass a writable directory")
+    assert "--out" not in line
+
+
+def test_cli_tensorboard_missing_names_the_package(tmp_path):
+    prelude = "import sys; sys.modules['torch.utils.tensorboard'] = None  # as if tensorboard were not installed"
+    proc = _run_cli(["demo", "--steps", "1", "--out", str(tmp_path), "--tensorboard", str(tmp_path / "tb")],
+                    tmp_path, prelude)  # fmt: skip
+    _assert_one_line_error(proc, "demo: error: --tensorboard needs the tensorboard package (pip install tensorboard)")
+    assert not (tmp_path / "log.jsonl").exists()  # refused before training
+
+
+def test_cli_demo_in_range_extreme_seed_runs(tmp_path):
+    assert main(["demo", "--steps", "1", "--seed", str(2**64 - 2), "--out", str(tmp_path), "--no-plot",
+                 "--no-progress"]) == 0  # fmt: skip

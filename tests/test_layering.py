@@ -29,17 +29,23 @@ LAYERS = {
     "torch_gradstats.health": 3,
     "torch_gradstats._layout": 0,
     "torch_gradstats.distributed": 3,
+    "torch_gradstats._scalars": 3,
     "torch_gradstats.report": 4,
+    "torch_gradstats.groups": 4.5,  # per-group figures from per-parameter ones; GradStats.grouped delegates here
     "torch_gradstats.stats": 5,
+    "torch_gradstats.activations": 5,  # and every module of the activations package
     "torch_gradstats.clip": 6,
     "torch_gradstats.collector": 6,
     "torch_gradstats.updates": 6,
+    "torch_gradstats.noise_scale": 6,
+    "torch_gradstats.guard": 6,
+    "torch_gradstats.adaptive_clip": 6.5,  # a policy like guard, that clips through clip
     "torch_gradstats.training": 7,  # and every module of the training package
     "torch_gradstats.integrations": 8,  # and every module of the integrations package
 }
 TOP = 100  # entry points: anything not listed
 #: Modules of one package may import each other (cycles are still forbidden).
-SAME_LAYER_OK = {"torch_gradstats.training", "torch_gradstats.integrations"}
+SAME_LAYER_OK = {"torch_gradstats.training", "torch_gradstats.integrations", "torch_gradstats.activations"}
 
 #: Private names one module may import from another, with the reason.
 ALLOWED_PRIVATE = {

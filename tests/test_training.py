@@ -422,7 +422,7 @@ def test_bad_arguments_and_batches():
     with pytest.raises(ValueError, match="accumulation_steps"):
         Trainer(model, opt, nn.CrossEntropyLoss(), accumulation_steps=0)
     trainer = Trainer(model, opt, nn.CrossEntropyLoss(), progress=False)
-    with pytest.raises(ValueError, match=r"batch 0 is a Tensor; expected an \(inputs, targets\) pair"):
+    with pytest.raises(TypeError, match=r"batch 0 is a Tensor; expected an \(inputs, targets\) pair"):
         trainer.train_epoch([torch.zeros(2, 6)])
     bad_loss = Trainer(model, opt, nn.CrossEntropyLoss(reduction="none"), progress=False)
     x, y = _data(8)
@@ -698,8 +698,9 @@ def test_global_step_can_be_set_when_resuming():
         trainer.global_step = -1
 
 
-@pytest.mark.parametrize("bad", [True, 0, -1, 2.0, "3"])
-def test_sync_every_must_be_a_positive_int(bad: object) -> None:
+@pytest.mark.parametrize("bad, error", [(True, TypeError), (0, ValueError), (-1, ValueError), (2.0, TypeError),
+                                        ("3", TypeError)])  # fmt: skip
+def test_sync_every_must_be_a_positive_int(bad: object, error: type[Exception]) -> None:
     model = _mlp()
-    with pytest.raises(ValueError, match="sync_every"):
+    with pytest.raises(error, match="sync_every"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), sync_every=bad)  # type: ignore[arg-type]

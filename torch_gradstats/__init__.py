@@ -13,20 +13,35 @@ from torch_gradstats.ops import SUPPORTED_DTYPES, TensorStats, multi_tensor_stat
 # isort: split
 from torch_gradstats import collector
 from torch_gradstats._extension import HAS_EXTENSION
+from torch_gradstats.activations import ActivationReport, ActivationWatch
+from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.groups import GroupStats
+from torch_gradstats.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.health import HealthPolicy
+from torch_gradstats.noise_scale import NoiseScale, noise_scale_hook
+from torch_gradstats.report import GroupReport
 from torch_gradstats.stats import GradReport, GradStats, grad_stats
 from torch_gradstats.training import EpochSummary, StepRecord, Trainer
+from torch_gradstats.training._skip import step_or_skip
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HAS_EXTENSION",
     "SUPPORTED_DTYPES",
+    "ActivationReport",
+    "ActivationWatch",
+    "AdaptiveClip",
     "EpochSummary",
     "GradReport",
     "GradStats",
+    "GroupReport",
+    "GroupStats",
     "HealthPolicy",
+    "NoiseScale",
+    "SpikeGuard",
+    "SpikeStreakError",
     "StepRecord",
     "TensorStats",
     "Trainer",
@@ -34,4 +49,6 @@ __all__ = [
     "collector",
     "grad_stats",
     "multi_tensor_stats",
+    "noise_scale_hook",
+    "step_or_skip",
 ]

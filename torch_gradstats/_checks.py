@@ -6,12 +6,13 @@ Every error names the offending tensor by its index in the list and says what to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPE_BITS", "OP_NAME", "SUPPORTED_DTYPES", "check_inputs", "checked_numels"]
+__all__ = ["DTYPE_BITS", "OP_NAME", "SUPPORTED_DTYPES", "check_inputs", "check_tensor_list", "checked_numels"]
 
 OP_NAME = "multi_tensor_stats"
 
@@ -44,11 +45,34 @@ _BARE_TENSOR_MSG = (
 )
 
 
+def _a(obj: object) -> str:
+    if obj is None:
+        return "None"
+    name = type(obj).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def check_tensor_list(tensors: object, *, iterables: bool = False) -> None:
+    """Raise TypeError unless ``tensors`` is a list or tuple (any sequence; with ``iterables``, any ordered
+    iterable such as a generator). Strings, mappings and sets are refused: iterating them gives keys or characters,
+    or tensors in no set order, so result ``i`` would match no tensor the caller can name."""
+    if isinstance(tensors, (list, tuple)):
+        return
+    ordered = isinstance(tensors, Sequence) or (iterables and hasattr(tensors, "__iter__"))
+    if not ordered or isinstance(tensors, (str, bytes, bytearray, Mapping, AbstractSet)):
+        hint = "; pass list(d.values())" if isinstance(tensors, Mapping) else ""
+        raise TypeError(
+            f"{OP_NAME}: tensors must be a tensor or a list or tuple of tensors, got {_a(tensors)}{hint}"
+        )
+
+
 def checked_numels(tensors: Sequence[Tensor], check_storage: bool = True) -> list[int]:
     """:func:`check_inputs`, returning each tensor's number of elements (one tight pass: the fallback runs it on
     every call, and for 100,000s of small tensors each attribute read counts)."""
-    if isinstance(tensors, Tensor):
-        raise TypeError(_BARE_TENSOR_MSG.format(shape=tuple(tensors.shape)))
+    if type(tensors) is not list:
+        if isinstance(tensors, Tensor):
+            raise TypeError(_BARE_TENSOR_MSG.format(shape=tuple(tensors.shape)))
+        check_tensor_list(tensors)
     if len(tensors) == 0:
         raise ValueError(f"{OP_NAME}: expected at least one tensor, got an empty list")
     first = tensors[0]

@@ -6,6 +6,8 @@
   in a child process because some toolchains make it crash the process. Exit status 1 if a check fails.
 * ``demo``: train a small model on synthetic data and watch its gradients (see :mod:`torch_gradstats.demo`).
 * ``bench``: the benchmark (:mod:`torch_gradstats.bench`); every argument after ``bench`` is passed to it.
+
+A bad argument exits with status 2 and one line on stderr that names the flag (no usage block, no traceback).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -189,10 +193,59 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (the subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+#: The seeds torch's generators take: signed or unsigned 64-bit.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _demo_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the demo's flags that the demo would only find deep inside (or name by another flag)."""
+    from torch_gradstats.training import validate_device
+
+    lo, hi = SEED_RANGE[0], SEED_RANGE[1] - 1  # the demo seeds its held-out data with seed + 1
+    if not lo <= args.seed <= hi:
+        return f"--seed must be an integer from {lo} to {hi} (torch's 64-bit seeds; the demo also uses seed + 1), " \
+               f"got {args.seed}"  # fmt: skip
+    if args.device is not None:
+        try:
+            validate_device(args.device, name="--device")
+        except ValueError as exc:
+            return str(exc)
+    if args.tensorboard is not None:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as exc:
+            return f"--tensorboard needs the tensorboard package (pip install tensorboard): {exc}"
+        try:
+            Path(args.tensorboard).mkdir(parents=True, exist_ok=True)
+            writable = os.access(args.tensorboard, os.W_OK | os.X_OK)
+        except OSError as exc:
+            return f"--tensorboard {args.tensorboard!r}: {exc.strerror or exc}; pass a writable directory"
+        if not writable:
+            return f"--tensorboard {args.tensorboard!r}: permission denied; pass a writable directory"
+    return None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from torch_gradstats import demo
+
+    problem = _demo_args_error(args)
+    if problem is not None:
+        print(f"demo: error: {problem}", file=sys.stderr)
+        return 2
+    return demo.run_from_args(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     from torch_gradstats import demo
 
-    p = argparse.ArgumentParser(prog="python -m torch_gradstats", description="torch_gradstats command line")
+    p = _Parser(prog="python -m torch_gradstats", description="torch_gradstats command line")
     sub = p.add_subparsers(dest="command", metavar="{info,demo,bench}")
     sub.required = True
     sub.add_parser("info", help="versions, extension and kernel status, one run of the op")
@@ -217,7 +270,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(text)
         return 0 if ok else 1
     if args.command == "demo":
-        from torch_gradstats import demo
-
-        return demo.run_from_args(args)
+        return _demo(args)
     return 2  # unreachable: argparse rejects unknown commands

@@ -61,18 +61,21 @@ def _coef_on(coef: Tensor, device: torch.device, cache: dict[torch.device, Tenso
 @torch.no_grad()
 def clip_grad_norm_(
     params: ParamsLike,
-    max_norm: float,
+    max_norm: float | Tensor,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     group: Any = None,
+    *,
+    stats: GradStats | None = None,
 ) -> GradStats:
     """Clip gradients in place like ``torch.nn.utils.clip_grad_norm_`` and return the statistics read on the way.
 
     Args:
         params: what :func:`~torch_gradstats.grad_stats` accepts (tensors, ``model.parameters()``,
             ``model.named_parameters()``, (name, tensor) pairs; a generator is consumed once).
-        max_norm: max total norm of the gradients.
+        max_norm: max total norm of the gradients: a number, or a one-element tensor (e.g. a threshold computed on
+            the device, such as :meth:`~torch_gradstats.AdaptiveClip.threshold`'s), used where it is, never read.
         norm_type: p of the p-norm; ``2.0`` and ``inf`` use the fused statistics, any other value falls back to
             ``torch.nn.utils.get_total_norm`` (computed in the gradients' dtype, one extra read).
         error_if_nonfinite: raise if the total norm is NaN or Inf, naming the first non-finite parameter. This
@@ -81,10 +84,14 @@ def clip_grad_norm_(
             multiplies tensor by tensor.
         group: process group over which plain-tensor gradients are shards of one set (FSDP1 flat parameters,
             ZeRO): the clip uses their global norm. DTensor gradients need no group. Only norm types 2 and inf.
+        stats: the :func:`~torch_gradstats.grad_stats` of exactly these parameters' gradients, already read (with
+            the same ``group``): the clip then uses them instead of reading the gradients again.
 
     Returns:
         The :class:`~torch_gradstats.stats.GradStats` of the gradients *before* clipping, with ``clip_norm`` (the
-        total norm used, float64 0-d) and ``clip_coef`` (the clamped coefficient applied) set. ``clip_norm``
+        total norm used, float64 0-d), ``clip_coef`` (the clamped coefficient applied) and ``clipped_norm`` (the
+        total norm after clipping, ``clip_coef * clip_norm``) set, all device tensors; its report carries
+        ``clip_coef`` and ``clipped_norm``. ``clip_norm``
         equals what ``torch.nn.utils.clip_grad_norm_`` returns (as float64), except where PyTorch's norm, computed
         in the gradients' dtype, overflows or rounds (see the module docstring): there ``clip_norm`` is the true
         finite norm, and gradients PyTorch would zero are scaled to ``max_norm`` instead.
@@ -94,17 +101,32 @@ def clip_grad_norm_(
             holds a NaN or Inf (gradients are left untouched), or
             ``foreach=True`` on a device without foreach support.
     """
-    max_norm = float(max_norm)
+    if isinstance(max_norm, Tensor):
+        if not max_norm.is_floating_point():
+            raise TypeError(f"clip_grad_norm_: max_norm as a tensor must be floating point, got {max_norm.dtype}")
+        if max_norm.numel() != 1:
+            raise ValueError(f"clip_grad_norm_: max_norm must have one element, got shape {tuple(max_norm.shape)}")
+    else:
+        max_norm = float(max_norm)
     norm_type = float(norm_type)
     named = _named_params(params)
     if group is not None and norm_type not in (2.0, math.inf):
         raise ValueError(f"clip_grad_norm_: with group=, norm_type must be 2 or inf, got {norm_type}")
-    stats = grad_stats(named, group=group)
-    home = stats.device
     grads = [p.grad for _, p in named if p.grad is not None]
+    if stats is None:
+        stats = grad_stats(named, group=group)
+    elif not isinstance(stats, GradStats):
+        raise TypeError(f"clip_grad_norm_: stats must be a GradStats or None, got a {type(stats).__name__}")
+    elif len(stats) != len(grads):
+        raise ValueError(
+            f"clip_grad_norm_: stats must be the GradStats of the {len(grads)} gradients of params, got the "
+            f"statistics of {len(stats)}"
+        )
+    home = stats.device
     if not grads:
         stats.clip_norm = torch.zeros((), dtype=torch.float64, device=home)
         stats.clip_coef = torch.ones((), dtype=torch.float64, device=home)
+        stats.clipped_norm = stats.clip_norm
         return stats
 
     if norm_type == 2.0:
@@ -127,6 +149,13 @@ def clip_grad_norm_(
                 "the non-finite norm anyway, or skip this step."
             )
 
+    if isinstance(max_norm, Tensor):  # used where it is: moved to the statistics' device without a sync
+        if max_norm.device != home and home.type == "cpu":
+            raise ValueError(
+                f"clip_grad_norm_: max_norm is on {max_norm.device} but the gradients' statistics are on the CPU; "
+                "reading it back would sync: pass a number or a tensor on the CPU"
+            )
+        max_norm = to_device(max_norm.detach().reshape(()), home)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
     # Group by (device, dtype) on metadata only, like PyTorch, so each _foreach_mul_ gets a uniform list.
@@ -148,4 +177,5 @@ def clip_grad_norm_(
 
     stats.clip_norm = total
     stats.clip_coef = coef
+    stats.clipped_norm = total * coef  # the norm the gradients have now (pre-clip is clip_norm, or total_norm)
     return stats

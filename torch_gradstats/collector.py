@@ -22,7 +22,8 @@ by :class:`torch_gradstats.health.HealthPolicy` with this module's thresholds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+import numbers
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import TypedDict
 
@@ -165,25 +166,52 @@ class SeedGradientCollector:
         }
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _require_keys(d: object, keys: tuple[str, ...], fn: str, maker: str) -> None:
+    """TypeError naming ``fn`` and ``maker`` unless ``d`` is a mapping holding every key."""
+    if not isinstance(d, Mapping):
+        got = "None" if d is None else f"a {type(d).__name__}"
+    else:
+        missing = [k for k in keys if k not in d]
+        if not missing:
+            return
+        got = f"a {type(d).__name__} without the key(s) {missing}"
+    raise TypeError(f"{fn}: expected the dict returned by {maker}(), got {got}")
+
+
 def materialize_grad_stats(async_stats: AsyncStats) -> GradientHealthStats:
     """Turn :meth:`SeedGradientCollector.collect_async`'s tensors into Python values: ONE device-to-host transfer.
 
     It waits for the device, so calling it right after the collection is safe (no separate synchronize needed).
+
+    Raises:
+        TypeError: ``async_stats`` is not such a dict (a key is missing or holds the wrong type).
     """
+    where = "materialize_grad_stats", "collect_async"
+    _require_keys(async_stats, ("_empty",), *where)
     if async_stats["_empty"]:
+        _require_keys(async_stats, ("gradient_norm", "gradient_health", "has_vanishing", "has_exploding"), *where)
         return {
             "gradient_norm": float(async_stats["gradient_norm"]),
             "gradient_health": float(async_stats["gradient_health"]),
             "has_vanishing": bool(async_stats["has_vanishing"]),
             "has_exploding": bool(async_stats["has_exploding"]),
         }
+    _require_keys(async_stats, ("_n_grads", "_total_squared_norm", "_n_vanishing", "_n_exploding"), *where)
     n_grads = async_stats["_n_grads"]
     total_sq = async_stats["_total_squared_norm"]
     n_van_t = async_stats["_n_vanishing"]
     n_exp_t = async_stats["_n_exploding"]
-    if not (isinstance(n_grads, int) and isinstance(total_sq, Tensor) and isinstance(n_van_t, Tensor)
-            and isinstance(n_exp_t, Tensor)):
-        raise TypeError("materialize_grad_stats: expected the dict returned by collect_async()")
+    if not (_is_int(n_grads) and isinstance(total_sq, Tensor) and isinstance(n_van_t, Tensor)
+            and isinstance(n_exp_t, Tensor)):  # fmt: skip
+        raise TypeError(
+            "materialize_grad_stats: expected the dict returned by collect_async(), got one whose '_n_grads' is not "
+            "an int or whose '_total_squared_norm', '_n_vanishing' or '_n_exploding' is not a tensor"
+        )
+    n_grads = int(n_grads)
     n_nonfinite_t = async_stats.get("_n_nonfinite")
     if not isinstance(n_nonfinite_t, Tensor):  # a dict built by older code: derive it from the total
         n_nonfinite_t = (~torch.isfinite(total_sq)).to(torch.int64)
@@ -364,13 +392,20 @@ def collect_dual_gradients_async(
 
 
 def materialize_dual_grad_stats(async_stats: dict[str, Tensor | int]) -> DualGradientStats:
-    """Turn the dual dict into :class:`DualGradientStats`: one device-to-host transfer (none for CPU tensors)."""
+    """Turn the dual dict into :class:`DualGradientStats`: one device-to-host transfer (none for CPU tensors).
+
+    Raises:
+        TypeError: ``async_stats`` is not such a dict (a key is missing or holds the wrong type).
+    """
+    keys = ("_host_squared_sum", "_seed_squared_sum", "_host_param_count", "_seed_param_count")
+    _require_keys(async_stats, keys, "materialize_dual_grad_stats", "collect_dual_gradients_async")
     host_sq = async_stats["_host_squared_sum"]
     seed_sq = async_stats["_seed_squared_sum"]
     host_count = async_stats["_host_param_count"]
     seed_count = async_stats["_seed_param_count"]
-    if not (isinstance(host_count, int) and isinstance(seed_count, int)):
+    if not (_is_int(host_count) and _is_int(seed_count)):
         raise TypeError("materialize_dual_grad_stats: the param counts must be ints")
+    host_count, seed_count = int(host_count), int(seed_count)
     values: dict[str, float] = {}
     on_device: list[tuple[str, Tensor]] = []
     for key, v in (("host", host_sq), ("seed", seed_sq)):

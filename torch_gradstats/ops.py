@@ -31,14 +31,14 @@ counts     int64 [N, 3]      number of elements == 0 (-0.0 too), NaN, +-inf
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch.compiler import is_dynamo_compiling
 
 from torch_gradstats import fallback
-from torch_gradstats._checks import OP_NAME, SUPPORTED_DTYPES, check_inputs
+from torch_gradstats._checks import OP_NAME, SUPPORTED_DTYPES, check_inputs, check_tensor_list
 from torch_gradstats.fallback import fallback_multi_tensor_stats
 
 __all__ = [
@@ -121,6 +121,23 @@ def _reject_nested(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
 for _key in ("NestedTensorCPU", "NestedTensorCUDA"):
     _lib.impl(OP_NAME, _reject_nested, _key)
 
+
+def _vmap_rule(info: Any, in_dims: tuple[list[int | None]], tensors: list[Tensor]
+               ) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[int, int, int]]:  # fmt: skip
+    """``torch.vmap``: the stats of each batch element's tensors, from one op call over all their slices. A tensor
+    that is not mapped over is read once per batch element (its stats repeat)."""
+    (dims,) = in_dims
+    b, n = info.batch_size, len(tensors)
+    if b == 0:
+        check_inputs(tensors, check_storage=False)
+        device = tensors[0].device
+        return (torch.empty(0, n, dtype=torch.float64, device=device),
+                torch.empty(0, n, dtype=torch.float64, device=device),
+                torch.empty(0, n, 3, dtype=torch.int64, device=device)), (0, 0, 0)  # fmt: skip
+    flat = [t if d is None else t.select(d, i) for i in range(b) for t, d in zip(tensors, dims)]
+    sumsq, amax, counts = _op(flat)
+    return (sumsq.view(b, n), amax.view(b, n), counts.view(b, n, 3)), (0, 0, 0)
+
 # Load the compiled kernels only now, after the schema they register against exists.
 from torch_gradstats._extension import HAS_EXTENSION, native_function  # noqa: E402,F401
 
@@ -131,6 +148,7 @@ if (_set_stats_type := native_function("set_stats_type")) is not None:
     _set_stats_type(TensorStats)
     _direct_stats = native_function("direct_stats")
 _op = torch.ops.torch_gradstats.multi_tensor_stats.default
+torch.library.register_vmap(OP_QUALNAME, _vmap_rule, lib=_lib)
 
 
 def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
@@ -149,14 +167,21 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor]) -> TensorStats:
     Other Python threads run while the compiled kernel does (CUDA calls, and CPU lists of at least 65,536 elements
     and 16,384 per tensor on average release the GIL), as they do during any torch op.
 
+    Under ``torch.vmap`` each batch element gets its statistics, the batch dimension first (``sumsq`` ``[B, N]``).
+
     Raises:
-        ValueError / TypeError naming the offending tensor's index for an empty list, an item that is not a
-        tensor, a non-float dtype, a sparse or nested tensor, tensors on different devices, or a tensor whose
-        storage was freed. Under ``torch.compile`` the same message comes from the op's fake kernel, inside
-        Dynamo's ``TorchRuntimeError``.
+        TypeError when ``tensors`` is neither a tensor nor a list, tuple or other ordered iterable of them (an int,
+        None, a str, a dict, a set). ValueError / TypeError naming the offending tensor's index for an empty list,
+        an item that is not a tensor, a non-float dtype, a sparse or nested tensor, tensors on different devices,
+        or a tensor whose storage was freed. Under ``torch.compile`` the same message comes from the op's fake
+        kernel, inside Dynamo's ``TorchRuntimeError``.
     """
     if type(tensors) is not list:  # a list is used as it is: neither path keeps or changes it
-        tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        if isinstance(tensors, Tensor):
+            tensors = [tensors]
+        else:
+            check_tensor_list(tensors, iterables=True)
+            tensors = list(tensors)
     if is_dynamo_compiling():  # a constant to Dynamo; in eager a quarter of is_compiling()'s host time
         # No Python checks here: an exception raised while Dynamo traces this frame would surface as "Observed
         # exception" with the message hidden. The fake kernel runs the same checks and Dynamo quotes its error.

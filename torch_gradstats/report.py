@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, ZERO
 
-__all__ = ["GradReport"]
+__all__ = ["STYLES", "GradReport", "GroupReport"]
 
 _DEFAULT_POLICY = HealthPolicy()
 
@@ -51,6 +51,10 @@ class GradReport:
         min_norm, max_norm: smallest and largest per-parameter norm (NaN if any is NaN; 0.0 when empty).
         top_norms: the k largest ``(name, norm)``, largest first; NaN norms sort first.
         nonfinite_ranks: parameter name -> ranks where its local gradient had a NaN/Inf (distributed path only).
+        clip_coef: the coefficient :func:`~torch_gradstats.clip_grad_norm_` multiplied the gradients by (at most
+            1.0), or None for statistics that were not clipped.
+        clipped_norm: the total norm after that clip (``clip_coef`` times the norm it clipped with), or None.
+        groups: the per-group figures when the report was made with ``groups=`` (see :meth:`GradStats.grouped`).
     """
 
     total_norm: float
@@ -73,6 +77,9 @@ class GradReport:
     max_norm: float
     top_norms: list[tuple[str, float]]
     nonfinite_ranks: dict[str, list[int]]
+    clip_coef: float | None = None
+    clipped_norm: float | None = None
+    groups: GroupReport | None = None
 
     @classmethod
     def _build(
@@ -154,14 +161,25 @@ class GradReport:
                 lines.append(f"  {name.ljust(width)}  {norm:.4g}{flag}")
         return "\n".join(lines)
 
-    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
+    def to_dict(
+        self, prefix: str = "", per_param: bool = True, style: str = "default"
+    ) -> dict[str, float | int | str | None]:
         """Flat dict for loggers (TensorBoard, W&B, JSON lines): numbers, except ``first_nonfinite`` (a parameter
         name or None; skip it when every value must be a scalar, e.g. for ``SummaryWriter.add_scalar``).
 
         Args:
             prefix: prepended to every key (e.g. ``"grad/"``).
-            per_param: include ``norm/<name>`` for every parameter.
+            per_param: include the per-parameter keys (``norm/<name>``, or the style's own).
+            style: whose key names (see :data:`STYLES`): ``"default"``, this library's own figures (with
+                ``clip_coef`` and ``clipped_norm`` after :func:`~torch_gradstats.clip_grad_norm_`, and the group
+                keys of a report made with ``groups=``); ``"lightning"``, ``grad_2.0_norm/<name>`` and
+                ``grad_2.0_norm_total`` as ``lightning.pytorch.utilities.grad_norm(module, 2)`` (nothing when no
+                gradient was read, as there); ``"hf"``, ``grad_norm`` (the pre-clip total norm the transformers
+                Trainer logs); ``"megatron"``, ``grad-norm`` and ``num-zeros``; ``"composer"``,
+                ``l2_norm/grad/global`` and ``l2_norm/grad/<name>``. The framework styles hold those keys only.
         """
+        if style != "default":
+            return {prefix + key: value for key, value in self._styled(style, per_param).items()}
         out: dict[str, float | int | str | None] = {
             "total_norm": self.total_norm,
             "inf_norm": self.inf_norm,
@@ -179,7 +197,85 @@ class GradReport:
             "num_exploding_tensors": len(self.exploding),
             "first_nonfinite": self.first_nonfinite,
         }
+        if self.clip_coef is not None:
+            out["clip_coef"] = self.clip_coef
+        if self.clipped_norm is not None:
+            out["clipped_norm"] = self.clipped_norm
         if per_param:
             for name, norm in self.norms.items():
                 out[f"norm/{name}"] = norm
+        if self.groups is not None:
+            out.update(self.groups.to_dict())
         return {prefix + key: value for key, value in out.items()}
+
+
+    def _styled(self, style: str, per_param: bool) -> dict[str, float | int | str | None]:
+        if not isinstance(style, str):
+            raise TypeError(f"to_dict: style must be a str, one of {', '.join(STYLES)}; got a {type(style).__name__}")
+        out: dict[str, float | int | str | None] = {}
+        if style == "lightning":
+            if self.norms:  # grad_norm returns {} when no parameter has a gradient
+                if per_param:
+                    out.update({f"grad_2.0_norm/{name}": norm for name, norm in self.norms.items()})
+                out["grad_2.0_norm_total"] = self.total_norm
+        elif style == "hf":
+            out["grad_norm"] = self.total_norm
+        elif style == "megatron":
+            out["grad-norm"] = self.total_norm
+            out["num-zeros"] = self.zero_count
+        elif style == "composer":
+            out["l2_norm/grad/global"] = self.total_norm
+            if per_param:
+                out.update({f"l2_norm/grad/{name}": norm for name, norm in self.norms.items()})
+        else:
+            raise ValueError(f"to_dict: style must be one of {', '.join(STYLES)}; got {style!r}")
+        return out
+
+
+#: The key styles of :meth:`GradReport.to_dict`.
+STYLES = ("default", "lightning", "hf", "megatron", "composer")
+
+
+# ---------------------------------------------------------------------------------------------- GroupReport
+@dataclass
+class GroupReport:
+    """Host-side per-group figures (plain Python numbers), made by :meth:`GroupStats.report`.
+
+    Attributes:
+        norms: group -> L2 norm of its gradients, in first-seen order.
+        max_abs: group -> max |g| (NaN if the group holds a NaN).
+        zero_counts, nan_counts, inf_counts, numel: group -> count.
+        weight_norms: group -> L2 norm of its weights (None unless grouped from ``grad_and_weight_stats``).
+        lr_update_ratios: group -> ``sqrt(sum lr_p² ||g_p||²) / ||w||``, plain SGD's update over the weights
+            (None without an optimizer).
+        update_ratios: group -> measured ``||Δw|| / ||w_after||`` (None without a measured update).
+    """
+
+    norms: dict[str, float]
+    max_abs: dict[str, float]
+    zero_counts: dict[str, int]
+    nan_counts: dict[str, int]
+    inf_counts: dict[str, int]
+    numel: dict[str, int]
+    weight_norms: dict[str, float] | None = None
+    lr_update_ratios: dict[str, float] | None = None
+    update_ratios: dict[str, float] | None = None
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Groups holding a NaN or Inf, in order."""
+        return [n for n in self.norms if self.nan_counts[n] + self.inf_counts[n] > 0]
+
+    def to_dict(self, prefix: str = "") -> dict[str, float | int]:
+        """``group/<g>/norm``, ``group/<g>/max_abs``, ``group/<g>/nonfinite`` (NaN + Inf elements) for every group,
+        then, where present, ``group/<g>/weight_norm``, ``group/<g>/lr_update_ratio``, ``group/<g>/update_ratio``."""
+        out: dict[str, float | int] = {}
+        for n in self.norms:
+            out[f"{prefix}group/{n}/norm"] = self.norms[n]
+            out[f"{prefix}group/{n}/max_abs"] = self.max_abs[n]
+            out[f"{prefix}group/{n}/nonfinite"] = self.nan_counts[n] + self.inf_counts[n]
+        for key, values in (("weight_norm", self.weight_norms), ("lr_update_ratio", self.lr_update_ratios),
+                            ("update_ratio", self.update_ratios)):
+            for n, v in (values or {}).items():
+                out[f"{prefix}group/{n}/{key}"] = v
+        return out

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from torch_gradstats._extension import native_function
 from torch_gradstats._transfer import host_int64, repeated_int64, to_device, to_host
+from torch_gradstats.groups import GroupBy, GroupStats, group_stats
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, OP_NAME, SUPPORTED_DTYPES, ZERO, check_inputs, multi_tensor_stats
 from torch_gradstats.report import GradReport
@@ -181,6 +182,8 @@ class GradStats:
             clipped with, float64 0-d; None otherwise.
         clip_coef: set by :func:`torch_gradstats.clip_grad_norm_`: the clamped coefficient the gradients were
             multiplied by, float64 0-d; None otherwise.
+        clipped_norm: set by :func:`torch_gradstats.clip_grad_norm_`: the total norm after clipping,
+            ``clip_coef * clip_norm``, float64 0-d; None otherwise. The report carries both.
     """
 
     names: list[str]
@@ -192,6 +195,7 @@ class GradStats:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     clip_norm: Tensor | None = None
     clip_coef: Tensor | None = None
+    clipped_norm: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -248,14 +252,21 @@ class GradStats:
         """Health score (see :class:`~torch_gradstats.health.HealthPolicy`) as a float64 0-d device tensor."""
         return (policy or _DEFAULT_POLICY).score(self.norms)
 
+    def grouped(self, by: GroupBy = "layer") -> GroupStats:
+        """Per-group figures (per layer, module, regex group...) from these per-parameter ones, on the device, no
+        sync; see :mod:`torch_gradstats.groups` for ``by``."""
+        return group_stats(self, by)
+
     # ---- host side
-    def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> GradReport:
+    def report(self, k: int = 5, *, policy: HealthPolicy | None = None,
+               groups: GroupStats | None = None) -> GradReport:
         """Bring the statistics to the host in exactly one device-to-host transfer and summarise them.
 
         Args:
             k: how many of the largest per-parameter norms to list in ``top_norms`` (an int >= 0).
             policy: health policy (default :class:`HealthPolicy()`); the score is computed on the host from the
                 transferred norms and equals :meth:`health` bit for bit.
+            groups: per-group figures (:meth:`grouped`) to bring along in the same transfer, as ``report.groups``.
         """
         if isinstance(k, bool) or not isinstance(k, numbers.Integral):
             raise TypeError(f"GradStats.report: k must be a non-negative int, got {k!r} ({type(k).__name__})")
@@ -271,12 +282,19 @@ class GradStats:
         p = len(self.names)
         world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
         ints_in = [self.counts, self.numel] + ([self.rank_nonfinite] if self.rank_nonfinite is not None else [])
-        floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq], ints_in)
+        clip = [] if self.clip_coef is None or self.clipped_norm is None else [self.clip_coef, self.clipped_norm]
+        group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
+        floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats], ints_in + group_ints)
         sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
         counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
         numel = ints[3 * p : 4 * p]
         rank_nf = [ints[4 * p + world * i : 4 * p + world * (i + 1)] for i in range(p)] if world else None
-        return GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy)
+        out = GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy)
+        if clip:
+            out.clip_coef, out.clipped_norm = floats[2 * p + 1], floats[2 * p + 2]
+        if groups is not None:
+            out.groups = groups._from_host(floats[2 * p + 1 + len(clip):], ints[(4 + world) * p:])
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- grad_stats

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._transfer import to_device, to_host
+from torch_gradstats.groups import GroupBy, GroupStats, group_sums
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import SUPPORTED_DTYPES
 from torch_gradstats.stats import (
@@ -252,10 +253,14 @@ class UpdateReport:
     update_ratios: dict[str, float] = field(default_factory=dict)
     delta_norms: dict[str, float] = field(default_factory=dict)
 
-    def to_dict(self, prefix: str = "", per_param: bool = True) -> dict[str, float | int | str | None]:
+    def to_dict(self, prefix: str = "", per_param: bool = True,
+                style: str = "default") -> dict[str, float | int | str | None]:
         """Flat dict: the gradient figures of ``GradReport.to_dict`` plus ``weight_norm_total``,
         ``num_nonfinite_weights``, ``lr_update_ratio_max`` / ``update_ratio_max`` (largest finite... or NaN) and,
-        with ``per_param``, ``weight_norm/<name>``, ``lr_update_ratio/<name>``, ``update_ratio/<name>``."""
+        with ``per_param``, ``weight_norm/<name>``, ``lr_update_ratio/<name>``, ``update_ratio/<name>``. A framework
+        ``style`` gives the gradient keys of ``GradReport.to_dict(style=...)`` only."""
+        if style != "default":
+            return self.grads.to_dict(prefix, per_param, style)
         out: dict[str, float | int | str | None] = dict(self.grads.to_dict(per_param=per_param))
         out["weight_norm_total"] = self.weight_norm_total
         out["num_nonfinite_weights"] = len(self.weight_nonfinite)
@@ -310,6 +315,10 @@ class GradWeightStats:
     def lr_update_ratios(self) -> Tensor | None:
         """float64 ``[P]``: ``lr * ||g|| / ||w||`` on the device (NaN where the optimizer lacks the parameter); None
         without learning rates. Moving the learning rates to an accelerator goes through pinned memory (no sync)."""
+        lr = self._lr_tensor()
+        return None if lr is None else lr * _device_ratio(self.grads.sumsq, self.weight_sumsq)
+
+    def _lr_tensor(self) -> Tensor | None:
         if self.lrs is None:
             return None
         device = self.grads.device
@@ -321,10 +330,27 @@ class GradWeightStats:
         if held:
             values = [to_device(self.lrs[i].reshape(()).to(torch.float64), device) for i in held]
             lr = lr.index_put((to_device(torch.tensor(held), device),), torch.stack(values))
-        return lr * _device_ratio(self.grads.sumsq, self.weight_sumsq)
+        return lr
 
-    def report(self, k: int = 5, *, policy: HealthPolicy | None = None) -> UpdateReport:
-        """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update."""
+    def grouped(self, by: GroupBy = "layer") -> GroupStats:
+        """:meth:`GradStats.grouped` plus, per group, the weights' sum of squares, with an optimizer the squared
+        norm of plain SGD's update (``sum(lr_p**2 * ||g_p||**2)``, 0 for a parameter it does not hold) and with a
+        measured update its ``||Δw||²`` and ``||w_after||²``: device tensors, no sync; ratios in the report."""
+        out = self.grads.grouped(by)
+        out.weight_sumsq = group_sums(self.names, self.weight_sumsq, by, out.names)
+        lr = self._lr_tensor()
+        if lr is not None:
+            sgd = torch.nan_to_num(lr, nan=0.0).square() * self.grads.sumsq
+            out.lr_update_sumsq = group_sums(self.names, sgd, by, out.names)
+        if self.update is not None:
+            out.delta_sumsq = group_sums(self.update.names, self.update.delta_sumsq, by, out.names)
+            out.update_weight_sumsq = group_sums(self.update.names, self.update.weight_sumsq, by, out.names)
+        return out
+
+    def report(self, k: int = 5, *, policy: HealthPolicy | None = None,
+               groups: GroupStats | None = None) -> UpdateReport:
+        """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update, and the
+        per-group figures of ``groups`` (:meth:`grouped`) as ``report.grads.groups``."""
         g = self.grads
         p = len(g.names)
         floats: list[Tensor] = [g.sumsq, g.amax, self.weight_sumsq]
@@ -339,7 +365,9 @@ class GradWeightStats:
         world = 0 if g.rank_nonfinite is None else int(g.rank_nonfinite.shape[1])
         if g.rank_nonfinite is not None:
             ints.append(g.rank_nonfinite)
-        fl, it = to_host(floats, ints)
+        group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
+        n_floats, n_ints = sum(t.numel() for t in floats), sum(t.numel() for t in ints)
+        fl, it = to_host(floats + group_floats, ints + group_ints)
 
         sumsq, amax, wsumsq = fl[:p], fl[p:2 * p], fl[2 * p:3 * p]
         pos = 3 * p
@@ -364,6 +392,8 @@ class GradWeightStats:
             device=torch.device("cpu"),
         )
         grads_report = host.report(k, policy=policy)
+        if groups is not None:
+            grads_report.groups = groups._from_host(fl[n_floats:], it[n_ints:])
 
         names = g.names
         weight_norms = {n: (math.sqrt(s) if not math.isnan(s) else math.nan) for n, s in zip(names, wsumsq)}

@@ -21,7 +21,8 @@
 // values they are and their squares are summed, identically with or without flush-denormal and for any thread count.
 //
 // Dense tensors, permuted ones included, are read in place as a flat span (the statistics do not depend on element
-// order); only non-dense tensors (expanded, sliced with gaps) are copied to a contiguous buffer first.
+// order); the others through NonDenseInputs (multi_tensor_stats.h): an expanded tensor's distinct elements once, in
+// place where dense, and a contiguous copy of the rest.
 #include "multi_tensor_stats.h"
 
 #include "cpu/stats_kernel.h"
@@ -127,10 +128,10 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
   // Cut every tensor into segments of kChunkElems elements counted from its own start (so its result does not
   // depend on its place in the list), then group consecutive segments into tasks of at least kChunkElems elements
   // (the last one may be smaller); task_first[k] is task k's first segment. Dense tensors (any permutation) are read
-  // in place as a flat span, others from a contiguous copy. The neg bit of a view can be ignored: every statistic is
+  // in place as a flat span, others as NonDenseInputs says. The neg bit of a view can be ignored: every statistic is
   // symmetric in the sign.
   // Small vectors: a call on a short list allocates nothing here (its host time is mostly allocations).
-  std::vector<at::Tensor> copies;  // keeps the copies of non-dense tensors alive
+  NonDenseInputs non_dense;  // keeps what is read of the non-dense tensors alive
   c10::SmallVector<Segment, kInlineTensors> segments;
   segments.reserve(n);
   c10::SmallVector<size_t, kInlineTensors> task_first{0};
@@ -138,8 +139,7 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
     if (!t->is_non_overlapping_and_dense()) {
-      copies.push_back(t->contiguous());
-      t = &copies.back();
+      t = &non_dense.read(*t, static_cast<size_t>(i));
     }
     const int64_t numel = t->numel();
     if (numel == 0) {
@@ -193,7 +193,9 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
     counts_out[i * kNumCounts + kNan] = p.nans;
     counts_out[i * kNumCounts + kInf] = p.infs;
   }
-  return {sumsq, amax, counts};
+  Stats out{std::move(sumsq), std::move(amax), std::move(counts)};
+  non_dense.scale(out);
+  return out;
 }
 
 const char* cpu_kernel_capability() { return kernel().name; }

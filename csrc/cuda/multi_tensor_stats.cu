@@ -877,10 +877,10 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
   const int64_t n = int64_t(tensors.size());
   TORCH_CHECK_VALUE(n < std::numeric_limits<int32_t>::max(), "multi_tensor_stats: too many tensors (", n, ")");
 
-  // Dense tensors (contiguous or permuted) are read in place as the flat span of their storage; others are made
-  // contiguous first. `dense_copies` keeps those copies alive until both kernels are enqueued, after which the
-  // caching allocator (stream-ordered) may recycle them safely.
-  std::vector<at::Tensor> dense_copies;
+  // Dense tensors (contiguous or permuted) are read in place as the flat span of their storage; others as
+  // NonDenseInputs says (multi_tensor_stats.h). `dense_copies` keeps their copies alive until both kernels are
+  // enqueued, after which the caching allocator (stream-ordered) may recycle them safely.
+  NonDenseInputs dense_copies;
   thread_local std::vector<TensorMeta> host_meta;  // reused across calls: no allocation in steady state
   host_meta.resize(size_t(n));
   uint64_t hash = uint64_t(n);
@@ -889,8 +889,7 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
     if (!t->is_non_overlapping_and_dense()) {
-      dense_copies.push_back(t->contiguous());
-      t = &dense_copies.back();
+      t = &dense_copies.read(*t, size_t(i));
     }
     const int64_t numel = t->numel();
     const int64_t es = int64_t(t->element_size());
@@ -972,6 +971,7 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
       std::get<1>(out).data_ptr<double>(), std::get<2>(out).data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   lease.reset();  // both reads are enqueued: the entry may be evicted, its free ordered after them
+  dense_copies.scale(out);  // the repeats of broadcast dimensions
   return out;
 }
 

@@ -100,6 +100,22 @@ int main() {
   }
   expect(threw, "an integer tensor is rejected, naming its index");
 
+  // An expanded view is read from its distinct elements (2**34 of them would take 64 GiB); the counts are exact.
+  const int64_t n = int64_t{1} << 34;
+  const auto [big_sumsq, big_amax, big_counts] = torch_gradstats::multi_tensor_stats_cpu(
+      std::vector<at::Tensor>{at::zeros({1}).expand({n}), at::full({2, 1}, 3.0).expand({2, n / 2})});
+  expect(big_counts[0][0].item<int64_t>() == n && big_counts[1][0].item<int64_t>() == 0, "expanded: zeros counted");
+  expect(big_sumsq[1].item<double>() == 9.0 * double(n) && big_amax[1].item<double>() == 3.0, "expanded: sums");
+  threw = false;
+  try {  // overlapping windows whose copy would take 4 GiB of a 4 MiB storage
+    const at::Tensor base = at::randn({int64_t{1} << 20});
+    const at::Tensor windows = base.as_strided({(int64_t{1} << 20) - 1023, 1024}, {1, 1});
+    torch_gradstats::multi_tensor_stats_cpu(std::vector<at::Tensor>{windows});
+  } catch (const c10::ValueError& e) {
+    threw = std::string(e.what()).find("tensors[0] (shape [1047553, 1024]") != std::string::npos;
+  }
+  expect(threw, "an overlapping view far larger than its memory is rejected, naming it");
+
   std::cout << (failures == 0 ? "all checks passed" : "some checks failed") << "\n";
   return failures == 0 ? 0 : 1;
 }

@@ -38,7 +38,7 @@ from .contenders import (
 from .env import machine_description
 from .main import build_parser, main, run
 from .report import CSV_COLUMNS, Row, fill_ratios, format_table, read_csv, write_csv, write_markdown
-from .targets import Target, evaluate_targets, fit_line
+from .targets import Target, evaluate_targets, fit_line, spread
 from .timing import run_point
 from .workloads import DTYPES, WORKLOADS, Point, Sample, build_points, gpt2_shapes, make_samples, sizes_for
 
@@ -72,6 +72,7 @@ __all__ = [
     "run",
     "run_point",
     "sizes_for",
+    "spread",
     "write_csv",
     "write_markdown",
 ]

@@ -54,6 +54,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    lo, hi = -(2**63), 2**64 - 1  # what torch's generators take
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer from {lo} to {hi}, got {text!r}") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"expected an integer from {lo} to {hi}, got {value}")
+    return value
+
+
 def _names(choices: Iterable[str]) -> Callable[[str], list[str]]:
     allowed = list(choices)
 
@@ -95,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-budget-s", type=_seconds, default=None,
                    help="seconds torch.compile may take in all (compiled_composite; default 0 with --quick, else "
                    "120); a compile expected to take longer than what is left is skipped with a note")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default 0)")
     return p
 
 

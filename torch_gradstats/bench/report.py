@@ -39,6 +39,11 @@ class Row:
     launches: int | None = None
     compile_s: float = NAN
     note: str = ""
+    #: The per-call times of each repetition (ms), in repetition order: the same index is the same repetition in
+    #: every row of the point, so the goals can see how much a ratio moved from one repetition to the next.
+    device_reps: list[float] = dataclasses.field(default_factory=list)
+    eager_reps: list[float] = dataclasses.field(default_factory=list)
+    host_reps: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -84,7 +89,8 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
         w.writerow(CSV_COLUMNS)
         for r in rows:
             d = dataclasses.asdict(r)
-            w.writerow(["" if d[c] is None else d[c] for c in CSV_COLUMNS])
+            w.writerow(["" if d[c] is None else " ".join(map(repr, d[c])) if isinstance(d[c], list) else d[c]
+                        for c in CSV_COLUMNS])  # fmt: skip
 
 
 def read_csv(path: Path) -> list[Row]:
@@ -96,7 +102,9 @@ def read_csv(path: Path) -> list[Row]:
             kw: dict[str, object] = {}
             for name, text in rec.items():
                 t = str(types[name])
-                if t == "str":
+                if t.startswith("list"):  # repetitions, space-separated
+                    kw[name] = [float(x) for x in text.split()]
+                elif t == "str":
                     kw[name] = text
                 elif t == "int":
                     kw[name] = int(text)

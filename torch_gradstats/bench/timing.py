@@ -249,6 +249,9 @@ def _row(point: Point, device: torch.device, m: _Measured | None, launches: int 
         launches=launches,
         compile_s=m.compile_s if m and m.c.name == COMPILED else NAN,
         note=m.note if m else note,
+        device_reps=[x * 1e3 for x in m.device] if m else [],
+        eager_reps=[x * 1e3 for x in m.eager] if m else [],
+        host_reps=[x * 1e3 for x in m.host] if (m and cuda) else [],
     )
 
 

@@ -7,7 +7,8 @@ imports any of them:
 * :mod:`torch_gradstats.integrations.lightning`: ``GradStatsCallback`` for ``lightning`` / ``pytorch_lightning``;
 * :mod:`torch_gradstats.integrations.transformers`: ``GradStatsCallback`` for ``transformers.Trainer``;
 * :mod:`torch_gradstats.integrations.tensorboard`: ``TensorBoardSink`` (a ``SummaryWriter``);
-* :mod:`torch_gradstats.integrations.wandb`: ``WandbSink`` (a W&B run).
+* :mod:`torch_gradstats.integrations.wandb`: ``WandbSink`` (a W&B run);
+* :mod:`torch_gradstats.integrations.files`: ``CSVSink`` and ``JSONLSink`` (standard library only; exported here).
 
 The sink protocol, for plain training loops (and for a trainer's ``log_to=[...]``): anything with a
 ``log(report, step)`` method, where ``report`` is a :class:`~torch_gradstats.GradReport` or an
@@ -57,9 +58,14 @@ def nonfinite_index(report: AnyReport) -> int:
     return list(g.norms).index(g.first_nonfinite)
 
 
-def metrics(report: AnyReport, prefix: str = "grad/", per_param: bool = True) -> dict[str, float]:
+def metrics(report: AnyReport, prefix: str = "grad/", per_param: bool = True,
+            style: str = "default") -> dict[str, float]:
     """The report as ``{prefix + key: float}``: every number of ``to_dict`` (counts as floats, NaN/inf kept),
-    with ``first_nonfinite`` (a name) replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`)."""
+    with ``first_nonfinite`` (a name) replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`); with a
+    framework ``style`` (``GradReport.to_dict``'s), that style's keys alone."""
+    if style != "default":
+        return {prefix + k: float(v) for k, v in report.to_dict(per_param=per_param, style=style).items()
+                if isinstance(v, (int, float))}
     out: dict[str, float] = {}
     for key, value in report.to_dict(per_param=per_param).items():
         if key == "first_nonfinite":
@@ -78,3 +84,9 @@ def log_to(sinks: list[GradSink], report: AnyReport, step: int) -> None:
 
 def finite_values(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
+
+
+# The file sinks use the protocol and helpers above (standard library only, so always importable).
+from torch_gradstats.integrations.files import CSVSink, JSONLSink  # noqa: E402
+
+__all__ += ["CSVSink", "JSONLSink"]

@@ -10,14 +10,33 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats._transfer import to_host
+from torch_gradstats.groups import GroupBy, group_names
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report
+from torch_gradstats.report import STYLES
 from torch_gradstats.stats import GradStats, grad_stats
 from torch_gradstats.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats
 
 logger = logging.getLogger("torch_gradstats")
 
 OnNonfinite = Literal["skip", "stop"] | None
+
+
+def check_key_style(key_style: Any) -> str | None:
+    """Validate a callback's ``key_style``: None or one of ``GradReport.to_dict``'s styles."""
+    if key_style is not None and not isinstance(key_style, str):
+        raise TypeError(f"key_style must be None or one of {', '.join(STYLES)}, got a {type(key_style).__name__}")
+    if key_style is not None and key_style not in STYLES:
+        raise ValueError(f"key_style must be None or one of {', '.join(STYLES)}, got {key_style!r}")
+    return key_style
+
+
+def styled_keys(report: AnyReport, key_style: str | None, per_param: bool) -> dict[str, float]:
+    """The numbers of ``key_style``'s keys (none for None or ``"default"``: those are the callbacks' own keys)."""
+    if key_style is None or key_style == "default":
+        return {}
+    return {k: float(v) for k, v in grad_report(report).to_dict(per_param=per_param, style=key_style).items()
+            if isinstance(v, (int, float))}
 
 
 def check_options(every_n_steps: Any, on_nonfinite: Any) -> int | None:
@@ -41,7 +60,10 @@ class StatsTaker:
     """Takes the statistics of one optimizer step and turns them into one report (one host transfer)."""
 
     def __init__(self, log_weight_norms: bool, log_update_ratio: bool, group: Any, policy: HealthPolicy | None,
-                 k: int) -> None:
+                 k: int, group_by: GroupBy | None = None) -> None:
+        if group_by is not None:
+            group_names([], group_by)  # a wrong kind of group_by is named now, not at the first logging step
+        self.group_by = group_by
         self.log_weight_norms = log_weight_norms
         self.log_update_ratio = log_update_ratio
         self.group = group
@@ -72,8 +94,9 @@ class StatsTaker:
             stats.update = self.ratio.measure()
 
     def report(self, stats: GradStats | GradWeightStats) -> AnyReport:
-        """The one device-to-host transfer of a logging step."""
-        return stats.report(self.k, policy=self.policy)
+        """The one device-to-host transfer of a logging step (with the groups' figures, when grouping)."""
+        groups = stats.grouped(self.group_by) if self.group_by is not None else None
+        return stats.report(self.k, policy=self.policy, groups=groups)
 
     @staticmethod
     def nonfinite(stats: GradStats | GradWeightStats) -> bool:

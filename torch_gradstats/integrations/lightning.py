@@ -67,9 +67,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from torch_gradstats.groups import GroupBy
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
-from torch_gradstats.integrations._common import OnNonfinite, StatsTaker, check_options, describe_nonfinite
+from torch_gradstats.integrations._common import (
+    OnNonfinite,
+    StatsTaker,
+    check_key_style,
+    check_options,
+    describe_nonfinite,
+    styled_keys,
+)
 from torch_gradstats.stats import GradStats
 from torch_gradstats.updates import GradWeightStats
 
@@ -107,6 +115,8 @@ class _GradStatsMixin:
         log_update_ratio: bool = False,
         group: Any = None,
         policy: HealthPolicy | None = None,
+        key_style: str | None = "lightning",
+        group_by: GroupBy | None = None,
     ) -> None:
         """
         Args:
@@ -119,14 +129,20 @@ class _GradStatsMixin:
             log_update_ratio: log the measured ``||Δw|| / ||w||`` (keeps one copy of the weights).
             group: process group for plain-tensor shards (FSDP1); None otherwise.
             policy: health policy (default ``HealthPolicy()``).
+            key_style: whose key names to log beside ours (``GradReport.to_dict``'s styles): ``"lightning"``
+                (``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``), ``"megatron"``, ``"composer"``, ``"hf"``, or
+                None / ``"default"`` for ours alone. ``lightning_names=False`` is the same as None.
+            group_by: also log per-group figures, ``<prefix>group/<g>/norm`` ... (see
+                :meth:`torch_gradstats.GradStats.grouped`), from the same transfer.
         """
         super().__init__()
+        self.key_style = check_key_style(key_style) if lightning_names else None
         self.every_n_steps = check_options(every_n_steps, on_nonfinite)
         self.per_param = per_param
         self.prefix = prefix
         self.lightning_names = lightning_names
         self.on_nonfinite = on_nonfinite
-        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5)
+        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by)
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (rank 0)
         self._pending: tuple[GradStats | GradWeightStats, int, int] | None = None  # stats, logger step, opt step
@@ -199,11 +215,9 @@ class _GradStatsMixin:
             logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: %s; step skipped", step, what)
 
     def _log(self, trainer: Any, report: AnyReport, logger_step: int) -> None:
-        values: dict[str, float] = {}
-        if self.lightning_names:
-            values.update(lightning_keys(report, self.per_param))
+        values = styled_keys(report, self.key_style, self.per_param)
         ours = metrics(report, self.prefix, self.per_param)
-        if self.lightning_names:  # the per-parameter gradient norms are already there under Lightning's names
+        if self.key_style in ("lightning", "composer"):  # the per-parameter norms are already there, so named
             ours = {k: v for k, v in ours.items() if not k.startswith(self.prefix + "norm/")}
         values.update(ours)
         if grad_report(report).first_nonfinite is not None and self.on_nonfinite is None:  # else already said

@@ -41,9 +41,11 @@ class TensorBoardSink:
         prefix: tag prefix (default ``"grad/"``).
         per_param: write one scalar per parameter and figure.
         histograms: also write histograms over parameters of the per-parameter norms.
+        key_style: the scalar tags of ``GradReport.to_dict(style=...)`` (default: ours).
     """
 
-    def __init__(self, writer: Any, prefix: str = "grad/", per_param: bool = True, histograms: bool = False) -> None:
+    def __init__(self, writer: Any, prefix: str = "grad/", per_param: bool = True, histograms: bool = False,
+                 key_style: str = "default") -> None:
         if isinstance(writer, str) or hasattr(writer, "__fspath__"):
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
@@ -52,9 +54,10 @@ class TensorBoardSink:
         self.prefix = prefix
         self.per_param = per_param
         self.histograms = histograms
+        self.key_style = key_style
 
     def log(self, report: AnyReport, step: int) -> None:
-        for tag, value in metrics(report, self.prefix, self.per_param).items():
+        for tag, value in metrics(report, self.prefix, self.per_param, self.key_style).items():
             self.writer.add_scalar(tag, value, step)
         g = grad_report(report)
         if self.histograms:

@@ -59,9 +59,17 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from torch_gradstats.groups import GroupBy
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
-from torch_gradstats.integrations._common import OnNonfinite, StatsTaker, check_options, describe_nonfinite
+from torch_gradstats.integrations._common import (
+    OnNonfinite,
+    StatsTaker,
+    check_key_style,
+    check_options,
+    describe_nonfinite,
+    styled_keys,
+)
 from torch_gradstats.stats import GradStats
 from torch_gradstats.updates import GradWeightStats
 
@@ -100,6 +108,11 @@ class GradStatsCallback(TrainerCallback):
         log_update_ratio: log the measured ``||Δw|| / ||w||`` of the logged steps (keeps one copy of the weights).
         group: process group for plain-tensor shards (FSDP1 with flat parameters); None otherwise.
         policy: health policy (default ``HealthPolicy()``).
+        key_style: whose key names to add beside ours, unprefixed (``GradReport.to_dict``'s styles): ``"hf"``
+            adds ``grad_norm`` (the pre-clip norm) on the steps where the Trainer logs none (``max_grad_norm=0``);
+            a key the Trainer already logged is never replaced. None or ``"default"``: ours alone.
+        group_by: also log per-group figures, ``grad/group/<g>/norm`` ... (see
+            :meth:`torch_gradstats.GradStats.grouped`), from the same transfer.
     """
 
     def __init__(
@@ -112,12 +125,15 @@ class GradStatsCallback(TrainerCallback):
         log_update_ratio: bool = False,
         group: Any = None,
         policy: HealthPolicy | None = None,
+        key_style: str | None = "hf",
+        group_by: GroupBy | None = None,
     ) -> None:
         check_options(None, on_nonfinite)
+        self.key_style = check_key_style(key_style)
         self.per_param = per_param
         self.prefix = prefix
         self.on_nonfinite = on_nonfinite
-        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5)
+        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by)
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (main process)
         self._handles: list[Any] = []
@@ -166,6 +182,9 @@ class GradStatsCallback(TrainerCallback):
             return
         report = self.taker.report(stats)  # the one transfer of this logging step
         figures = metrics(report, self.prefix, self.per_param)
+        for key, value in styled_keys(report, self.key_style, self.per_param).items():
+            if key not in logs:  # the Trainer's own entries (its grad_norm when it clips) are never replaced
+                figures[key] = value
         logs.update(figures)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(figures)

@@ -39,14 +39,16 @@ class WandbSink:
         prefix: key prefix (default ``"grad/"``).
         per_param: log one value per parameter and figure.
         commit: passed to ``run.log`` (None: W&B's default).
+        key_style: the keys of ``GradReport.to_dict(style=...)`` (default: ours).
     """
 
     def __init__(self, run: Any = None, prefix: str = "grad/", per_param: bool = True,
-                 commit: bool | None = None) -> None:
+                 commit: bool | None = None, key_style: str = "default") -> None:
         self.run = run
         self.prefix = prefix
         self.per_param = per_param
         self.commit = commit
+        self.key_style = key_style
         self._first_recorded = False
 
     def _run(self) -> Any:
@@ -63,7 +65,7 @@ class WandbSink:
         kwargs: dict[str, Any] = {"step": step}
         if self.commit is not None:
             kwargs["commit"] = self.commit
-        run.log(metrics(report, self.prefix, self.per_param), **kwargs)
+        run.log(metrics(report, self.prefix, self.per_param, self.key_style), **kwargs)
         g = grad_report(report)
         if g.first_nonfinite is not None and not self._first_recorded:
             self._first_recorded = True

@@ -32,7 +32,7 @@ Host syncs this package can cost, all documented on the option that causes them:
 
 Modules: ``_trainer`` (the loop), ``_step`` (how one optimizer step is taken, skipped and counted), ``_summary``
 (device-side epoch aggregates and their host-side summaries), ``_compile`` (the compiled step and its cache),
-``_device`` (device validation, moving batches, batch sizes).
+``_device`` (device validation, moving batches, batch sizes), ``_args`` (checks of the scalar arguments).
 """
 
 from torch_gradstats.training._compile import clear_compile_cache

@@ -19,13 +19,16 @@ in registration order: one registered on the optimizer *before* the Trainer was 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["OptimizerStepper", "device_skip_step"]
+from torch_gradstats._transfer import to_device, to_host
+
+__all__ = ["OptimizerStepper", "device_skip_step", "host_skips", "momentum_pending", "scaler_step"]
 
 
 def device_skip_step(optimizer: torch.optim.Optimizer) -> Callable[[Tensor], None] | None:
@@ -72,20 +75,26 @@ class OptimizerStepper:
         """The optimizer can skip a non-finite step on the device (no host sync)."""
         return self._device_skip is not None
 
-    def step(self, nonfinite: Tensor | None) -> None:
+    def step(self, nonfinite: Tensor | None, skip: Tensor | None = None) -> None:
         """Take (or skip) one optimizer step.
 
         Args:
             nonfinite: float64 0-d device tensor, 1.0 when a gradient is non-finite; None when no gradient was read
                 (the step is then taken as it is).
+            skip: a policy's decision (a spike guard's), float 0-d device tensor, 1.0 to skip the step whatever
+                ``skip_nonfinite`` says; with a scaler, merged with the scaler's own skip.
         """
         if self.scaler is not None:
-            self._scaler_step(self.scaler)
-        elif self.skip_nonfinite and nonfinite is not None:
+            self._scaler_step(self.scaler, skip)
+            return
+        flag = nonfinite if self.skip_nonfinite else None
+        if skip is not None:
+            flag = skip.to(torch.float64) if flag is None else torch.maximum(flag, skip.to(torch.float64))
+        if flag is not None:
             if self._device_skip is not None and not self._state_pending():
-                self._device_skipping_step(self._device_skip, nonfinite)
+                self._device_skipping_step(self._device_skip, flag)
             else:
-                self._host_skipping_step(nonfinite)
+                self._host_skipping_step(flag)
         else:
             self._plain_step()
 
@@ -94,9 +103,12 @@ class OptimizerStepper:
         with self._counted():
             self.optimizer.step()
 
-    def _scaler_step(self, scaler: torch.amp.GradScaler) -> None:
+    def _scaler_step(self, scaler: torch.amp.GradScaler, skip: Tensor | None = None) -> None:
         with self._counted():
-            scaler.step(self.optimizer)  # calls optimizer.step() unless a gradient is non-finite
+            if skip is None:
+                scaler.step(self.optimizer)  # calls optimizer.step() unless a gradient is non-finite
+            else:
+                scaler_step(self.optimizer, scaler, skip.to(torch.float32))
         scaler.update()
 
     def _device_skipping_step(self, step: Callable[[Tensor], None], nonfinite: Tensor) -> None:
@@ -129,21 +141,66 @@ class OptimizerStepper:
             self.count += 1
 
     def _state_pending(self) -> bool:
-        """True while a fused SGD with momentum has not yet created its momentum buffers.
-
-        Its first step allocates them uninitialised (``empty_like``) and, told to skip by ``found_inf``, leaves them
-        so: a skipped first step would poison every later one. Until the buffers exist, the skip is decided on the
-        host (one sync per step, normally just the first).
-        """
+        """:func:`momentum_pending`, until it is False once."""
         if self._state_ready:
             return False
-        opt = self.optimizer
-        if isinstance(opt, torch.optim.SGD):
-            for group in opt.param_groups:
-                if group.get("momentum", 0) == 0:
-                    continue
-                for p in group["params"]:
-                    if p.grad is not None and "momentum_buffer" not in opt.state.get(p, {}):
-                        return True
+        if momentum_pending(self.optimizer):
+            return True
         self._state_ready = True
         return False
+
+
+def momentum_pending(optimizer: torch.optim.Optimizer) -> bool:
+    """True while an SGD with momentum has not yet created its momentum buffers.
+
+    A fused SGD's first step allocates them uninitialised (``empty_like``) and, told to skip by ``found_inf``, leaves
+    them so: a skipped first step would poison every later one. Until the buffers exist, a skip is decided on the
+    host (one sync per step, normally just the first).
+    """
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0) == 0:
+                continue
+            for p in group["params"]:
+                if p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {}):
+                    return True
+    return False
+
+
+def host_skips(skip: Tensor) -> bool:
+    """Whether a 0-d skip flag (1.0 skips) is set: the documented host read of a step skipped from Python."""
+    floats, _ = to_host([skip.reshape(1)], [])
+    return floats[0] != 0.0
+
+
+def scaler_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skip: Tensor) -> None:
+    """``scaler.step(optimizer)``, also skipping the step where the float32 0-d ``skip`` is 1.0 (not ``update``).
+
+    The scaler calls ``optimizer.step()`` only when it takes the step (finite gradients); a wrapper put on the
+    instance for this call adds ``skip`` there: merged into the ``found_inf`` the scaler hands a fused optimizer (on
+    the device), or read on the host for any other. The scaler's own inf checks, which its ``update`` reads, are
+    left as they are.
+    """
+    on_device = device_skip_step(optimizer) is not None and not momentum_pending(optimizer)
+    instance_step = optimizer.__dict__.get("step")  # an LR scheduler may have wrapped step() on the instance
+    real_step = optimizer.step
+
+    @functools.wraps(real_step)
+    def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        found = getattr(optimizer, "found_inf", None)
+        if isinstance(found, Tensor) and on_device:
+            # Fused kernels skip where found_inf == 1 and subtract it from their step counts: exactly 0 or 1.
+            optimizer.found_inf = torch.clamp(found + to_device(skip, found.device), max=1.0)  # type: ignore[attr-defined]
+            return real_step(*args, **kwargs)
+        if host_skips(skip):
+            return None
+        return real_step(*args, **kwargs)
+
+    optimizer.step = guarded_step  # type: ignore[method-assign]
+    try:
+        scaler.step(optimizer)
+    finally:
+        if instance_step is None:
+            del optimizer.step
+        else:
+            optimizer.step = instance_step  # type: ignore[method-assign]

@@ -13,10 +13,14 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats._transfer import PinnedBuffer, to_host
+from torch_gradstats.activations import ActivationReport, ActivationWatch
+from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.report import GradReport
 from torch_gradstats.stats import GradStats, grad_stats
+from torch_gradstats.training._args import check_int, check_positive_number
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
 from torch_gradstats.training._step import OptimizerStepper
@@ -66,6 +70,23 @@ class Trainer:
             optimizer steps the gradients' :class:`~torch_gradstats.GradReport` (before clipping) is sent to each
             sink: one host transfer per logging step, on top of the per-epoch sync.
         log_every: optimizer steps between two reports to ``log_to`` (default 1; ignored without ``log_to``).
+        spike_guard: a :class:`~torch_gradstats.SpikeGuard` that judges every step's gradient norm (before
+            clipping) and mean loss and skips the step it flags, on the device with a fused optimizer (with a
+            scaler: a step skipped by either is skipped once). Non-finite gradients are then skipped too.
+        adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` that clips every step to its threshold (from the
+            same read as the stats; instead of ``max_grad_norm``: give it ``max_norm=`` for a cap).
+
+    With ``spike_guard`` or ``adaptive_clip``, each sync also reads their figures (``guard/skipped``,
+    ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``, ``clip/threshold``, ``clip/coef``) in the same
+    transfer, into :attr:`policy_figures`, and raises :class:`~torch_gradstats.SpikeStreakError` there when the guard's
+    ``max_consecutive`` was reached since the last sync.
+        watch_activations: an :class:`~torch_gradstats.ActivationWatch` of ``model``, or True for
+            ``ActivationWatch(model)``. At each sync its report (one more transfer) is kept as
+            ``last_activation_report``, and a WARNING names the forward/backward origin module and the first
+            non-finite parameter when the watched step or the epoch's gradients were non-finite. The report describes
+            the watch's latest recorded step (a forward call): once a NaN reaches the weights, later steps name the
+            first poisoned layer, so hunt with ``skip_nonfinite=True`` or ``sync_every=1``. Not with
+            ``compile=True`` (the hooks cannot run in a compiled region).
 
     ``global_step`` counts optimizer steps taken or skipped; it advances exactly when the optimizer steps (or a step
     is skipped), so after an interrupt it still agrees with the optimizer's own step counts.
@@ -94,6 +115,9 @@ class Trainer:
         after_backward: Callable[[Trainer], None] | None = None,
         log_to: Sequence[GradSink] = (),
         log_every: int = 1,
+        spike_guard: SpikeGuard | None = None,
+        adaptive_clip: AdaptiveClip | None = None,
+        watch_activations: ActivationWatch | bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -109,18 +133,20 @@ class Trainer:
                     f"parameter {name!r} is on {p.device} but the trainer's device is {self.device}; "
                     f"move the model first (model.to({str(self.device)!r})) and then create the optimizer"
                 )
-        for arg, value in (
-            ("stats_every", stats_every),
-            ("accumulation_steps", accumulation_steps),
-            ("log_every", log_every),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
-        bad_sync = isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
-        if sync_every is not None and bad_sync:
-            raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
+        stats_every = check_int("stats_every", stats_every)
+        accumulation_steps = check_int("accumulation_steps", accumulation_steps)
+        log_every = check_int("log_every", log_every)
+        sync_every = None if sync_every is None else check_int("sync_every", sync_every, or_none=True)
+        max_grad_norm = check_positive_number("max_grad_norm", max_grad_norm)
+        if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+            raise TypeError(f"spike_guard must be a SpikeGuard or None, got {type(spike_guard).__name__}")
+        if adaptive_clip is not None and not isinstance(adaptive_clip, AdaptiveClip):
+            raise TypeError(f"adaptive_clip must be an AdaptiveClip or None, got {type(adaptive_clip).__name__}")
+        if adaptive_clip is not None and max_grad_norm is not None:
+            raise ValueError("give max_grad_norm or adaptive_clip, not both (AdaptiveClip(max_norm=...) caps it)")
+        self.spike_guard = spike_guard
+        self.adaptive_clip = adaptive_clip
+        self.policy_figures: dict[str, float] = {}  #: the guard's and the clip's figures at the last sync
 
         self.model = model
         self.optimizer = optimizer
@@ -144,19 +170,23 @@ class Trainer:
         self.log_to = _check_sinks(log_to)
         self.log_every = log_every
         # Skipped steps can only be counted if every step is looked at.
-        self.must_check_every_step = skip_nonfinite or scaler is not None
+        self.must_check_every_step = (
+            skip_nonfinite or scaler is not None or spike_guard is not None or adaptive_clip is not None
+        )
         self.stats_every = 1 if self.must_check_every_step else stats_every
         if self.must_check_every_step and stats_every != 1:
             logger.info("torch_gradstats: stats_every=%d ignored: skip_nonfinite/GradScaler need stats every step",
                         stats_every)
         self.accumulation_steps = accumulation_steps
-        self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite)
+        self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite or spike_guard is not None)
         if skip_nonfinite and scaler is None and not self._stepper.skips_on_device:
             logger.warning(
                 "torch_gradstats: skip_nonfinite with %s (not fused) costs one host sync per optimizer step; "
                 "create the optimizer with fused=True for a device-side skip",
                 type(optimizer).__name__,
             )
+        self.activation_watch = _activation_watch(watch_activations, model, compile)
+        self.last_activation_report: ActivationReport | None = None
         self.epoch = 0  #: index of the next epoch
         self._staging = PinnedBuffer()  # reused by every host transfer of this trainer
 
@@ -167,9 +197,7 @@ class Trainer:
 
     @global_step.setter
     def global_step(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"global_step must be a non-negative int, got {value!r}")
-        self._stepper.count = value
+        self._stepper.count = check_int("global_step", value, minimum=0)
 
     @property
     def device_side_skip(self) -> bool:
@@ -178,17 +206,21 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- public
     def fit(self, loader: Iterable[Any], epochs: int) -> list[EpochSummary]:
-        """Run ``epochs`` epochs over ``loader``; return their summaries."""
-        return [self.train_epoch(loader) for _ in range(epochs)]
+        """Run ``epochs`` epochs (an int >= 1) over ``loader``; return their summaries."""
+        return [self.train_epoch(loader) for _ in range(check_int("epochs", epochs))]
 
     def train_epoch(self, loader: Iterable[Any]) -> EpochSummary:
         """Train one epoch over ``loader`` (batches of ``(inputs, targets)``) and return its summary.
 
-        Empty batches are counted and skipped (see ``accumulation_steps``).
+        A batch is a pair (tuple, list or namedtuple); its inputs and targets may be tensors, dicts, namedtuples,
+        dataclasses or nested mixes of them, moved to the device as Lightning's ``move_data_to_device`` moves
+        them; the model gets the inputs and ``loss_fn`` the targets in the same structure. The batch size is read
+        from the shape of the first tensor with a batch dimension inside. Empty batches are counted and skipped
+        (see ``accumulation_steps``).
 
         Raises:
-            ValueError: the loader yields no batches or only empty ones, or a batch is not an ``(inputs, targets)``
-                pair.
+            TypeError: a batch is not a tuple, list or namedtuple.
+            ValueError: the loader yields no batches or only empty ones, or a batch does not have two items.
         """
         length = safe_len(loader)
         if length == 0:
@@ -238,8 +270,13 @@ class Trainer:
         take_stats = self.must_check_every_step or log_due or step % self.stats_every == 0
         stats = self._read_gradients(take_stats)
         nonfinite = self._nonfinite_flag(stats)
-        self._stepper.step(nonfinite)
+        flagged = None
+        if self.spike_guard is not None and stats is not None:
+            flagged = (self.spike_guard.observe(stats.total_norm, loss_sum / samples) == 0).to(torch.float64)
+        self._stepper.step(nonfinite, flagged)
         skipped = nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device)
+        if flagged is not None:
+            skipped = torch.maximum(skipped, flagged)
         state.add_step(skipped)
         if stats is not None and take_stats:
             health = stats.health(self.health_policy)
@@ -277,7 +314,9 @@ class Trainer:
     def _read_gradients(self, take_stats: bool) -> GradStats | None:
         """The gradients' stats (clipping them on the way when ``max_grad_norm``), or None when none are read or
         no parameter has a gradient."""
-        if self.max_grad_norm is not None:
+        if self.adaptive_clip is not None:
+            stats = self.adaptive_clip.clip_(self.model.named_parameters())
+        elif self.max_grad_norm is not None:
             stats = clip_grad_norm_(self.model.named_parameters(), self.max_grad_norm)
         elif take_stats:
             stats = grad_stats(self.model.named_parameters())
@@ -287,7 +326,7 @@ class Trainer:
 
     def _nonfinite_flag(self, stats: GradStats | None) -> Tensor | None:
         """float64 0-d, 1.0 when a gradient is non-finite, where the step policy needs it; else None."""
-        if stats is None or not (self.skip_nonfinite or self.scaler is not None):
+        if stats is None or not (self.skip_nonfinite or self.scaler is not None or self.spike_guard is not None):
             return None
         return (stats.nonfinite_count > 0).to(torch.float64)
 
@@ -296,12 +335,57 @@ class Trainer:
         return self.sync_every is not None and state.steps % self.sync_every == 0
 
     def _sync(self, state: EpochState) -> EpochSummary:
-        """The epoch so far, in one device-to-host transfer."""
-        values, _ = to_host([state.buffer()], [], self._staging)
-        return state.summary(values)
+        """The epoch so far, and the policies' figures, in one device-to-host transfer."""
+        buffer = state.buffer()
+        floats, ints = [buffer], []
+        policies = [p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
+        spans = []
+        for policy in policies:
+            f, i = policy.check_tensors()
+            spans.append((sum(t.numel() for t in f), sum(t.numel() for t in i)))
+            floats += f
+            ints += i
+        values, host_ints = to_host(floats, ints, self._staging)
+        n = buffer.numel()
+        summary = state.summary(values[:n])
+        at_f, at_i = n, 0
+        for policy, (nf, ni) in zip(policies, spans):
+            self.policy_figures.update(policy.check_values(values[at_f : at_f + nf], host_ints[at_i : at_i + ni]))
+            at_f, at_i = at_f + nf, at_i + ni
+        if self.activation_watch is not None:
+            self._report_activations(summary)
+        return summary
+
+    def _report_activations(self, summary: EpochSummary) -> None:
+        """Keep the watch's report (its own one transfer) and warn, naming the origin, when something was non-finite."""
+        assert self.activation_watch is not None
+        report = self.last_activation_report = self.activation_watch.report()
+        if not report.nonfinite and summary.first_nonfinite_step is None:
+            return
+        param = (
+            "none"
+            if summary.first_nonfinite_step is None
+            else f"{summary.first_nonfinite_param} at step {summary.first_nonfinite_step}"
+        )
+        logger.warning("torch_gradstats: epoch %d: %s; first non-finite parameter gradient: %s",
+                       summary.epoch, report.summary(), param)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _activation_watch(watch: ActivationWatch | bool | None, model: nn.Module, compile: bool) -> ActivationWatch | None:
+    if watch is None or watch is False:
+        return None
+    if watch is not True and not isinstance(watch, ActivationWatch):
+        raise TypeError(
+            f"Trainer: watch_activations must be an ActivationWatch, True, False or None, got {type(watch).__name__}"
+        )
+    if compile:
+        raise ValueError(
+            "Trainer: watch_activations needs compile=False: the watch's hooks cannot run in a compiled region"
+        )
+    return ActivationWatch(model) if watch is True else watch
+
+
 class GradSink(Protocol):
     """What ``log_to`` accepts (torch_gradstats.integrations defines the same protocol for its sinks)."""
 

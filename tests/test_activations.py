@@ -1,0 +1,683 @@
+"""ActivationWatch: the module where a NaN/Inf starts, named from device-side figures, on real small models."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_gradstats import fallback
+from torch_gradstats.activations import ActivationReport, ActivationWatch
+
+# PyTorch's note when a watched module's inputs need no gradient (the first layer): its backward hook sees grad_output.
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+
+
+# ------------------------------------------------------------------------------------------------- models
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+class Normalize(nn.Module):
+    """x / |x|: finite forward at a zero row (eps), but sqrt's derivative at 0 is inf, so the backward makes NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6)
+
+
+class MLP(nn.Module):
+    def __init__(self, middle: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fc1, self.act = nn.Linear(8, 16), nn.ReLU()
+        self.mid = middle if middle is not None else nn.Identity()
+        self.fc2, self.fc3 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.fc2(self.mid(self.act(self.fc1(x)))))
+
+
+class Scores(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q @ k.transpose(-2, -1) * self.scale
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.scores = Scores((d // heads) ** -0.5)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+
+        def split(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        attn = self.softmax(self.scores(split(self.q(x)), split(self.k(x))))
+        return self.out((attn @ split(self.v(x))).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.block = Block(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(idx)))
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    out.float().sum().backward()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- forward origin
+def test_log_of_zero_is_the_forward_origin_and_the_layers_after_it_only_propagate():
+    torch.manual_seed(0)
+    model = MLP(Log())
+    with torch.no_grad():  # one unit of fc1 is always 0 after the ReLU: log(0) = -inf there
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert isinstance(report, ActivationReport)
+    assert report.step == 0
+    assert report.forward_origin == "mid"
+    assert report.forward_propagators == ["fc2", "fc3"]
+    assert "mid" not in report.forward_propagators
+    assert not report.inputs_nonfinite
+    assert report.modules["mid"].inf_count >= 4  # at least one -inf per row
+    assert report.modules["fc1"].nan_count == report.modules["fc1"].inf_count == 0
+    assert report.weight_max_abs is None  # Log owns no parameters
+    assert report.input_max_abs == pytest.approx(report.modules["act"].max_abs)
+    assert report.forward_order == ["fc1", "act", "mid", "fc2", "fc3"]
+    assert report.backward_order == ["fc3", "fc2", "mid", "act", "fc1"]
+    assert report.origin == "mid" and report.to_dict() == {"act/origin": "mid"}
+    assert "forward origin mid" in report.summary()
+
+
+def test_a_huge_weight_is_the_origin_with_its_weight_max_abs():
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.fc2.weight.fill_(3e38)  # finite in float32, but the products overflow
+    watch = ActivationWatch(model)
+    _step(model, torch.rand(4, 8) + 1.0)
+    report = watch.report()
+    watch.remove()
+    assert report.forward_origin == "fc2"
+    assert report.forward_propagators == ["fc3"]
+    assert report.weight_max_abs == pytest.approx(3e38, rel=1e-6)
+    assert math.isfinite(report.input_max_abs) and report.input_max_abs > 0
+    assert report.modules["fc2"].weight_max_abs == pytest.approx(3e38, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_attention_logit_that_overflows_is_the_forward_origin(dtype):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    big = 3e2 if dtype == torch.float16 else 1e20  # q and k stay finite; q @ k^T overflows the dtype
+    with torch.no_grad():
+        model.block.attn.q.weight.mul_(big)
+        model.block.attn.k.weight.mul_(big)
+    model = model.to(dtype)
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randint(0, 32, (2, 8)))
+        report = watch.report()
+    assert report.forward_origin == "block.attn.scores", report.summary()
+    assert report.forward_first_nonfinite == "block.attn.scores"
+    props = report.forward_propagators
+    assert "block.attn.scores" not in props
+    assert props[:2] == ["block.attn.softmax", "block.attn.v"] or props[0] == "block.attn.softmax"
+    assert "block.attn.q" not in props and "block.attn.k" not in props  # their outputs were finite
+    assert props[-1] == "head"
+    # "logits reached inf while the inputs were this large"
+    assert math.isfinite(report.input_max_abs) and report.input_max_abs > 100
+    assert report.modules["block.attn.scores"].inf_count > 0
+    assert report.weight_max_abs is None
+
+
+def test_nn_multihead_attention_is_the_origin_when_its_logits_overflow():
+    torch.manual_seed(0)
+
+    class MHABlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            return self.head(self.attn(h, h, h, need_weights=False)[0])
+
+    model = MHABlock()
+    with torch.no_grad():
+        model.attn.in_proj_weight[:32].mul_(1e5)  # q and k overflow inside the module
+    model = model.half()
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randn(2, 8, 16).half())
+        report = watch.report()
+    assert report.forward_origin == "attn"
+    assert report.forward_propagators == ["head"]
+    assert report.weight_max_abs is not None and report.weight_max_abs > 100
+
+
+def test_non_finite_model_inputs_name_no_module():
+    model = MLP()
+    x = torch.randn(4, 8)
+    x[1, 2] = math.nan
+    with ActivationWatch(model) as watch:
+        _step(model, x)
+        report = watch.report()
+    assert report.inputs_nonfinite
+    assert report.forward_origin is None
+    assert report.forward_propagators == ["fc1", "act", "mid", "fc2", "fc3"]
+    assert report.origin == "<inputs>" and report.to_dict()["act/origin"] == "<inputs>"
+    assert "inputs were non-finite" in report.summary()
+    assert report.input_max_abs is None and report.weight_max_abs is None
+
+
+def test_a_value_made_outside_the_watched_modules_is_not_blamed_on_the_next_one():
+    class Inject(nn.Module):  # a container: not selected by default
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * math.inf  # made in the container's own forward
+
+    model = nn.Sequential(Inject(), nn.Linear(8, 4))
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randn(2, 8))
+        report = watch.report()
+    assert report.forward_origin is None
+    assert report.forward_first_nonfinite == "1"
+    assert "outside the watched modules" in report.summary()
+    # watching the containers too finds it
+    with ActivationWatch(model, modules=lambda path, m: path != "") as watch:
+        _step(model, torch.randn(2, 8))
+        assert watch.report().forward_origin == "0"
+
+
+# ------------------------------------------------------------------------------------------------- backward origin
+def test_a_division_by_a_zero_norm_in_the_backward_only_is_the_backward_origin():
+    torch.manual_seed(0)
+    model = MLP(Normalize())
+    with torch.no_grad():
+        model.fc1.bias.zero_()
+    x = torch.randn(4, 8)
+    x[2] = 0.0  # row 2 reaches Normalize as zeros: forward 0 / eps, backward inf * 0
+    with ActivationWatch(model) as watch:
+        _step(model, x)
+        report = watch.report()
+    assert not report.inputs_nonfinite and report.forward_first_nonfinite is None and report.forward_origin is None
+    assert report.backward_recorded
+    assert report.backward_origin == "mid"
+    assert report.backward_propagators == ["act"]  # the ReLU's zero there masks the NaN: fc1 is clean
+    assert "mid" not in report.backward_propagators
+    assert report.modules["fc2"].grad_nonfinite == 0
+    assert report.modules["mid"].grad_input_nonfinite == 16
+    assert report.modules["act"].grad_nonfinite == 16
+    assert report.modules["fc1"].grad_nonfinite == 0
+    assert report.origin == "mid"
+    assert "backward origin mid" in report.summary()
+
+
+def test_a_custom_autograd_function_that_divides_by_zero_in_its_backward():
+    class ZeroGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            ctx.save_for_backward(x)
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            (x,) = ctx.saved_tensors
+            return g / (x - x)  # 0 / 0 where g is 0, inf elsewhere
+
+    class Bad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return ZeroGrad.apply(x)
+
+    model = nn.Sequential(nn.Linear(8, 8), Bad(), nn.Linear(8, 4))
+    x = torch.randn(3, 8, requires_grad=True)
+    with ActivationWatch(model) as watch:
+        _step(model, x)
+        report = watch.report()
+    assert report.forward_origin is None
+    assert report.backward_origin == "1"
+    assert report.backward_propagators == ["0"]
+    assert report.modules["0"].grad_input_nonfinite == x.numel()  # x requires grad: grad_input is watched
+
+
+def test_a_finite_step_reports_no_origin_and_sensible_figures():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with ActivationWatch(model) as watch:
+        out = _step(model, torch.randint(0, 32, (2, 8)))
+        report = watch.report()
+    assert not report.nonfinite and report.origin is None
+    assert report.forward_origin is None and report.backward_origin is None
+    assert report.forward_propagators == [] and report.backward_propagators == []
+    head = report.modules["head"]
+    assert head.max_abs == pytest.approx(out.detach().abs().max().item())
+    assert head.norm == pytest.approx(out.detach().norm().item(), rel=1e-5)
+    assert head.grad_max_abs == pytest.approx(1.0)  # d(sum)/d(out)
+    assert head.weight_max_abs == pytest.approx(model.head.weight.detach().abs().max().item())
+    # default selection: leaves and direct parameter owners; no containers
+    assert "block" not in report.modules and "block.attn" not in report.modules
+    assert report.forward_order[0] == "emb" and report.forward_order[-1] == "head"
+    assert report.backward_order[0] == "head"
+    assert report.to_dict(per_module=True)["act/head/max_abs"] == head.max_abs
+    assert report.to_dict() == {"act/origin": None}
+
+
+# ------------------------------------------------------------------------------------------------- steps, handle
+def test_every_n_steps_records_only_those_steps_and_hooks_are_off_between():
+    torch.manual_seed(0)
+    model = MLP(Log())
+    watch = ActivationWatch(model, every_n_steps=3)
+    good, bad = torch.rand(2, 8) + 1.0, torch.rand(2, 8) + 1.0
+    with torch.no_grad():
+        model.fc1.bias.fill_(10.0)  # every unit positive: log is finite
+    bad[0, 0] = math.nan
+    seen = []
+    for step in range(7):
+        _step(model, bad if step in (1, 2, 6) else good)
+        seen.append((watch.step, watch.report().step, bool(model.fc1._forward_hooks)))
+        if step in (1, 2):  # not recorded: the NaN of these steps is not seen
+            assert not watch.report().nonfinite
+    assert seen == [(0, 0, True), (1, 0, False), (2, 0, False), (3, 3, True), (4, 3, False), (5, 3, False),
+                    (6, 6, True)]  # fmt: skip
+    assert watch.report().inputs_nonfinite
+    watch.remove()
+
+
+def test_remove_and_with_take_every_hook_away():
+    model = TinyTransformer()
+
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randint(0, 32, (2, 8)))
+        assert hooks() > 0
+    assert hooks() == 0
+    _step(model, torch.randint(0, 32, (2, 8)))
+    assert watch.step == 0  # no longer counting
+    assert watch.report().step == 0  # the last figures stay readable
+    watch.remove()  # idempotent
+    watch = ActivationWatch(model, every_n_steps=2)
+    _step(model, torch.randint(0, 32, (2, 8)))
+    _step(model, torch.randint(0, 32, (2, 8)))  # off step: only the step counter remains
+    assert hooks() == 1
+    watch.remove()
+    assert hooks() == 0
+
+
+def test_report_before_any_step():
+    report = ActivationWatch(MLP()).report()
+    assert report.step is None and not report.nonfinite and report.modules == {}
+
+
+@dataclasses.dataclass
+class Output:
+    hidden: torch.Tensor
+    aux: dict[str, object]
+
+
+def test_nested_outputs_tuples_dicts_dataclasses():
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))  # owns a parameter: watched by default
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Output]:
+            h = x * self.scale
+            bad = h * torch.tensor([1.0, 1.0, 1.0, math.inf])
+            return h, Output(hidden=h * 2, aux={"ids": torch.arange(3), "deep": [bad, (h, None)]})
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nested = Nested()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, out = self.nested(x)
+            return h.sum() + out.hidden.sum()
+
+    model = Top()
+    with ActivationWatch(model, backward=False) as watch:
+        model(torch.rand(3, 4) + 1.0)
+        report = watch.report()
+    assert report.forward_origin == "nested"
+    fig = report.modules["nested"]
+    assert fig.inf_count + fig.nan_count == 3  # one bad column x 3 rows, found three levels deep
+    assert not report.backward_recorded and fig.grad_max_abs is None
+
+
+def test_a_module_called_twice_in_a_step_is_merged():
+    lin = nn.Linear(4, 4)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.relu(self.lin(x)))
+
+    model = Twice()
+    with ActivationWatch(model) as watch:
+        for _ in range(2):
+            _step(model, torch.randn(2, 4))
+        report = watch.report()
+    assert report.step == 1
+    assert report.modules["lin"].calls == 2
+    assert report.forward_order == ["lin"]
+
+
+def test_bad_arguments():
+    model = MLP()
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        ActivationWatch("model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="every_n_steps must be an int"):
+        ActivationWatch(model, every_n_steps=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="every_n_steps must be an int"):
+        ActivationWatch(model, every_n_steps=True)
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1, got 0"):
+        ActivationWatch(model, every_n_steps=0)
+    with pytest.raises(TypeError, match="backward must be a bool"):
+        ActivationWatch(model, backward=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="modules must be None"):
+        ActivationWatch(model, modules=["fc1"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="modules must be None"):
+        ActivationWatch(model, modules=(nn.Linear, "fc1"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="selected no module"):
+        ActivationWatch(model, modules=nn.Conv2d)
+    assert ActivationWatch(model, modules=nn.Linear).module_names == ["fc1", "fc2", "fc3"]
+    assert ActivationWatch(model, modules=(nn.ReLU,)).module_names == ["act"]
+    assert ActivationWatch(model, modules=lambda path, m: path.startswith("fc")).module_names == ["fc1", "fc2", "fc3"]
+
+
+def test_in_place_modules_need_backward_false():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"module 1 \(ReLU\) works in place.*backward=False"):
+        ActivationWatch(model)
+    with ActivationWatch(model, backward=False) as watch:
+        _step(model, torch.randn(2, 4))
+        assert not watch.report().nonfinite
+
+
+# ------------------------------------------------------------------------------------------------- no host sync
+def test_no_host_sync_in_any_hook(monkeypatch):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    watch = ActivationWatch(model, modules=lambda path, m: path != "")
+    x = torch.randint(0, 32, (2, 8))
+    _step(model, x)  # warm: buffers exist
+
+    names = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        # The pure-PyTorch fallback (TORCH_GRADSTATS_FORCE_FALLBACK=1) reads a CPU batch's range with tolist(): a
+        # read of host memory, no device sync (docs/design.md). Anything else is a host read inside a hook.
+        if t.device.type == "cpu" and sys._getframe(1).f_code.co_filename == fallback.__file__:
+            return saved["tolist"](t)
+        raise AssertionError("host read inside a hook")
+
+    for name in names:
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for _ in range(2):
+        out = model(x)
+        out.sum().backward()
+    for name, fn in saved.items():
+        monkeypatch.setattr(torch.Tensor, name, fn)
+    report = watch.report()
+    assert report.step == 2 and not report.nonfinite and report.backward_recorded
+    assert len(report.modules) == len(watch.module_names)
+    with pytest.raises(AssertionError, match="host read"):  # the patch did bite
+        monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+        torch.ones(1).tolist()
+    watch.remove()
+
+
+def test_buffers_are_reused_once_warm():
+    model = TinyTransformer()
+    watch = ActivationWatch(model)
+    x = torch.randint(0, 32, (2, 8))
+    _step(model, x)
+    before = {id(s.sumsq) for s in watch._slots.values()} | {id(s.counts) for s in watch._slots.values()}
+    for _ in range(3):
+        _step(model, x)
+    after = {id(s.sumsq) for s in watch._slots.values()} | {id(s.counts) for s in watch._slots.values()}
+    assert before == after
+    watch.remove()
+
+
+# ------------------------------------------------------------------------------------------------- compile, wrappers
+def test_torch_compile_around_the_watched_model_is_a_clear_error():
+    model = MLP()
+    watch = ActivationWatch(model)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(RuntimeError, match="cannot run inside a torch.compile'd region"):
+        compiled(torch.randn(2, 8))
+    watch.remove()
+    with pytest.raises(ValueError, match="model is compiled"):
+        ActivationWatch(compiled)
+
+
+def test_a_compiled_submodule_is_watched_as_a_whole_from_outside():
+    torch._dynamo.reset()
+    model = MLP(Log())
+    model.mid = torch.compile(model.mid, backend="eager")  # type: ignore[assignment]
+    with torch.no_grad():
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    with ActivationWatch(model) as watch:
+        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]  # no "_orig_mod"
+        _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert report.forward_origin == "mid"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def gloo_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_wrapped_model_has_no_wrapper_prefix(gloo_group):
+    torch.manual_seed(0)
+    inner = MLP(Log())
+    with torch.no_grad():
+        inner.fc1.weight[3].zero_()
+        inner.fc1.bias[3] = 0.0
+    model = nn.parallel.DistributedDataParallel(inner)
+    with ActivationWatch(model) as watch:
+        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]
+        _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert report.forward_origin == "mid" and report.step == 0
+    assert report.backward_order == ["fc3", "fc2", "mid", "act", "fc1"]
+
+
+def test_fsdp2_sharded_model_has_no_wrapper_prefix(gloo_group):
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = MLP(Log())
+    with torch.no_grad():
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    mesh = init_device_mesh("cpu", (1,))
+    fsdp.fully_shard(model.fc2, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
+    with ActivationWatch(model) as watch:
+        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]
+        _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert report.forward_origin == "mid"
+    assert report.forward_propagators == ["fc2", "fc3"]
+
+
+# ------------------------------------------------------------------------------------------------- the Trainer
+def _trainer_data(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def test_trainer_warns_with_the_origin_at_the_epoch_end_sync(caplog):
+    from torch_gradstats import Trainer
+
+    torch.manual_seed(0)
+    model = MLP(Log())
+    with torch.no_grad():
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    # skip_nonfinite keeps the weights finite, so the last step still shows the producer, not a poisoned layer
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = Trainer(model, opt, nn.MSELoss(), watch_activations=True, skip_nonfinite=True)
+    assert isinstance(trainer.activation_watch, ActivationWatch)
+    with caplog.at_level("WARNING", logger="torch_gradstats"):
+        summary = trainer.train_epoch(_trainer_data())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "activations" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, at the epoch-end sync
+    assert "forward origin mid" in warnings[0]
+    assert f"first non-finite parameter gradient: {summary.first_nonfinite_param} at step 0" in warnings[0]
+    assert summary.first_nonfinite_param is not None
+    report = trainer.last_activation_report
+    assert report is not None and report.step == 2 and report.forward_origin == "mid"
+    trainer.activation_watch.remove()
+
+
+def test_trainer_with_a_finite_model_keeps_the_report_and_does_not_warn(caplog):
+    from torch_gradstats import Trainer
+
+    model = MLP()
+    watch = ActivationWatch(model, every_n_steps=2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), nn.MSELoss(), watch_activations=watch)
+    assert trainer.activation_watch is watch
+    with caplog.at_level("WARNING", logger="torch_gradstats"):
+        trainer.train_epoch(_trainer_data())
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert trainer.last_activation_report is not None and trainer.last_activation_report.step == 2
+    assert not trainer.last_activation_report.nonfinite
+    watch.remove()
+
+
+def test_trainer_watch_activations_arguments():
+    from torch_gradstats import Trainer
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    assert Trainer(model, opt, nn.MSELoss(), watch_activations=False).activation_watch is None
+    assert Trainer(model, opt, nn.MSELoss()).activation_watch is None
+    with pytest.raises(TypeError, match="watch_activations must be an ActivationWatch, True, False or None, got str"):
+        Trainer(model, opt, nn.MSELoss(), watch_activations="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="watch_activations needs compile=False"):
+        Trainer(model, opt, nn.MSELoss(), watch_activations=True, compile=True)
+
+
+def test_a_tensor_is_read_once_per_step_unless_changed_in_place():
+    class Chain(nn.Module):
+        def __init__(self, poke: bool) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.poke = poke
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if self.poke:
+                h.mul_(math.inf)  # same memory, new values: b must read its input again
+            return self.b(h)
+
+    model = Chain(poke=False)
+    with ActivationWatch(model, backward=False) as watch:
+        model(torch.randn(2, 4))
+        slots = {watch._names[s.index]: s for s in watch._fwd_order}
+        assert slots["b"].layout[0] == (slots["a"], 0)  # b's input is a's output, which a read first
+        assert slots["a"].layout[0] == (watch._root_slot, 0)  # a's input is the model's input
+        assert slots["b"].sumsq.numel() == 3  # b read its output, weight and bias only
+        report = watch.report()
+    assert report.modules["b"].input_max_abs == report.modules["a"].max_abs
+    model.poke = True
+    with ActivationWatch(model, backward=False) as watch:
+        model(torch.randn(2, 4))
+        report = watch.report()
+    assert report.forward_origin is None  # the NaN was made between the modules, in the root's own code
+    assert report.forward_first_nonfinite == "b" and report.modules["b"].input_nonfinite > 0
+
+
+def test_report_is_one_transfer(monkeypatch):
+    from torch_gradstats import _transfer
+
+    calls = []
+    real = _transfer.fetch
+
+    def counting(buf: torch.Tensor, staging: object = None) -> torch.Tensor:
+        calls.append(buf.numel())
+        return real(buf, staging)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_transfer, "fetch", counting)
+    model = TinyTransformer()
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randint(0, 32, (2, 8)))
+        assert calls == []  # the step itself moved nothing
+        report = watch.report()
+    assert len(calls) == 1 and len(report.modules) == len(watch.module_names)
+
+
+def test_the_root_itself_can_be_watched_with_every_n_steps():
+    model = MLP(Log())
+    with torch.no_grad():
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    with ActivationWatch(model, modules=lambda path, m: True, every_n_steps=2) as watch:
+        for _ in range(3):
+            _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert report.step == 2
+    assert report.forward_origin == "mid"
+    assert report.forward_propagators == ["fc2", "fc3", ""]  # the root finishes last
+    assert report.modules[""].calls == 1 and report.backward_order[0] == ""

@@ -1,0 +1,154 @@
+"""File sinks, standard library only: :class:`CSVSink` (one row per logged step) and :class:`JSONLSink` (one JSON
+object per line).
+
+Both write ``step`` first, then the figures of ``report.to_dict(prefix, per_param, style)`` in the order the report
+gives them (``first_nonfinite`` is a parameter name, or empty / ``null``). Numbers stay numbers: counts are written
+as integers, norms as floats with every digit Python keeps (``repr``); the CSV file writes NaN and infinities as
+``nan``, ``inf`` and ``-inf`` (``float()`` reads them back), the JSON Lines file as the ``NaN``, ``Infinity`` and
+``-Infinity`` tokens Python's ``json`` module reads back.
+
+A key that first appears at a later step (a new parameter, ``clip_coef`` once clipping starts, a new group):
+
+* :class:`CSVSink` keeps one header for the whole file: the file is rewritten once with the wider header, earlier
+  rows getting empty cells in the new columns (a rare event: each column is added once, at the cost of one rewrite);
+* :class:`JSONLSink` never rewrites a line: the new key is added after the known ones, so every line has the keys of
+  the lines before it, in the same order, then its new ones.
+
+A key missing at a later step is an empty cell (CSV) or ``null`` (JSON Lines), so columns and key order never
+change. Each sink opens its file (truncating it) when made, flushes after every step unless ``flush_every`` says
+otherwise, and :meth:`close` flushes and closes it (also as a context manager).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import IO, Any
+
+from torch_gradstats.integrations import AnyReport
+
+__all__ = ["CSVSink", "JSONLSink"]
+
+
+class _FileSink:
+    def __init__(self, path: str | os.PathLike[str], prefix: str, per_param: bool, style: str,
+                 flush_every: int) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"{type(self).__name__}: path must be a str or path, got a {type(path).__name__}")
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(f"{type(self).__name__}: flush_every must be a positive int, got {flush_every!r}")
+        self.path = os.fspath(path)
+        self.prefix = prefix
+        self.per_param = per_param
+        self.style = style
+        self.flush_every = flush_every
+        self.columns: list[str] = ["step"]  #: every key written so far, in file order
+        self._known: set[str] = {"step"}
+        self._file: IO[str] | None = open(self.path, "w", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._since_flush = 0
+
+    def _row(self, report: AnyReport, step: int) -> dict[str, Any]:
+        if self._file is None:
+            raise ValueError(f"{type(self).__name__}: {self.path} is closed")
+        row: dict[str, Any] = {"step": int(step)}
+        row.update(report.to_dict(self.prefix, self.per_param, self.style))
+        return row
+
+    def _new_columns(self, row: dict[str, Any]) -> list[str]:
+        new = [k for k in row if k not in self._known]
+        self.columns += new
+        self._known.update(new)
+        return new
+
+    def _wrote(self) -> None:
+        self._since_flush += 1
+        if self._since_flush >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            self._since_flush = 0
+
+    def close(self) -> None:
+        """Flush and close the file (a second call does nothing)."""
+        if self._file is not None:
+            self._file.flush()
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CSVSink(_FileSink):
+    """Write each report as one CSV row: ``step``, then the report's figures (see the module docstring).
+
+    Args:
+        path: the file to write (created or truncated).
+        prefix: prepended to every figure's column name (default none: ``total_norm``, ``norm/<name>``...).
+        per_param: one column per parameter (and per figure).
+        style: the key names of ``GradReport.to_dict(style=...)``.
+        flush_every: flush the file every this many rows (default 1: a crash loses nothing written).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], prefix: str = "", per_param: bool = True,
+                 style: str = "default", flush_every: int = 1) -> None:
+        super().__init__(path, prefix, per_param, style, flush_every)
+        self._rows = 0
+
+    def log(self, report: AnyReport, step: int) -> None:
+        row = self._row(report, step)
+        assert self._file is not None
+        if self._new_columns(row) and self._rows:
+            self._widen()
+        writer = csv.DictWriter(self._file, self.columns, restval="")
+        if not self._rows:
+            writer.writeheader()
+        writer.writerow(row)
+        self._rows += 1
+        self._wrote()
+
+    def _widen(self) -> None:
+        """Rewrite the file under the wider header: earlier rows get empty cells in the new columns."""
+        assert self._file is not None
+        self._file.close()
+        with open(self.path, newline="", encoding="utf-8") as f:
+            old = list(csv.DictReader(f))  # cells as written: rewriting them changes no digit
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, self.columns, restval="")
+            writer.writeheader()
+            writer.writerows(old)
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._since_flush = 0
+
+
+class JSONLSink(_FileSink):
+    """Write each report as one JSON object per line: ``step``, then the report's figures (see the module
+    docstring); the keys of every line come in the same order.
+
+    Args:
+        path: the file to write (created or truncated).
+        prefix: prepended to every figure's key (default none).
+        per_param: one key per parameter (and per figure).
+        style: the key names of ``GradReport.to_dict(style=...)``.
+        flush_every: flush the file every this many lines (default 1).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], prefix: str = "", per_param: bool = True,
+                 style: str = "default", flush_every: int = 1) -> None:
+        super().__init__(path, prefix, per_param, style, flush_every)
+
+    def log(self, report: AnyReport, step: int) -> None:
+        row = self._row(report, step)
+        assert self._file is not None
+        self._new_columns(row)
+        line = {k: row.get(k) for k in self.columns}
+        self._file.write(json.dumps(line, allow_nan=True) + "\n")
+        self._wrote()
