@@ -113,6 +113,7 @@ def plain_uneven_shards(rank: int, world: int) -> None:
         assert all(t.numel() == 0 for t in local)
     s, a, c = multi_tensor_stats(local)
     pg = dist.group.WORLD
+    reduce_across_ranks(local, s, a, c, pg)  # warm-up: the first call on a layout exchanges it
     before = _seq(pg)
     got = reduce_across_ranks(local, s, a, c, pg)
     assert _seq(pg) - before == 2, f"expected one SUM and one MAX collective, saw {_seq(pg) - before}"
@@ -131,6 +132,7 @@ def plain_uneven_shards(rank: int, world: int) -> None:
         full2 = _test_tensors(torch.Generator().manual_seed(10 + pair))
         local2 = [_shard_flat(t, rank % 2, 2) for t in full2]
         s2, a2, c2 = multi_tensor_stats(local2)
+        reduce_across_ranks(local2, s2, a2, c2, pg2)  # warm-up: the first call on a layout exchanges it
         before = _seq(pg2)
         got2 = reduce_across_ranks(local2, s2, a2, c2, pg2)
         assert _seq(pg2) - before == 2
@@ -158,6 +160,7 @@ def plain_uneven_grad_stats(rank: int, world: int) -> str | None:
     names = ["a", "b", "c"]
     local = [_shard_flat(t, rank, world) for t in full]
     pg = dist.group.WORLD
+    grad_stats(_params_with_grads(list(zip(names, local))), group=pg)  # warm-up: the first call exchanges layouts
     before = _seq(pg)
     stats = grad_stats(_params_with_grads(list(zip(names, local))), group=pg)
     rep = stats.report()
@@ -197,6 +200,7 @@ def dtensor_1d(rank: int, world: int) -> None:
     local = [g.to_local() for g in grads]
     s, a, c = multi_tensor_stats(local)
     pg = mesh.get_group(0)
+    reduce_across_ranks(grads, s, a, c, None)  # warm-up: the first call on a layout exchanges it
     before = _seq(pg)
     got = reduce_across_ranks(grads, s, a, c, None)
     assert _seq(pg) - before == 2, f"expected 2 collectives on the mesh group, saw {_seq(pg) - before}"
@@ -212,6 +216,7 @@ def dtensor_1d(rank: int, world: int) -> None:
             p = nn.Parameter(distribute_tensor(torch.zeros_like(t), mesh, list(g.placements)))
             p.grad = g
             params.append((name, p))
+        grad_stats(params)  # warm-up: the first call on a layout exchanges it
         before = _seq(pg)
         rep = grad_stats(params).report()
         assert _seq(pg) - before == 2, f"grad_stats issued {_seq(pg) - before} collectives, expected 2"
@@ -240,6 +245,7 @@ def dtensor_2d(rank: int, world: int) -> None:
     local = [g.to_local() for g in grads]
     s, a, c = multi_tensor_stats(local)
     pg0, pg1 = mesh.get_group(0), mesh.get_group(1)
+    reduce_across_ranks(grads, s, a, c, None)  # warm-up: the first call on a layout exchanges it
     b0, b1 = _seq(pg0), _seq(pg1)
     got = reduce_across_ranks(grads, s, a, c, None)
     assert _seq(pg0) - b0 == 2, f"mesh dim 0: {_seq(pg0) - b0} collectives, expected 2"
@@ -310,6 +316,7 @@ def nan_on_one_rank(rank: int, world: int) -> None:
     grads = local + [dt]
     s, a, c = multi_tensor_stats(local + [dt.to_local()])
     pg = dist.group.WORLD
+    reduce_across_ranks(grads, s, a, c, pg)  # warm-up: the first call on a layout exchanges it
     before = _seq(pg)
     # plain tensors over the group and a DTensor over the mesh: the same process group, so one SUM and one MAX
     got = reduce_across_ranks(grads, s, a, c, pg)
@@ -439,6 +446,7 @@ def fsdp2_model(rank: int, world: int) -> str | None:
     grads = [p.grad for p in model.parameters()]
     assert all(isinstance(g, DTensor) and g.placements == (Shard(0),) for g in grads), [type(g) for g in grads]
     pg = mesh.get_group(0)
+    grad_stats(model.named_parameters())  # warm-up: the first call on a layout exchanges it
     before = _seq(pg)
     rep = grad_stats(model.named_parameters()).report()
     assert _seq(pg) - before == 2, f"grad_stats issued {_seq(pg) - before} collectives, expected 2"
@@ -463,8 +471,14 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
 }
 
 
-def run_worker(rank: int, world: int, port: int, outdir: str, timeout_s: float) -> None:
-    """Entry point of each spawned rank: run every scenario, record outcomes in ``outdir/rank{rank}.json``."""
+def run_worker(
+    rank: int, world: int, port: int, outdir: str, timeout_s: float, scenarios_module: str = "_dist_workers"
+) -> None:
+    """Entry point of each spawned rank: run every scenario of ``scenarios_module`` (its SCENARIOS), recording
+    outcomes in ``outdir/rank{rank}.json``."""
+    import importlib
+
+    scenarios: dict[str, Callable[[int, int], str | None]] = importlib.import_module(scenarios_module).SCENARIOS
     torch.set_num_threads(1)
     results: dict[str, dict[str, str]] = {}
     path = os.path.join(outdir, f"rank{rank}.json")
@@ -478,7 +492,7 @@ def run_worker(rank: int, world: int, port: int, outdir: str, timeout_s: float) 
     )
     results["init_process_group"] = {"status": "info", "seconds": f"{time.perf_counter() - start:.3f}"}
     try:
-        for name, fn in SCENARIOS.items():
+        for name, fn in scenarios.items():
             start = time.perf_counter()
             try:
                 outcome = fn(rank, world)

@@ -52,7 +52,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world: int, outdir: str) -> None:
+def _spawn(world: int, outdir: str, scenarios_module: str = "_dist_workers") -> None:
     """Run _dist_workers.run_worker on ``world`` ranks; kill them all if they overrun SPAWN_TIMEOUT_S."""
     import torch.multiprocessing as mp
 
@@ -60,7 +60,7 @@ def _spawn(world: int, outdir: str) -> None:
     multiprocessing.set_forkserver_preload(_PRELOAD)
     ctx = mp.start_processes(
         _dist_workers.run_worker,
-        args=(world, _free_port(), outdir, COLLECTIVE_TIMEOUT_S),
+        args=(world, _free_port(), outdir, COLLECTIVE_TIMEOUT_S, scenarios_module),
         nprocs=world,
         join=False,
         start_method="forkserver",

@@ -27,6 +27,7 @@ LAYERS = {
     "torch_gradstats.fallback": 1,
     "torch_gradstats.ops": 2,
     "torch_gradstats.health": 3,
+    "torch_gradstats._layout": 0,
     "torch_gradstats.distributed": 3,
     "torch_gradstats._scalars": 3,
     "torch_gradstats.report": 4,

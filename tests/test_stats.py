@@ -307,8 +307,8 @@ def test_group_calls_reduce_across_ranks(monkeypatch):
 
     from torch_gradstats.distributed import ReducedStats
 
-    def reduce_across_ranks(grads, sumsq, amax, counts, group):
-        seen.update(grads=grads, group=group)
+    def reduce_across_ranks(grads, sumsq, amax, counts, group, **options):
+        seen.update(grads=grads, group=group, names=options.get("names"))
         world = 2
         rank_nf = torch.stack([counts[:, 1] + counts[:, 2], torch.zeros_like(counts[:, 1])], dim=1)
         numel = torch.tensor([g.numel() for g in grads], device=sumsq.device) * world
@@ -320,7 +320,7 @@ def test_group_calls_reduce_across_ranks(monkeypatch):
     m[2].weight.grad[0, 0] = float("inf")
     local = grad_stats(m.named_parameters())
     s = grad_stats(m.named_parameters(), group="g")
-    assert seen["group"] == "g" and len(seen["grads"]) == len(local)
+    assert seen["group"] == "g" and len(seen["grads"]) == len(local) and seen["names"] == local.names
     assert seen["grads"][0] is m[0].weight.grad
     assert torch.equal(s.numel, local.numel * 2)
     assert torch.equal(s.sumsq, local.sumsq * 2) and s.rank_nonfinite.shape == (len(local), 2)

@@ -19,10 +19,19 @@ What is reduced, per parameter:
   gradient). :func:`~torch_gradstats.grad_stats` does not call this module at all when no gradient is a DTensor and
   no group is given.
 
-Communication: for each distinct process group (the explicit ``group``, and each mesh dimension group a gradient is
-sharded over), exactly one SUM and one MAX ``all_reduce``, each on one packed buffer holding every parameter that
-needs that group, never one per parameter. Parameters sharded over several mesh dimensions are reduced over each
-dimension's group in turn (sum and max compose). Groups of one rank are skipped.
+Communication: for each distinct process group (the explicit ``group`` and ``expert_group``, each mesh dimension
+group a gradient is sharded over, then ``stage_group``), exactly one SUM and one MAX ``all_reduce`` in steady state,
+each on one packed buffer holding every parameter that needs that group, never one per parameter. Parameters
+sharded over several mesh dimensions are reduced over each dimension's group in turn (sum and max compose). Groups
+of one rank are skipped; an explicit group is reduced over even when this rank holds none of its parameters.
+
+Ranks need not hold the same parameters: the rows of each group's buffers follow a layout the group's ranks agree
+on (:mod:`torch_gradstats._layout`): full layouts are exchanged (``all_gather_object``) on the first call on a group
+and when a rank's own layout changed; otherwise a fingerprint row in the SUM/MAX buffers confirms that every rank
+packed by the same layout, which costs one small device-to-host read per group (on an accelerator, it waits for the
+reduction). A rank without a parameter's gradient adds an empty shard to it. A rank learns of a parameter it does
+not hold only from the groups it shares with a holder: a DTensor sharded over several mesh dimensions must have a
+gradient on all ranks of its mesh or on none.
 
 The SUM buffer is float64 ``[K, 5 + world]``: sum of squares, the three counts, the per-rank non-finite counts and
 the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata).
@@ -37,25 +46,28 @@ is named). A rank sees the columns of the ranks it reduces with; replicas (Repli
 communicated with, so each replica reports its own copy (and a 0-d Partial gradient, materialized as Replicate,
 names only the rank itself if its own addend was bad).
 
-No host sync: buffers are built and unpacked on the statistics' device; row indices for partial buffers are copied
-host-to-device from pinned memory without blocking.
+Buffers are built and unpacked on the statistics' device; row indices are copied host-to-device from pinned memory
+without blocking. The one host read is the layout check above.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats._transfer import host_int64, to_device
+from torch_gradstats import _layout
+from torch_gradstats._layout import Desc
+from torch_gradstats._transfer import host_int64, to_device, to_host
 from torch_gradstats.ops import INF, NAN, multi_tensor_stats
 
-__all__ = ["ReducedStats", "reduce_across_ranks"]
+__all__ = ["ReducedStats", "is_logging_rank", "reduce_across_ranks"]
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -76,6 +88,7 @@ class ReducedStats(NamedTuple):
     counts: Tensor  #: int64 ``[P, 3]``: zeros, NaNs, Infs
     rank_nonfinite: Tensor | None  #: int64 ``[P, world]``, or None when there was nothing to reduce
     numel: Tensor  #: int64 ``[P]``: logical element count of each parameter
+    names: list[str] | None = None  #: the row names (see :func:`reduce_across_ranks`), or None without names
 
 
 def _dtensor_class() -> type[Any] | None:
@@ -91,7 +104,7 @@ def _dtensor_class() -> type[Any] | None:
     return None
 
 
-def _resolve_group(group: Any) -> Any:
+def _resolve_group(group: Any, arg: str) -> Any:
     """A process group (or None) from what the caller passed: a ProcessGroup, None, or a 1-D DeviceMesh."""
     if group is None:
         return None
@@ -102,13 +115,13 @@ def _resolve_group(group: Any) -> Any:
     if DeviceMesh is not None and isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
-                f"reduce_across_ranks: group is a {group.ndim}-D DeviceMesh; pass the process group of the dimension "
+                f"reduce_across_ranks: {arg} is a {group.ndim}-D DeviceMesh; pass the process group of the dimension "
                 "the plain gradients are sharded over, e.g. mesh.get_group('dp_shard')"
             )
         group = group.get_group()
     if dist.get_rank(group) < 0:
         raise ValueError(
-            f"reduce_across_ranks: global rank {dist.get_rank()} is not a member of the group it was given; call it "
+            f"reduce_across_ranks: global rank {dist.get_rank()} is not a member of the {arg} it was given; call it "
             "with a group this rank belongs to (each rank passes its own shard group)"
         )
     return group
@@ -174,16 +187,42 @@ def _materialize_partials(
     return planned, sumsq, amax, counts
 
 
-def _plan(
-    grads: Sequence[Any], dtensor_cls: type[Any] | None, group: Any
-) -> tuple[list[tuple[Any, list[int]]], list[int]]:
-    """For each distinct process group (first-use order, identical on every rank), the rows reduced over it.
+def _descs(grads: Sequence[Any], names: Sequence[str], dtensor_cls: type[Any] | None, has_dtensor: bool) -> list[Desc]:
+    if dtensor_cls is None or not has_dtensor:  # the per-step cost of the layout check: one tuple per row
+        return list(map(Desc._make, zip(names, [g.dtype for g in grads], itertools.repeat(None))))
+    return [
+        Desc(n, g.dtype, (tuple(g.shape), repr(tuple(g.placements))) if isinstance(g, dtensor_cls) else None)
+        for g, n in zip(grads, names)
+    ]
 
-    Also returns each row's local element count (for the numel column and the 2**53 exactness check).
+
+def _plan(
+    grads: Sequence[Any],
+    names: Sequence[str],
+    dtensor_cls: type[Any] | None,
+    explicit: Sequence[tuple[Any, Callable[[str], bool] | None]],
+) -> tuple[list[tuple[Any, list[int]]], list[int]]:
+    """The reduction steps: each process group (the explicit ones first, always, so that a rank holding none of
+    their rows still takes part; then each mesh dimension group in first-use order) with the rows reduced over it.
+
+    ``explicit`` lists (group, which plain rows it reduces: None for all). Also returns each row's local element
+    count.
     """
-    groups: dict[int, tuple[Any, list[int]]] = {}
+    steps: dict[int, tuple[Any, list[int]]] = {}
+    sizes: dict[int, int] = {}  # dist.get_world_size costs microseconds: once per group, not once per row
+
+    def size(pg: Any) -> int:
+        n = sizes.get(id(pg))
+        if n is None:
+            n = sizes[id(pg)] = dist.get_world_size(pg)
+        return n
+
+    for pg, _ in explicit:
+        if pg is not None and size(pg) > 1:
+            steps.setdefault(id(pg), (pg, []))
+    only = explicit[0][0] if len(explicit) == 1 and explicit[0][1] is None else None  # it takes every plain row
     local_numel: list[int] = []
-    for i, g in enumerate(grads):
+    for i, (g, name) in enumerate(zip(grads, names)):
         row_groups: list[Any] = []
         if dtensor_cls is not None and isinstance(g, dtensor_cls):
             mesh = g.device_mesh
@@ -193,11 +232,13 @@ def _plan(
             logical = g.numel()
         else:
             local_numel.append(g.numel())
-            if group is not None:
-                row_groups = [group]
-                logical = g.numel() * dist.get_world_size(group)  # an upper bound: every shard as large
-            else:
-                logical = g.numel()
+            pg = only
+            if pg is None:
+                pg = next((pg for pg, takes in explicit if takes is None or takes(name)), None)
+            logical = g.numel()
+            if pg is not None:
+                row_groups = [pg]
+                logical *= size(pg)  # an upper bound: every shard as large
         if logical >= _EXACT_F64_INT:
             raise ValueError(
                 f"reduce_across_ranks: grads[{i}] has about {logical} elements across ranks; counts travel as "
@@ -205,11 +246,101 @@ def _plan(
             )
         seen: set[int] = set()
         for pg in row_groups:
-            if id(pg) in seen or dist.get_world_size(pg) == 1:
+            if id(pg) in seen or size(pg) == 1:
                 continue
             seen.add(id(pg))
-            groups.setdefault(id(pg), (pg, []))[1].append(i)
-    return list(groups.values()), local_numel
+            steps.setdefault(id(pg), (pg, []))[1].append(i)
+    return list(steps.values()), local_numel
+
+
+class _Table(NamedTuple):
+    """The rows a rank holds while reducing: packed SUM and MAX buffers, with a name and description per row."""
+
+    sum_buf: Tensor  # float64 [R, 5 + world]
+    max_buf: Tensor  # float64 [R]
+    descs: list[Desc]
+
+
+def _reduce_step(
+    table: _Table, pg: Any, mode: str, rows: list[int], tied: Collection[str], strict: bool
+) -> _Table:
+    """Reduce ``rows`` of ``table`` over ``pg`` in the group's agreed layout; one SUM and one MAX in steady state.
+
+    Returns the new table: the agreed rows (in the agreed order, including rows other ranks hold and this one does
+    not), then the rows not reduced over ``pg``.
+    """
+    device = table.sum_buf.device
+    local = [table.descs[i] for i in rows]
+    agreed, dirty = _layout.cached(pg, mode, local, tied)
+    group_size = dist.get_world_size(pg)
+    fresh = agreed is None
+    while True:
+        if agreed is None:
+            agreed = _layout.exchange(pg, mode, local, tied, "reduce_across_ranks", strict)
+            dirty = False
+        n = len(agreed.names)
+        identity = not dirty and n == len(table.descs) and rows == agreed.positions == list(range(n))
+        if identity:  # the common case: this rank holds every row, in the agreed order
+            sub_sum = torch.cat([table.sum_buf, table.sum_buf.new_zeros(1, table.sum_buf.shape[1])])
+            sub_max = torch.cat([table.max_buf, table.max_buf.new_zeros(1)])
+        else:
+            sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
+            sub_max = torch.zeros(n + 1, dtype=torch.float64, device=device)
+        if not dirty and not identity:
+            placed = [(r, pos) for r, pos in zip(rows, agreed.positions) if pos is not None]
+            if placed:
+                src = host_int64([r for r, _ in placed], device)
+                dst = host_int64([pos for _, pos in placed], device)
+                sub_sum.index_copy_(0, dst, table.sum_buf.index_select(0, src))
+                sub_max.index_copy_(0, dst, table.max_buf.index_select(0, src))
+        # The check row: the fingerprint of the layout packed by (summed and maxed) and whether this rank is dirty.
+        # Scaled so that its sum over the group stays below 2**52: exact in float64 at any group size.
+        fp = agreed.fingerprint % (2**52 // group_size)
+        sub_sum[n, 0] = float(fp)
+        sub_sum[n, 1] = float(dirty)
+        sub_max[n] = float(fp)
+        dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
+        dist.all_reduce(sub_max, op=dist.ReduceOp.MAX, group=pg)
+        if fresh:
+            break  # every rank of the group has just agreed on this layout
+        (fp_sum, dirty_sum, fp_max), _ = to_host([sub_sum[n, :2], sub_max[n : n + 1]], [])
+        if dirty_sum == 0 and fp_sum == fp_max * group_size:
+            break
+        logger.debug("reduce_across_ranks: a rank's parameter layout changed; exchanging layouts again")
+        agreed, fresh = None, True
+    held = set(rows)
+    rest = [i for i in range(len(table.descs)) if i not in held]
+    if rest:
+        keep = host_int64(rest, device)
+        sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep)])
+        max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep)])
+    else:
+        sum_buf, max_buf = sub_sum[:n], sub_max[:n]
+    return _Table(sum_buf, max_buf, list(agreed.descs) + [table.descs[i] for i in rest])
+
+
+def _reorder(table: _Table, row_names: list[str]) -> _Table:
+    if len(table.descs) == len(row_names) and all(d.name == n for d, n in zip(table.descs, row_names)):
+        return table
+    where = {d.name: i for i, d in enumerate(table.descs)}
+    order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
+    if order == list(range(len(order))):
+        return table
+    idx = host_int64(order, table.sum_buf.device)
+    descs = [table.descs[i] for i in order]
+    return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs)
+
+
+def _check_names(names: Any, p: int) -> list[str] | None:
+    if names is None:
+        return None
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(f"reduce_across_ranks: names must be a sequence of str, got a {type(names).__name__}")
+    if len(names) != p or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"reduce_across_ranks: names must be {p} strings, one per gradient")
+    if len(set(names)) != p:
+        raise ValueError("reduce_across_ranks: names must be unique (two parameters would share one row)")
+    return list(names)
 
 
 @torch.no_grad()
@@ -219,6 +350,12 @@ def reduce_across_ranks(
     amax: Tensor,
     counts: Tensor,
     group: Any = None,
+    *,
+    names: Sequence[str] | None = None,
+    expert_group: Any = None,
+    is_expert: Callable[[str], bool] | None = None,
+    stage_group: Any = None,
+    tied: Collection[str] = (),
 ) -> ReducedStats:
     """Turn per-rank statistics of local gradients into statistics of the whole logical parameters.
 
@@ -231,69 +368,87 @@ def reduce_across_ranks(
         group: process group (or 1-D DeviceMesh) the plain-tensor gradients are sharded over (their statistics are
             summed / maxed over it), or None: plain tensors are then not reduced. DTensors always use their own
             mesh.
+        names: one unique name per gradient. With names, ranks may hold different gradients: rows are matched by
+            name and a gradient missing on a rank counts as an empty shard. Without, every rank of a group must
+            hold the same gradients in the same order (checked; a difference is a ValueError on every rank).
+        expert_group: process group the plain gradients named by ``is_expert`` are sharded over instead of
+            ``group`` (expert parallelism). Needs ``names`` and ``is_expert``.
+        is_expert: ``name -> bool``, which gradients are expert parameters.
+        stage_group: process group whose ranks hold disjoint parts of the model (pipeline stages): after the
+            other reductions, the rows of all its ranks are gathered on each (one SUM and one MAX). A name held
+            by several ranks becomes ``name@stage<k>`` (k: rank in ``stage_group``), one row each, unless it is in
+            ``tied``: then one row, counted once (from the lowest such rank). Needs ``names``.
+        tied: names of parameters tied across stages (e.g. a shared embedding), see ``stage_group``.
 
     Returns:
-        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel)`` of tensors on ``sumsq``'s device,
-        identical on every rank that reduced together. ``numel`` is each parameter's logical element count: the
-        local counts summed over the same groups as everything else (for plain tensors with a ``group``, the size
-        of the whole logical tensor, which no rank knows from metadata alone). ``rank_nonfinite`` is int64
-        ``[P, world]`` (world and columns: global ranks), or None when torch.distributed is not initialized and no
-        gradient is a DTensor (nothing to reduce: the same sumsq/amax/counts tensors come back).
+        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel, names)`` of tensors on ``sumsq``'s
+        device, identical on every rank that reduced together. ``names`` gives the rows: the agreed union of what
+        the ranks hold (with stage suffixes), or ``names`` as given (None if not given) when nothing was gathered.
+        ``numel`` is each parameter's logical element count: the local counts summed over the same groups as
+        everything else. ``rank_nonfinite`` is int64 ``[P, world]`` (world and columns: global ranks), or None
+        when torch.distributed is not initialized and no gradient is a DTensor (nothing to reduce: the same
+        sumsq/amax/counts tensors come back).
 
     Raises:
         ValueError / TypeError: inconsistent shapes, dtypes or devices (naming the argument), a gradient too
-            large for exact float64 counts, a group this rank is not in, or a multi-dimensional DeviceMesh.
-        RuntimeError: a ``group`` is given but torch.distributed is not initialized.
+            large for exact float64 counts, a group this rank is not in, a multi-dimensional DeviceMesh, or
+            layouts that cannot be reconciled across ranks (the same error on every rank, naming the parameter).
+        RuntimeError: a group is given but torch.distributed is not initialized.
     """
     _check_inputs(grads, sumsq, amax, counts)
+    p = len(grads)
+    given_names = _check_names(names, p)
+    tied = _check_options(given_names, expert_group, is_expert, stage_group, tied)
     dtensor_cls = _dtensor_class() if dist.is_available() else None
     has_dtensor = dtensor_cls is not None and any(isinstance(g, dtensor_cls) for g in grads)
     initialized = dist.is_available() and dist.is_initialized()
-    if group is not None and not initialized:
+    if any(g is not None for g in (group, expert_group, stage_group)) and not initialized:
         raise RuntimeError(
             "reduce_across_ranks: a process group was given but torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group() first, or pass group=None"
+            "torch.distributed.init_process_group() first, or pass no group"
         )
     if not initialized and not has_dtensor:
-        return ReducedStats(sumsq, amax, counts, None, host_int64([g.numel() for g in grads], sumsq.device))
+        numel = host_int64([g.numel() for g in grads], sumsq.device)
+        return ReducedStats(sumsq, amax, counts, None, numel, given_names)
 
-    group = _resolve_group(group)
+    group = _resolve_group(group, "group")
+    expert_group = _resolve_group(expert_group, "expert_group")
+    stage_group = _resolve_group(stage_group, "stage_group")
     device = sumsq.device
-    p = len(grads)
     world, rank = dist.get_world_size(), dist.get_rank()
+    strict = given_names is None
+    row_names = given_names if given_names is not None else [f"grads[{i}]" for i in range(p)]
 
     # The rank that produced a NaN/Inf is named from what it held before any materialization.
     local_nonfinite = counts[:, NAN] + counts[:, INF]
     planned, sumsq, amax, counts = _materialize_partials(grads, dtensor_cls, sumsq, amax, counts)
-    groups, local_numel = _plan(planned, dtensor_cls, group)
+    explicit: list[tuple[Any, Callable[[str], bool] | None]] = []
+    if expert_group is not None and is_expert is not None:
+        explicit.append((expert_group, is_expert))
+    if group is not None:
+        explicit.append((group, None))
+    steps, local_numel = _plan(planned, row_names, dtensor_cls, explicit)
 
     # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer.
     ranks = torch.zeros(p, world, dtype=torch.float64, device=device)
     ranks[:, rank] = local_nonfinite.to(torch.float64)
     numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device).unsqueeze(1)
     sum_buf = torch.cat([sumsq.unsqueeze(1), counts.to(torch.float64), ranks, numel_col], dim=1)
-    max_buf = amax.clone()
+    table = _Table(sum_buf, amax.clone(), _descs(planned, row_names, dtensor_cls, has_dtensor))
+    for pg, rows in steps:
+        # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
+        where = {d.name: i for i, d in enumerate(table.descs)}
+        table = _reduce_step(table, pg, "shard", [where[row_names[r]] for r in rows], (), strict)
+    staged = stage_group is not None and dist.get_world_size(stage_group) > 1
+    if staged:  # its agreed order (stage by stage) is the same on every rank
+        table = _reduce_step(table, stage_group, "stage", list(range(len(table.descs))), tied, strict)
+    elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
+        table = _reorder(table, row_names)
+    gathered = bool(steps) or staged
+    if gathered:
+        logger.debug("reduce_across_ranks: %d local parameters, %d rows, %d step(s)", p, len(table.descs), len(steps))
 
-    for pg, rows in groups:
-        if len(rows) == p:  # every parameter needs this group: reduce the buffers whole
-            dist.all_reduce(sum_buf, op=dist.ReduceOp.SUM, group=pg)
-            dist.all_reduce(max_buf, op=dist.ReduceOp.MAX, group=pg)
-            continue
-        idx = host_int64(rows, device)
-        sub_sum = sum_buf.index_select(0, idx)
-        sub_max = max_buf.index_select(0, idx)
-        dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
-        dist.all_reduce(sub_max, op=dist.ReduceOp.MAX, group=pg)
-        sum_buf.index_copy_(0, idx, sub_sum)
-        max_buf.index_copy_(0, idx, sub_max)
-    if groups:
-        logger.debug(
-            "reduce_across_ranks: %d parameters, %d process group(s), rows per group %s",
-            p,
-            len(groups),
-            [len(rows) for _, rows in groups],
-        )
-
+    sum_buf, max_buf = table.sum_buf, table.max_buf
     counts_out = sum_buf[:, _COUNTS_COLS].to(torch.int64)
     has_nan = counts_out[:, NAN] > 0
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
@@ -301,4 +456,55 @@ def reduce_across_ranks(
     amax_out = torch.where(has_nan, nan, max_buf)  # NaN need not survive a MAX all-reduce; the count does
     rank_nonfinite = sum_buf[:, _RANKS_START : _RANKS_START + world].to(torch.int64)
     numel_out = sum_buf[:, _RANKS_START + world].to(torch.int64)
-    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out)
+    out_names = [d.name for d in table.descs] if (gathered and given_names is not None) else given_names
+    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names)
+
+
+def _check_options(
+    names: list[str] | None, expert_group: Any, is_expert: Any, stage_group: Any, tied: Any
+) -> frozenset[str]:
+    if is_expert is not None and not callable(is_expert):
+        raise TypeError(
+            f"reduce_across_ranks: is_expert must be a callable name -> bool, got a {type(is_expert).__name__}"
+        )
+    if (expert_group is None) != (is_expert is None):
+        raise ValueError("reduce_across_ranks: expert_group and is_expert go together: pass both or neither")
+    if isinstance(tied, str) or not isinstance(tied, Collection) or not all(isinstance(t, str) for t in tied):
+        raise TypeError("reduce_across_ranks: tied must be a collection of parameter names (str)")
+    if tied and stage_group is None:
+        raise ValueError("reduce_across_ranks: tied names parameters shared by pipeline stages; pass stage_group too")
+    if names is None and (expert_group is not None or stage_group is not None):
+        raise ValueError("reduce_across_ranks: expert_group and stage_group match parameters by name; pass names=")
+    return frozenset(tied)
+
+
+def is_logging_rank(stage_group: Any = None, *, group: Any = None, rank: int | None = None) -> bool:
+    """Whether this process is the one that logs reports (one rank logs; the figures are the same on every rank).
+
+    Args:
+        stage_group: the pipeline-stage group passed to ``grad_stats``: the logging rank is then on the last stage
+            (where the loss is computed, as torchtitan and Megatron log).
+        group: the group the stage's parameters are sharded over (data/shard parallel): among the last stage's
+            ranks, its first rank logs.
+        rank: a global rank chosen by the user; overrides the rule above.
+
+    Returns:
+        True on exactly one rank of each pipeline (with ``stage_group`` and ``group`` covering every other
+        dimension, exactly one rank in all): ``rank`` if given; else, with a ``stage_group``, the last rank of
+        ``stage_group`` that is also the first of ``group`` (if given); else global rank 0. Always True when
+        torch.distributed is not initialized. No communication.
+    """
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise TypeError(f"is_logging_rank: rank must be an int (a global rank), got a {type(rank).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if rank is not None:
+        if not 0 <= rank < dist.get_world_size():
+            raise ValueError(f"is_logging_rank: rank must be in [0, {dist.get_world_size()}), got {rank}")
+        return dist.get_rank() == rank
+    if stage_group is None:
+        return dist.get_rank() == 0
+    stage_group = _resolve_group(stage_group, "stage_group")
+    group = _resolve_group(group, "group")
+    last_stage = dist.get_rank(stage_group) == dist.get_world_size(stage_group) - 1
+    return last_stage and (group is None or dist.get_rank(group) == 0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import numbers
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -309,6 +309,11 @@ def _empty_stats(device: torch.device) -> GradStats:
     )
 
 
+def _empty_local() -> tuple[Tensor, Tensor, Tensor]:
+    s = _empty_stats(torch.device("cpu"))
+    return s.sumsq, s.amax, s.counts
+
+
 def _stats_on_home(local: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, torch.device]:
     """One op call per device; results gathered on the home device (see the module docstring) in the order of
     ``local``, and that device."""
@@ -343,7 +348,15 @@ def _stats_on_home(local: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, torch.d
 
 
 @torch.no_grad()
-def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
+def grad_stats(
+    params: ParamsLike,
+    *,
+    group: Any = None,
+    stage_group: Any = None,
+    tied: Collection[str] = (),
+    expert_group: Any = None,
+    is_expert: Callable[[str], bool] | None = None,
+) -> GradStats:
     """Statistics of the gradients of ``params`` in one read, as device tensors (no host sync).
 
     Args:
@@ -352,7 +365,14 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
             items whose ``.grad`` is None are skipped.
         group: a ``torch.distributed`` process group. When given, or when any gradient is a DTensor, the local
             statistics are combined across ranks by :func:`torch_gradstats.distributed.reduce_across_ranks`.
-            Otherwise there is no communication at all.
+            Otherwise there is no communication at all. Ranks may hold different parameters (a gradient missing
+            on one rank counts as an empty shard there); see docs/distributed.md.
+        stage_group: process group of pipeline stages (ranks holding disjoint parts of the model): the figures
+            of all stages are gathered on every rank; a name held by several stages is reported as
+            ``name@stage<k>``, unless listed in ``tied`` (then once, from the lowest stage).
+        tied: names of parameters shared by several stages (a tied embedding), counted once.
+        expert_group: process group the plain gradients of expert parameters are sharded over (instead of
+            ``group``); ``is_expert(name)`` says which parameters are experts.
 
     Returns:
         :class:`GradStats` on the first accelerator device among the gradients (else the CPU). With no gradients:
@@ -391,12 +411,14 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
                 local.append(g)
         numels = None  # read after the op: a .grad that is not a tensor is named there
 
-    if not local:
+    distributed = group is not None or stage_group is not None or expert_group is not None
+    if not local and not distributed:
         return _empty_stats(torch.device("cpu"))
     names = _unique_names(names)
 
     try:
-        sumsq, amax, counts, home = _stats_on_home(local)
+        # A rank without any gradient still takes part in the reduction, with nothing to add.
+        sumsq, amax, counts, home = _stats_on_home(local) if local else (*_empty_local(), torch.device("cpu"))
     except (AttributeError, TypeError, ValueError, RuntimeError):  # AttributeError: a .grad that is not a tensor
         _check_grads(names, local)  # the same failure, named by parameter rather than by list index
         raise
@@ -405,11 +427,15 @@ def grad_stats(params: ParamsLike, *, group: Any = None) -> GradStats:
         numels = tuple(g.numel() for g in grads)  # DTensor.numel() is the logical (global) numel
     numel = repeated_int64(numels, home)
     rank_nonfinite = None
-    if group is not None or any_dtensor:
+    if distributed or any_dtensor:
         from torch_gradstats.distributed import reduce_across_ranks  # only on this path: no import otherwise
 
         # Plain shards: no rank knows a parameter's full size, so numel travels in the same SUM collective.
-        sumsq, amax, counts, rank_nonfinite, numel = reduce_across_ranks(grads, sumsq, amax, counts, group)
+        sumsq, amax, counts, rank_nonfinite, numel, out_names = reduce_across_ranks(
+            grads, sumsq, amax, counts, group, names=names, stage_group=stage_group, tied=tied,
+            expert_group=expert_group, is_expert=is_expert,
+        )
+        names = out_names if out_names is not None else names
     return GradStats(
         names=names,
         sumsq=sumsq,
