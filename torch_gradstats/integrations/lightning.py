@@ -49,6 +49,33 @@ Non-finite gradients (``on_nonfinite``):
   step or not: the first non-finite parameter (model order), how many more, and the NaN and Inf counts.
 * ``"stop"``: the step is skipped as above and ``trainer.should_stop`` is set, so training ends after this batch.
 
+Step policies (``spike_guard=``, ``adaptive_clip=``; both look at every optimizer step, in
+``on_before_optimizer_step``, on the norm before clipping, as :class:`torch_gradstats.Trainer` does):
+
+* ``adaptive_clip``: an :class:`~torch_gradstats.AdaptiveClip` computes the step's threshold on the device and the
+  gradients are clipped to it in place (:func:`~torch_gradstats.clip_grad_norm_` reusing the statistics' read). Not
+  with the trainer's ``gradient_clip_val`` (a ValueError at setup): give the clip ``max_norm=`` for a fixed cap.
+* ``spike_guard``: a :class:`~torch_gradstats.SpikeGuard` judges the step's gradient norm and its loss (the
+  micro-batches' losses Lightning passes to ``on_before_backward``, summed: their mean over the accumulation
+  window). A flagged step (a spike, or non-finite gradients) is skipped as ``step_or_skip`` skips it: with a fused
+  optimizer (``fused=True`` Adam, AdamW, SGD, Adagrad) and no GradScaler, on the device, with no host sync, through
+  the ``found_inf`` the optimizer's ``step()`` reads right after this hook: parameters, optimizer state and step
+  counts stay as they were. Any other optimizer (or ``precision="16-mixed"``, whose GradScaler steps the optimizer)
+  is skipped from the host: one 0-d read per optimizer step (a warning says so once), then the gradients are set to
+  None as ``on_nonfinite="skip"`` does. The LR scheduler still steps on a skipped step.
+* Their figures, ``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``,
+  ``clip/threshold``, ``clip/coef``, are logged on logging steps, read in the report's one transfer. A guard's
+  ``max_consecutive`` streak raises :class:`~torch_gradstats.SpikeStreakError` at that read: on the first logging
+  step after the streak was reached (up to ``every_n_steps - 1`` optimizer steps later, all of them skipped too
+  while the spikes go on), before that step's optimizer step.
+
+Activations (``watch_activations=``, an :class:`~torch_gradstats.ActivationWatch` or True for one of the whole
+LightningModule): on logging steps the watch's report (one more transfer) gives ``act/nonfinite`` (0 or 1) and
+``act/origin_index`` (the origin's position in ``watch.module_names``; -1 all finite, -2 non-finite inputs), and
+every warning about a non-finite step adds the watch's summary: the forward (or backward) origin module beside the
+first non-finite parameter. The report describes the watch's latest forward, so name the origin on the step it
+happens with ``on_nonfinite`` set (a non-finite weight poisons every later step).
+
 Distributed: call it the same on every rank. Under DDP every rank holds the same averaged gradients, so no
 communication is needed; under FSDP2 (``ModelParallelStrategy``: DTensor parameters) the figures are reduced over
 the mesh by :func:`torch_gradstats.grad_stats` (collectives on every rank, so every rank must reach the hook,

@@ -48,6 +48,32 @@ under fp16 the ``GradScaler`` already skips such steps and nothing more is done.
 sets ``control.should_training_stop``. Skipped steps are in ``callback.skipped_steps``. Each non-finite step is
 named in one warning on the ``torch_gradstats`` logger, logged or not: the first non-finite parameter (model order),
 how many more, and the NaN and Inf counts (one more small transfer, made only on such a step).
+
+Step policies (``spike_guard=``, ``adaptive_clip=``): both look at every optimizer step, at the end of its last
+backward, on the norm before any clipping. ``adaptive_clip`` clips the gradients in place to an
+:class:`~torch_gradstats.AdaptiveClip`'s threshold (before the Trainer's own ``max_grad_norm`` clip: set it to 0
+to clip with the adaptive threshold alone). ``spike_guard`` judges the gradient norm and the loss (the ``loss`` of
+the model's outputs, averaged over the step's micro-batches; a custom ``compute_loss`` that the model does not
+return leaves the gradient norm alone judged). A callback cannot skip ``optimizer.step()``, so the guard needs the
+Trainer's optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`, whose ``step`` then goes through
+:func:`~torch_gradstats.training.step_or_skip` (device-side for fused optimizers; one 0-d read per step
+otherwise)::
+
+    callback = GradStatsCallback(spike_guard=SpikeGuard(), adaptive_clip=AdaptiveClip())
+    opt = callback.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+    add_to_trainer(trainer, callback)
+
+Their figures (``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``,
+``clip/threshold``, ``clip/coef``) come in the logging step's one transfer; a ``max_consecutive`` streak raises
+:class:`~torch_gradstats.SpikeStreakError` in ``on_log`` of the first logging step after it (up to
+``logging_steps - 1`` optimizer steps later).
+
+Activations (``watch_activations=``, an :class:`~torch_gradstats.ActivationWatch` or True for one of the model): on
+logging steps ``act/nonfinite``, ``act/origin_index`` and, when something was non-finite, ``act/origin`` (the module
+name; kept in ``log_history``, dropped by scalar-only loggers) are logged (the watch's report: one more transfer),
+and each warning about a non-finite step names the forward/backward origin module beside the first non-finite
+parameter.
 """
 
 from __future__ import annotations
