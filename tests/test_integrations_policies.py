@@ -363,3 +363,25 @@ def test_hf_watch_logs_the_origin(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     assert logs[3]["act/origin_index"] == watch.module_names.index(bad)
     assert cb.activation_watch is watch  # a watch given to the callback stays in place
     watch.remove()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with gloo is not available")
+def test_lightning_ddp_ranks_judge_the_same_loss_and_skip_together(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("_integrations_policies_ddp_worker.py")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], check=False, env=env, capture_output=True,
+                          text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    # rank 1's loss alone spiked at step 6; the loss is averaged over the ranks, so both skipped it
+    assert r0["unchanged"] == r1["unchanged"] == [6]
+    assert r0["weights"] == r1["weights"]

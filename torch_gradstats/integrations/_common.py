@@ -8,6 +8,7 @@ import numbers
 from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from torch_gradstats._transfer import to_host
@@ -96,6 +97,16 @@ def activation_metrics(report: ActivationReport, watch: ActivationWatch) -> dict
     return {"act/nonfinite": float(report.nonfinite), "act/origin_index": float(index)}
 
 
+def mean_over_ranks(loss: Tensor | None) -> Tensor | None:
+    """The loss averaged over the default process group (an all-reduce on the device, no host sync), so every rank's
+    guard judges the same value and all ranks take or skip a step together; the loss itself when not distributed."""
+    if loss is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return loss
+    total = loss.detach().to(torch.float64).clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
 class _Riders:
     """The groups' figures of a report plus a few more device tensors (the step policies' figures), as
     ``GradStats.report(groups=...)`` takes them: everything then comes to the host in the report's one transfer."""
@@ -154,7 +165,7 @@ class StatsTaker:
         factor = None
         with torch.no_grad():
             if self.spike_guard is not None:
-                factor = self.spike_guard.observe(g.total_norm, loss)
+                factor = self.spike_guard.observe(g.total_norm, mean_over_ranks(loss))
             if self.adaptive_clip is not None:
                 clip_grad_norm_(self.trainable(module), self.adaptive_clip.threshold(g.total_norm), stats=g,
                                 group=self.group)

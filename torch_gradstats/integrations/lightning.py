@@ -57,7 +57,8 @@ Step policies (``spike_guard=``, ``adaptive_clip=``; both look at every optimize
   with the trainer's ``gradient_clip_val`` (a ValueError at setup): give the clip ``max_norm=`` for a fixed cap.
 * ``spike_guard``: a :class:`~torch_gradstats.SpikeGuard` judges the step's gradient norm and its loss (the
   micro-batches' losses Lightning passes to ``on_before_backward``, summed: their mean over the accumulation
-  window). A flagged step (a spike, or non-finite gradients) is skipped as ``step_or_skip`` skips it: with a fused
+  window; under DDP averaged over the ranks by one all-reduce per step, so every rank decides alike). A flagged
+  step (a spike, or non-finite gradients) is skipped as ``step_or_skip`` skips it: with a fused
   optimizer (``fused=True`` Adam, AdamW, SGD, Adagrad) and no GradScaler, on the device, with no host sync, through
   the ``found_inf`` the optimizer's ``step()`` reads right after this hook: parameters, optimizer state and step
   counts stay as they were. Any other optimizer (or ``precision="16-mixed"``, whose GradScaler steps the optimizer)

@@ -54,7 +54,8 @@ backward, on the norm before any clipping. ``adaptive_clip`` clips the gradients
 :class:`~torch_gradstats.AdaptiveClip`'s threshold (before the Trainer's own ``max_grad_norm`` clip: set it to 0
 to clip with the adaptive threshold alone). ``spike_guard`` judges the gradient norm and the loss (the ``loss`` of
 the model's outputs, averaged over the step's micro-batches; a custom ``compute_loss`` that the model does not
-return leaves the gradient norm alone judged). A callback cannot skip ``optimizer.step()``, so the guard needs the
+return leaves the gradient norm alone judged; under DDP the loss is averaged over the ranks by one all-reduce per
+step, so every rank decides alike). A callback cannot skip ``optimizer.step()``, so the guard needs the
 Trainer's optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`, whose ``step`` then goes through
 :func:`~torch_gradstats.training.step_or_skip` (device-side for fused optimizers; one 0-d read per step
 otherwise)::
