@@ -8,12 +8,14 @@ import csv
 import logging
 import math
 import os
+import types
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _host_reads import HostReads, instrument
 from torch import nn
 
 from torch_gradstats import ActivationWatch, AdaptiveClip, SpikeGuard, SpikeStreakError
@@ -126,8 +128,6 @@ def test_lightning_guard_skips_the_spike_step_and_logs_its_figures(tmp_path: Pat
 
 
 def test_lightning_guard_on_a_fused_optimizer_reads_nothing_on_steps_that_do_not_log(tmp_path: Path) -> None:
-    from _host_reads import instrument
-
     cb = GradStatsCallback(every_n_steps=5, spike_guard=_guard(), adaptive_clip=AdaptiveClip(warmup=3))
     counts = instrument(cb, ("on_before_optimizer_step",))
     weights = Weights()
@@ -287,10 +287,30 @@ def test_hf_wrapped_optimizer_skips_the_spike_step(tmp_path: Path, fused: bool) 
     spiker = _spiker(model, SPIKE)
     cb = HFCallback(spike_guard=_guard(), adaptive_clip=AdaptiveClip(warmup=3, max_norm=1e6))
     opt = cb.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused))
+    wrapped, step_reads, depth = opt.step, [], []
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:  # host reads made by each step (step_or_skip re-enters)
+        if depth:
+            return wrapped(*args, **kwargs)
+        depth.append(1)
+        try:
+            with HostReads() as mode:
+                out = wrapped(*args, **kwargs)
+        finally:
+            depth.clear()
+        step_reads.append(mode.count)
+        return out
+
+    opt.step = types.MethodType(counted, opt)  # type: ignore[method-assign]
     trainer = transformers.Trainer(model=model, args=_hf_args(tmp_path), train_dataset=_tokens(),
                                    callbacks=[spiker], optimizers=(opt, None))
     add_to_trainer(trainer, cb)
+    counts = instrument(cb, ("_after_backward",))
     logs = _hf_train(trainer)
+    assert counts["reads"] == 0  # the guard and the clip decide on the device
+    assert len(step_reads) == 10
+    if fused:  # skipped on the device (a non-fused AdamW reads its own step counts, besides the skip's one read)
+        assert step_reads == [0] * 10
     assert not spiker.changed(SPIKE)  # parameters unchanged on the spike's step
     assert all(spiker.changed(s) for s in range(10) if s != SPIKE)
     step = logs[SPIKE + 1]  # the Trainer logs optimizer step s at global step s + 1
