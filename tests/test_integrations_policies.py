@@ -370,6 +370,13 @@ def test_hf_watch_logs_the_origin(tmp_path: Path, caplog: pytest.LogCaptureFixtu
                     model.get_submodule(bad).weight[0, 0] = float("inf")
 
     watch = ActivationWatch(model)
+    real_report, reports = watch.report, []
+
+    def counted() -> Any:
+        reports.append(watch.step)
+        return real_report()
+
+    watch.report = counted  # type: ignore[method-assign]
     cb = HFCallback(on_nonfinite="stop", watch_activations=watch)
     trainer = transformers.Trainer(model=model, args=_hf_args(tmp_path), train_dataset=_tokens(),
                                    callbacks=[Break()])
@@ -381,6 +388,8 @@ def test_hf_watch_logs_the_origin(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     assert logs[1]["act/nonfinite"] == 0.0 and logs[1]["act/origin_index"] == -1 and "act/origin" not in logs[1]
     assert logs[3]["act/nonfinite"] == 1.0 and logs[3]["act/origin"] == bad
     assert logs[3]["act/origin_index"] == watch.module_names.index(bad)
+    # one report per logged step: the non-finite step's warning and its log share one
+    assert len(reports) == len(set(reports)) == 3
     assert cb.activation_watch is watch  # a watch given to the callback stays in place
     watch.remove()
 

@@ -196,6 +196,7 @@ class _GradStatsMixin:
         self.activation_watch: ActivationWatch | None = (
             self._watch_option if isinstance(self._watch_option, ActivationWatch) else None)
         self.last_activation_report: ActivationReport | None = None  #: the watch's last report
+        self._activation_at = -2  # the watch's step when that report was made
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (rank 0)
         self._pending: tuple[GradStats | GradWeightStats, int, int] | None = None  # stats, logger step, opt step
@@ -221,6 +222,8 @@ class _GradStatsMixin:
             self.activation_watch = ActivationWatch(pl_module)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for optimizer in getattr(trainer, "optimizers", []):
+            self._clear_found_inf(optimizer, (), {})  # left by a step that never ran (an exception in between)
         if self._watch_option is True and self.activation_watch is not None:
             self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
             self.activation_watch = None
@@ -353,9 +356,12 @@ class _GradStatsMixin:
 
     def _activation_report(self) -> ActivationReport | None:
         """The watch's report of its latest recorded step (its own one transfer), or None without a watch."""
-        if self.activation_watch is None:
+        watch = self.activation_watch
+        if watch is None:
             return None
-        self.last_activation_report = self.activation_watch.report()
+        if self.last_activation_report is None or self._activation_at != watch.step:  # no forward since: the same
+            self.last_activation_report = watch.report()
+            self._activation_at = watch.step
         return self.last_activation_report
 
     def _activation_words(self, act: ActivationReport | None = None) -> str:

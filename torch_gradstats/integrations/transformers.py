@@ -189,6 +189,7 @@ class GradStatsCallback(TrainerCallback):
         self.activation_watch: ActivationWatch | None = (
             self._watch_option if isinstance(self._watch_option, ActivationWatch) else None)
         self.last_activation_report: ActivationReport | None = None  #: the watch's last report
+        self._activation_at = -2  # the watch's step when that report was made
         self._factor: Tensor | None = None  # the guard's decision for the coming optimizer.step()
         self._loss_sum: Tensor | None = None  # the micro-batches' losses of this step, on the device
         self._loss_n = 0
@@ -314,9 +315,12 @@ class GradStatsCallback(TrainerCallback):
     # ----------------------------------------------------------------------------------------------- internals
     def _activation_report(self) -> ActivationReport | None:
         """The watch's report of its latest recorded step (its own one transfer), or None without a watch."""
-        if self.activation_watch is None:
+        watch = self.activation_watch
+        if watch is None:
             return None
-        self.last_activation_report = self.activation_watch.report()
+        if self.last_activation_report is None or self._activation_at != watch.step:  # no forward since: the same
+            self.last_activation_report = watch.report()
+            self._activation_at = watch.step
         return self.last_activation_report
 
     def _activation_words(self, act: ActivationReport | None = None) -> str:
