@@ -414,3 +414,27 @@ def test_lightning_ddp_ranks_judge_the_same_loss_and_skip_together(tmp_path: Pat
     # rank 1's loss alone spiked at step 6; the loss is averaged over the ranks, so both skipped it
     assert r0["unchanged"] == r1["unchanged"] == [6]
     assert r0["weights"] == r1["weights"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_hf_wrapped_optimizer_under_a_grad_scaler(fused: bool) -> None:
+    # What accelerate does under fp16: scaler.step(optimizer). The guard's skip joins the scaler's decision.
+    from torch_gradstats.integrations.transformers import GradStatsCallback as HFCallback
+
+    _hf()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    cb = HFCallback(spike_guard=_guard())
+    opt = cb.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for take in (1.0, 0.0, 1.0):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4)).square().mean()).backward()
+        cb._factor = torch.tensor(take)  # the guard's decision, as the callback leaves it after the backward
+        scaler.step(opt)
+        scaler.update()
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert changed == (take == 1.0)
+        assert not hasattr(opt, "found_inf")
+    assert scaler.get_scale() == 4.0  # the guard's skip never shrinks the scale

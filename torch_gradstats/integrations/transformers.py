@@ -234,8 +234,9 @@ class GradStatsCallback(TrainerCallback):
         decided at the end of the step's backward: a fused optimizer (``fused=True``) skips on the device (no host
         sync), any other is stepped or not from the host (one 0-d read per step). Pass it to the Trainer as
         ``optimizers=(callback.wrap_optimizer(opt), scheduler_or_None)``, or return it from an overridden
-        ``create_optimizer``. The LR scheduler still steps on a skipped step, as under AMP. Not under ``fp16``
-        (the GradScaler steps the optimizer itself)."""
+        ``create_optimizer``. The LR scheduler still steps on a skipped step, as under AMP. Under ``fp16`` the
+        GradScaler steps the optimizer: a step it skips stays skipped, and for a fused optimizer the guard's skip is
+        added to the scaler's ``found_inf`` on the device (the scale follows the scaler's own checks alone)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"wrap_optimizer: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -253,6 +254,12 @@ class GradStatsCallback(TrainerCallback):
                 return real_step(*args, **kwargs)
             if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
                 raise ValueError("wrap_optimizer: a step with a closure cannot be skipped by the spike guard")
+            found = getattr(opt, "found_inf", None)
+            if isinstance(found, Tensor):
+                # A GradScaler is stepping a fused optimizer (fp16): add the guard's skip to the scaler's found_inf,
+                # on the device, and let the scaler's own step run (it takes found_inf away afterwards).
+                opt.found_inf = torch.clamp(found + (factor == 0).to(found), max=1.0)  # type: ignore[attr-defined]
+                return real_step(*args, **kwargs)
             inside = True
             try:
                 step_or_skip(opt, factor)
