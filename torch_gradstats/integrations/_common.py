@@ -1,16 +1,22 @@
-"""What the Lightning and Hugging Face callbacks share: take the statistics, measure the update, report once."""
+"""What the Lightning and Hugging Face callbacks share: take the statistics, measure the update, apply the step
+policies (SpikeGuard, AdaptiveClip), report once."""
 
 from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from torch_gradstats._transfer import to_host
-from torch_gradstats.groups import GroupBy, group_names
+from torch_gradstats.activations import ActivationReport, ActivationWatch
+from torch_gradstats.adaptive_clip import AdaptiveClip
+from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.groups import GroupBy, GroupReport, GroupStats, group_names
+from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report
 from torch_gradstats.report import STYLES
@@ -56,13 +62,82 @@ def check_options(every_n_steps: Any, on_nonfinite: Any) -> int | None:
     return int(every_n_steps)
 
 
+def check_policies(spike_guard: Any, adaptive_clip: Any) -> None:
+    """Validate a callback's ``spike_guard`` and ``adaptive_clip``."""
+    if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
+        raise TypeError(f"spike_guard must be a SpikeGuard or None, got {type(spike_guard).__name__}")
+    if adaptive_clip is not None and not isinstance(adaptive_clip, AdaptiveClip):
+        raise TypeError(f"adaptive_clip must be an AdaptiveClip or None, got {type(adaptive_clip).__name__}")
+
+
+def check_watch(watch: Any) -> ActivationWatch | bool:
+    """Validate a callback's ``watch_activations``: an ActivationWatch, True (the default one, made when training
+    starts), or False / None (no watch)."""
+    if watch is None or watch is False:
+        return False
+    if watch is not True and not isinstance(watch, ActivationWatch):
+        raise TypeError(
+            f"watch_activations must be an ActivationWatch, True, False or None, got {type(watch).__name__}"
+        )
+    return watch
+
+
+def activation_metrics(report: ActivationReport, watch: ActivationWatch) -> dict[str, float]:
+    """The numbers every logger takes from an activation report: ``act/nonfinite`` (0 or 1) and
+    ``act/origin_index`` (position of :attr:`ActivationReport.origin` in ``watch.module_names``; -1 when all
+    finite, -2 when the model's inputs were non-finite). The origin's name goes to the warning."""
+    origin = report.origin
+    if origin is None:
+        index = -1
+    elif origin == "<inputs>":
+        index = -2
+    else:
+        names = watch.module_names
+        index = names.index(origin) if origin in names else -1
+    return {"act/nonfinite": float(report.nonfinite), "act/origin_index": float(index)}
+
+
+def mean_over_ranks(loss: Tensor | None) -> Tensor | None:
+    """The loss averaged over the default process group (an all-reduce on the device, no host sync), so every rank's
+    guard judges the same value and all ranks take or skip a step together; the loss itself when not distributed."""
+    if loss is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return loss
+    total = loss.detach().to(torch.float64).clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+class _Riders:
+    """The groups' figures of a report plus a few more device tensors (the step policies' figures), as
+    ``GradStats.report(groups=...)`` takes them: everything then comes to the host in the report's one transfer."""
+
+    def __init__(self, groups: GroupStats | None, floats: list[Tensor], ints: list[Tensor]) -> None:
+        self.groups = groups
+        self.floats, self.ints = floats, ints
+        self.host: tuple[list[float], list[int]] = ([], [])
+        self._split = (0, 0)
+
+    def _host_parts(self) -> tuple[list[Tensor], list[Tensor]]:
+        gf, gi = self.groups._host_parts() if self.groups is not None else ([], [])
+        self._split = (sum(t.numel() for t in gf), sum(t.numel() for t in gi))
+        return gf + self.floats, gi + self.ints
+
+    def _from_host(self, floats: list[float], ints: list[int]) -> GroupReport | None:
+        nf, ni = self._split
+        self.host = (list(floats[nf:]), list(ints[ni:]))
+        return self.groups._from_host(floats[:nf], ints[:ni]) if self.groups is not None else None
+
+
 class StatsTaker:
-    """Takes the statistics of one optimizer step and turns them into one report (one host transfer)."""
+    """Takes the statistics of one optimizer step, applies the step policies, and turns them into one report (one
+    host transfer)."""
 
     def __init__(self, log_weight_norms: bool, log_update_ratio: bool, group: Any, policy: HealthPolicy | None,
-                 k: int, group_by: GroupBy | None = None) -> None:
+                 k: int, group_by: GroupBy | None = None, spike_guard: SpikeGuard | None = None,
+                 adaptive_clip: AdaptiveClip | None = None) -> None:
         if group_by is not None:
             group_names([], group_by)  # a wrong kind of group_by is named now, not at the first logging step
+        check_policies(spike_guard, adaptive_clip)
         self.group_by = group_by
         self.log_weight_norms = log_weight_norms
         self.log_update_ratio = log_update_ratio
@@ -70,6 +145,31 @@ class StatsTaker:
         self.policy = policy
         self.k = k
         self.ratio: UpdateRatio | None = None
+        self.spike_guard = spike_guard
+        self.adaptive_clip = adaptive_clip
+        #: the guard's and the clip's figures read with the last report (``guard/...``, ``clip/...``)
+        self.policy_figures: dict[str, float] = {}
+
+    @property
+    def every_step(self) -> bool:
+        """A policy judges or clips every optimizer step, so the statistics are taken every step."""
+        return self.spike_guard is not None or self.adaptive_clip is not None
+
+    def apply_policies(self, module: nn.Module, stats: GradStats | GradWeightStats,
+                       loss: Tensor | None) -> Tensor | None:
+        """Clip to the adaptive threshold and judge the step, on the device (no host sync). Both see the norm
+        before clipping, as the Trainer's do. Returns the guard's factor (1.0 take, 0.0 skip), or None."""
+        g = stats.grads if isinstance(stats, GradWeightStats) else stats
+        if not len(g.names):
+            return None
+        factor = None
+        with torch.no_grad():
+            if self.spike_guard is not None:
+                factor = self.spike_guard.observe(g.total_norm, mean_over_ranks(loss))
+            if self.adaptive_clip is not None:
+                clip_grad_norm_(self.trainable(module), self.adaptive_clip.threshold(g.total_norm), stats=g,
+                                group=self.group)
+        return factor
 
     @staticmethod
     def trainable(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -94,9 +194,28 @@ class StatsTaker:
             stats.update = self.ratio.measure()
 
     def report(self, stats: GradStats | GradWeightStats) -> AnyReport:
-        """The one device-to-host transfer of a logging step (with the groups' figures, when grouping)."""
+        """The one device-to-host transfer of a logging step: the statistics, the groups' figures when grouping,
+        and the step policies' figures (into :attr:`policy_figures`; raises
+        :class:`~torch_gradstats.SpikeStreakError` when the guard's ``max_consecutive`` was reached)."""
         groups = stats.grouped(self.group_by) if self.group_by is not None else None
-        return stats.report(self.k, policy=self.policy, groups=groups)
+        policies: list[SpikeGuard | AdaptiveClip] = [
+            p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
+        if not policies:
+            return stats.report(self.k, policy=self.policy, groups=groups)
+        g = stats.grads if isinstance(stats, GradWeightStats) else stats
+        parts = [p.check_tensors() for p in policies]
+        floats = [t.to(g.device) for f, _ in parts for t in f]  # already there once a step was observed
+        ints = [t.to(g.device) for _, i in parts for t in i]
+        riders = _Riders(groups, floats, ints)
+        report = stats.report(self.k, policy=self.policy, groups=cast(GroupStats, riders))
+        host_f, host_i = riders.host
+        figures: dict[str, float] = {}
+        for policy, (f, i) in zip(policies, parts):
+            nf, ni = sum(t.numel() for t in f), sum(t.numel() for t in i)
+            figures.update(policy.check_values(host_f[:nf], host_i[:ni]))
+            host_f, host_i = host_f[nf:], host_i[ni:]
+        self.policy_figures = figures
+        return report
 
     @staticmethod
     def nonfinite(stats: GradStats | GradWeightStats) -> bool:

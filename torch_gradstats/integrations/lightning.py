@@ -49,6 +49,34 @@ Non-finite gradients (``on_nonfinite``):
   step or not: the first non-finite parameter (model order), how many more, and the NaN and Inf counts.
 * ``"stop"``: the step is skipped as above and ``trainer.should_stop`` is set, so training ends after this batch.
 
+Step policies (``spike_guard=``, ``adaptive_clip=``; both look at every optimizer step, in
+``on_before_optimizer_step``, on the norm before clipping, as :class:`torch_gradstats.Trainer` does):
+
+* ``adaptive_clip``: an :class:`~torch_gradstats.AdaptiveClip` computes the step's threshold on the device and the
+  gradients are clipped to it in place (:func:`~torch_gradstats.clip_grad_norm_` reusing the statistics' read). Not
+  with the trainer's ``gradient_clip_val`` (a ValueError at setup): give the clip ``max_norm=`` for a fixed cap.
+* ``spike_guard``: a :class:`~torch_gradstats.SpikeGuard` judges the step's gradient norm and its loss (the
+  micro-batches' losses Lightning passes to ``on_before_backward``, summed: their mean over the accumulation
+  window; under DDP averaged over the ranks by one all-reduce per step, so every rank decides alike). A flagged
+  step (a spike, or non-finite gradients) is skipped as ``step_or_skip`` skips it: with a fused
+  optimizer (``fused=True`` Adam, AdamW, SGD, Adagrad) and no GradScaler, on the device, with no host sync, through
+  the ``found_inf`` the optimizer's ``step()`` reads right after this hook: parameters, optimizer state and step
+  counts stay as they were. Any other optimizer (or ``precision="16-mixed"``, whose GradScaler steps the optimizer)
+  is skipped from the host: one 0-d read per optimizer step (a warning says so once), then the gradients are set to
+  None as ``on_nonfinite="skip"`` does. The LR scheduler still steps on a skipped step.
+* Their figures, ``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``,
+  ``clip/threshold``, ``clip/coef``, are logged on logging steps, read in the report's one transfer. A guard's
+  ``max_consecutive`` streak raises :class:`~torch_gradstats.SpikeStreakError` at that read: on the first logging
+  step after the streak was reached (up to ``every_n_steps - 1`` optimizer steps later, all of them skipped too
+  while the spikes go on), before that step's optimizer step.
+
+Activations (``watch_activations=``, an :class:`~torch_gradstats.ActivationWatch` or True for one of the whole
+LightningModule): on logging steps the watch's report (one more transfer) gives ``act/nonfinite`` (0 or 1) and
+``act/origin_index`` (the origin's position in ``watch.module_names``; -1 all finite, -2 non-finite inputs), and
+every warning about a non-finite step adds the watch's summary: the forward (or backward) origin module beside the
+first non-finite parameter. The report describes the watch's latest forward, so name the origin on the step it
+happens with ``on_nonfinite`` set (a non-finite weight poisons every later step).
+
 Distributed: call it the same on every rank. Under DDP every rank holds the same averaged gradients, so no
 communication is needed; under FSDP2 (``ModelParallelStrategy``: DTensor parameters) the figures are reduced over
 the mesh by :func:`torch_gradstats.grad_stats` (collectives on every rank, so every rank must reach the hook,
@@ -67,18 +95,27 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from torch_gradstats.activations import ActivationReport, ActivationWatch
+from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.groups import GroupBy
+from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
     OnNonfinite,
     StatsTaker,
+    activation_metrics,
     check_key_style,
     check_options,
+    check_watch,
     describe_nonfinite,
     styled_keys,
 )
 from torch_gradstats.stats import GradStats
+from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
 from torch_gradstats.updates import GradWeightStats
 
 try:
@@ -117,6 +154,9 @@ class _GradStatsMixin:
         policy: HealthPolicy | None = None,
         key_style: str | None = "lightning",
         group_by: GroupBy | None = None,
+        spike_guard: SpikeGuard | None = None,
+        adaptive_clip: AdaptiveClip | None = None,
+        watch_activations: ActivationWatch | bool | None = None,
     ) -> None:
         """
         Args:
@@ -134,6 +174,13 @@ class _GradStatsMixin:
                 None / ``"default"`` for ours alone. ``lightning_names=False`` is the same as None.
             group_by: also log per-group figures, ``<prefix>group/<g>/norm`` ... (see
                 :meth:`torch_gradstats.GradStats.grouped`), from the same transfer.
+            spike_guard: a :class:`~torch_gradstats.SpikeGuard` judging every step's gradient norm (before
+                clipping) and loss; the step it flags is skipped (see "Step policies" in the module docstring).
+            adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` clipping every step to its threshold (not
+                with the trainer's ``gradient_clip_val``).
+            watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole
+                LightningModule (made at setup, removed at teardown): ``act/`` figures on logging steps, and the
+                origin module named in the warning of a non-finite step.
         """
         super().__init__()
         self.key_style = check_key_style(key_style) if lightning_names else None
@@ -142,19 +189,62 @@ class _GradStatsMixin:
         self.prefix = prefix
         self.lightning_names = lightning_names
         self.on_nonfinite = on_nonfinite
-        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by)
+        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by,
+                                spike_guard=spike_guard, adaptive_clip=adaptive_clip)
+        self._watch_option = check_watch(watch_activations)
+        #: the activation watch (the one given, or the one made at setup for ``watch_activations=True``)
+        self.activation_watch: ActivationWatch | None = (
+            self._watch_option if isinstance(self._watch_option, ActivationWatch) else None)
+        self.last_activation_report: ActivationReport | None = None  #: the watch's last report
+        self._activation_at = -2  # the watch's step when that report was made
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (rank 0)
         self._pending: tuple[GradStats | GradWeightStats, int, int] | None = None  # stats, logger step, opt step
+        self._loss: Tensor | None = None  # the loss of this optimizer step's micro-batches, summed on the device
+        self._found_inf_set: set[int] = set()  # optimizers given a guard's found_inf for this step (ids)
+        self._hooked: set[int] = set()  # optimizers with our step post-hook
+        self._warned_host_skip = False
+
+    @property
+    def spike_guard(self) -> SpikeGuard | None:
+        return self.taker.spike_guard
+
+    @property
+    def adaptive_clip(self) -> AdaptiveClip | None:
+        return self.taker.adaptive_clip
 
     # ----------------------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.adaptive_clip is not None and getattr(trainer, "gradient_clip_val", None):
+            raise ValueError("GradStatsCallback: give the trainer's gradient_clip_val or adaptive_clip, not both "
+                             "(AdaptiveClip(max_norm=...) caps the threshold)")
+        if self._watch_option is True and self.activation_watch is None:
+            self.activation_watch = ActivationWatch(pl_module)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for optimizer in getattr(trainer, "optimizers", []):
+            self._clear_found_inf(optimizer, (), {})  # left by a step that never ran (an exception in between)
+        if self._watch_option is True and self.activation_watch is not None:
+            self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
+            self.activation_watch = None
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
+        # Lightning divides each micro-batch's loss by accumulate_grad_batches: their sum is the step's mean loss.
+        if self.spike_guard is not None and self.spike_guard.watch_loss:
+            self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         step = trainer.global_step
         logger_step = self._logger_step(trainer)
         log_now = self._log_due(trainer, logger_step)
-        if not log_now and self.on_nonfinite is None:
+        if not log_now and self.on_nonfinite is None and not self.taker.every_step:
             return  # nothing read, nothing synced
         stats = self.taker.take(pl_module, optimizer)
+        if self.taker.every_step:
+            loss, self._loss = self._loss, None
+            factor = self.taker.apply_policies(pl_module, stats, loss)
+            if factor is not None:
+                self._apply_factor(trainer, optimizer, factor)
         report: AnyReport | None = None
         if log_now and trainer.is_global_zero and not self.taker.log_update_ratio:
             report = self.taker.report(stats)  # the one transfer of this step
@@ -183,6 +273,35 @@ class _GradStatsMixin:
             self._log(trainer, self.taker.report(stats), logger_step)
 
     # ----------------------------------------------------------------------------------------------- internals
+    def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> None:
+        """Skip this step where the guard's ``factor`` is 0: on the device through a fused optimizer's
+        ``found_inf`` (read by its ``step()`` after this hook), else from the host by dropping the gradients."""
+        skip = (factor == 0).to(torch.float32)
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if (scaler is None and isinstance(optimizer, torch.optim.Optimizer)
+                and device_skip_step(optimizer) is not None and not momentum_pending(optimizer)):
+            # The protocol torch.amp.GradScaler uses (see training._step.device_skip_step): a fused optimizer's
+            # step() reads found_inf and, where it is 1, leaves parameters, state and step counts as they were.
+            # We are inside Lightning's closure, so step() reads it next; a post-hook takes it away again.
+            if id(optimizer) not in self._hooked:
+                optimizer.register_step_post_hook(self._clear_found_inf)
+                self._hooked.add(id(optimizer))
+            optimizer.found_inf = skip  # type: ignore[attr-defined]
+            self._found_inf_set.add(id(optimizer))
+            return
+        if not self._warned_host_skip:
+            self._warned_host_skip = True
+            logger.warning("torch_gradstats: spike_guard with %s%s decides each step on the host (one sync per "
+                           "optimizer step); a fused optimizer (fused=True) without a GradScaler skips on the device",
+                           type(optimizer).__name__, " and a GradScaler" if scaler is not None else "")
+        if host_skips(skip):
+            optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter untouched
+
+    def _clear_found_inf(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._found_inf_set:
+            self._found_inf_set.discard(id(optimizer))
+            del optimizer.found_inf
+
     @staticmethod
     def _logger_step(trainer: Any) -> int:
         # The step Lightning's logger connector gives self.log'd values of this batch.
@@ -205,6 +324,7 @@ class _GradStatsMixin:
                           stats: GradStats | GradWeightStats) -> None:
         # Named from the report when this step has one, else from one more small read (a non-finite step only).
         what = describe_nonfinite(report) if report is not None else self.taker.describe_nonfinite(stats)
+        what += self._activation_words()
         optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter untouched
         self.skipped_steps.append(step)
         if self.on_nonfinite == "stop":
@@ -220,12 +340,34 @@ class _GradStatsMixin:
         if self.key_style in ("lightning", "composer"):  # the per-parameter norms are already there, so named
             ours = {k: v for k, v in ours.items() if not k.startswith(self.prefix + "norm/")}
         values.update(ours)
-        if grad_report(report).first_nonfinite is not None and self.on_nonfinite is None:  # else already said
-            logger.warning("torch_gradstats: non-finite gradient at logger step %d: %s", logger_step,
-                           describe_nonfinite(report))
+        values.update(self.taker.policy_figures)
+        act = self._activation_report()
+        if act is not None and self.activation_watch is not None:
+            values.update(activation_metrics(act, self.activation_watch))
+        grads_bad = grad_report(report).first_nonfinite is not None
+        if (grads_bad or (act is not None and act.nonfinite)) and self.on_nonfinite is None:  # else already said
+            logger.warning("torch_gradstats: non-finite values at logger step %d: first non-finite parameter "
+                           "gradient: %s%s", logger_step, describe_nonfinite(report) if grads_bad else "none",
+                           self._activation_words(act))
         for lg in trainer.loggers:
             lg.log_metrics(values, step=logger_step)
         self.last_report = report
+
+
+    def _activation_report(self) -> ActivationReport | None:
+        """The watch's report of its latest recorded step (its own one transfer), or None without a watch."""
+        watch = self.activation_watch
+        if watch is None:
+            return None
+        if self.last_activation_report is None or self._activation_at != watch.step:  # no forward since: the same
+            self.last_activation_report = watch.report()
+            self._activation_at = watch.step
+        return self.last_activation_report
+
+    def _activation_words(self, act: ActivationReport | None = None) -> str:
+        """``"; <the watch's summary>"`` naming the forward/backward origin, or "" without a watch."""
+        act = act if act is not None else self._activation_report()
+        return "" if act is None else f"; {act.summary()}"
 
 
 class GradStatsCallback(_GradStatsMixin, _Callback):

@@ -48,32 +48,69 @@ under fp16 the ``GradScaler`` already skips such steps and nothing more is done.
 sets ``control.should_training_stop``. Skipped steps are in ``callback.skipped_steps``. Each non-finite step is
 named in one warning on the ``torch_gradstats`` logger, logged or not: the first non-finite parameter (model order),
 how many more, and the NaN and Inf counts (one more small transfer, made only on such a step).
+
+Step policies (``spike_guard=``, ``adaptive_clip=``): both look at every optimizer step, at the end of its last
+backward, on the norm before any clipping. ``adaptive_clip`` clips the gradients in place to an
+:class:`~torch_gradstats.AdaptiveClip`'s threshold (before the Trainer's own ``max_grad_norm`` clip: set it to 0
+to clip with the adaptive threshold alone). ``spike_guard`` judges the gradient norm and the loss (the ``loss`` of
+the model's outputs, averaged over the step's micro-batches; a custom ``compute_loss`` that the model does not
+return leaves the gradient norm alone judged; under DDP the loss is averaged over the ranks by one all-reduce per
+step, so every rank decides alike). A callback cannot skip ``optimizer.step()``, so the guard needs the
+Trainer's optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`, whose ``step`` then goes through
+:func:`~torch_gradstats.training.step_or_skip` (device-side for fused optimizers; one 0-d read per step
+otherwise)::
+
+    callback = GradStatsCallback(spike_guard=SpikeGuard(), adaptive_clip=AdaptiveClip())
+    opt = callback.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+    add_to_trainer(trainer, callback)
+
+Their figures (``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``,
+``clip/threshold``, ``clip/coef``) come in the logging step's one transfer; a ``max_consecutive`` streak raises
+:class:`~torch_gradstats.SpikeStreakError` in ``on_log`` of the first logging step after it (up to
+``logging_steps - 1`` optimizer steps later).
+
+Activations (``watch_activations=``, an :class:`~torch_gradstats.ActivationWatch` or True for one of the model): on
+logging steps ``act/nonfinite``, ``act/origin_index`` and, when something was non-finite, ``act/origin`` (the module
+name; kept in ``log_history``, dropped by scalar-only loggers) are logged (the watch's report: one more transfer),
+and each warning about a non-finite step names the forward/backward origin module beside the first non-finite
+parameter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import TrainerCallback
 
+from torch_gradstats.activations import ActivationReport, ActivationWatch
+from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.groups import GroupBy
+from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
     OnNonfinite,
     StatsTaker,
+    activation_metrics,
     check_key_style,
     check_options,
+    check_watch,
     describe_nonfinite,
     styled_keys,
 )
 from torch_gradstats.stats import GradStats
+from torch_gradstats.training._skip import step_or_skip
 from torch_gradstats.updates import GradWeightStats
 
 __all__ = ["GradStatsCallback", "add_to_trainer"]
+
+_WRAPPED_BY = "_torch_gradstats_callback"  # attribute marking an optimizer wrapped by GradStatsCallback.wrap_optimizer
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -113,6 +150,15 @@ class GradStatsCallback(TrainerCallback):
             a key the Trainer already logged is never replaced. None or ``"default"``: ours alone.
         group_by: also log per-group figures, ``grad/group/<g>/norm`` ... (see
             :meth:`torch_gradstats.GradStats.grouped`), from the same transfer.
+        spike_guard: a :class:`~torch_gradstats.SpikeGuard` judging every step's gradient norm (before clipping)
+            and loss (the model output's ``loss``, averaged over the micro-batches). A callback cannot skip
+            ``optimizer.step()``: give the Trainer an optimizer wrapped by :meth:`wrap_optimizer` (checked when
+            training starts).
+        adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` clipping every step's gradients to its threshold,
+            before the Trainer's own ``max_grad_norm`` clip (set ``max_grad_norm=0`` to clip with it alone).
+        watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole model (made
+            when training starts, removed when it ends): ``act/`` figures on logging steps, and the origin module
+            named in the warning of a non-finite step.
     """
 
     def __init__(
@@ -127,13 +173,26 @@ class GradStatsCallback(TrainerCallback):
         policy: HealthPolicy | None = None,
         key_style: str | None = "hf",
         group_by: GroupBy | None = None,
+        spike_guard: SpikeGuard | None = None,
+        adaptive_clip: AdaptiveClip | None = None,
+        watch_activations: ActivationWatch | bool | None = None,
     ) -> None:
         check_options(None, on_nonfinite)
         self.key_style = check_key_style(key_style)
         self.per_param = per_param
         self.prefix = prefix
         self.on_nonfinite = on_nonfinite
-        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by)
+        self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by,
+                                spike_guard=spike_guard, adaptive_clip=adaptive_clip)
+        self._watch_option = check_watch(watch_activations)
+        #: the activation watch (the one given, or the one made when training starts for True)
+        self.activation_watch: ActivationWatch | None = (
+            self._watch_option if isinstance(self._watch_option, ActivationWatch) else None)
+        self.last_activation_report: ActivationReport | None = None  #: the watch's last report
+        self._activation_at = -2  # the watch's step when that report was made
+        self._factor: Tensor | None = None  # the guard's decision for the coming optimizer.step()
+        self._loss_sum: Tensor | None = None  # the micro-batches' losses of this step, on the device
+        self._loss_n = 0
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (main process)
         self._handles: list[Any] = []
@@ -151,13 +210,73 @@ class GradStatsCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         if model is None:
             raise ValueError("GradStatsCallback: the Trainer passed no model to on_train_begin")
+        if self.taker.spike_guard is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the Trainer's optimizer
+            if getattr(inner, _WRAPPED_BY, None) is not self:
+                raise ValueError(
+                    "GradStatsCallback(spike_guard=...): the Trainer's optimizer must be wrapped by this callback's "
+                    "wrap_optimizer(), e.g. Trainer(..., optimizers=(callback.wrap_optimizer(opt), None)): a callback "
+                    "cannot skip optimizer.step() itself"
+                )
         self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
         self._remove_hooks()
         for _, p in StatsTaker.trainable(model):
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
+        if self.taker.spike_guard is not None and self.taker.spike_guard.watch_loss:
+            self._handles.append(model.register_forward_hook(self._on_forward))
+        if self._watch_option is True and self.activation_watch is None:
+            self.activation_watch = ActivationWatch(model)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer.step()`` apply this callback's spike guard (returns the same optimizer, changed in place).
+
+        Its ``step`` then goes through :func:`~torch_gradstats.training.step_or_skip` with the factor the guard
+        decided at the end of the step's backward: a fused optimizer (``fused=True``) skips on the device (no host
+        sync), any other is stepped or not from the host (one 0-d read per step). Pass it to the Trainer as
+        ``optimizers=(callback.wrap_optimizer(opt), scheduler_or_None)``, or return it from an overridden
+        ``create_optimizer``. The LR scheduler still steps on a skipped step, as under AMP. Under ``fp16`` the
+        GradScaler steps the optimizer: a step it skips stays skipped, and for a fused optimizer the guard's skip is
+        added to the scaler's ``found_inf`` on the device (the scale follows the scaler's own checks alone)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"wrap_optimizer: optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if self.taker.spike_guard is None:
+            raise ValueError("wrap_optimizer: this callback has no spike_guard; there is nothing to apply")
+        if getattr(optimizer, _WRAPPED_BY, None) is self:
+            return optimizer
+        real_step = optimizer.step
+        inside = False
+
+        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            nonlocal inside
+            factor, self._factor = self._factor, None
+            if factor is None or inside:  # no decision for this step, or step_or_skip's own call below
+                return real_step(*args, **kwargs)
+            if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
+                raise ValueError("wrap_optimizer: a step with a closure cannot be skipped by the spike guard")
+            found = getattr(opt, "found_inf", None)
+            if isinstance(found, Tensor):
+                # A GradScaler is stepping a fused optimizer (fp16): add the guard's skip to the scaler's found_inf,
+                # on the device, and let the scaler's own step run (it takes found_inf away afterwards).
+                opt.found_inf = torch.clamp(found + (factor == 0).to(found), max=1.0)  # type: ignore[attr-defined]
+                return real_step(*args, **kwargs)
+            inside = True
+            try:
+                step_or_skip(opt, factor)
+            finally:
+                inside = False
+            return None
+
+        # A bound method, as LR schedulers expect when they wrap optimizer.step themselves.
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        setattr(optimizer, _WRAPPED_BY, self)
+        return optimizer
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_hooks()
+        if self._watch_option is True and self.activation_watch is not None:
+            self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
+            self.activation_watch = None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._stop:
@@ -180,20 +299,52 @@ class GradStatsCallback(TrainerCallback):
         self._pending = None
         if not state.is_world_process_zero:
             return
-        report = self.taker.report(stats)  # the one transfer of this logging step
-        figures = metrics(report, self.prefix, self.per_param)
+        report = self.taker.report(stats)  # the one transfer of this logging step (the policies' figures too)
+        figures: dict[str, Any] = metrics(report, self.prefix, self.per_param)
         for key, value in styled_keys(report, self.key_style, self.per_param).items():
             if key not in logs:  # the Trainer's own entries (its grad_norm when it clips) are never replaced
                 figures[key] = value
+        figures.update(self.taker.policy_figures)
+        act = self._activation_report()
+        if act is not None and self.activation_watch is not None:
+            figures.update(activation_metrics(act, self.activation_watch))
+            if act.origin is not None:
+                figures["act/origin"] = act.origin  # a name: kept in log_history, dropped by scalar-only loggers
         logs.update(figures)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(figures)
-        if grad_report(report).first_nonfinite is not None and self.on_nonfinite is None:  # else already said
-            logger.warning("torch_gradstats: first non-finite gradient at step %d: %s", step,
-                           describe_nonfinite(report))
+        grads_bad = grad_report(report).first_nonfinite is not None
+        if (grads_bad or (act is not None and act.nonfinite)) and self.on_nonfinite is None:  # else already said
+            logger.warning("torch_gradstats: non-finite values at step %d: first non-finite parameter gradient: %s%s",
+                           step, describe_nonfinite(report) if grads_bad else "none", self._activation_words(act))
         self.last_report = report
 
     # ----------------------------------------------------------------------------------------------- internals
+    def _activation_report(self) -> ActivationReport | None:
+        """The watch's report of its latest recorded step (its own one transfer), or None without a watch."""
+        watch = self.activation_watch
+        if watch is None:
+            return None
+        if self.last_activation_report is None or self._activation_at != watch.step:  # no forward since: the same
+            self.last_activation_report = watch.report()
+            self._activation_at = watch.step
+        return self.last_activation_report
+
+    def _activation_words(self, act: ActivationReport | None = None) -> str:
+        """``"; <the watch's summary>"`` naming the forward/backward origin, or "" without a watch."""
+        act = act if act is not None else self._activation_report()
+        return "" if act is None else f"; {act.summary()}"
+
+    def _on_forward(self, module: Any, args: Any, output: Any) -> None:
+        # The training forwards' losses (eval runs without grad), kept on the device for the guard.
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if isinstance(loss, Tensor) and loss.numel() == 1:
+            loss = loss.detach().reshape(())
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_n += 1
+
     def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
@@ -230,15 +381,21 @@ class GradStatsCallback(TrainerCallback):
         self._queued = False
         next_step = self._state.global_step + 1  # the global step once this optimizer step is done
         log_now = self._will_log(next_step)
-        if not log_now and self.on_nonfinite is None:
+        loss = None if self._loss_sum is None else self._loss_sum / self._loss_n
+        self._loss_sum, self._loss_n = None, 0
+        if not log_now and self.on_nonfinite is None and not self.taker.every_step:
             return
         with torch.no_grad():
             stats = self.taker.take(self._model, self._optimizer)
             scale = self._scale()
             if scale is not None:
                 stats = _unscaled(stats, scale)
+        if self.taker.every_step:
+            # Clipping the still loss-scaled gradients by the coefficient of the unscaled norm is the same clip.
+            self._factor = self.taker.apply_policies(self._model, stats, loss)
         if self.on_nonfinite is not None and self.taker.nonfinite(stats):
-            self._handle_nonfinite(next_step - 1, scale is not None, self.taker.describe_nonfinite(stats))
+            self._handle_nonfinite(next_step - 1, scale is not None,
+                                   self.taker.describe_nonfinite(stats) + self._activation_words())
         if log_now:
             self._pending = (next_step, stats)
             if self.taker.log_update_ratio:
