@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -104,18 +105,20 @@ def _fixed_order_sum(v: Tensor) -> Tensor:
 class _Workspace:
     """Buffers reused by every batch of a call. Fresh large allocations come back from the OS as untouched pages,
     and faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
-    role, of a fixed size (8 bytes per element of a chunk: every batch fits), made on first use and never
-    replaced, so a call leaves no freed buffer between the blocks it keeps; viewed as whatever dtype the batch
-    needs, so mixed dtypes share it. Buffers and views are made outside inference mode, so a workspace first used
-    inside ``torch.inference_mode()`` can be written outside it. One call at a time uses a workspace (see
-    :func:`_take_workspace`)."""
+    role, of a fixed size (8 bytes per element of a chunk: every batch fits), all made at once when the workspace
+    is made (so none is made in the middle of a call, above the call's other memory) and never replaced; viewed
+    as whatever dtype the batch needs, so mixed dtypes share it. Buffers and views are made outside inference
+    mode, so a workspace first used inside ``torch.inference_mode()`` can be written outside it. One call at a time
+    uses a workspace (see :func:`_take_workspace`), and the views it made are dropped when it ends."""
 
+    _ROLES = ("rows", "bits", "tmp", "squares")
     _MAX_VIEWS = 256  # batch shapes vary with the last batch of each group: keep the cache small
 
     def __init__(self, device: torch.device, chunk: int) -> None:
         self.device = device
         self.chunk = chunk  # the largest chunk this workspace serves
-        self.buffers: dict[str, Tensor] = {}
+        with torch.inference_mode(False):
+            self.buffers = {role: torch.empty(8 * chunk, dtype=torch.uint8, device=device) for role in self._ROLES}
         self.views: dict[tuple[str, torch.dtype, tuple[int, int]], Tensor] = {}  # batches mostly repeat a shape
         self.row_lists: dict[str, tuple[Tensor, list[Tensor]]] = {}
 
@@ -125,12 +128,9 @@ class _Workspace:
             return view
         nbytes = shape[0] * shape[1] * dtype.itemsize
         with torch.inference_mode(False):
-            buf = self.buffers.get(role)
-            if buf is None:
-                buf = self.buffers[role] = torch.empty(8 * self.chunk, dtype=torch.uint8, device=self.device)
             if len(self.views) >= self._MAX_VIEWS:
                 self.views.clear()
-            view = self.views[role, dtype, shape] = buf[:nbytes].view(dtype).view(shape)
+            view = self.views[role, dtype, shape] = self.buffers[role][:nbytes].view(dtype).view(shape)
         return view
 
     def rows(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> list[Tensor]:
@@ -163,7 +163,10 @@ def _take_workspace(device: torch.device, chunk: int) -> _Workspace:
 
 
 def _give_back(ws: _Workspace) -> None:
-    """End a call's use of ``ws``: a CPU workspace of the default size is kept by the thread for its next call."""
+    """End a call's use of ``ws``: a CPU workspace of the default size is kept by the thread for its next call,
+    without the call's views (made in the middle of the call, kept they would pin the memory below them)."""
+    ws.views.clear()
+    ws.row_lists.clear()
     if ws.device.type == "cpu" and ws.chunk == FALLBACK_CHUNK_ELEMS:
         _thread_state.cpu_workspace = ws
 
@@ -341,15 +344,27 @@ def fallback_multi_tensor_stats(
     require_float64(tensors[0].device)
     if chunk_elems < 1 or chunk_elems & (chunk_elems - 1):
         raise ValueError(f"{OP_NAME}: chunk_elems must be a power of two, got {chunk_elems}")
-    n, device = len(tensors), tensors[0].device
-    # The outputs first, then only memory that each batch frees again: a block kept from the middle of the call
-    # would split the allocator's free space, and the process would keep it all (RSS, not torch's figures).
+    ws = _take_workspace(tensors[0].device, chunk_elems)
+    try:
+        return _stats(tensors, numels, chunk_elems, ws)
+    finally:
+        _give_back(ws)
+
+
+def _stats(
+    tensors: Sequence[Tensor], numels: list[int], chunk_elems: int, ws: _Workspace
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`fallback_multi_tensor_stats` of checked inputs, in the workspace ``ws``."""
+    n, device = len(tensors), ws.device
+    # What outlives the call first (the workspace, then the outputs), then only memory that each batch frees again:
+    # a block kept from the middle of the call would split the C allocator's free space below it, and the process
+    # would keep all of it (RSS; torch's own figures do not show it).
     sumsq = torch.zeros(n, dtype=torch.float64, device=device)
     amax = torch.zeros(n, dtype=torch.float64, device=device)
     counts = torch.zeros(n, 3, dtype=torch.int64, device=device)
     # Rows grouped by (dtype, padded length, whether they fill it): tensors of at most a chunk, and the pieces of
     # tensors of at most _RUN_CHUNKS chunks. Larger ones are read alone, run by run (see _large_tensor_stats).
-    groups: dict[tuple[torch.dtype, int, bool], tuple[list[int], list[Tensor]]] = {}
+    groups: dict[tuple[torch.dtype, int, bool], tuple[array[int], list[Tensor]]] = {}  # (owners, rows)
     split: dict[int, list[tuple[tuple[torch.dtype, int, bool], int]]] = {}  # tensor -> (group, row) of its pieces
     large: list[tuple[int, Tensor]] = []
     repeats: dict[int, int] = {}  # tensor index -> how many times each element of its distinct view appears
@@ -362,43 +377,39 @@ def fallback_multi_tensor_stats(
                 repeats[i] = copies
                 numel //= copies
         if numel <= chunk_elems:
-            owners, rows = groups.setdefault(_row_key(t.dtype, numel), ([], []))
+            owners, rows = groups.setdefault(_row_key(t.dtype, numel), (array("q"), []))
             owners.append(i)
             rows.append(t)
         elif numel <= _RUN_CHUNKS * chunk_elems:
             places = split[i] = []
             for piece in _iter_pieces(t, chunk_elems):
                 key = _row_key(t.dtype, piece.numel())
-                owners, rows = groups.setdefault(key, ([], []))
+                owners, rows = groups.setdefault(key, (array("q"), []))
                 places.append((key, len(rows)))
                 owners.append(i)
                 rows.append(piece)
         else:
             large.append((i, t))
 
-    ws = _take_workspace(device, chunk_elems)
-    try:
-        if groups:
-            # Every row's figures, group after group, then each tensor's from its rows.
-            n_rows = sum(len(rows) for _, rows in groups.values())
-            row_stats = (
-                torch.empty(n_rows, dtype=torch.float64, device=device),
-                torch.empty(n_rows, dtype=torch.float64, device=device),
-                torch.empty(n_rows, 3, dtype=torch.int64, device=device),
+    if groups:
+        # Every row's figures, group after group, then each tensor's from its rows.
+        n_rows = sum(len(rows) for _, rows in groups.values())
+        row_sumsq = torch.empty(n_rows, dtype=torch.float64, device=device)
+        row_amax = torch.empty(n_rows, dtype=torch.float64, device=device)
+        row_counts = torch.empty(n_rows, 3, dtype=torch.int64, device=device)
+        offsets: dict[tuple[torch.dtype, int, bool], int] = {}
+        owners_all: array[int] = array("q")  # raw integers: no Python object per row
+        for key, (owners, rows) in groups.items():
+            offset = offsets[key] = len(owners_all)
+            end = offset + len(rows)
+            _reduce_rows(
+                rows, key, chunk_elems, ws, (row_sumsq[offset:end], row_amax[offset:end], row_counts[offset:end])
             )
-            offsets, owners_all, offset = {}, [], 0
-            for key, (owners, rows) in groups.items():
-                for out, part in zip(row_stats, _reduce_rows(rows, *key, chunk_elems, ws)):
-                    out[offset : offset + len(rows)] = part
-                offsets[key] = offset
-                owners_all += owners
-                offset += len(rows)
-            split_rows = {i: [offsets[key] + j for key, j in places] for i, places in split.items()}
-            _combine_rows(owners_all, split_rows, row_stats, (sumsq, amax, counts))
-        for i, t in large:
-            sumsq[i], amax[i], counts[i] = _large_tensor_stats(t, chunk_elems, ws)
-    finally:
-        _give_back(ws)
+            owners_all += owners
+        split_rows = {i: [offsets[key] + j for key, j in places] for i, places in split.items()}
+        _combine_rows(owners_all, split_rows, (row_sumsq, row_amax, row_counts), (sumsq, amax, counts))
+    for i, t in large:
+        sumsq[i], amax[i], counts[i] = _large_tensor_stats(t, chunk_elems, ws)
 
     if repeats:  # a broadcast dimension repeats every element: sums and counts scale, the max does not
         idx = host_int64(list(repeats), device)
@@ -406,8 +417,8 @@ def fallback_multi_tensor_stats(
         sumsq.index_copy_(0, idx, sumsq.index_select(0, idx) * times.to(torch.float64))
         counts.index_copy_(0, idx, counts.index_select(0, idx) * times.unsqueeze(1))
     nan = counts[:, 1] > 0
-    sumsq = torch.where(nan, torch.full_like(sumsq, math.nan), sumsq)
-    amax = torch.where(nan, torch.full_like(amax, math.nan), amax)
+    sumsq.masked_fill_(nan, math.nan)  # in place: nothing made after the rest is freed
+    amax.masked_fill_(nan, math.nan)
     return sumsq, amax, counts
 
 
@@ -419,22 +430,24 @@ def _row_key(dtype: torch.dtype, numel: int) -> tuple[torch.dtype, int, bool]:
 
 
 def _reduce_rows(
-    rows: list[Tensor], dtype: torch.dtype, length: int, full: bool, chunk: int, ws: _Workspace
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Statistics of rows of one key, batch by batch, written into tensors made first: a batch leaves no memory
-    behind it (see :func:`fallback_multi_tensor_stats`)."""
+    rows: list[Tensor],
+    key: tuple[torch.dtype, int, bool],
+    chunk: int,
+    ws: _Workspace,
+    out: tuple[Tensor, Tensor, Tensor],
+) -> None:
+    """Statistics of rows of one key, batch by batch, written into ``out`` (sumsq, amax, counts; one entry per row):
+    a batch leaves no memory behind it (see :func:`_stats`)."""
+    (dtype, length, full), (sumsq, amax, counts) = key, out
     n_rows, device = len(rows), ws.device
-    sumsq = torch.empty(n_rows, dtype=torch.float64, device=device)
-    amax = torch.empty(n_rows, dtype=torch.float64, device=device)
-    counts = torch.empty(n_rows, 3, dtype=torch.int64, device=device)
     per_batch = max(1, chunk // length)
     if not (full and dtype != torch.float64 and _branches_on_host(device)):
         for start in range(0, n_rows, per_batch):
             stop = min(start + per_batch, n_rows)
             bits, pad = _abs_bits(rows[start:stop], length, ws)
-            for o, part in zip((sumsq, amax, counts), _batch_stats(bits, dtype, pad, ws)):
+            for o, part in zip(out, _batch_stats(bits, dtype, pad, ws)):
                 o[start:stop] = part
-        return sumsq, amax, counts
+        return
 
     # Squares first. A row whose squares are all in [_SQUARE_LOW, _SQUARE_HIGH) has no zero, NaN or Inf and its
     # float32 sums are safe (the float32 path of _batch_stats, bit for bit); every other row (one host read says
@@ -454,9 +467,8 @@ def _reduce_rows(
         picked = redo[start : start + per_batch]
         bits, pad = _abs_bits([rows[j] for j in picked], length, ws)
         idx = host_int64(picked, device)
-        for o, part in zip((sumsq, amax, counts), _batch_stats(bits, dtype, pad, ws)):
+        for o, part in zip(out, _batch_stats(bits, dtype, pad, ws)):
             o.index_copy_(0, idx, part)
-    return sumsq, amax, counts
 
 
 def _large_tensor_stats(t: Tensor, chunk: int, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
@@ -469,7 +481,10 @@ def _large_tensor_stats(t: Tensor, chunk: int, ws: _Workspace) -> tuple[Tensor, 
     total_counts = torch.zeros(3, dtype=torch.int64, device=device)
 
     def add(rows: list[Tensor], key: tuple[torch.dtype, int, bool]) -> None:
-        s, a, c = _reduce_rows(rows, *key, chunk, ws)
+        s = torch.empty(len(rows), dtype=torch.float64, device=device)
+        a = torch.empty(len(rows), dtype=torch.float64, device=device)
+        c = torch.empty(len(rows), 3, dtype=torch.int64, device=device)
+        _reduce_rows(rows, key, chunk, ws, (s, a, c))
         total_sumsq.add_(_fixed_order_sum(s))
         torch.maximum(total_amax, a.amax(), out=total_amax)  # NaN wins; the counts say so anyway
         total_counts.add_(c.sum(dim=0))
@@ -577,7 +592,7 @@ def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor
 
 
 def _combine_rows(
-    owners: list[int],
+    owners: array[int],
     split_rows: dict[int, list[int]],
     rows: tuple[Tensor, Tensor, Tensor],
     out: tuple[Tensor, Tensor, Tensor],
@@ -585,12 +600,17 @@ def _combine_rows(
     """Write each tensor's statistics into ``out`` from those of its rows (``owners[j]``: the tensor of row j): one
     row per tensor, except for the tensors in ``split_rows``, whose rows (listed in piece order) are combined."""
     device = out[0].device
-    single = [j for j, i in enumerate(owners) if i not in split_rows] if split_rows else range(len(owners))
-    if len(single):
-        src = host_int64(single, device)
-        dst = host_int64([owners[j] for j in single], device)
+    if not split_rows:  # every row is a tensor's
+        dst = host_int64(owners, device)
         for o, r in zip(out, rows):
-            o.index_copy_(0, dst, r.index_select(0, src))  # distinct indices: deterministic
+            o.index_copy_(0, dst, r)  # distinct indices: deterministic
+    else:
+        single = array("q", (j for j, i in enumerate(owners) if i not in split_rows))
+        if single:
+            src = host_int64(single, device)
+            dst = host_int64(array("q", (owners[j] for j in single)), device)
+            for o, r in zip(out, rows):
+                o.index_copy_(0, dst, r.index_select(0, src))
     for i, row_list in split_rows.items():
         idx = host_int64(row_list, device)
         out[0][i] = _fixed_order_sum(rows[0].index_select(0, idx))
