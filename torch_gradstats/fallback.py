@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -28,6 +29,9 @@ FALLBACK_CHUNK_ELEMS = 1 << 18
 _SUM_BLOCK = 1 << 12
 #: Batches of at most this many rows are read row by row instead of being stacked first.
 _FEW_ROWS = 8
+#: The pieces of a tensor of at most this many chunks are rows among the others; a larger one is read alone, in runs
+#: of pieces of at most this many chunks' elements, each run's rows reduced together and added to its figures.
+_RUN_CHUNKS = 32
 
 
 def _is_dense(t: Tensor) -> bool:
@@ -41,18 +45,41 @@ def _is_dense(t: Tensor) -> bool:
     return True
 
 
-def _pieces(t: Tensor, chunk: int) -> list[Tensor]:
-    """Views of ``t`` of at most ``chunk`` elements each that together hold each of its elements exactly once."""
+def _distinct_elements(t: Tensor) -> tuple[Tensor, int]:
+    """``t`` without its broadcast dimensions (stride 0, size > 1), and how many times that view's elements each
+    appear in ``t``: a tensor made by ``expand`` is read once per distinct element, never materialized."""
+    copies = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride == 0 and size > 1:
+            copies *= size
+    if copies == 1:
+        return t, 1
+    return t.as_strided([1 if st == 0 else s for s, st in zip(t.shape, t.stride())], t.stride()), copies
+
+
+def _iter_pieces(t: Tensor, chunk: int) -> Iterator[Tensor]:
+    """Views of ``t`` of at most ``chunk`` elements that together hold each of its elements exactly once (an
+    element that overlapping strides repeat, once per repeat), made one at a time: however large ``t``, only the
+    views being read exist."""
     n = t.numel()
     if n <= chunk:
-        return [t]
+        yield t
+        return
     if _is_dense(t):  # one flat view in storage order (the statistics do not depend on element order)
-        return list(t.as_strided((n,), (1,)).split(chunk))
+        flat = t.as_strided((n,), (1,))
+        for start in range(0, n, chunk):
+            yield flat.narrow(0, start, min(chunk, n - start))
+        return
     dim = next(d for d, s in enumerate(t.shape) if s > 1)
-    per_slice = n // t.shape[dim]
+    size = t.shape[dim]
+    per_slice = n // size
     if per_slice <= chunk:
-        return list(t.split(chunk // per_slice, dim=dim))
-    return [p for s in t.unbind(dim) for p in _pieces(s, chunk)]
+        step = chunk // per_slice
+        for start in range(0, size, step):
+            yield t.narrow(dim, start, min(step, size - start))
+        return
+    for j in range(size):
+        yield from _iter_pieces(t.select(dim, j), chunk)
 
 
 def _row_sums(x: Tensor) -> Tensor:
@@ -76,16 +103,22 @@ def _fixed_order_sum(v: Tensor) -> Tensor:
 
 
 class _Workspace:
-    """Buffers reused by every batch. Fresh large allocations come back from the OS as untouched pages, and
-    faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
-    role, viewed as whatever dtype the batch needs, so mixed dtypes share it. Buffers and views are made outside
-    inference mode, so a workspace first used inside ``torch.inference_mode()`` can be written outside it."""
+    """Buffers reused by every batch of a call. Fresh large allocations come back from the OS as untouched pages,
+    and faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
+    role, of a fixed size (8 bytes per element of a chunk: every batch fits), all made at once when the workspace
+    is made (so none is made in the middle of a call, above the call's other memory) and never replaced; viewed
+    as whatever dtype the batch needs, so mixed dtypes share it. Buffers and views are made outside inference
+    mode, so a workspace first used inside ``torch.inference_mode()`` can be written outside it. One call at a time
+    uses a workspace (see :func:`_take_workspace`), and the views it made are dropped when it ends."""
 
+    _ROLES = ("rows", "bits", "tmp", "squares")
     _MAX_VIEWS = 256  # batch shapes vary with the last batch of each group: keep the cache small
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, chunk: int) -> None:
         self.device = device
-        self.buffers: dict[str, Tensor] = {}
+        self.chunk = chunk  # the largest chunk this workspace serves
+        with torch.inference_mode(False):
+            self.buffers = {role: torch.empty(8 * chunk, dtype=torch.uint8, device=device) for role in self._ROLES}
         self.views: dict[tuple[str, torch.dtype, tuple[int, int]], Tensor] = {}  # batches mostly repeat a shape
         self.row_lists: dict[str, tuple[Tensor, list[Tensor]]] = {}
 
@@ -94,16 +127,10 @@ class _Workspace:
         if view is not None:
             return view
         nbytes = shape[0] * shape[1] * dtype.itemsize
-        buf = self.buffers.get(role)
         with torch.inference_mode(False):
-            if buf is None or buf.numel() < nbytes:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                self.buffers[role] = buf
-                self.views = {k: v for k, v in self.views.items() if k[0] != role}  # frees the old buffer
-                self.row_lists.pop(role, None)
             if len(self.views) >= self._MAX_VIEWS:
                 self.views.clear()
-            view = self.views[role, dtype, shape] = buf[:nbytes].view(dtype).view(shape)
+            view = self.views[role, dtype, shape] = self.buffers[role][:nbytes].view(dtype).view(shape)
         return view
 
     def rows(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> list[Tensor]:
@@ -116,26 +143,37 @@ class _Workspace:
         return rows[1]
 
 
+#: The calling thread's kept CPU workspace, while no call of that thread is using it.
 _thread_state = threading.local()
 
 
-def _workspace(device: torch.device) -> _Workspace:
-    """The workspace of a call. On the CPU it is kept by the calling thread between calls (at most
-    ``56 * FALLBACK_CHUNK_ELEMS`` bytes, 14 MiB: calls with a larger chunk use one of their own; see
-    :func:`fallback_multi_tensor_stats`; :func:`release_workspace` frees it):
-    torch's CPU allocator hands large blocks back to the OS, and faulting a fresh one in costs more than a batch's
-    arithmetic. Other devices' allocators cache blocks themselves, so a workspace there lives for one call."""
-    if device.type != "cpu":
-        return _Workspace(device)
-    ws = getattr(_thread_state, "cpu_workspace", None)
-    if ws is None:
-        ws = _thread_state.cpu_workspace = _Workspace(device)
-    return ws
+def _take_workspace(device: torch.device, chunk: int) -> _Workspace:
+    """The workspace of one call, which no other call uses until :func:`_give_back`.
+
+    On the CPU a thread keeps one between its calls (``32 * FALLBACK_CHUNK_ELEMS`` bytes, 8 MiB;
+    :func:`release_workspace` frees it): torch's CPU allocator does not cache, and faulting a fresh one in costs
+    more than a batch's arithmetic. A call takes it away while it runs, so a call made during that one on the
+    same thread (from a gc callback, a signal handler, a ``__del__``) finds none and makes its own; calls with
+    another chunk always make their own, of their own size. Other devices' allocators cache blocks themselves, so
+    a workspace there lives for one call."""
+    if device.type != "cpu" or chunk != FALLBACK_CHUNK_ELEMS:
+        return _Workspace(device, chunk)
+    ws = _thread_state.__dict__.pop("cpu_workspace", None)
+    return ws if ws is not None else _Workspace(device, chunk)
+
+
+def _give_back(ws: _Workspace) -> None:
+    """End a call's use of ``ws``: a CPU workspace of the default size is kept by the thread for its next call,
+    without the call's views (made in the middle of the call, kept they would pin the memory below them)."""
+    ws.views.clear()
+    ws.row_lists.clear()
+    if ws.device.type == "cpu" and ws.chunk == FALLBACK_CHUNK_ELEMS:
+        _thread_state.cpu_workspace = ws
 
 
 def release_workspace() -> None:
     """Free the calling thread's CPU workspace (the fallback makes a new one on its next call on the CPU)."""
-    _thread_state.cpu_workspace = None
+    _thread_state.__dict__.pop("cpu_workspace", None)
 
 
 def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
@@ -254,22 +292,34 @@ def fallback_multi_tensor_stats(
     stacked as the rows of a ``[rows, L]`` batch (``L`` the next power of two of the length, zero-padded; at most
     ``chunk_elems`` elements per batch; up to 8 rows are read in place instead), and each batch is reduced
     by a few whole-batch torch ops on the bits of its |x|: so thousands of small tensors cost a few ops, not a few
-    per tensor, and only one batch is ever upcast.
+    per tensor, and only one batch is ever upcast. A tensor of more than 32 chunks is read alone, its pieces made
+    one at a time, in runs of 32 chunks.
 
-    Memory: besides its outputs and O(number of tensors) bookkeeping, the extra memory is at most
-    ``56 * chunk_elems`` bytes (14 MiB at the default 2**18), whatever the tensors' sizes: four reused buffers of
-    at most 8 bytes per element of a batch (the stacked rows, their bits, an integer temporary, the squares), and
-    while a batch of small tensors is stacked, one more copy of it and its int64 padding index (plus per-block
-    sums, 1/4096 of a batch). Tensors larger than a chunk are read in views of at most ``chunk_elems`` elements (a
-    non-dense one is copied one such view at a time). On the CPU the buffers of calls with at most the default
-    chunk are kept by the calling thread between calls (torch's CPU allocator does not cache, and faulting fresh
-    pages in costs more than the arithmetic); :func:`release_workspace` frees them.
+    Repeated elements: a broadcast dimension (stride 0, size > 1, as ``expand`` makes) is read once and multiplies
+    ``sumsq`` and the counts by its size (max |x| is unchanged), so ``torch.ones(1).expand(2**34)`` costs one
+    element. A view whose other strides overlap (``as_strided``, ``unfold``) is read element by element, a piece
+    at a time, like the reference reads it; its time grows with its number of elements, its memory does not.
+
+    Memory: besides its outputs and bookkeeping of a few dozen bytes per tensor and per piece, the extra memory is
+    at most ``56 * chunk_elems`` bytes (14 MiB at the default 2**18), whatever the tensors' sizes and strides:
+    four reused buffers of ``8 * chunk_elems`` bytes each (the stacked rows, their bits, an integer temporary, the
+    squares), and while a batch of small tensors is stacked, one more copy of it and its int64 padding index. No
+    tensor is ever copied whole (a non-dense one is copied one piece at a time). The process's memory (RSS) is
+    bounded as well: the outputs and bookkeeping are made before the first batch and every batch frees all it
+    makes before the next, since a block kept from the middle of the call would split the C allocator's free
+    space and the process would keep all of it (a 128 MiB list once left 135 MiB behind). On the CPU a call with
+    the default chunk uses the calling thread's kept workspace (8 MiB; torch's CPU allocator does not cache, and
+    faulting fresh pages in costs more than the arithmetic); :func:`release_workspace` frees it.
+
+    Threads and reentrancy: no module state is shared between calls. Threads each use their own workspace; a call
+    made while another runs on the same thread (a gc callback, a signal handler, a ``__del__``) uses a workspace
+    of its own (see :func:`_take_workspace`), so both get their own results.
 
     Paths: max |x| and the zero/NaN/Inf counts are exact everywhere (read from the bits). Off the CPU every batch
     runs the same ops and nothing is read back (no sync): all counts are taken, and squares are computed in
     float64 (exact for 16/32-bit values) and summed in float64. On the CPU, where reading a value costs no sync,
-    16/32-bit rows that fill their padded length (every piece of a large tensor, and any tensor of 2**k
-    elements) are read squares first (:func:`_squares_first`: one write of their float32 squares, then their
+    16/32-bit rows that fill their padded length (the pieces of a large tensor but its last, and any tensor of
+    2**k elements) are read squares first (:func:`_squares_first`: one write of their float32 squares, then their
     largest, smallest and block sums); a row whose squares are all normal and below 2**112 (no zero, no NaN,
     no Inf) is settled from those, with max |x| the square root of its largest square (exact, see
     :func:`_squares_first`), and every other row is read again by the bits path. The bits path reads each
@@ -283,7 +333,8 @@ def fallback_multi_tensor_stats(
     NaN or Inf, and all float64) takes the float64 squares; the choice is made per row from its own bits, so a
     tensor's result does not depend on the tensors batched with it.
 
-    Determinism: every float sum has an order fixed by the shapes alone (see :func:`_row_sums`), and float32
+    Determinism: every float sum has an order fixed by the shapes and strides alone (see :func:`_row_sums`;
+    a tensor's pieces are added in their order), and float32
     squares are taken only where they are normal numbers, so the bits of the results do not depend on the
     thread count or on torch.set_flush_denormal, with one exception: on a thread that flushes denormals, float32
     and bfloat16 subnormals (|x| < 1.2e-38) are read as zero by the float64 conversion, so their squares (below
@@ -293,53 +344,163 @@ def fallback_multi_tensor_stats(
     require_float64(tensors[0].device)
     if chunk_elems < 1 or chunk_elems & (chunk_elems - 1):
         raise ValueError(f"{OP_NAME}: chunk_elems must be a power of two, got {chunk_elems}")
-    n, device = len(tensors), tensors[0].device
-    # Rows grouped by (dtype, padded length, whether they fill it); a piece's owner is the index of its tensor.
-    groups: dict[tuple[torch.dtype, int, bool], tuple[list[int], list[Tensor]]] = {}
-    split: set[int] = set()  # tensors cut into several pieces
-    for i, (t, numel) in enumerate(zip(tensors, numels)):
-        if numel == 0:
-            continue
-        pieces = [t] if numel <= chunk_elems else _pieces(t, chunk_elems)
-        if len(pieces) > 1:
-            split.add(i)
-        for p in pieces:
-            length = p.numel() if p is not t else numel
-            padded = 1 << (length - 1).bit_length()
-            key = (t.dtype, padded, length == padded)
-            owners, rows = groups.setdefault(key, ([], []))
-            owners.append(i)
-            rows.append(p)
+    ws = _take_workspace(tensors[0].device, chunk_elems)
+    try:
+        return _stats(tensors, numels, chunk_elems, ws)
+    finally:
+        _give_back(ws)
 
-    owners_all: list[int] = []
-    parts: list[tuple[Tensor, Tensor, Tensor]] = []
-    # A chunk above the default makes buffers the thread should not keep: such a call works in a workspace of its own.
-    ws = _workspace(device) if chunk_elems <= FALLBACK_CHUNK_ELEMS else _Workspace(device)
-    for (dtype, length, full), (owners, rows) in groups.items():
-        per_batch = max(1, chunk_elems // length)
-        if full and dtype != torch.float64 and _branches_on_host(device):
-            # float32 squares: twice the rows in the bytes of a chunk's float64 squares
-            per_read = max(1, 2 * chunk_elems // length)
-            read = [(b, _squares_first(b, length, ws)) for b in _batches(rows, per_read)]
-            parts.append(_settle_squares_first(read, dtype, length, per_batch, ws))
-        else:
-            for batch in _batches(rows, per_batch):
-                bits, pad = _abs_bits(batch, length, ws)
-                parts.append(_batch_stats(bits, dtype, pad, ws))
-        owners_all.extend(owners)
 
+def _stats(
+    tensors: Sequence[Tensor], numels: list[int], chunk_elems: int, ws: _Workspace
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`fallback_multi_tensor_stats` of checked inputs, in the workspace ``ws``."""
+    n, device = len(tensors), ws.device
+    # What outlives the call first (the workspace, then the outputs), then only memory that each batch frees again:
+    # a block kept from the middle of the call would split the C allocator's free space below it, and the process
+    # would keep all of it (RSS; torch's own figures do not show it).
     sumsq = torch.zeros(n, dtype=torch.float64, device=device)
     amax = torch.zeros(n, dtype=torch.float64, device=device)
     counts = torch.zeros(n, 3, dtype=torch.int64, device=device)
-    if parts:
-        row_sumsq = torch.cat([p[0] for p in parts])
-        row_amax = torch.cat([p[1] for p in parts])
-        row_counts = torch.cat([p[2] for p in parts])
-        _combine_rows(owners_all, split, (row_sumsq, row_amax, row_counts), (sumsq, amax, counts))
+    # Rows grouped by (dtype, padded length, whether they fill it): tensors of at most a chunk, and the pieces of
+    # tensors of at most _RUN_CHUNKS chunks. Larger ones are read alone, run by run (see _large_tensor_stats).
+    groups: dict[tuple[torch.dtype, int, bool], tuple[array[int], list[Tensor]]] = {}  # (owners, rows)
+    split: dict[int, list[tuple[tuple[torch.dtype, int, bool], int]]] = {}  # tensor -> (group, row) of its pieces
+    large: list[tuple[int, Tensor]] = []
+    repeats: dict[int, int] = {}  # tensor index -> how many times each element of its distinct view appears
+    for i, (t, numel) in enumerate(zip(tensors, numels)):
+        if numel == 0:
+            continue
+        if not t.is_contiguous():
+            t, copies = _distinct_elements(t)
+            if copies > 1:
+                repeats[i] = copies
+                numel //= copies
+        if numel <= chunk_elems:
+            owners, rows = groups.setdefault(_row_key(t.dtype, numel), (array("q"), []))
+            owners.append(i)
+            rows.append(t)
+        elif numel <= _RUN_CHUNKS * chunk_elems:
+            places = split[i] = []
+            for piece in _iter_pieces(t, chunk_elems):
+                key = _row_key(t.dtype, piece.numel())
+                owners, rows = groups.setdefault(key, (array("q"), []))
+                places.append((key, len(rows)))
+                owners.append(i)
+                rows.append(piece)
+        else:
+            large.append((i, t))
+
+    if groups:
+        # Every row's figures, group after group, then each tensor's from its rows.
+        n_rows = sum(len(rows) for _, rows in groups.values())
+        row_sumsq = torch.empty(n_rows, dtype=torch.float64, device=device)
+        row_amax = torch.empty(n_rows, dtype=torch.float64, device=device)
+        row_counts = torch.empty(n_rows, 3, dtype=torch.int64, device=device)
+        offsets: dict[tuple[torch.dtype, int, bool], int] = {}
+        owners_all: array[int] = array("q")  # raw integers: no Python object per row
+        for key, (owners, rows) in groups.items():
+            offset = offsets[key] = len(owners_all)
+            end = offset + len(rows)
+            _reduce_rows(
+                rows, key, chunk_elems, ws, (row_sumsq[offset:end], row_amax[offset:end], row_counts[offset:end])
+            )
+            owners_all += owners
+        split_rows = {i: [offsets[key] + j for key, j in places] for i, places in split.items()}
+        _combine_rows(owners_all, split_rows, (row_sumsq, row_amax, row_counts), (sumsq, amax, counts))
+    for i, t in large:
+        sumsq[i], amax[i], counts[i] = _large_tensor_stats(t, chunk_elems, ws)
+
+    if repeats:  # a broadcast dimension repeats every element: sums and counts scale, the max does not
+        idx = host_int64(list(repeats), device)
+        times = host_int64(list(repeats.values()), device)
+        sumsq.index_copy_(0, idx, sumsq.index_select(0, idx) * times.to(torch.float64))
+        counts.index_copy_(0, idx, counts.index_select(0, idx) * times.unsqueeze(1))
     nan = counts[:, 1] > 0
-    sumsq = torch.where(nan, torch.full_like(sumsq, math.nan), sumsq)
-    amax = torch.where(nan, torch.full_like(amax, math.nan), amax)
+    sumsq.masked_fill_(nan, math.nan)  # in place: nothing made after the rest is freed
+    amax.masked_fill_(nan, math.nan)
     return sumsq, amax, counts
+
+
+def _row_key(dtype: torch.dtype, numel: int) -> tuple[torch.dtype, int, bool]:
+    """The batch a row of ``numel`` elements goes to: its dtype, its padded length (the next power of two) and
+    whether it fills it."""
+    padded = 1 << (numel - 1).bit_length()
+    return dtype, padded, numel == padded
+
+
+def _reduce_rows(
+    rows: list[Tensor],
+    key: tuple[torch.dtype, int, bool],
+    chunk: int,
+    ws: _Workspace,
+    out: tuple[Tensor, Tensor, Tensor],
+) -> None:
+    """Statistics of rows of one key, batch by batch, written into ``out`` (sumsq, amax, counts; one entry per row):
+    a batch leaves no memory behind it (see :func:`_stats`)."""
+    (dtype, length, full), (sumsq, amax, counts) = key, out
+    n_rows, device = len(rows), ws.device
+    per_batch = max(1, chunk // length)
+    if not (full and dtype != torch.float64 and _branches_on_host(device)):
+        for start in range(0, n_rows, per_batch):
+            stop = min(start + per_batch, n_rows)
+            bits, pad = _abs_bits(rows[start:stop], length, ws)
+            for o, part in zip(out, _batch_stats(bits, dtype, pad, ws)):
+                o[start:stop] = part
+        return
+
+    # Squares first. A row whose squares are all in [_SQUARE_LOW, _SQUARE_HIGH) has no zero, NaN or Inf and its
+    # float32 sums are safe (the float32 path of _batch_stats, bit for bit); every other row (one host read says
+    # which) is read again by the bits path, which counts exactly.
+    highest = torch.empty(n_rows, dtype=torch.float32, device=device)
+    lowest = torch.empty(n_rows, dtype=torch.float32, device=device)
+    per_read = max(1, 2 * chunk // length)  # float32 squares: twice the rows in the bytes of float64 squares
+    for start in range(0, n_rows, per_read):
+        stop = min(start + per_read, n_rows)
+        _squares_first(rows[start:stop], length, ws, (highest[start:stop], lowest[start:stop], sumsq[start:stop]))
+    amax.copy_(highest).sqrt_()
+    amax.copy_(amax.to(torch.float32))  # the square root, rounded once to float32
+    counts.zero_()
+    settled = (lowest >= _SQUARE_LOW) & (highest < _SQUARE_HIGH)
+    redo = (~settled).nonzero().flatten().tolist()  # on the CPU: no sync
+    for start in range(0, len(redo), per_batch):
+        picked = redo[start : start + per_batch]
+        bits, pad = _abs_bits([rows[j] for j in picked], length, ws)
+        idx = host_int64(picked, device)
+        for o, part in zip(out, _batch_stats(bits, dtype, pad, ws)):
+            o.index_copy_(0, idx, part)
+
+
+def _large_tensor_stats(t: Tensor, chunk: int, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
+    """Statistics of one tensor larger than a chunk, from its pieces (:func:`_iter_pieces`) in order: consecutive
+    pieces of one key make a batch, and each batch's figures are added to the running ones, so the order of
+    every sum is fixed by the tensor's shape and strides alone."""
+    device = t.device
+    total_sumsq = torch.zeros((), dtype=torch.float64, device=device)
+    total_amax = torch.zeros((), dtype=torch.float64, device=device)
+    total_counts = torch.zeros(3, dtype=torch.int64, device=device)
+
+    def add(rows: list[Tensor], key: tuple[torch.dtype, int, bool]) -> None:
+        s = torch.empty(len(rows), dtype=torch.float64, device=device)
+        a = torch.empty(len(rows), dtype=torch.float64, device=device)
+        c = torch.empty(len(rows), 3, dtype=torch.int64, device=device)
+        _reduce_rows(rows, key, chunk, ws, (s, a, c))
+        total_sumsq.add_(_fixed_order_sum(s))
+        torch.maximum(total_amax, a.amax(), out=total_amax)  # NaN wins; the counts say so anyway
+        total_counts.add_(c.sum(dim=0))
+
+    pending: list[Tensor] = []
+    key = None
+    for piece in _iter_pieces(t, chunk):
+        piece_key = _row_key(t.dtype, piece.numel())
+        if pending and (piece_key != key or len(pending) * piece_key[1] >= _RUN_CHUNKS * chunk):
+            add(pending, key)  # type: ignore[arg-type]  # key is set once pending is not empty
+            pending = []
+        key = piece_key
+        pending.append(piece)
+    if pending:
+        add(pending, key)  # type: ignore[arg-type]
+    return total_sumsq, total_amax, total_counts
 
 
 def require_float64(device: torch.device) -> None:
@@ -351,66 +512,42 @@ def require_float64(device: torch.device) -> None:
         )
 
 
-def _batches(rows: list[Tensor], size: int) -> list[list[Tensor]]:
-    return [rows[start : start + size] for start in range(0, len(rows), size)]
-
-
 #: Float32 squares from which the CPU's squares-first path settles a row: every square a normal number (so no
 #: zero, no subnormal, no flushed value) and below 2**112 (so a float32 sum of _SUM_BLOCK of them stays finite).
 #: NaN fails both comparisons.
 _SQUARE_LOW, _SQUARE_HIGH = 2.0**-126, 2.0**112
 
 
-def _squares_first(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
+def _squares_first(rows: list[Tensor], length: int, ws: _Workspace, out: tuple[Tensor, Tensor, Tensor]) -> None:
     """Float32 squares of a batch of full 16/32-bit rows (written once, into the workspace) and, per row, their
-    largest and smallest value and their sums by blocks of _SUM_BLOCK: three reads of a buffer still in cache
-    instead of the bits path's mask, max, min and squares (the CPU path for rows without zeros, NaN or Inf).
+    largest and smallest value and the float64 sum of their float32 sums by blocks of _SUM_BLOCK, into ``out``:
+    three reads of a buffer still in cache instead of the bits path's mask, max, min and squares (the CPU path for
+    rows without zeros, NaN or Inf).
 
     Squares of 16-bit values are exact in float32; those of float32 values are rounded once, and in binary
     floating point the rounded square is strictly increasing in |x| and its correctly rounded square root is |x|
     (checked for every float32 significand by the tests), so the largest square gives max |x| exactly."""
     r = len(rows)
     squares = ws.get("squares", torch.float32, (r, length))
-    if r <= 2 * _FEW_ROWS and rows[0].dtype == torch.float32:
+    if r <= 2 * _FEW_ROWS:  # each row written into its slot: no stacked copy
+        float32 = rows[0].dtype == torch.float32
         for row, x in zip(ws.rows("squares", torch.float32, (r, length)), rows):
-            torch.mul(x, x, out=row if x.dim() == 1 else row.view(x.shape))
+            row = row if x.dim() == 1 else row.view(x.shape)
+            if float32:
+                torch.mul(x, x, out=row)
+            else:
+                row.copy_(x)  # 16-bit values widened exactly
+        if not float32:
+            squares.mul_(squares)
     else:
         torch.cat([x.reshape(-1) for x in rows], out=squares.view(-1))  # 16-bit rows widened exactly
         squares.mul_(squares)
+    highest, lowest, sumsq = out
+    torch.amax(squares, dim=1, out=highest)
+    torch.amin(squares, dim=1, out=lowest)
     block = min(length, _SUM_BLOCK)
     block_sums = ws.get("squares", torch.float32, (r * (length // block), block)).sum(dim=1)
-    return squares.amax(dim=1), squares.amin(dim=1), block_sums.view(r, length // block)
-
-
-def _settle_squares_first(
-    batches: list[tuple[list[Tensor], tuple[Tensor, Tensor, Tensor]]],
-    dtype: torch.dtype,
-    length: int,
-    per_batch: int,
-    ws: _Workspace,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Statistics of the rows of one group read by :func:`_squares_first`, in batch order. A row whose squares
-    are all in [_SQUARE_LOW, _SQUARE_HIGH) has no zero, NaN or Inf and its float32 sums are safe (the float32
-    path of :func:`_batch_stats`, bit for bit); every other row (one host read says which) is read again by the
-    bits path, which counts exactly."""
-    highest = torch.cat([b[1][0] for b in batches])
-    lowest = torch.cat([b[1][1] for b in batches])
-    sumsq = _row_sums(torch.cat([b[1][2] for b in batches]).to(torch.float64))
-    amax = highest.to(torch.float64).sqrt_().to(torch.float32).to(torch.float64)  # the square root, rounded once
-    counts = torch.zeros(highest.shape[0], 3, dtype=torch.int64, device=highest.device)
-    settled = (lowest >= _SQUARE_LOW) & (highest < _SQUARE_HIGH)
-    redo = (~settled).nonzero().flatten().tolist()  # on the CPU: no sync
-    if redo:
-        rows = [x for batch, _ in batches for x in batch]
-        for start in range(0, len(redo), per_batch):
-            picked = redo[start : start + per_batch]
-            bits, pad = _abs_bits([rows[j] for j in picked], length, ws)
-            row_sumsq, row_amax, row_counts = _batch_stats(bits, dtype, pad, ws)
-            idx = host_int64(picked, highest.device)
-            sumsq.index_copy_(0, idx, row_sumsq)
-            amax.index_copy_(0, idx, row_amax)
-            counts.index_copy_(0, idx, row_counts)
-    return sumsq, amax, counts
+    sumsq.copy_(_row_sums(block_sums.view(r, length // block).to(torch.float64)))
 
 
 def _abs_bits(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
@@ -455,22 +592,27 @@ def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor
 
 
 def _combine_rows(
-    owners: list[int],
-    split: set[int],
+    owners: array[int],
+    split_rows: dict[int, list[int]],
     rows: tuple[Tensor, Tensor, Tensor],
     out: tuple[Tensor, Tensor, Tensor],
 ) -> None:
-    """Write each tensor's statistics into ``out`` from those of its rows: one row per tensor, except for the
-    tensors in ``split`` (larger than a chunk), whose rows are combined in piece order."""
+    """Write each tensor's statistics into ``out`` from those of its rows (``owners[j]``: the tensor of row j): one
+    row per tensor, except for the tensors in ``split_rows``, whose rows (listed in piece order) are combined."""
     device = out[0].device
-    single = [j for j, i in enumerate(owners) if i not in split] if split else range(len(owners))
-    if len(single):
-        src = host_int64(single, device)
-        dst = host_int64([owners[j] for j in single], device)
+    if not split_rows:  # every row is a tensor's
+        dst = host_int64(owners, device)
         for o, r in zip(out, rows):
-            o.index_copy_(0, dst, r.index_select(0, src))  # distinct indices: deterministic
-    for i in sorted(split):
-        idx = host_int64([j for j, owner in enumerate(owners) if owner == i], device)
+            o.index_copy_(0, dst, r)  # distinct indices: deterministic
+    else:
+        single = array("q", (j for j, i in enumerate(owners) if i not in split_rows))
+        if single:
+            src = host_int64(single, device)
+            dst = host_int64(array("q", (owners[j] for j in single)), device)
+            for o, r in zip(out, rows):
+                o.index_copy_(0, dst, r.index_select(0, src))
+    for i, row_list in split_rows.items():
+        idx = host_int64(row_list, device)
         out[0][i] = _fixed_order_sum(rows[0].index_select(0, idx))
         out[1][i] = rows[1].index_select(0, idx).max()
         out[2][i] = rows[2].index_select(0, idx).sum(dim=0)

@@ -104,19 +104,27 @@ def _short_repr(obj: Any, limit: int = 60) -> str:
 
 def _unique_names(names: list[str]) -> list[str]:
     """Names as given, a repeat made unique as ``name#1``, ``name#2``... (e.g. ``chain(enc.named_parameters(),
-    dec.named_parameters())`` yields ``weight`` twice), so that per-parameter reports never merge two parameters."""
+    dec.named_parameters())`` yields ``weight`` twice), so that per-parameter reports never merge two parameters.
+    A suffixed name is never one that is given or already taken: ``["a", "a#1", "a"]`` gives ``a#2`` last.
+
+    Linear: each name resumes its suffix count where its last repeat stopped. A candidate passed over was taken
+    or given, and stays so, so no candidate is tried twice (``name#k`` belongs to one name: the part before its
+    last ``#``)."""
     if len(set(names)) == len(names):
         return names
     given = set(names)
-    seen: set[str] = set()
+    taken: set[str] = set()
+    last_suffix: dict[str, int] = {}
     out = []
     for name in names:
-        unique, k = name, 0
-        while unique in seen or (unique != name and unique in given):
-            k += 1
-            unique = f"{name}#{k}"
-        seen.add(unique)
-        out.append(unique)
+        if name in taken:
+            k = last_suffix.get(name, 0) + 1
+            while (unique := f"{name}#{k}") in taken or unique in given:
+                k += 1
+            last_suffix[name] = k
+            name = unique
+        taken.add(name)
+        out.append(name)
     return out
 
 
