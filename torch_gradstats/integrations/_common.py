@@ -128,6 +128,30 @@ class _Riders:
         return self.groups._from_host(floats[:nf], ints[:ni]) if self.groups is not None else None
 
 
+class ActivationReporting:
+    """What both callbacks do with an :class:`~torch_gradstats.ActivationWatch`: one report per watched step, and the
+    words naming the origin in their warnings."""
+
+    activation_watch: ActivationWatch | None
+    last_activation_report: ActivationReport | None
+    _activation_at: int
+
+    def _activation_report(self) -> ActivationReport | None:
+        """The watch's report of its latest recorded step (its own one transfer), or None without a watch."""
+        watch = self.activation_watch
+        if watch is None:
+            return None
+        if self.last_activation_report is None or self._activation_at != watch.step:  # no forward since: the same
+            self.last_activation_report = watch.report()
+            self._activation_at = watch.step
+        return self.last_activation_report
+
+    def _activation_words(self, act: ActivationReport | None = None) -> str:
+        """``"; <the watch's summary>"`` naming the forward/backward origin, or "" without a watch."""
+        act = act if act is not None else self._activation_report()
+        return "" if act is None else f"; {act.summary()}"
+
+
 class StatsTaker:
     """Takes the statistics of one optimizer step, applies the step policies, and turns them into one report (one
     host transfer)."""

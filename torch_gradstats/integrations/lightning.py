@@ -105,6 +105,7 @@ from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
+    ActivationReporting,
     OnNonfinite,
     StatsTaker,
     activation_metrics,
@@ -137,7 +138,7 @@ def lightning_keys(report: AnyReport, per_param: bool = True) -> dict[str, float
     return out
 
 
-class _GradStatsMixin:
+class _GradStatsMixin(ActivationReporting):
     """The callback's logic, independent of which Lightning package provides the base class."""
 
     def __init__(
@@ -353,21 +354,6 @@ class _GradStatsMixin:
             lg.log_metrics(values, step=logger_step)
         self.last_report = report
 
-
-    def _activation_report(self) -> ActivationReport | None:
-        """The watch's report of its latest recorded step (its own one transfer), or None without a watch."""
-        watch = self.activation_watch
-        if watch is None:
-            return None
-        if self.last_activation_report is None or self._activation_at != watch.step:  # no forward since: the same
-            self.last_activation_report = watch.report()
-            self._activation_at = watch.step
-        return self.last_activation_report
-
-    def _activation_words(self, act: ActivationReport | None = None) -> str:
-        """``"; <the watch's summary>"`` naming the forward/backward origin, or "" without a watch."""
-        act = act if act is not None else self._activation_report()
-        return "" if act is None else f"; {act.summary()}"
 
 
 class GradStatsCallback(_GradStatsMixin, _Callback):

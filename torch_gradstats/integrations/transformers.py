@@ -95,6 +95,7 @@ from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
+    ActivationReporting,
     OnNonfinite,
     StatsTaker,
     activation_metrics,
@@ -134,7 +135,7 @@ def _unscaled(stats: GradStats | GradWeightStats, scale: torch.Tensor) -> GradSt
     return unscaled
 
 
-class GradStatsCallback(TrainerCallback):
+class GradStatsCallback(ActivationReporting, TrainerCallback):
     """Gradient statistics of each logged optimizer step, added to the Trainer's logs (see the module docstring).
 
     Args:
@@ -320,21 +321,6 @@ class GradStatsCallback(TrainerCallback):
         self.last_report = report
 
     # ----------------------------------------------------------------------------------------------- internals
-    def _activation_report(self) -> ActivationReport | None:
-        """The watch's report of its latest recorded step (its own one transfer), or None without a watch."""
-        watch = self.activation_watch
-        if watch is None:
-            return None
-        if self.last_activation_report is None or self._activation_at != watch.step:  # no forward since: the same
-            self.last_activation_report = watch.report()
-            self._activation_at = watch.step
-        return self.last_activation_report
-
-    def _activation_words(self, act: ActivationReport | None = None) -> str:
-        """``"; <the watch's summary>"`` naming the forward/backward origin, or "" without a watch."""
-        act = act if act is not None else self._activation_report()
-        return "" if act is None else f"; {act.summary()}"
-
     def _on_forward(self, module: Any, args: Any, output: Any) -> None:
         # The training forwards' losses (eval runs without grad), kept on the device for the guard.
         if not (module.training and torch.is_grad_enabled()):
