@@ -35,7 +35,7 @@ LAYERS = {
     "torch_gradstats.stats": 5,
     "torch_gradstats.activations": 5,  # and every module of the activations package
     "torch_gradstats.clip": 6,
-    "torch_gradstats.compat": 6,  # drop-ins that read and clip like clip.py, on the op and torch.distributed
+    "torch_gradstats.compat": 6.5,  # drop-ins that read like stats.py and scale through clip.py
     "torch_gradstats.collector": 6,
     "torch_gradstats.updates": 6,
     "torch_gradstats.noise_scale": 6,

@@ -27,6 +27,7 @@ A NaN or Inf *element* gives a non-finite norm in both, with the same effect (Na
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,26 @@ def _coef_on(coef: Tensor, device: torch.device, cache: dict[torch.device, Tenso
         else:
             cache[device] = to_device(coef, device)
     return cache[device]
+
+
+def scale_grads_(grads: Sequence[Tensor], coef: Tensor, foreach: bool | None) -> None:
+    """Multiply every gradient by the 0-d ``coef`` in place, grouped by (device, dtype) on metadata only, like
+    PyTorch, so each ``_foreach_mul_`` gets a uniform list; ``foreach`` as in ``torch.nn.utils.clip_grad_norm_``."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    cache: dict[torch.device, Tensor] = {}
+    for (device, _), device_grads in groups.items():
+        c = _coef_on(coef, device, cache)
+        if (foreach is None and _has_foreach_support(device_grads, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            torch._foreach_mul_(device_grads, c)
+        elif foreach:
+            raise RuntimeError(f"clip_grad_norm_: foreach=True was passed, but {device.type} has no foreach support")
+        else:
+            for g in device_grads:
+                g.mul_(c)
 
 
 @torch.no_grad()
@@ -158,23 +179,7 @@ def clip_grad_norm_(
         max_norm = to_device(max_norm.detach().reshape(()), home)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
-    # Group by (device, dtype) on metadata only, like PyTorch, so each _foreach_mul_ gets a uniform list.
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    cache: dict[torch.device, Tensor] = {}
-    for (device, _), device_grads in groups.items():
-        c = _coef_on(coef, device, cache)
-        if (foreach is None and _has_foreach_support(device_grads, device)) or (
-            foreach and _device_has_foreach_support(device)
-        ):
-            torch._foreach_mul_(device_grads, c)
-        elif foreach:
-            raise RuntimeError(f"clip_grad_norm_: foreach=True was passed, but {device.type} has no foreach support")
-        else:
-            for g in device_grads:
-                g.mul_(c)
-
+    scale_grads_(grads, coef, foreach)
     stats.clip_norm = total
     stats.clip_coef = coef
     stats.clipped_norm = total * coef  # the norm the gradients have now (pre-clip is clip_norm, or total_norm)

@@ -247,9 +247,9 @@ class GroupStats:
         if self.weight_sumsq is not None:
             out.weight_norms = dict(zip(self.names, map(_sqrt, wsumsq or [])))
             if self.lr_update_sumsq is not None:
-                out.lr_update_ratios = {n: _ratio(u, w) for n, u, w in zip(self.names, lrsumsq or [], wsumsq or [])}
+                out.lr_update_ratios = {n: norm_ratio(u, w) for n, u, w in zip(self.names, lrsumsq or [], wsumsq or [])}
         if self.delta_sumsq is not None and self.update_weight_sumsq is not None:
-            out.update_ratios = {n: _ratio(d, w) for n, d, w in zip(self.names, dsumsq or [], usumsq or [])}
+            out.update_ratios = {n: norm_ratio(d, w) for n, d, w in zip(self.names, dsumsq or [], usumsq or [])}
         return out
 
 
@@ -257,8 +257,9 @@ def _sqrt(x: float) -> float:
     return math.sqrt(x) if not math.isnan(x) else math.nan
 
 
-def _ratio(num_sumsq: float, den_sumsq: float) -> float:
-    """``sqrt(num) / sqrt(den)``; 0 when both are 0, inf for a change of an all-zero weight."""
+def norm_ratio(num_sumsq: float, den_sumsq: float) -> float:
+    """``sqrt(num) / sqrt(den)`` from two sums of squares; NaN if either is NaN, 0 for 0/0, inf for a nonzero change
+    of an all-zero tensor (also used by :mod:`torch_gradstats.updates` per parameter)."""
     if math.isnan(num_sumsq) or math.isnan(den_sumsq):
         return math.nan
     num, den = math.sqrt(num_sumsq), math.sqrt(den_sumsq)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._transfer import to_device, to_host
-from torch_gradstats.groups import GroupBy, GroupStats, group_sums
+from torch_gradstats.groups import GroupBy, GroupStats, group_sums, norm_ratio
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import SUPPORTED_DTYPES
 from torch_gradstats.stats import (
@@ -87,16 +87,6 @@ def _reduce(originals: Sequence[Tensor], sumsq: Tensor, amax: Tensor, counts: Te
 
     r = reduce_across_ranks(originals, sumsq, amax, counts, group)
     return r.sumsq, r.amax, r.counts, r.rank_nonfinite, r.numel
-
-
-def _ratio(num_sumsq: float, den_sumsq: float) -> float:
-    """sqrt(num) / sqrt(den); NaN if either is NaN, inf for a nonzero change of an all-zero tensor, 0 for 0/0."""
-    if math.isnan(num_sumsq) or math.isnan(den_sumsq):
-        return math.nan
-    num, den = math.sqrt(num_sumsq), math.sqrt(den_sumsq)
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
 
 
 def _device_ratio(num_sumsq: Tensor, den_sumsq: Tensor) -> Tensor:
@@ -410,13 +400,13 @@ class GradWeightStats:
                 if lr is None:
                     continue
                 report.lrs[n] = float(lr)
-                report.lr_update_ratios[n] = float(lr) * _ratio(gs, ws)
+                report.lr_update_ratios[n] = float(lr) * norm_ratio(gs, ws)
         if upd is not None:
             q = len(upd.names)
             dsumsq, asumsq = fl[pos:pos + q], fl[pos + q:pos + 2 * q]
             for n, d, w in zip(upd.names, dsumsq, asumsq):
                 report.delta_norms[n] = math.sqrt(d) if not math.isnan(d) else math.nan
-                report.update_ratios[n] = _ratio(d, w)
+                report.update_ratios[n] = norm_ratio(d, w)
         return report
 
 

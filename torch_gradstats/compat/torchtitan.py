@@ -31,21 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats._transfer import fetch, to_device, to_host
+from torch_gradstats._transfer import to_host
+from torch_gradstats.clip import scale_grads_
 from torch_gradstats.compat.shards import local_shards, max_over_meshes, read, sum_counted
 
 __all__ = ["clip_grad_norm_"]
-
-try:  # the private PyTorch helpers that decide foreach support for torch.nn.utils.clip_grad_norm_
-    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
-except ImportError:  # pragma: no cover - a torch without them
-
-    def _device_has_foreach_support(device: torch.device) -> bool:
-        return device.type in ("cpu", "cuda")
-
-    def _has_foreach_support(tensors: list[Tensor], device: torch.device) -> bool:
-        return _device_has_foreach_support(device) and all(type(t) is Tensor for t in tensors)
-
 
 def _result_dtype(grads: list[Tensor]) -> torch.dtype:
     """The dtype torch.nn.utils.get_total_norm returns: the promotion of the gradients' dtypes."""
@@ -138,23 +128,5 @@ def clip_grad_norm_(
                 "they cannot be clipped; pass error_if_nonfinite=False to scale them by it anyway, or skip the step"
             )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    local = local_shards(grads, "grads").local
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in local:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), same in groups.items():
-        if coef.device == device:
-            c = coef
-        elif device.type == "cpu":  # CPU gradients next to accelerator ones: the CPU multiply needs the value (a sync)
-            c = fetch(coef)
-        else:
-            c = to_device(coef, device)
-        use_foreach = _has_foreach_support(same, device) if foreach is None else foreach
-        if use_foreach and _device_has_foreach_support(device):
-            torch._foreach_mul_(same, c)
-        elif foreach:
-            raise RuntimeError(f"clip_grad_norm_: foreach=True was passed, but {device.type} has no foreach support")
-        else:
-            for g in same:
-                g.mul_(c)
+    scale_grads_(local_shards(grads, "grads").local, coef, foreach)
     return total.to(_result_dtype(grads))
