@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, ZERO
@@ -55,6 +55,8 @@ class GradReport:
             1.0), or None for statistics that were not clipped.
         clipped_norm: the total norm after that clip (``clip_coef`` times the norm it clipped with), or None.
         groups: the per-group figures when the report was made with ``groups=`` (see :meth:`GradStats.grouped`).
+        extra: more figures that came in the same transfer (``report(extra=...)``), e.g. the step policies'
+            ``guard/...`` and ``clip/...``; empty by default.
     """
 
     total_norm: float
@@ -80,6 +82,7 @@ class GradReport:
     clip_coef: float | None = None
     clipped_norm: float | None = None
     groups: GroupReport | None = None
+    extra: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def _build(
@@ -176,10 +179,15 @@ class GradReport:
                 ``grad_2.0_norm_total`` as ``lightning.pytorch.utilities.grad_norm(module, 2)`` (nothing when no
                 gradient was read, as there); ``"hf"``, ``grad_norm`` (the pre-clip total norm the transformers
                 Trainer logs); ``"megatron"``, ``grad-norm`` and ``num-zeros``; ``"composer"``,
-                ``l2_norm/grad/global`` and ``l2_norm/grad/<name>``. The framework styles hold those keys only.
+                ``l2_norm/grad/global`` and ``l2_norm/grad/<name>``. The framework styles hold those keys only,
+                then :attr:`extra`.
+
+        Every style ends with :attr:`extra`'s figures under their own names, without ``prefix``: they are named by
+        what made them (``guard/skipped``, ``clip/coef``...), and read the same beside any style or prefix.
         """
         if style != "default":
-            return {prefix + key: value for key, value in self._styled(style, per_param).items()}
+            styled = {prefix + key: value for key, value in self._styled(style, per_param).items()}
+            return {**styled, **self.extra}
         out: dict[str, float | int | str | None] = {
             "total_norm": self.total_norm,
             "inf_norm": self.inf_norm,
@@ -206,7 +214,7 @@ class GradReport:
                 out[f"norm/{name}"] = norm
         if self.groups is not None:
             out.update(self.groups.to_dict())
-        return {prefix + key: value for key, value in out.items()}
+        return {**{prefix + key: value for key, value in out.items()}, **self.extra}
 
 
     def _styled(self, style: str, per_param: bool) -> dict[str, float | int | str | None]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import numbers
 import sys
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -31,7 +31,7 @@ from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, OP_NAME, SUPPORTED_DTYPES, ZERO, check_inputs, multi_tensor_stats
 from torch_gradstats.report import GradReport
 
-__all__ = ["GradReport", "GradStats", "ParamsLike", "grad_stats"]
+__all__ = ["ExtraFigures", "GradReport", "GradStats", "ParamsLike", "grad_stats"]
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -39,6 +39,44 @@ logger = logging.getLogger("torch_gradstats")
 ParamsLike = Tensor | Iterable[Tensor | tuple[str, Tensor]]
 
 _DEFAULT_POLICY = HealthPolicy()
+
+
+@dataclass(frozen=True)
+class ExtraFigures:
+    """More device tensors to bring to the host in a report's one transfer, and how to name their host values.
+
+    Made for the step policies: ``ExtraFigures(*guard.check_tensors(), guard.check_values)``. The tensors must be on
+    the statistics' device (or the CPU when that is an accelerator: they are copied there without a sync).
+
+    Attributes:
+        floats: tensors whose values travel as float64.
+        ints: tensors whose values travel as int64.
+        read: the host values of ``floats`` and of ``ints`` (flattened, each in order) -> named figures, which go to
+            the report's ``extra``.
+    """
+
+    floats: Sequence[Tensor]
+    ints: Sequence[Tensor]
+    read: Callable[[list[float], list[int]], Mapping[str, float]]
+
+
+def _extra_parts(extra: Sequence[ExtraFigures], device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+    """The tensors of ``extra`` on ``device``, floats then ints, to append to a report's own."""
+    for i, e in enumerate(extra):
+        if not isinstance(e, ExtraFigures):
+            raise TypeError(f"report: extra must be a sequence of ExtraFigures, got a {type(e).__name__} at [{i}]")
+    return ([to_device(t, device) for e in extra for t in e.floats],
+            [to_device(t, device) for e in extra for t in e.ints])
+
+
+def _extra_values(extra: Sequence[ExtraFigures], floats: list[float], ints: list[int]) -> dict[str, float]:
+    """Each of ``extra``'s figures from its share of the host values (the tail of a report's transfer)."""
+    out: dict[str, float] = {}
+    for e in extra:
+        nf, ni = sum(t.numel() for t in e.floats), sum(t.numel() for t in e.ints)
+        out.update(e.read(floats[:nf], ints[:ni]))
+        floats, ints = floats[nf:], ints[ni:]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- input handling
@@ -267,7 +305,7 @@ class GradStats:
 
     # ---- host side
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None,
-               groups: GroupStats | None = None) -> GradReport:
+               groups: GroupStats | None = None, extra: Sequence[ExtraFigures] = ()) -> GradReport:
         """Bring the statistics to the host in exactly one device-to-host transfer and summarise them.
 
         Args:
@@ -275,6 +313,8 @@ class GradStats:
             policy: health policy (default :class:`HealthPolicy()`); the score is computed on the host from the
                 transferred norms and equals :meth:`health` bit for bit.
             groups: per-group figures (:meth:`grouped`) to bring along in the same transfer, as ``report.groups``.
+            extra: more device figures (e.g. the step policies') to bring along in the same transfer, as
+                ``report.extra``.
         """
         if isinstance(k, bool) or not isinstance(k, numbers.Integral):
             raise TypeError(f"GradStats.report: k must be a non-negative int, got {k!r} ({type(k).__name__})")
@@ -292,7 +332,11 @@ class GradStats:
         ints_in = [self.counts, self.numel] + ([self.rank_nonfinite] if self.rank_nonfinite is not None else [])
         clip = [] if self.clip_coef is None or self.clipped_norm is None else [self.clip_coef, self.clipped_norm]
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
-        floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats], ints_in + group_ints)
+        extra_floats, extra_ints = _extra_parts(extra, self.device)
+        floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats, *extra_floats],
+                               ints_in + group_ints + extra_ints)
+        n_floats = 2 * p + 1 + len(clip) + sum(t.numel() for t in group_floats)
+        n_ints = (4 + world) * p + sum(t.numel() for t in group_ints)
         sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
         counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
         numel = ints[3 * p : 4 * p]
@@ -301,7 +345,8 @@ class GradStats:
         if clip:
             out.clip_coef, out.clipped_norm = floats[2 * p + 1], floats[2 * p + 2]
         if groups is not None:
-            out.groups = groups._from_host(floats[2 * p + 1 + len(clip):], ints[(4 + world) * p:])
+            out.groups = groups._from_host(floats[2 * p + 1 + len(clip):n_floats], ints[(4 + world) * p:n_ints])
+        out.extra = _extra_values(extra, floats[n_floats:], ints[n_ints:])
         return out
 
 

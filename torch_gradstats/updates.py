@@ -38,10 +38,13 @@ from torch_gradstats.groups import GroupBy, GroupStats, group_sums, norm_ratio
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import SUPPORTED_DTYPES
 from torch_gradstats.stats import (
+    ExtraFigures,
     GradReport,
     GradStats,
     ParamsLike,
     _dtensor_types,
+    _extra_parts,
+    _extra_values,
     _named_params,
     _stats_on_home,
     _unique_names,
@@ -251,7 +254,9 @@ class UpdateReport:
         ``style`` gives the gradient keys of ``GradReport.to_dict(style=...)`` only."""
         if style != "default":
             return self.grads.to_dict(prefix, per_param, style)
-        out: dict[str, float | int | str | None] = dict(self.grads.to_dict(per_param=per_param))
+        extra = self.grads.extra  # last and unprefixed, as GradReport.to_dict writes them
+        out: dict[str, float | int | str | None] = {
+            k: v for k, v in self.grads.to_dict(per_param=per_param).items() if k not in extra}
         out["weight_norm_total"] = self.weight_norm_total
         out["num_nonfinite_weights"] = len(self.weight_nonfinite)
         if self.lr_update_ratios:
@@ -263,7 +268,7 @@ class UpdateReport:
                                 ("update_ratio", self.update_ratios)):
                 for name, v in values.items():
                     out[f"{key}/{name}"] = v
-        return {prefix + k: v for k, v in out.items()}
+        return {**{prefix + k: v for k, v in out.items()}, **extra}
 
 
 def _nan_max(values: Iterable[float]) -> float:
@@ -338,9 +343,10 @@ class GradWeightStats:
         return out
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None,
-               groups: GroupStats | None = None) -> UpdateReport:
-        """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update, and the
-        per-group figures of ``groups`` (:meth:`grouped`) as ``report.grads.groups``."""
+               groups: GroupStats | None = None, extra: Sequence[ExtraFigures] = ()) -> UpdateReport:
+        """Everything in ONE device-to-host transfer: gradient report, weight norms, learning rates, update, the
+        per-group figures of ``groups`` (:meth:`grouped`) as ``report.grads.groups``, and the figures of ``extra``
+        (see :meth:`GradStats.report`) as ``report.grads.extra``."""
         g = self.grads
         p = len(g.names)
         floats: list[Tensor] = [g.sumsq, g.amax, self.weight_sumsq]
@@ -356,8 +362,10 @@ class GradWeightStats:
         if g.rank_nonfinite is not None:
             ints.append(g.rank_nonfinite)
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
+        extra_floats, extra_ints = _extra_parts(extra, g.device)
         n_floats, n_ints = sum(t.numel() for t in floats), sum(t.numel() for t in ints)
-        fl, it = to_host(floats + group_floats, ints + group_ints)
+        n_group_floats, n_group_ints = sum(t.numel() for t in group_floats), sum(t.numel() for t in group_ints)
+        fl, it = to_host(floats + group_floats + extra_floats, ints + group_ints + extra_ints)
 
         sumsq, amax, wsumsq = fl[:p], fl[p:2 * p], fl[2 * p:3 * p]
         pos = 3 * p
@@ -383,7 +391,9 @@ class GradWeightStats:
         )
         grads_report = host.report(k, policy=policy)
         if groups is not None:
-            grads_report.groups = groups._from_host(fl[n_floats:], it[n_ints:])
+            grads_report.groups = groups._from_host(fl[n_floats:n_floats + n_group_floats],
+                                                    it[n_ints:n_ints + n_group_ints])
+        grads_report.extra = _extra_values(extra, fl[n_floats + n_group_floats:], it[n_ints + n_group_ints:])
 
         names = g.names
         weight_norms = {n: (math.sqrt(s) if not math.isnan(s) else math.nan) for n, s in zip(names, wsumsq)}

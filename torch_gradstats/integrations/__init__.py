@@ -62,17 +62,13 @@ def metrics(report: AnyReport, prefix: str = "grad/", per_param: bool = True,
             style: str = "default") -> dict[str, float]:
     """The report as ``{prefix + key: float}``: every number of ``to_dict`` (counts as floats, NaN/inf kept),
     with ``first_nonfinite`` (a name) replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`); with a
-    framework ``style`` (``GradReport.to_dict``'s), that style's keys alone."""
-    if style != "default":
-        return {prefix + k: float(v) for k, v in report.to_dict(per_param=per_param, style=style).items()
-                if isinstance(v, (int, float))}
-    out: dict[str, float] = {}
-    for key, value in report.to_dict(per_param=per_param).items():
-        if key == "first_nonfinite":
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[prefix + key] = float(value)
-    out[prefix + "first_nonfinite_index"] = float(nonfinite_index(report))
+    framework ``style`` (``GradReport.to_dict``'s), that style's keys alone. The report's ``extra`` figures come
+    last under their own names, unprefixed, as ``to_dict`` writes them."""
+    values = report.to_dict(prefix, per_param=per_param, style=style)
+    out = {k: float(v) for k, v in values.items()
+           if k != prefix + "first_nonfinite" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if style == "default":
+        out[prefix + "first_nonfinite_index"] = float(nonfinite_index(report))
     return out
 
 

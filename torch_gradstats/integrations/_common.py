@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -15,12 +15,12 @@ from torch_gradstats._transfer import to_host
 from torch_gradstats.activations import ActivationReport, ActivationWatch
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.clip import clip_grad_norm_
-from torch_gradstats.groups import GroupBy, GroupReport, GroupStats, group_names
+from torch_gradstats.groups import GroupBy, group_names
 from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report
 from torch_gradstats.report import STYLES
-from torch_gradstats.stats import GradStats, grad_stats
+from torch_gradstats.stats import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats
 
 logger = logging.getLogger("torch_gradstats")
@@ -107,25 +107,9 @@ def mean_over_ranks(loss: Tensor | None) -> Tensor | None:
     return total / dist.get_world_size()
 
 
-class _Riders:
-    """The groups' figures of a report plus a few more device tensors (the step policies' figures), as
-    ``GradStats.report(groups=...)`` takes them: everything then comes to the host in the report's one transfer."""
-
-    def __init__(self, groups: GroupStats | None, floats: list[Tensor], ints: list[Tensor]) -> None:
-        self.groups = groups
-        self.floats, self.ints = floats, ints
-        self.host: tuple[list[float], list[int]] = ([], [])
-        self._split = (0, 0)
-
-    def _host_parts(self) -> tuple[list[Tensor], list[Tensor]]:
-        gf, gi = self.groups._host_parts() if self.groups is not None else ([], [])
-        self._split = (sum(t.numel() for t in gf), sum(t.numel() for t in gi))
-        return gf + self.floats, gi + self.ints
-
-    def _from_host(self, floats: list[float], ints: list[int]) -> GroupReport | None:
-        nf, ni = self._split
-        self.host = (list(floats[nf:]), list(ints[ni:]))
-        return self.groups._from_host(floats[:nf], ints[:ni]) if self.groups is not None else None
+def policy_extra(policies: list[SpikeGuard | AdaptiveClip]) -> list[ExtraFigures]:
+    """The step policies' device figures, to bring along in a report's one transfer (``report(extra=...)``)."""
+    return [ExtraFigures(*p.check_tensors(), p.check_values) for p in policies]
 
 
 class ActivationReporting:
@@ -224,21 +208,8 @@ class StatsTaker:
         groups = stats.grouped(self.group_by) if self.group_by is not None else None
         policies: list[SpikeGuard | AdaptiveClip] = [
             p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
-        if not policies:
-            return stats.report(self.k, policy=self.policy, groups=groups)
-        g = stats.grads if isinstance(stats, GradWeightStats) else stats
-        parts = [p.check_tensors() for p in policies]
-        floats = [t.to(g.device) for f, _ in parts for t in f]  # already there once a step was observed
-        ints = [t.to(g.device) for _, i in parts for t in i]
-        riders = _Riders(groups, floats, ints)
-        report = stats.report(self.k, policy=self.policy, groups=cast(GroupStats, riders))
-        host_f, host_i = riders.host
-        figures: dict[str, float] = {}
-        for policy, (f, i) in zip(policies, parts):
-            nf, ni = sum(t.numel() for t in f), sum(t.numel() for t in i)
-            figures.update(policy.check_values(host_f[:nf], host_i[:ni]))
-            host_f, host_i = host_f[nf:], host_i[ni:]
-        self.policy_figures = figures
+        report = stats.report(self.k, policy=self.policy, groups=groups, extra=policy_extra(policies))
+        self.policy_figures = dict(grad_report(report).extra)
         return report
 
     @staticmethod

@@ -19,7 +19,7 @@ from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.report import GradReport
-from torch_gradstats.stats import GradStats, grad_stats
+from torch_gradstats.stats import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.training._args import check_int, check_positive_number
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
@@ -76,10 +76,11 @@ class Trainer:
         adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` that clips every step to its threshold (from the
             same read as the stats; instead of ``max_grad_norm``: give it ``max_norm=`` for a cap).
 
-    With ``spike_guard`` or ``adaptive_clip``, each sync also reads their figures (``guard/skipped``,
-    ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``, ``clip/threshold``, ``clip/coef``) in the same
-    transfer, into :attr:`policy_figures`, and raises :class:`~torch_gradstats.SpikeStreakError` there when the guard's
-    ``max_consecutive`` was reached since the last sync.
+    With ``spike_guard`` or ``adaptive_clip``, each sync and each ``log_to`` logging step also reads their figures
+    (``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``, ``clip/threshold``,
+    ``clip/coef``) in the same transfer, into :attr:`policy_figures` (and, on a logging step, into the report's
+    ``extra``, which every sink writes), and raises :class:`~torch_gradstats.SpikeStreakError` there when the
+    guard's ``max_consecutive`` was reached since the last read.
         watch_activations: an :class:`~torch_gradstats.ActivationWatch` of ``model``, or True for
             ``ActivationWatch(model)``. At each sync its report (one more transfer) is kept as
             ``last_activation_report``, and a WARNING names the forward/backward origin module and the first
@@ -146,7 +147,7 @@ class Trainer:
             raise ValueError("give max_grad_norm or adaptive_clip, not both (AdaptiveClip(max_norm=...) caps it)")
         self.spike_guard = spike_guard
         self.adaptive_clip = adaptive_clip
-        self.policy_figures: dict[str, float] = {}  #: the guard's and the clip's figures at the last sync
+        self.policy_figures: dict[str, float] = {}  #: the guard's and the clip's figures at the last read
 
         self.model = model
         self.optimizer = optimizer
@@ -282,7 +283,10 @@ class Trainer:
             health = stats.health(self.health_policy)
             state.add_stats(step, stats, health, skipped, loss_sum / samples, self.keep_history)
         if stats is not None and log_due:
-            report = stats.report(policy=self.health_policy)  # the one transfer of this logging step
+            # The one transfer of this logging step, with the policies' figures (so every sink writes them).
+            report = stats.report(policy=self.health_policy, extra=[
+                ExtraFigures(*p.check_tensors(), p.check_values) for p in self._policies()])
+            self.policy_figures.update(report.extra)
             for sink in self.log_to:
                 sink.log(report, step)
         return True
@@ -331,6 +335,9 @@ class Trainer:
         return (stats.nonfinite_count > 0).to(torch.float64)
 
     # ----------------------------------------------------------------------------------------------- host sync
+    def _policies(self) -> list[SpikeGuard | AdaptiveClip]:
+        return [p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
+
     def _sync_due(self, state: EpochState) -> bool:
         return self.sync_every is not None and state.steps % self.sync_every == 0
 
@@ -338,7 +345,7 @@ class Trainer:
         """The epoch so far, and the policies' figures, in one device-to-host transfer."""
         buffer = state.buffer()
         floats, ints = [buffer], []
-        policies = [p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
+        policies = self._policies()
         spans = []
         for policy in policies:
             f, i = policy.check_tensors()
