@@ -60,7 +60,7 @@ class ExtraFigures:
     read: Callable[[list[float], list[int]], Mapping[str, float]]
 
 
-def _extra_parts(extra: Sequence[ExtraFigures], device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+def extra_tensors(extra: Sequence[ExtraFigures], device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
     """The tensors of ``extra`` on ``device``, floats then ints, to append to a report's own."""
     for i, e in enumerate(extra):
         if not isinstance(e, ExtraFigures):
@@ -69,7 +69,7 @@ def _extra_parts(extra: Sequence[ExtraFigures], device: torch.device) -> tuple[l
             [to_device(t, device) for e in extra for t in e.ints])
 
 
-def _extra_values(extra: Sequence[ExtraFigures], floats: list[float], ints: list[int]) -> dict[str, float]:
+def read_extra(extra: Sequence[ExtraFigures], floats: list[float], ints: list[int]) -> dict[str, float]:
     """Each of ``extra``'s figures from its share of the host values (the tail of a report's transfer)."""
     out: dict[str, float] = {}
     for e in extra:
@@ -332,7 +332,7 @@ class GradStats:
         ints_in = [self.counts, self.numel] + ([self.rank_nonfinite] if self.rank_nonfinite is not None else [])
         clip = [] if self.clip_coef is None or self.clipped_norm is None else [self.clip_coef, self.clipped_norm]
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
-        extra_floats, extra_ints = _extra_parts(extra, self.device)
+        extra_floats, extra_ints = extra_tensors(extra, self.device)
         floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats, *extra_floats],
                                ints_in + group_ints + extra_ints)
         n_floats = 2 * p + 1 + len(clip) + sum(t.numel() for t in group_floats)
@@ -346,7 +346,7 @@ class GradStats:
             out.clip_coef, out.clipped_norm = floats[2 * p + 1], floats[2 * p + 2]
         if groups is not None:
             out.groups = groups._from_host(floats[2 * p + 1 + len(clip):n_floats], ints[(4 + world) * p:n_ints])
-        out.extra = _extra_values(extra, floats[n_floats:], ints[n_ints:])
+        out.extra = read_extra(extra, floats[n_floats:], ints[n_ints:])
         return out
 
 

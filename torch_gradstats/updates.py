@@ -43,11 +43,11 @@ from torch_gradstats.stats import (
     GradStats,
     ParamsLike,
     _dtensor_types,
-    _extra_parts,
-    _extra_values,
     _named_params,
     _stats_on_home,
     _unique_names,
+    extra_tensors,
+    read_extra,
 )
 
 __all__ = [
@@ -362,7 +362,7 @@ class GradWeightStats:
         if g.rank_nonfinite is not None:
             ints.append(g.rank_nonfinite)
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
-        extra_floats, extra_ints = _extra_parts(extra, g.device)
+        extra_floats, extra_ints = extra_tensors(extra, g.device)
         n_floats, n_ints = sum(t.numel() for t in floats), sum(t.numel() for t in ints)
         n_group_floats, n_group_ints = sum(t.numel() for t in group_floats), sum(t.numel() for t in group_ints)
         fl, it = to_host(floats + group_floats + extra_floats, ints + group_ints + extra_ints)
@@ -393,7 +393,7 @@ class GradWeightStats:
         if groups is not None:
             grads_report.groups = groups._from_host(fl[n_floats:n_floats + n_group_floats],
                                                     it[n_ints:n_ints + n_group_ints])
-        grads_report.extra = _extra_values(extra, fl[n_floats + n_group_floats:], it[n_ints + n_group_ints:])
+        grads_report.extra = read_extra(extra, fl[n_floats + n_group_floats:], it[n_ints + n_group_ints:])
 
         names = g.names
         weight_norms = {n: (math.sqrt(s) if not math.isnan(s) else math.nan) for n, s in zip(names, wsumsq)}
