@@ -249,6 +249,15 @@ class AdaptiveClip:
                 raise ValueError(
                     f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+        # Values no save produces would silently stop the clipping (a negative count never ends the warm-up).
+        count, ema = int(state["count"].cpu()[0]), state["ema"].cpu()
+        if not 0 <= count <= fresh.warmup:
+            raise ValueError(f"AdaptiveClip.load_state_dict: 'count' must be in [0, {fresh.warmup}], got {count}")
+        if not bool(ema.isfinite().all()) or float(ema[1]) < 0:
+            raise ValueError(
+                f"AdaptiveClip.load_state_dict: 'ema' (mean, variance) must be finite with variance >= 0, got "
+                f"{ema.tolist()}"
+            )
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
         for name, key in (("_warm", "warmup_norms"), ("_count", "count"), ("_ema", "ema"), ("_last", "last")):

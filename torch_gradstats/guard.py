@@ -341,6 +341,20 @@ class SpikeGuard:
                 raise ValueError(
                     f"SpikeGuard.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+        # Values no save produces would silently decide every later step (a count above the window skips them all).
+        count, pos, counters = state["count"].cpu(), state["position"].cpu(), state["counters"].cpu()
+        if bool(((count < 0) | (count > w)).any()):
+            raise ValueError(f"SpikeGuard.load_state_dict: 'count' must be in [0, {w}], got {count.tolist()}")
+        if bool(((pos < 0) | (pos >= w) | ((count < w) & (pos != count))).any()):
+            raise ValueError(
+                f"SpikeGuard.load_state_dict: 'position' must be in [0, {w}) and equal 'count' while the history is "
+                f"not full, got {pos.tolist()} (count {count.tolist()})"
+            )
+        if bool((counters < 0).any()):
+            raise ValueError(f"SpikeGuard.load_state_dict: 'counters' must be >= 0, got {counters.tolist()}")
+        recorded = torch.arange(w)[None, :] < count[:, None]
+        if not bool(state["history"].cpu()[recorded].isfinite().all()):
+            raise ValueError("SpikeGuard.load_state_dict: 'history' holds a non-finite recorded value")
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
         for name, key in (("_hist", "history"), ("_count", "count"), ("_pos", "position"), ("_counters", "counters"),

@@ -1,0 +1,97 @@
+"""Hostile inputs to the newer public APIs: each must raise a named TypeError/ValueError, never give a silently wrong
+result or leave an object in a broken state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torch_gradstats import AdaptiveClip, NoiseScale, SpikeGuard
+
+
+# ------------------------------------------------------------------------------------------- SpikeGuard
+def _guard_state(**changes: torch.Tensor) -> dict:
+    g = SpikeGuard(window=4, min_history=2)
+    for v in (1.0, 1.1, 0.9):
+        g.observe(v)
+    state = g.state_dict()
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("count", torch.tensor([100, 0]), "'count' must be in"),
+        ("count", torch.tensor([-1, 0]), "'count' must be in"),
+        ("position", torch.tensor([-7, 0]), "'position' must be in"),
+        ("position", torch.tensor([1, 0]), "'position' must be in"),  # 3 values recorded: the next slot is 3
+        ("counters", torch.tensor([3, -1, 0, 0, 0]), "'counters' must be >= 0"),
+        ("history", torch.tensor([[1.0, math.nan, 0.9, 0.0], [0.0] * 4], dtype=torch.float64), "non-finite"),
+    ],
+)
+def test_guard_load_rejects_impossible_state(key: str, value: torch.Tensor, match: str) -> None:
+    # A count above the window used to load and then skip every later step.
+    g = SpikeGuard(window=4)
+    before = g.state_dict()
+    with pytest.raises(ValueError, match=match):
+        g.load_state_dict(_guard_state(**{key: value}))
+    assert torch.equal(g.state_dict()["count"], before["count"])  # left as it was
+    assert g.observe(1.0).item() == 1.0
+
+
+def test_guard_load_accepts_its_own_state_and_decides_alike() -> None:
+    state = _guard_state()
+    a, b = SpikeGuard(window=4), SpikeGuard(window=4)
+    a.load_state_dict(state)
+    b.load_state_dict(state)
+    assert [a.observe(v).item() for v in (1.0, 50.0)] == [1.0, 0.0]
+    assert [b.observe(v).item() for v in (1.0, 50.0)] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("make", [lambda: SpikeGuard(window=4), lambda: AdaptiveClip(warmup=2)])
+def test_meta_figure_is_rejected_and_state_kept(make) -> None:
+    # A meta norm used to move the whole state to the meta device: every recorded value was lost.
+    policy = make()
+    step = policy.observe if isinstance(policy, SpikeGuard) else policy.threshold
+    step(1.0)
+    with pytest.raises(ValueError, match="meta tensor"):
+        step(torch.tensor(1.0, device="meta"))
+    assert policy.device.type == "cpu"
+    step(1.0)  # still usable on the CPU
+
+
+# ------------------------------------------------------------------------------------------- AdaptiveClip
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("count", torch.tensor([-5]), "'count' must be in"),
+        ("count", torch.tensor([9]), "'count' must be in"),
+        ("ema", torch.tensor([1.0, -1.0], dtype=torch.float64), "variance >= 0"),
+        ("ema", torch.tensor([math.nan, 1.0], dtype=torch.float64), "must be finite"),
+    ],
+)
+def test_adaptive_clip_load_rejects_impossible_state(key: str, value: torch.Tensor, match: str) -> None:
+    # A negative count used to load and then never end the warm-up: no step was ever clipped.
+    saved = AdaptiveClip(warmup=2)
+    saved.threshold(1.0)
+    state = saved.state_dict()
+    state[key] = value
+    clip = AdaptiveClip(warmup=2)
+    with pytest.raises(ValueError, match=match):
+        clip.load_state_dict(state)
+    assert int(clip.state_dict()["count"][0]) == 0
+
+
+# ------------------------------------------------------------------------------------------- NoiseScale
+def test_noise_scale_update_does_not_chain_autograd_graphs() -> None:
+    # Norms that require grad used to make the EMAs part of every step's graph (growing without bound).
+    ns = NoiseScale(2)
+    x = torch.tensor(4.0, requires_grad=True)
+    for _ in range(3):
+        ns.update(x * 1.0, x * 0.75, big_batch_size=4)
+    assert not ns.grad_sq.requires_grad and ns.grad_sq.grad_fn is None
+    assert not ns.trace_sigma.requires_grad
+    assert math.isfinite(ns.to_dict()["noise/b_simple"])
