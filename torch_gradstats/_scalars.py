@@ -50,6 +50,8 @@ def as_figure(where: str, value: object, device: torch.device) -> Tensor:
             raise ValueError(f"{where} must be a one-element tensor, got shape {tuple(value.shape)}")
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{where} must be a real tensor, got {value.dtype}")
+        if value.device.type == "meta":  # the state would move there and lose every value it holds
+            raise ValueError(f"{where} is a meta tensor, which has no value; pass the figure of a real step")
         return value.detach().reshape(()).to(torch.float64)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where} must be a tensor or a real number, got {type(value).__name__}")
