@@ -59,7 +59,7 @@ def _as_sq(value: Tensor | float, what: str) -> Tensor:
                 f"NoiseScale.update: {what} must be a floating-point tensor of one element, got dtype "
                 f"{value.dtype} and shape {tuple(value.shape)}"
             )
-        return value.reshape(()).to(torch.float64)
+        return value.detach().reshape(()).to(torch.float64)  # the EMAs must not chain every step's autograd graph
     if isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(f"NoiseScale.update: {what} must be a tensor or a float, got a {type(value).__name__}")
