@@ -95,3 +95,54 @@ def test_noise_scale_update_does_not_chain_autograd_graphs() -> None:
     assert not ns.grad_sq.requires_grad and ns.grad_sq.grad_fn is None
     assert not ns.trace_sigma.requires_grad
     assert math.isfinite(ns.to_dict()["noise/b_simple"])
+
+
+# ------------------------------------------------------------------------------------------- file sinks
+def _report():
+    from torch_gradstats import grad_stats
+
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    return grad_stats([("w", w)]).report()
+
+
+@pytest.mark.parametrize("sink_name", ["CSVSink", "JSONLSink"])
+@pytest.mark.parametrize(
+    ("step", "error"), [(1.7, TypeError), ("5", TypeError), (None, TypeError), (math.nan, TypeError), (True, TypeError)]
+)
+def test_sink_step_must_be_an_int(tmp_path, sink_name: str, step: object, error: type) -> None:
+    # A float step used to be written truncated (1.7 as 1), a str as given; None/NaN failed inside int().
+    from torch_gradstats.integrations import files
+
+    sink = getattr(files, sink_name)(tmp_path / "f")
+    with pytest.raises(error, match=r"\.log: step must be an int"):
+        sink.log(_report(), step)
+    sink.log(_report(), 3)
+    sink.close()
+    assert "3" in (tmp_path / "f").read_text()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"style": "nope"}, ValueError, "style must be one of"),
+        ({"style": None}, TypeError, "style must be a str"),
+        ({"prefix": None}, TypeError, "prefix must be a str"),
+        ({"per_param": "no"}, TypeError, "per_param must be a bool"),
+    ],
+)
+def test_sink_settings_checked_before_the_file_is_truncated(tmp_path, kwargs: dict, error: type, match: str) -> None:
+    from torch_gradstats.integrations.files import CSVSink
+
+    path = tmp_path / "keep.csv"
+    path.write_text("earlier run\n")
+    with pytest.raises(error, match=match):
+        CSVSink(path, **kwargs)
+    assert path.read_text() == "earlier run\n"
+
+
+def test_sink_log_rejects_a_non_report(tmp_path) -> None:
+    from torch_gradstats.integrations.files import JSONLSink
+
+    with JSONLSink(tmp_path / "f.jsonl") as sink, pytest.raises(TypeError, match="report must be a GradReport"):
+        sink.log(None, 1)  # type: ignore[arg-type]
