@@ -146,3 +146,40 @@ def test_sink_log_rejects_a_non_report(tmp_path) -> None:
 
     with JSONLSink(tmp_path / "f.jsonl") as sink, pytest.raises(TypeError, match="report must be a GradReport"):
         sink.log(None, 1)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------- grad_stats options
+def _named() -> list:
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    return [("w", w)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tied": "w"}, TypeError, "tied must be a collection"),  # a str is a collection of characters
+        ({"tied": ["w"]}, ValueError, "pass stage_group too"),
+        ({"is_expert": lambda n: True}, ValueError, "expert_group and is_expert go together"),
+        ({"is_expert": 5}, TypeError, "is_expert must be a callable"),
+    ],
+)
+def test_grad_stats_group_options_without_their_group_are_refused(kwargs: dict, error: type, match: str) -> None:
+    # Without a process group these options used to be ignored silently.
+    from torch_gradstats import grad_stats
+
+    with pytest.raises(error, match=match):
+        grad_stats(_named(), **kwargs)
+
+
+def test_grad_stats_empty_tied_list_is_fine() -> None:
+    from torch_gradstats import grad_stats
+
+    assert grad_stats(_named(), tied=[]).report().total_norm == pytest.approx(math.sqrt(2))
+
+
+def test_report_groups_must_be_group_stats() -> None:
+    from torch_gradstats import grad_stats
+
+    with pytest.raises(TypeError, match="groups must be a GroupStats"):
+        grad_stats(_named()).report(groups="layer")  # type: ignore[arg-type]

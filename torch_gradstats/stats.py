@@ -278,6 +278,9 @@ class GradStats:
                 "are no numbers to report; compute them on gradients with data (e.g. after model.to_empty(device=...) "
                 "and a backward pass)"
             )
+        if groups is not None and not isinstance(groups, GroupStats):
+            raise TypeError(f"GradStats.report: groups must be a GroupStats (stats.grouped(...)) or None, got a "
+                            f"{type(groups).__name__}")
         k = int(k)
         p = len(self.names)
         world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
@@ -412,6 +415,10 @@ def grad_stats(
         numels = None  # read after the op: a .grad that is not a tensor is named there
 
     distributed = group is not None or stage_group is not None or expert_group is not None
+    if not distributed and (is_expert is not None or not (isinstance(tied, tuple) and not tied)):
+        from torch_gradstats.distributed import _check_options  # raises: these options need their group
+
+        _check_options(None, None, is_expert, None, tied)
     if not local and not distributed:
         return _empty_stats(torch.device("cpu"))
     names = _unique_names(names)
