@@ -183,3 +183,38 @@ def test_report_groups_must_be_group_stats() -> None:
 
     with pytest.raises(TypeError, match="groups must be a GroupStats"):
         grad_stats(_named()).report(groups="layer")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------- compat.torchtitan
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type", "error", "match"),
+    [
+        (math.nan, 2.0, ValueError, "max_norm must be >= 0"),  # used to make every gradient NaN
+        (-1.0, 2.0, ValueError, "max_norm must be >= 0"),  # used to flip every gradient's sign
+        ("1", 2.0, TypeError, "max_norm must be a real number"),
+        (None, 2.0, TypeError, "max_norm must be a real number"),
+        (1.0, "2", TypeError, "norm_type must be a real number"),  # used to be parsed as a number
+        (1.0, True, TypeError, "norm_type must be a real number"),
+    ],
+)
+def test_torchtitan_clip_rejects_bad_settings_and_leaves_gradients(
+    max_norm: object, norm_type: object, error: type, match: str
+) -> None:
+    from torch_gradstats.compat import torchtitan
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, -4.0])
+    with pytest.raises(error, match=match):
+        torchtitan.clip_grad_norm_([p], max_norm, norm_type)  # type: ignore[arg-type]
+    assert torch.equal(p.grad, torch.tensor([3.0, -4.0]))
+
+
+def test_torchtitan_clip_still_takes_a_tensor_max_norm_and_inf() -> None:
+    from torch_gradstats.compat import torchtitan
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, -4.0])
+    assert torchtitan.clip_grad_norm_([p], math.inf).item() == pytest.approx(5.0)
+    assert torch.equal(p.grad, torch.tensor([3.0, -4.0]))
+    torchtitan.clip_grad_norm_([p], torch.tensor(1.0))
+    assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
