@@ -218,3 +218,26 @@ def test_torchtitan_clip_still_takes_a_tensor_max_norm_and_inf() -> None:
     assert torch.equal(p.grad, torch.tensor([3.0, -4.0]))
     torchtitan.clip_grad_norm_([p], torch.tensor(1.0))
     assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- meta tensors
+def test_activation_watch_report_of_a_meta_model_is_a_value_error() -> None:
+    # It used to fail inside the host transfer with NotImplementedError("Cannot copy out of meta tensor").
+    from torch_gradstats.activations import ActivationWatch
+
+    model = torch.nn.Linear(2, 2, device="meta")
+    with ActivationWatch(model) as watch:
+        model(torch.ones(1, 2, device="meta"))
+        with pytest.raises(ValueError, match="meta tensors"):
+            watch.report()
+
+
+def test_step_or_skip_meta_factor_is_a_value_error() -> None:
+    from torch_gradstats import step_or_skip
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = torch.optim.SGD([p], lr=1.0)
+    with pytest.raises(ValueError, match="factor is a meta tensor"):
+        step_or_skip(opt, torch.tensor(1.0, device="meta"))
+    assert torch.equal(p.detach(), torch.ones(2))
