@@ -278,7 +278,8 @@ class GradStats:
                 "are no numbers to report; compute them on gradients with data (e.g. after model.to_empty(device=...) "
                 "and a backward pass)"
             )
-        if groups is not None and not isinstance(groups, GroupStats):
+        # Duck-typed: the integrations pass their own figures riding along in the same transfer.
+        if groups is not None and not (hasattr(groups, "_host_parts") and hasattr(groups, "_from_host")):
             raise TypeError(f"GradStats.report: groups must be a GroupStats (stats.grouped(...)) or None, got a "
                             f"{type(groups).__name__}")
         k = int(k)
