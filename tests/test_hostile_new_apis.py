@@ -241,3 +241,15 @@ def test_step_or_skip_meta_factor_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="factor is a meta tensor"):
         step_or_skip(opt, torch.tensor(1.0, device="meta"))
     assert torch.equal(p.detach(), torch.ones(2))
+
+
+@pytest.mark.parametrize("cls", [SpikeGuard, AdaptiveClip])
+@pytest.mark.parametrize(("device", "error"), [(5, TypeError), (None, TypeError), ("gpu", ValueError)])
+def test_policy_device_is_checked(cls: type, device: object, error: type) -> None:
+    # An int used to reach torch.device and fail with "Cannot access accelerator device" (a RuntimeError).
+    if device is not None:
+        with pytest.raises(error, match=f"{cls.__name__}: device"):
+            cls(device=device)
+    with pytest.raises(error, match=rf"{cls.__name__}\.to: device"):
+        cls().to(device)
+    assert cls(device="cpu").to(torch.device("cpu")).device.type == "cpu"

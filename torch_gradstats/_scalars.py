@@ -11,7 +11,7 @@ from torch import Tensor
 
 from torch_gradstats._transfer import fetch, to_device
 
-__all__ = ["as_figure", "check_int", "check_real", "load_state", "moved"]
+__all__ = ["as_figure", "check_device", "check_int", "check_real", "load_state", "moved"]
 
 
 def check_real(
@@ -37,6 +37,17 @@ def check_int(where: str, value: object, *, low: int) -> int:
     if int(value) < low:
         raise ValueError(f"{where} must be >= {low}, got {value!r}")
     return int(value)
+
+
+def check_device(where: str, device: object) -> torch.device:
+    """``device`` (a torch.device or a str such as ``"cuda:0"``) as a torch.device, or a TypeError/ValueError naming
+    ``where`` (torch's own errors name neither; an int would pick an accelerator)."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"{where} must be a torch.device or a str, got {device!r} ({type(device).__name__})")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{where} is not a device: {device!r} ({exc})") from None
 
 
 def as_figure(where: str, value: object, device: torch.device) -> Tensor:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._scalars import as_figure, check_int, check_real, load_state, moved
+from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
 from torch_gradstats._transfer import to_host
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.stats import GradStats, ParamsLike, _named_params, grad_stats
@@ -82,7 +82,7 @@ class AdaptiveClip:
         if not isinstance(skip_update_on_spike, bool):
             raise TypeError(f"AdaptiveClip: skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
-        dev = torch.device("cpu") if device is None else torch.device(device)
+        dev = torch.device("cpu") if device is None else check_device("AdaptiveClip: device", device)
         self._warm = torch.zeros(self.warmup, dtype=torch.float64, device=dev)  # the warm-up norms
         self._slots = torch.arange(self.warmup, dtype=torch.int64, device=dev)
         self._count = torch.zeros(1, dtype=torch.int64, device=dev)  # finite norms collected (<= warmup)
@@ -98,7 +98,7 @@ class AdaptiveClip:
 
     def to(self, device: torch.device | str) -> AdaptiveClip:
         """Move the state to ``device`` (not needed per step: :meth:`threshold` moves it once); returns self."""
-        device = torch.device(device)
+        device = check_device("AdaptiveClip.to: device", device)
         for name in self._STATE:
             setattr(self, name, moved(getattr(self, name), device))
         return self

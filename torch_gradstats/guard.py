@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._scalars import as_figure, check_int, check_real, load_state, moved
+from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
 from torch_gradstats._transfer import to_device, to_host
 
 __all__ = ["SpikeGuard", "SpikeStreakError"]
@@ -108,7 +108,7 @@ class SpikeGuard:
         self.max_consecutive = (
             None if max_consecutive is None else check_int("SpikeGuard: max_consecutive", max_consecutive, low=1)
         )
-        self._allocate(torch.device("cpu") if device is None else torch.device(device))
+        self._allocate(torch.device("cpu") if device is None else check_device("SpikeGuard: device", device))
 
     def _allocate(self, device: torch.device) -> None:
         w, s = self.window, len(_SERIES)
@@ -129,7 +129,7 @@ class SpikeGuard:
 
     def to(self, device: torch.device | str) -> SpikeGuard:
         """Move the state to ``device`` (not needed per step: :meth:`observe` moves it once); returns self."""
-        device = torch.device(device)
+        device = check_device("SpikeGuard.to: device", device)
         for name in self._STATE:
             setattr(self, name, moved(getattr(self, name), device))
         return self
