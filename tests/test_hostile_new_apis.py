@@ -253,3 +253,25 @@ def test_policy_device_is_checked(cls: type, device: object, error: type) -> Non
     with pytest.raises(error, match=rf"{cls.__name__}\.to: device"):
         cls().to(device)
     assert cls(device="cpu").to(torch.device("cpu")).device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"ema": None}, TypeError, "ema must be a float"),  # used to fail inside float()
+        ({"ema": "0.9"}, TypeError, "ema must be a float"),  # used to be parsed
+        ({"grad_sq_ema": torch.tensor(1.0, device="meta")}, ValueError, "with a value"),  # failed at the next step
+        ({"grad_sq_ema": torch.tensor(1)}, ValueError, "floating-point"),
+    ],
+)
+def test_noise_scale_load_rejects_bad_state(change: dict, error: type, match: str) -> None:
+    saved = NoiseScale(2, ema=0.9)
+    saved.update(4.0, 3.0, big_batch_size=4)
+    state = {**saved.state_dict(), **change}
+    ns = NoiseScale(2, ema=0.9)
+    with pytest.raises(error, match=match):
+        ns.load_state_dict(state)
+    assert ns.steps == 0
+    ns.load_state_dict(saved.state_dict())
+    ns.update(4.0, 3.0, big_batch_size=4)
+    assert ns.steps == 2
