@@ -275,3 +275,18 @@ def test_noise_scale_load_rejects_bad_state(change: dict, error: type, match: st
     ns.load_state_dict(saved.state_dict())
     ns.update(4.0, 3.0, big_batch_size=4)
     assert ns.steps == 2
+
+
+@pytest.mark.parametrize("style", ["default", "hf"])
+def test_to_dict_prefix_must_be_a_str(style: str) -> None:
+    # GroupReport.to_dict(None) used to write "Nonegroup/..." keys; GradReport.to_dict failed inside "+".
+    from torch_gradstats import grad_stats
+
+    stats = grad_stats(_named())
+    report = stats.report(groups=stats.grouped(lambda n: "all"))
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        report.to_dict(prefix=None, style=style)  # type: ignore[arg-type]
+    assert report.groups is not None
+    with pytest.raises(TypeError, match="GroupReport.to_dict: prefix must be a str"):
+        report.groups.to_dict(None)  # type: ignore[arg-type]
+    assert report.groups.to_dict("g/")["g/group/all/norm"] == pytest.approx(math.sqrt(2))

@@ -178,6 +178,8 @@ class GradReport:
                 Trainer logs); ``"megatron"``, ``grad-norm`` and ``num-zeros``; ``"composer"``,
                 ``l2_norm/grad/global`` and ``l2_norm/grad/<name>``. The framework styles hold those keys only.
         """
+        if not isinstance(prefix, str):
+            raise TypeError(f"to_dict: prefix must be a str, got a {type(prefix).__name__}")
         if style != "default":
             return {prefix + key: value for key, value in self._styled(style, per_param).items()}
         out: dict[str, float | int | str | None] = {
@@ -269,6 +271,8 @@ class GroupReport:
     def to_dict(self, prefix: str = "") -> dict[str, float | int]:
         """``group/<g>/norm``, ``group/<g>/max_abs``, ``group/<g>/nonfinite`` (NaN + Inf elements) for every group,
         then, where present, ``group/<g>/weight_norm``, ``group/<g>/lr_update_ratio``, ``group/<g>/update_ratio``."""
+        if not isinstance(prefix, str):  # an f-string would have written "None" into every key
+            raise TypeError(f"GroupReport.to_dict: prefix must be a str, got a {type(prefix).__name__}")
         out: dict[str, float | int] = {}
         for n in self.norms:
             out[f"{prefix}group/{n}/norm"] = self.norms[n]
