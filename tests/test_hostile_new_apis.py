@@ -290,3 +290,16 @@ def test_to_dict_prefix_must_be_a_str(style: str) -> None:
     with pytest.raises(TypeError, match="GroupReport.to_dict: prefix must be a str"):
         report.groups.to_dict(None)  # type: ignore[arg-type]
     assert report.groups.to_dict("g/")["g/group/all/norm"] == pytest.approx(math.sqrt(2))
+
+
+def test_adaptive_clip_clips_a_tied_parameter_once() -> None:
+    # named_parameters(remove_duplicate=False) lists a tied weight twice: it used to be counted twice in the norm
+    # and scaled twice (a norm of 1/12 instead of the cap of 1).
+    a = torch.nn.Linear(2, 2, bias=False)
+    b = torch.nn.Linear(2, 2, bias=False)
+    b.weight = a.weight
+    model = torch.nn.Sequential(a, b)
+    a.weight.grad = torch.full((2, 2), 3.0)
+    stats = AdaptiveClip(warmup=1, max_norm=1.0).clip_(model.named_parameters(remove_duplicate=False))
+    assert stats.total_norm.item() == pytest.approx(6.0)
+    assert a.weight.grad.norm().item() == pytest.approx(1.0, rel=1e-5)

@@ -171,7 +171,11 @@ class AdaptiveClip:
         Returns:
             The statistics before clipping, with ``clip_norm`` and ``clip_coef`` set (as ``clip_grad_norm_``).
         """
-        named = _named_params(params, "AdaptiveClip.clip_")
+        named, seen = [], set()
+        for name, p in _named_params(params, "AdaptiveClip.clip_"):  # a tensor given twice (tied) is clipped once
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
         stats = grad_stats(named, group=group)
         if not len(stats):
             return clip_grad_norm_(named, math.inf, stats=stats)
