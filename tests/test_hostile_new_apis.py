@@ -303,3 +303,16 @@ def test_adaptive_clip_clips_a_tied_parameter_once() -> None:
     stats = AdaptiveClip(warmup=1, max_norm=1.0).clip_(model.named_parameters(remove_duplicate=False))
     assert stats.total_norm.item() == pytest.approx(6.0)
     assert a.weight.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_is_logging_rank_rank_argument() -> None:
+    # A negative rank used to answer True (torch.distributed not initialized); a numpy int was a TypeError.
+    import numpy as np
+
+    from torch_gradstats.distributed import is_logging_rank
+
+    with pytest.raises(ValueError, match="rank must be a global rank >= 0"):
+        is_logging_rank(rank=-1)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        is_logging_rank(rank="0")  # type: ignore[arg-type]
+    assert is_logging_rank(rank=np.int64(0)) is True
