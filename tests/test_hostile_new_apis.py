@@ -316,3 +316,31 @@ def test_is_logging_rank_rank_argument() -> None:
     with pytest.raises(TypeError, match="rank must be an int"):
         is_logging_rank(rank="0")  # type: ignore[arg-type]
     assert is_logging_rank(rank=np.int64(0)) is True
+
+
+def _meta_named() -> list:
+    w = torch.nn.Parameter(torch.ones(2, device="meta"))
+    w.grad = torch.ones(2, device="meta")
+    return [("w", w)]
+
+
+def test_group_stats_report_of_meta_gradients_is_a_value_error() -> None:
+    from torch_gradstats import grad_stats
+
+    with pytest.raises(ValueError, match="GroupStats.report: these figures are of meta tensors"):
+        grad_stats(_meta_named()).grouped().report()
+
+
+def test_megatron_compat_hostile_inputs() -> None:
+    from torch_gradstats.compat import megatron
+
+    with pytest.raises(ValueError, match="meta tensors"):
+        megatron.get_grad_norm_fp32([torch.ones(2, device="meta")])
+    # A str used to count 0 zeros (its characters were skipped as parameters without a gradient).
+    with pytest.raises(TypeError, match="parameters must be a tensor or a list"):
+        megatron.count_zeros_fp32("weight", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"parameters\[1\] must be a torch.Tensor"):
+        megatron.count_zeros_fp32([torch.nn.Parameter(torch.ones(1)), "bias"], None)  # type: ignore[list-item]
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([0.0, 1.0, 0.0])
+    assert megatron.count_zeros_fp32([p], None) == 2.0
