@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
-from torch_gradstats._transfer import to_host
+from torch_gradstats._transfer import fetch, to_host
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.stats import GradStats, ParamsLike, _named_params, grad_stats
 
@@ -254,13 +254,13 @@ class AdaptiveClip:
                     f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
         # Values no save produces would silently stop the clipping (a negative count never ends the warm-up).
-        count, ema = int(state["count"].cpu()[0]), state["ema"].cpu()
+        count, ema = int(fetch(state["count"])[0]), fetch(state["ema"])
         if not 0 <= count <= fresh.warmup:
             raise ValueError(f"AdaptiveClip.load_state_dict: 'count' must be in [0, {fresh.warmup}], got {count}")
         if not bool(ema.isfinite().all()) or float(ema[1]) < 0:
             raise ValueError(
                 f"AdaptiveClip.load_state_dict: 'ema' (mean, variance) must be finite with variance >= 0, got "
-                f"{ema.tolist()}"
+                f"{[float(v) for v in ema]}"
             )
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
-from torch_gradstats._transfer import to_device, to_host
+from torch_gradstats._transfer import fetch, to_device, to_host
 
 __all__ = ["SpikeGuard", "SpikeStreakError"]
 
@@ -342,18 +342,18 @@ class SpikeGuard:
                     f"SpikeGuard.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
         # Values no save produces would silently decide every later step (a count above the window skips them all).
-        count, pos, counters = state["count"].cpu(), state["position"].cpu(), state["counters"].cpu()
+        count, pos, counters = fetch(state["count"]), fetch(state["position"]), fetch(state["counters"])
         if bool(((count < 0) | (count > w)).any()):
-            raise ValueError(f"SpikeGuard.load_state_dict: 'count' must be in [0, {w}], got {count.tolist()}")
+            raise ValueError(f"SpikeGuard.load_state_dict: 'count' must be in [0, {w}], got {[int(v) for v in count]}")
         if bool(((pos < 0) | (pos >= w) | ((count < w) & (pos != count))).any()):
             raise ValueError(
                 f"SpikeGuard.load_state_dict: 'position' must be in [0, {w}) and equal 'count' while the history is "
-                f"not full, got {pos.tolist()} (count {count.tolist()})"
+                f"not full, got {[int(v) for v in pos]} (count {[int(v) for v in count]})"
             )
         if bool((counters < 0).any()):
-            raise ValueError(f"SpikeGuard.load_state_dict: 'counters' must be >= 0, got {counters.tolist()}")
+            raise ValueError(f"SpikeGuard.load_state_dict: 'counters' must be >= 0, got {[int(v) for v in counters]}")
         recorded = torch.arange(w)[None, :] < count[:, None]
-        if not bool(state["history"].cpu()[recorded].isfinite().all()):
+        if not bool(fetch(state["history"])[recorded].isfinite().all()):
             raise ValueError("SpikeGuard.load_state_dict: 'history' holds a non-finite recorded value")
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)

@@ -416,10 +416,15 @@ def grad_stats(
         numels = None  # read after the op: a .grad that is not a tensor is named there
 
     distributed = group is not None or stage_group is not None or expert_group is not None
-    if not distributed and (is_expert is not None or not (isinstance(tied, tuple) and not tied)):
-        from torch_gradstats.distributed import _check_options  # raises: these options need their group
-
-        _check_options(None, None, is_expert, None, tied)
+    if not distributed:  # these options need their group: silently ignored otherwise
+        if isinstance(tied, str) or not isinstance(tied, Collection) or not all(isinstance(t, str) for t in tied):
+            raise TypeError("grad_stats: tied must be a collection of parameter names (str)")
+        if tied:
+            raise ValueError("grad_stats: tied names parameters shared by pipeline stages; pass stage_group too")
+        if is_expert is not None and not callable(is_expert):
+            raise TypeError(f"grad_stats: is_expert must be a callable name -> bool, got a {type(is_expert).__name__}")
+        if is_expert is not None:
+            raise ValueError("grad_stats: expert_group and is_expert go together: pass both or neither")
     if not local and not distributed:
         return _empty_stats(torch.device("cpu"))
     names = _unique_names(names)
