@@ -11,7 +11,7 @@ from torch import Tensor
 
 from torch_gradstats._transfer import fetch, to_device
 
-__all__ = ["as_figure", "check_int", "check_real", "load_state", "moved"]
+__all__ = ["as_figure", "check_device", "check_int", "check_real", "load_state", "moved"]
 
 
 def check_real(
@@ -39,6 +39,17 @@ def check_int(where: str, value: object, *, low: int) -> int:
     return int(value)
 
 
+def check_device(where: str, device: object) -> torch.device:
+    """``device`` (a torch.device or a str such as ``"cuda:0"``) as a torch.device, or a TypeError/ValueError naming
+    ``where`` (torch's own errors name neither; an int would pick an accelerator)."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"{where} must be a torch.device or a str, got {device!r} ({type(device).__name__})")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{where} is not a device: {device!r} ({exc})") from None
+
+
 def as_figure(where: str, value: object, device: torch.device) -> Tensor:
     """A per-step figure (a one-element real tensor or a Python number) as a float64 0-d tensor, detached.
 
@@ -50,6 +61,8 @@ def as_figure(where: str, value: object, device: torch.device) -> Tensor:
             raise ValueError(f"{where} must be a one-element tensor, got shape {tuple(value.shape)}")
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{where} must be a real tensor, got {value.dtype}")
+        if value.device.type == "meta":  # the state would move there and lose every value it holds
+            raise ValueError(f"{where} is a meta tensor, which has no value; pass the figure of a real step")
         return value.detach().reshape(()).to(torch.float64)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where} must be a tensor or a real number, got {type(value).__name__}")

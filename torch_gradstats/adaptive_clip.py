@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._scalars import as_figure, check_int, check_real, load_state, moved
-from torch_gradstats._transfer import to_host
+from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
+from torch_gradstats._transfer import fetch, to_host
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.stats import GradStats, ParamsLike, _named_params, grad_stats
 
@@ -82,7 +82,7 @@ class AdaptiveClip:
         if not isinstance(skip_update_on_spike, bool):
             raise TypeError(f"AdaptiveClip: skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
-        dev = torch.device("cpu") if device is None else torch.device(device)
+        dev = torch.device("cpu") if device is None else check_device("AdaptiveClip: device", device)
         self._warm = torch.zeros(self.warmup, dtype=torch.float64, device=dev)  # the warm-up norms
         self._slots = torch.arange(self.warmup, dtype=torch.int64, device=dev)
         self._count = torch.zeros(1, dtype=torch.int64, device=dev)  # finite norms collected (<= warmup)
@@ -98,7 +98,7 @@ class AdaptiveClip:
 
     def to(self, device: torch.device | str) -> AdaptiveClip:
         """Move the state to ``device`` (not needed per step: :meth:`threshold` moves it once); returns self."""
-        device = torch.device(device)
+        device = check_device("AdaptiveClip.to: device", device)
         for name in self._STATE:
             setattr(self, name, moved(getattr(self, name), device))
         return self
@@ -171,7 +171,11 @@ class AdaptiveClip:
         Returns:
             The statistics before clipping, with ``clip_norm`` and ``clip_coef`` set (as ``clip_grad_norm_``).
         """
-        named = _named_params(params, "AdaptiveClip.clip_")
+        named, seen = [], set()
+        for name, p in _named_params(params, "AdaptiveClip.clip_"):  # a tensor given twice (tied) is clipped once
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
         stats = grad_stats(named, group=group)
         if not len(stats):
             return clip_grad_norm_(named, math.inf, stats=stats)
@@ -249,6 +253,15 @@ class AdaptiveClip:
                 raise ValueError(
                     f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+        # Values no save produces would silently stop the clipping (a negative count never ends the warm-up).
+        count, ema = int(fetch(state["count"])[0]), fetch(state["ema"])
+        if not 0 <= count <= fresh.warmup:
+            raise ValueError(f"AdaptiveClip.load_state_dict: 'count' must be in [0, {fresh.warmup}], got {count}")
+        if not bool(ema.isfinite().all()) or float(ema[1]) < 0:
+            raise ValueError(
+                f"AdaptiveClip.load_state_dict: 'ema' (mean, variance) must be finite with variance >= 0, got "
+                f"{[float(v) for v in ema]}"
+            )
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
         for name, key in (("_warm", "warmup_norms"), ("_count", "count"), ("_ema", "ema"), ("_last", "last")):

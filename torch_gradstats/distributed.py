@@ -55,6 +55,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import numbers
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
@@ -494,8 +495,10 @@ def is_logging_rank(stage_group: Any = None, *, group: Any = None, rank: int | N
         ``stage_group`` that is also the first of ``group`` (if given); else global rank 0. Always True when
         torch.distributed is not initialized. No communication.
     """
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)):
         raise TypeError(f"is_logging_rank: rank must be an int (a global rank), got a {type(rank).__name__}")
+    if rank is not None and rank < 0:  # no world has it: refused with or without torch.distributed
+        raise ValueError(f"is_logging_rank: rank must be a global rank >= 0, got {rank}")
     if not (dist.is_available() and dist.is_initialized()):
         return True
     if rank is not None:

@@ -220,6 +220,11 @@ class GroupStats:
 
     def report(self) -> GroupReport:
         """Every figure on the host in ONE device-to-host transfer."""
+        if self.sumsq.device.type == "meta":
+            raise ValueError(
+                "GroupStats.report: these figures are of meta tensors, which have shapes but no values; compute them "
+                "on gradients with data"
+            )
         return self._from_host(*to_host(*self._host_parts()))
 
     def _host_parts(self) -> tuple[list[Tensor], list[Tensor]]:

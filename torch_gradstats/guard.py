@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._scalars import as_figure, check_int, check_real, load_state, moved
-from torch_gradstats._transfer import to_device, to_host
+from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
+from torch_gradstats._transfer import fetch, to_device, to_host
 
 __all__ = ["SpikeGuard", "SpikeStreakError"]
 
@@ -108,7 +108,7 @@ class SpikeGuard:
         self.max_consecutive = (
             None if max_consecutive is None else check_int("SpikeGuard: max_consecutive", max_consecutive, low=1)
         )
-        self._allocate(torch.device("cpu") if device is None else torch.device(device))
+        self._allocate(torch.device("cpu") if device is None else check_device("SpikeGuard: device", device))
 
     def _allocate(self, device: torch.device) -> None:
         w, s = self.window, len(_SERIES)
@@ -129,7 +129,7 @@ class SpikeGuard:
 
     def to(self, device: torch.device | str) -> SpikeGuard:
         """Move the state to ``device`` (not needed per step: :meth:`observe` moves it once); returns self."""
-        device = torch.device(device)
+        device = check_device("SpikeGuard.to: device", device)
         for name in self._STATE:
             setattr(self, name, moved(getattr(self, name), device))
         return self
@@ -341,6 +341,20 @@ class SpikeGuard:
                 raise ValueError(
                     f"SpikeGuard.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+        # Values no save produces would silently decide every later step (a count above the window skips them all).
+        count, pos, counters = fetch(state["count"]), fetch(state["position"]), fetch(state["counters"])
+        if bool(((count < 0) | (count > w)).any()):
+            raise ValueError(f"SpikeGuard.load_state_dict: 'count' must be in [0, {w}], got {[int(v) for v in count]}")
+        if bool(((pos < 0) | (pos >= w) | ((count < w) & (pos != count))).any()):
+            raise ValueError(
+                f"SpikeGuard.load_state_dict: 'position' must be in [0, {w}) and equal 'count' while the history is "
+                f"not full, got {[int(v) for v in pos]} (count {[int(v) for v in count]})"
+            )
+        if bool((counters < 0).any()):
+            raise ValueError(f"SpikeGuard.load_state_dict: 'counters' must be >= 0, got {[int(v) for v in counters]}")
+        recorded = torch.arange(w)[None, :] < count[:, None]
+        if not bool(fetch(state["history"])[recorded].isfinite().all()):
+            raise ValueError("SpikeGuard.load_state_dict: 'history' holds a non-finite recorded value")
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)
         for name, key in (("_hist", "history"), ("_count", "count"), ("_pos", "position"), ("_counters", "counters"),

@@ -59,7 +59,7 @@ def _as_sq(value: Tensor | float, what: str) -> Tensor:
                 f"NoiseScale.update: {what} must be a floating-point tensor of one element, got dtype "
                 f"{value.dtype} and shape {tuple(value.shape)}"
             )
-        return value.reshape(()).to(torch.float64)
+        return value.detach().reshape(()).to(torch.float64)  # the EMAs must not chain every step's autograd graph
     if isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
     raise TypeError(f"NoiseScale.update: {what} must be a tensor or a float, got a {type(value).__name__}")
@@ -301,7 +301,10 @@ class NoiseScale:
         missing = {"ema", "steps", "grad_sq_ema", "trace_sigma_ema"} - state.keys()
         if missing:
             raise ValueError(f"NoiseScale.load_state_dict: state lacks {sorted(missing)}")
-        if float(state["ema"]) != self.ema:
+        ema = state["ema"]
+        if isinstance(ema, bool) or not isinstance(ema, numbers.Real):  # a str such as "0.9" is not a saved state
+            raise TypeError(f"NoiseScale.load_state_dict: ema must be a float, got a {type(ema).__name__}")
+        if float(ema) != self.ema:
             raise ValueError(
                 f"NoiseScale.load_state_dict: the state was saved with ema={state['ema']}, this instance has "
                 f"ema={self.ema} (the bias correction assumes one decay)"
@@ -312,8 +315,12 @@ class NoiseScale:
         if (g is None) != (tr is None) or (g is None) != (steps == 0):
             raise ValueError("NoiseScale.load_state_dict: grad_sq_ema and trace_sigma_ema must be set iff steps > 0")
         for name, t in (("grad_sq_ema", g), ("trace_sigma_ema", tr)):
-            if t is not None and (not isinstance(t, Tensor) or t.numel() != 1):
-                raise ValueError(f"NoiseScale.load_state_dict: {name} must be a one-element tensor, got {t!r}")
+            if t is not None and (not isinstance(t, Tensor) or t.numel() != 1 or not t.dtype.is_floating_point
+                                  or t.device.type == "meta"):
+                raise ValueError(
+                    f"NoiseScale.load_state_dict: {name} must be a one-element floating-point tensor with a value, "
+                    f"got {t!r}"
+                )
         with self._lock:
             self.steps = steps
             self._grad_sq_ema = None if g is None else g.detach().reshape(()).to(torch.float64).clone()

@@ -185,6 +185,8 @@ class GradReport:
         Every style ends with :attr:`extra`'s figures under their own names, without ``prefix``: they are named by
         what made them (``guard/skipped``, ``clip/coef``...), and read the same beside any style or prefix.
         """
+        if not isinstance(prefix, str):
+            raise TypeError(f"to_dict: prefix must be a str, got a {type(prefix).__name__}")
         if style != "default":
             styled = {prefix + key: value for key, value in self._styled(style, per_param).items()}
             return {**styled, **self.extra}
@@ -277,6 +279,8 @@ class GroupReport:
     def to_dict(self, prefix: str = "") -> dict[str, float | int]:
         """``group/<g>/norm``, ``group/<g>/max_abs``, ``group/<g>/nonfinite`` (NaN + Inf elements) for every group,
         then, where present, ``group/<g>/weight_norm``, ``group/<g>/lr_update_ratio``, ``group/<g>/update_ratio``."""
+        if not isinstance(prefix, str):  # an f-string would have written "None" into every key
+            raise TypeError(f"GroupReport.to_dict: prefix must be a str, got a {type(prefix).__name__}")
         out: dict[str, float | int] = {}
         for n in self.norms:
             out[f"{prefix}group/{n}/norm"] = self.norms[n]

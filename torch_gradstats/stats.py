@@ -326,6 +326,10 @@ class GradStats:
                 "are no numbers to report; compute them on gradients with data (e.g. after model.to_empty(device=...) "
                 "and a backward pass)"
             )
+        # Duck-typed: the integrations pass their own figures riding along in the same transfer.
+        if groups is not None and not (hasattr(groups, "_host_parts") and hasattr(groups, "_from_host")):
+            raise TypeError(f"GradStats.report: groups must be a GroupStats (stats.grouped(...)) or None, got a "
+                            f"{type(groups).__name__}")
         k = int(k)
         p = len(self.names)
         world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
@@ -465,6 +469,15 @@ def grad_stats(
         numels = None  # read after the op: a .grad that is not a tensor is named there
 
     distributed = group is not None or stage_group is not None or expert_group is not None
+    if not distributed:  # these options need their group: silently ignored otherwise
+        if isinstance(tied, str) or not isinstance(tied, Collection) or not all(isinstance(t, str) for t in tied):
+            raise TypeError("grad_stats: tied must be a collection of parameter names (str)")
+        if tied:
+            raise ValueError("grad_stats: tied names parameters shared by pipeline stages; pass stage_group too")
+        if is_expert is not None and not callable(is_expert):
+            raise TypeError(f"grad_stats: is_expert must be a callable name -> bool, got a {type(is_expert).__name__}")
+        if is_expert is not None:
+            raise ValueError("grad_stats: expert_group and is_expert go together: pass both or neither")
     if not local and not distributed:
         return _empty_stats(torch.device("cpu"))
     names = _unique_names(names)

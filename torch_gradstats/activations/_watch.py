@@ -381,6 +381,11 @@ class ActivationWatch:
         read = [s for s in slots if s.device is not None]  # a slot may only point at tensors others read
         devices = [s.device for s in read if s.device is not None]
         home = next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+        if home.type == "meta":
+            raise ValueError(
+                "ActivationWatch.report: the recorded activations are meta tensors, which have shapes but no values; "
+                "run the model on a real device (e.g. after model.to_empty(device=...)) to have figures to report"
+            )
         floats = [to_device(t, home) for s in read for t in (s.sumsq, s.amax)]
         ints = [to_device(s.counts, home) for s in read]
         fvals, ivals = to_host(floats, ints)  # the one transfer

@@ -90,6 +90,8 @@ def _group(group: Any) -> Any:
 
 def _home(shards: Shards) -> torch.device:
     if shards.local:
+        if shards.local[0].device.type == "meta":  # the host read would fail inside torch
+            raise ValueError("megatron compat: the gradients are meta tensors, which have no values to read")
         return shards.local[0].device
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -173,7 +175,14 @@ def count_zeros_fp32(
         The count as a Python float. Free right after :func:`get_grad_norm_fp32` (finite norm type) on the same
         gradients and group; otherwise one read at most, one SUM all-reduce and one host sync.
     """
+    if isinstance(parameters, (str, bytes)):  # iterated, its characters would be skipped as gradient-less: 0 zeros
+        raise TypeError(
+            f"count_zeros_fp32: parameters must be a tensor or a list of them, got a {type(parameters).__name__}"
+        )
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"count_zeros_fp32: parameters[{i}] must be a torch.Tensor, got a {type(p).__name__}")
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     grads = [
         getattr(p, attr)

@@ -24,6 +24,7 @@ in torch. The check runs on the total after the reductions, so every rank sees t
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -106,6 +107,14 @@ def clip_grad_norm_(
         rank. The gradients were multiplied by ``min(max_norm / (total + 1e-6), 1)``.
     """
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    # A NaN max_norm would make every gradient NaN, a negative one flip their signs.
+    if not isinstance(max_norm, Tensor):
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+            raise TypeError(f"clip_grad_norm_: max_norm must be a real number, got a {type(max_norm).__name__}")
+        if not max_norm >= 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be >= 0 (or inf), got {max_norm}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise TypeError(f"clip_grad_norm_: norm_type must be a real number, got a {type(norm_type).__name__}")
     norm_type = float(norm_type)
     if not norm_type > 0:  # also rejects NaN
         raise ValueError(f"clip_grad_norm_: norm_type must be positive (or inf), got {norm_type}")

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import csv
 import json
+import numbers
 import os
 from typing import IO, Any
 
 from torch_gradstats.integrations import AnyReport
+from torch_gradstats.report import STYLES
 
 __all__ = ["CSVSink", "JSONLSink"]
 
@@ -38,6 +40,15 @@ class _FileSink:
             raise TypeError(f"{type(self).__name__}: path must be a str or path, got a {type(path).__name__}")
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(f"{type(self).__name__}: flush_every must be a positive int, got {flush_every!r}")
+        # Checked here, before the file is truncated, rather than at the first log().
+        if not isinstance(prefix, str):
+            raise TypeError(f"{type(self).__name__}: prefix must be a str, got a {type(prefix).__name__}")
+        if not isinstance(per_param, bool):
+            raise TypeError(f"{type(self).__name__}: per_param must be a bool, got a {type(per_param).__name__}")
+        if not isinstance(style, str):
+            raise TypeError(f"{type(self).__name__}: style must be a str, one of {', '.join(STYLES)}")
+        if style not in STYLES:
+            raise ValueError(f"{type(self).__name__}: style must be one of {', '.join(STYLES)}; got {style!r}")
         self.path = os.fspath(path)
         self.prefix = prefix
         self.per_param = per_param
@@ -51,6 +62,14 @@ class _FileSink:
     def _row(self, report: AnyReport, step: int) -> dict[str, Any]:
         if self._file is None:
             raise ValueError(f"{type(self).__name__}: {self.path} is closed")
+        # A float step would be truncated (1.7 written as 1), a str written as given: both are refused.
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"{type(self).__name__}.log: step must be an int, got {step!r} ({type(step).__name__})")
+        if not hasattr(report, "to_dict"):
+            raise TypeError(
+                f"{type(self).__name__}.log: report must be a GradReport or an UpdateReport, got a "
+                f"{type(report).__name__}"
+            )
         row: dict[str, Any] = {"step": int(step)}
         row.update(report.to_dict(self.prefix, self.per_param, self.style))
         return row

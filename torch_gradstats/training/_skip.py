@@ -41,6 +41,8 @@ def step_or_skip(
         raise TypeError(f"step_or_skip: factor must be a tensor (1.0 take, 0.0 skip), got {type(factor).__name__}")
     if factor.numel() != 1:
         raise ValueError(f"step_or_skip: factor must have one element, got shape {tuple(factor.shape)}")
+    if factor.device.type == "meta":
+        raise ValueError("step_or_skip: factor is a meta tensor, which has no value; pass the guard's factor")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"step_or_skip: scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
     skip = (factor.detach().reshape(()) == 0).to(torch.float32)  # found_inf's convention: 1.0 skips

@@ -1,0 +1,346 @@
+"""Hostile inputs to the newer public APIs: each must raise a named TypeError/ValueError, never give a silently wrong
+result or leave an object in a broken state."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torch_gradstats import AdaptiveClip, NoiseScale, SpikeGuard
+
+
+# ------------------------------------------------------------------------------------------- SpikeGuard
+def _guard_state(**changes: torch.Tensor) -> dict:
+    g = SpikeGuard(window=4, min_history=2)
+    for v in (1.0, 1.1, 0.9):
+        g.observe(v)
+    state = g.state_dict()
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("count", torch.tensor([100, 0]), "'count' must be in"),
+        ("count", torch.tensor([-1, 0]), "'count' must be in"),
+        ("position", torch.tensor([-7, 0]), "'position' must be in"),
+        ("position", torch.tensor([1, 0]), "'position' must be in"),  # 3 values recorded: the next slot is 3
+        ("counters", torch.tensor([3, -1, 0, 0, 0]), "'counters' must be >= 0"),
+        ("history", torch.tensor([[1.0, math.nan, 0.9, 0.0], [0.0] * 4], dtype=torch.float64), "non-finite"),
+    ],
+)
+def test_guard_load_rejects_impossible_state(key: str, value: torch.Tensor, match: str) -> None:
+    # A count above the window used to load and then skip every later step.
+    g = SpikeGuard(window=4)
+    before = g.state_dict()
+    with pytest.raises(ValueError, match=match):
+        g.load_state_dict(_guard_state(**{key: value}))
+    assert torch.equal(g.state_dict()["count"], before["count"])  # left as it was
+    assert g.observe(1.0).item() == 1.0
+
+
+def test_guard_load_accepts_its_own_state_and_decides_alike() -> None:
+    state = _guard_state()
+    a, b = SpikeGuard(window=4), SpikeGuard(window=4)
+    a.load_state_dict(state)
+    b.load_state_dict(state)
+    assert [a.observe(v).item() for v in (1.0, 50.0)] == [1.0, 0.0]
+    assert [b.observe(v).item() for v in (1.0, 50.0)] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("make", [lambda: SpikeGuard(window=4), lambda: AdaptiveClip(warmup=2)])
+def test_meta_figure_is_rejected_and_state_kept(make) -> None:
+    # A meta norm used to move the whole state to the meta device: every recorded value was lost.
+    policy = make()
+    step = policy.observe if isinstance(policy, SpikeGuard) else policy.threshold
+    step(1.0)
+    with pytest.raises(ValueError, match="meta tensor"):
+        step(torch.tensor(1.0, device="meta"))
+    assert policy.device.type == "cpu"
+    step(1.0)  # still usable on the CPU
+
+
+# ------------------------------------------------------------------------------------------- AdaptiveClip
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("count", torch.tensor([-5]), "'count' must be in"),
+        ("count", torch.tensor([9]), "'count' must be in"),
+        ("ema", torch.tensor([1.0, -1.0], dtype=torch.float64), "variance >= 0"),
+        ("ema", torch.tensor([math.nan, 1.0], dtype=torch.float64), "must be finite"),
+    ],
+)
+def test_adaptive_clip_load_rejects_impossible_state(key: str, value: torch.Tensor, match: str) -> None:
+    # A negative count used to load and then never end the warm-up: no step was ever clipped.
+    saved = AdaptiveClip(warmup=2)
+    saved.threshold(1.0)
+    state = saved.state_dict()
+    state[key] = value
+    clip = AdaptiveClip(warmup=2)
+    with pytest.raises(ValueError, match=match):
+        clip.load_state_dict(state)
+    assert int(clip.state_dict()["count"][0]) == 0
+
+
+# ------------------------------------------------------------------------------------------- NoiseScale
+def test_noise_scale_update_does_not_chain_autograd_graphs() -> None:
+    # Norms that require grad used to make the EMAs part of every step's graph (growing without bound).
+    ns = NoiseScale(2)
+    x = torch.tensor(4.0, requires_grad=True)
+    for _ in range(3):
+        ns.update(x * 1.0, x * 0.75, big_batch_size=4)
+    assert not ns.grad_sq.requires_grad and ns.grad_sq.grad_fn is None
+    assert not ns.trace_sigma.requires_grad
+    assert math.isfinite(ns.to_dict()["noise/b_simple"])
+
+
+# ------------------------------------------------------------------------------------------- file sinks
+def _report():
+    from torch_gradstats import grad_stats
+
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    return grad_stats([("w", w)]).report()
+
+
+@pytest.mark.parametrize("sink_name", ["CSVSink", "JSONLSink"])
+@pytest.mark.parametrize(
+    ("step", "error"), [(1.7, TypeError), ("5", TypeError), (None, TypeError), (math.nan, TypeError), (True, TypeError)]
+)
+def test_sink_step_must_be_an_int(tmp_path, sink_name: str, step: object, error: type) -> None:
+    # A float step used to be written truncated (1.7 as 1), a str as given; None/NaN failed inside int().
+    from torch_gradstats.integrations import files
+
+    sink = getattr(files, sink_name)(tmp_path / "f")
+    with pytest.raises(error, match=r"\.log: step must be an int"):
+        sink.log(_report(), step)
+    sink.log(_report(), 3)
+    sink.close()
+    assert "3" in (tmp_path / "f").read_text()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"style": "nope"}, ValueError, "style must be one of"),
+        ({"style": None}, TypeError, "style must be a str"),
+        ({"prefix": None}, TypeError, "prefix must be a str"),
+        ({"per_param": "no"}, TypeError, "per_param must be a bool"),
+    ],
+)
+def test_sink_settings_checked_before_the_file_is_truncated(tmp_path, kwargs: dict, error: type, match: str) -> None:
+    from torch_gradstats.integrations.files import CSVSink
+
+    path = tmp_path / "keep.csv"
+    path.write_text("earlier run\n")
+    with pytest.raises(error, match=match):
+        CSVSink(path, **kwargs)
+    assert path.read_text() == "earlier run\n"
+
+
+def test_sink_log_rejects_a_non_report(tmp_path) -> None:
+    from torch_gradstats.integrations.files import JSONLSink
+
+    with JSONLSink(tmp_path / "f.jsonl") as sink, pytest.raises(TypeError, match="report must be a GradReport"):
+        sink.log(None, 1)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------- grad_stats options
+def _named() -> list:
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    return [("w", w)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tied": "w"}, TypeError, "tied must be a collection"),  # a str is a collection of characters
+        ({"tied": ["w"]}, ValueError, "pass stage_group too"),
+        ({"is_expert": lambda n: True}, ValueError, "expert_group and is_expert go together"),
+        ({"is_expert": 5}, TypeError, "is_expert must be a callable"),
+    ],
+)
+def test_grad_stats_group_options_without_their_group_are_refused(kwargs: dict, error: type, match: str) -> None:
+    # Without a process group these options used to be ignored silently.
+    from torch_gradstats import grad_stats
+
+    with pytest.raises(error, match=match):
+        grad_stats(_named(), **kwargs)
+
+
+def test_grad_stats_empty_tied_list_is_fine() -> None:
+    from torch_gradstats import grad_stats
+
+    assert grad_stats(_named(), tied=[]).report().total_norm == pytest.approx(math.sqrt(2))
+
+
+def test_report_groups_must_be_group_stats() -> None:
+    from torch_gradstats import grad_stats
+
+    with pytest.raises(TypeError, match="groups must be a GroupStats"):
+        grad_stats(_named()).report(groups="layer")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------- compat.torchtitan
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type", "error", "match"),
+    [
+        (math.nan, 2.0, ValueError, "max_norm must be >= 0"),  # used to make every gradient NaN
+        (-1.0, 2.0, ValueError, "max_norm must be >= 0"),  # used to flip every gradient's sign
+        ("1", 2.0, TypeError, "max_norm must be a real number"),
+        (None, 2.0, TypeError, "max_norm must be a real number"),
+        (1.0, "2", TypeError, "norm_type must be a real number"),  # used to be parsed as a number
+        (1.0, True, TypeError, "norm_type must be a real number"),
+    ],
+)
+def test_torchtitan_clip_rejects_bad_settings_and_leaves_gradients(
+    max_norm: object, norm_type: object, error: type, match: str
+) -> None:
+    from torch_gradstats.compat import torchtitan
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, -4.0])
+    with pytest.raises(error, match=match):
+        torchtitan.clip_grad_norm_([p], max_norm, norm_type)  # type: ignore[arg-type]
+    assert torch.equal(p.grad, torch.tensor([3.0, -4.0]))
+
+
+def test_torchtitan_clip_still_takes_a_tensor_max_norm_and_inf() -> None:
+    from torch_gradstats.compat import torchtitan
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, -4.0])
+    assert torchtitan.clip_grad_norm_([p], math.inf).item() == pytest.approx(5.0)
+    assert torch.equal(p.grad, torch.tensor([3.0, -4.0]))
+    torchtitan.clip_grad_norm_([p], torch.tensor(1.0))
+    assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- meta tensors
+def test_activation_watch_report_of_a_meta_model_is_a_value_error() -> None:
+    # It used to fail inside the host transfer with NotImplementedError("Cannot copy out of meta tensor").
+    from torch_gradstats.activations import ActivationWatch
+
+    model = torch.nn.Linear(2, 2, device="meta")
+    with ActivationWatch(model) as watch:
+        model(torch.ones(1, 2, device="meta"))
+        with pytest.raises(ValueError, match="meta tensors"):
+            watch.report()
+
+
+def test_step_or_skip_meta_factor_is_a_value_error() -> None:
+    from torch_gradstats import step_or_skip
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = torch.optim.SGD([p], lr=1.0)
+    with pytest.raises(ValueError, match="factor is a meta tensor"):
+        step_or_skip(opt, torch.tensor(1.0, device="meta"))
+    assert torch.equal(p.detach(), torch.ones(2))
+
+
+@pytest.mark.parametrize("cls", [SpikeGuard, AdaptiveClip])
+@pytest.mark.parametrize(("device", "error"), [(5, TypeError), (None, TypeError), ("gpu", ValueError)])
+def test_policy_device_is_checked(cls: type, device: object, error: type) -> None:
+    # An int used to reach torch.device and fail with "Cannot access accelerator device" (a RuntimeError).
+    if device is not None:
+        with pytest.raises(error, match=f"{cls.__name__}: device"):
+            cls(device=device)
+    with pytest.raises(error, match=rf"{cls.__name__}\.to: device"):
+        cls().to(device)
+    assert cls(device="cpu").to(torch.device("cpu")).device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"ema": None}, TypeError, "ema must be a float"),  # used to fail inside float()
+        ({"ema": "0.9"}, TypeError, "ema must be a float"),  # used to be parsed
+        ({"grad_sq_ema": torch.tensor(1.0, device="meta")}, ValueError, "with a value"),  # failed at the next step
+        ({"grad_sq_ema": torch.tensor(1)}, ValueError, "floating-point"),
+    ],
+)
+def test_noise_scale_load_rejects_bad_state(change: dict, error: type, match: str) -> None:
+    saved = NoiseScale(2, ema=0.9)
+    saved.update(4.0, 3.0, big_batch_size=4)
+    state = {**saved.state_dict(), **change}
+    ns = NoiseScale(2, ema=0.9)
+    with pytest.raises(error, match=match):
+        ns.load_state_dict(state)
+    assert ns.steps == 0
+    ns.load_state_dict(saved.state_dict())
+    ns.update(4.0, 3.0, big_batch_size=4)
+    assert ns.steps == 2
+
+
+@pytest.mark.parametrize("style", ["default", "hf"])
+def test_to_dict_prefix_must_be_a_str(style: str) -> None:
+    # GroupReport.to_dict(None) used to write "Nonegroup/..." keys; GradReport.to_dict failed inside "+".
+    from torch_gradstats import grad_stats
+
+    stats = grad_stats(_named())
+    report = stats.report(groups=stats.grouped(lambda n: "all"))
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        report.to_dict(prefix=None, style=style)  # type: ignore[arg-type]
+    assert report.groups is not None
+    with pytest.raises(TypeError, match="GroupReport.to_dict: prefix must be a str"):
+        report.groups.to_dict(None)  # type: ignore[arg-type]
+    assert report.groups.to_dict("g/")["g/group/all/norm"] == pytest.approx(math.sqrt(2))
+
+
+def test_adaptive_clip_clips_a_tied_parameter_once() -> None:
+    # named_parameters(remove_duplicate=False) lists a tied weight twice: it used to be counted twice in the norm
+    # and scaled twice (a norm of 1/12 instead of the cap of 1).
+    a = torch.nn.Linear(2, 2, bias=False)
+    b = torch.nn.Linear(2, 2, bias=False)
+    b.weight = a.weight
+    model = torch.nn.Sequential(a, b)
+    a.weight.grad = torch.full((2, 2), 3.0)
+    stats = AdaptiveClip(warmup=1, max_norm=1.0).clip_(model.named_parameters(remove_duplicate=False))
+    assert stats.total_norm.item() == pytest.approx(6.0)
+    assert a.weight.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_is_logging_rank_rank_argument() -> None:
+    # A negative rank used to answer True (torch.distributed not initialized); a numpy int was a TypeError.
+    import numpy as np
+
+    from torch_gradstats.distributed import is_logging_rank
+
+    with pytest.raises(ValueError, match="rank must be a global rank >= 0"):
+        is_logging_rank(rank=-1)
+    with pytest.raises(TypeError, match="rank must be an int"):
+        is_logging_rank(rank="0")  # type: ignore[arg-type]
+    assert is_logging_rank(rank=np.int64(0)) is True
+
+
+def _meta_named() -> list:
+    w = torch.nn.Parameter(torch.ones(2, device="meta"))
+    w.grad = torch.ones(2, device="meta")
+    return [("w", w)]
+
+
+def test_group_stats_report_of_meta_gradients_is_a_value_error() -> None:
+    from torch_gradstats import grad_stats
+
+    with pytest.raises(ValueError, match="GroupStats.report: these figures are of meta tensors"):
+        grad_stats(_meta_named()).grouped().report()
+
+
+def test_megatron_compat_hostile_inputs() -> None:
+    from torch_gradstats.compat import megatron
+
+    with pytest.raises(ValueError, match="meta tensors"):
+        megatron.get_grad_norm_fp32([torch.ones(2, device="meta")])
+    # A str used to count 0 zeros (its characters were skipped as parameters without a gradient).
+    with pytest.raises(TypeError, match="parameters must be a tensor or a list"):
+        megatron.count_zeros_fp32("weight", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"parameters\[1\] must be a torch.Tensor"):
+        megatron.count_zeros_fp32([torch.nn.Parameter(torch.ones(1)), "bias"], None)  # type: ignore[list-item]
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([0.0, 1.0, 0.0])
+    assert megatron.count_zeros_fp32([p], None) == 2.0
