@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning_fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 
 from torch_gradstats.training import Trainer, _device
@@ -166,6 +165,7 @@ def _leaves(a: Any, b: Any, path: str = "batch") -> list[tuple[str, Any, Any]]:
 def test_move_matches_lightning_move_data_to_device():
     """The same structure moved by both (to the meta device, which this machine always has): same types at every
     level, same tensors moved, same non-tensor leaves kept."""
+    move_data_to_device = pytest.importorskip("lightning_fabric.utilities.apply_func").move_data_to_device
     x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
     counter: defaultdict[str, list[Tensor]] = defaultdict(list, {"a": [x]})
     batch = {
