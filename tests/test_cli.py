@@ -257,6 +257,7 @@ def test_cli_cuda_without_cuda_names_the_flag(tmp_path):
 
 @pytest.mark.parametrize("where", ["{file}", "{file}/sub", "/proc/forbidden"], ids=["a-file", "under-a-file", "proc"])
 def test_cli_unwritable_tensorboard_dir_names_its_flag(tmp_path, where):
+    pytest.importorskip("torch.utils.tensorboard")  # without it the error names the missing package instead
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     where = where.format(file=a_file)

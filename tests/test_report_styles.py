@@ -69,8 +69,7 @@ def test_default_style_is_todays_keys() -> None:
 
 
 def test_lightning_style_equals_lightnings_grad_norm() -> None:
-    from lightning.pytorch.utilities import grad_norm
-
+    grad_norm = pytest.importorskip("lightning.pytorch.utilities").grad_norm
     m = _model()
     want = {k: float(v) for k, v in grad_norm(m, 2).items()}
     got = tg.grad_stats(m.named_parameters()).report().to_dict(style="lightning")
