@@ -188,7 +188,7 @@ for _ in range(3):  # whether the C allocator's free space splits varies from ru
     peak = max(peak, status()["VmHWM"] - before)
     del result
     gc.collect()
-    kept += status()["VmRSS"] - before
+    kept = max(kept, status()["VmRSS"] - before)
     del tensors
 print(peak, kept)
 """
@@ -200,8 +200,8 @@ print(peak, kept)
 def test_one_call_raises_peak_rss_by_at_most_64_mib_and_keeps_at_most_24(kind):
     """The process's own figures (VmHWM, VmRSS), not torch's: a call that kept small results from the middle of a
     long loop split the C allocator's free space, and a 128 MiB list left ~135 MiB of RSS behind for good. In a
-    fresh process, after a warm-up call on other tensors: the largest peak of three calls, and what the three kept
-    together (the first makes the thread's workspace, kept and counted)."""
+    fresh process, after a warm-up call on other tensors: the largest peak and the most kept of three calls, each on
+    fresh inputs (the first makes the thread's workspace, kept and counted)."""
     child = subprocess.run(
         [sys.executable, "-c", _RSS_CHILD, kind], capture_output=True, text=True, timeout=300, check=False
     )
