@@ -200,7 +200,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-#: The seeds torch's generators take: signed or unsigned 64-bit.
+#: What torch.Generator.manual_seed accepts: any signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
