@@ -1,5 +1,6 @@
 // The op every layer relies on: torch_gradstats::multi_tensor_stats(Tensor[] tensors)
 //   -> (Tensor sumsq, Tensor amax, Tensor counts)
+// and its overload multi_tensor_stats.histogram, which returns exponent_histogram as well, from the same read.
 // The schema is defined in Python (torch_gradstats/ops.py); each backend registers its kernel with
 // TORCH_LIBRARY_IMPL in its own source file. See docs/design.md for the contract.
 #pragma once
@@ -23,6 +24,12 @@ using Stats = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 // Column of `counts` for each class of element.
 enum CountColumn : int { kZero = 0, kNan = 1, kInf = 2, kNumCounts = 3 };
+
+// exponent_histogram, int64 [N, kHistogramBuckets]: bucket b of row i counts the finite non-zero elements of tensor
+// i with floor(log2 |x|) == b + kHistogramMinExponent; a float64 value below 2^-149 counts in bucket 0, one at or
+// above 2^128 in the last bucket. Zeros, NaNs and Infs are in `counts` only. (float32's range, subnormals included.)
+constexpr int64_t kHistogramMinExponent = -149;
+constexpr int64_t kHistogramBuckets = 277;
 
 // The op's list of tensors, borrowed: read where the caller keeps them, no reference count touched.
 // Why: for a kernel taking at::TensorList the dispatcher copies the boxed Tensor[] into a new vector, one reference
@@ -53,7 +60,8 @@ class TensorRefs {
   size_t size_ = 0;
 };
 
-using Kernel = Stats (*)(const TensorRefs&);
+// A backend's kernel. With `histogram` non-null it also allocates *histogram and fills it (the overload).
+using Kernel = Stats (*)(const TensorRefs& tensors, at::Tensor* histogram);
 
 // Throws (ValueError / TypeError in Python) naming the index of the first tensor that breaks the input
 // contract: empty list, non-floating or unsupported dtype, non-strided layout, tensors on different devices.
@@ -61,6 +69,8 @@ void check_inputs(const TensorRefs& tensors);
 
 // Allocates the three outputs for `n` tensors on `device`.
 Stats empty_stats(int64_t n, const at::Device& device);
+// The histogram output for `n` tensors on `device`, zeroed (kernels add into it).
+at::Tensor zero_histogram(int64_t n, const at::Device& device);
 
 // The inputs a kernel cannot read in place as a flat span: those for which t.is_non_overlapping_and_dense() is false
 // (expanded, sliced with gaps, overlapping as_strided views). A kernel reads every other tensor in place (that one
@@ -78,26 +88,31 @@ class NonDenseInputs {
 
   // What to read for tensors[i] == t; the reference stays valid until the next call of read or the end of this object.
   const at::Tensor& read(const at::Tensor& t, size_t i);
-  // Multiplies sumsq[i] and counts[i] by the repeat of every tensor that had broadcast dimensions (device-side ops
-  // on a CUDA output: two per such tensor, none when there is none).
-  void scale(const Stats& out) const;
+  // Multiplies sumsq[i], counts[i] and histogram row i (when given) by the repeat of every tensor that had broadcast
+  // dimensions (device-side ops on a CUDA output: two or three per such tensor, none when there is none).
+  void scale(const Stats& out, const at::Tensor* histogram) const;
 
  private:
   std::vector<at::Tensor> read_;                         // views and copies, alive until the kernel has read them
   std::vector<std::pair<int64_t, int64_t>> repeats_;     // (index, repeat > 1)
 };
 
-// A backend's kernel as the dispatcher calls it, boxed: (Tensor[] tensors) on the stack in, the three outputs out.
-// Register with torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&the_kernel>>().
-template <Stats (*Kernel)(const TensorRefs&)>
+// A backend's kernel as the dispatcher calls it, boxed: (Tensor[] tensors) on the stack in, the outputs out: three
+// for multi_tensor_stats, four for multi_tensor_stats.histogram. Register with
+// torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&the_kernel, false>>() (true for the overload).
+template <Kernel kKernel, bool kHistogram>
 void boxed_kernel(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
-  Stats out = Kernel(TensorRefs(stack->back().toListRef()));
+  at::Tensor histogram;
+  Stats out = kKernel(TensorRefs(stack->back().toListRef()), kHistogram ? &histogram : nullptr);
   torch::jit::drop(*stack, 1);
   torch::jit::push(*stack, std::move(std::get<0>(out)), std::move(std::get<1>(out)), std::move(std::get<2>(out)));
+  if constexpr (kHistogram) {
+    torch::jit::push(*stack, std::move(histogram));
+  }
 }
 
-// The fused CPU kernel (csrc/cpu/). Registered for the CPU dispatch key.
-Stats multi_tensor_stats_cpu(const TensorRefs& tensors);
+// The fused CPU kernel (csrc/cpu/). Registered for the CPU dispatch key, both overloads.
+Stats multi_tensor_stats_cpu(const TensorRefs& tensors, at::Tensor* histogram);
 
 // The fused CUDA kernel where this build has one (csrc/cuda/ sets it while the library loads), else nullptr. Read by
 // the eager Python entry point that skips the dispatcher (csrc/python_module.cpp).

@@ -73,6 +73,10 @@ Stats empty_stats(int64_t n, const at::Device& device) {
   return {at::empty({n}, f64), at::empty({n}, f64), at::empty({n, kNumCounts}, f64.dtype(at::kLong))};
 }
 
+at::Tensor zero_histogram(int64_t n, const at::Device& device) {
+  return at::zeros({n, kHistogramBuckets}, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
 namespace {
 
 // "tensors[i] (shape [..], dtype .., strides [..])": how the errors about a non-dense input name it.
@@ -141,7 +145,7 @@ const at::Tensor& NonDenseInputs::read(const at::Tensor& t, size_t i) {
   return read_.back();
 }
 
-void NonDenseInputs::scale(const Stats& out) const {
+void NonDenseInputs::scale(const Stats& out, const at::Tensor* histogram) const {
   if (repeats_.empty()) {
     return;
   }
@@ -150,10 +154,14 @@ void NonDenseInputs::scale(const Stats& out) const {
   if (sumsq.is_cpu()) {
     double* sumsq_out = sumsq.mutable_data_ptr<double>();
     int64_t* counts_out = counts.mutable_data_ptr<int64_t>();
+    int64_t* hist_out = histogram != nullptr ? histogram->mutable_data_ptr<int64_t>() : nullptr;
     for (const auto& [i, repeat] : repeats_) {
       sumsq_out[i] *= static_cast<double>(repeat);  // NaN and inf stay what they are
       for (int64_t c = 0; c < kNumCounts; ++c) {
         counts_out[i * kNumCounts + c] *= repeat;  // <= the tensor's numel: no overflow
+      }
+      for (int64_t b = 0; hist_out != nullptr && b < kHistogramBuckets; ++b) {
+        hist_out[i * kHistogramBuckets + b] *= repeat;  // likewise
       }
     }
     return;
@@ -162,6 +170,9 @@ void NonDenseInputs::scale(const Stats& out) const {
   for (const auto& [i, repeat] : repeats_) {
     sumsq.narrow(0, i, 1).mul_(static_cast<double>(repeat));
     counts.narrow(0, i, 1).mul_(repeat);  // integer arithmetic: exact
+    if (histogram != nullptr) {
+      histogram->narrow(0, i, 1).mul_(repeat);
+    }
   }
 }
 

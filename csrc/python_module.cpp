@@ -2,6 +2,7 @@
 // initialisers (TORCH_LIBRARY_IMPL), and importing this module is what loads them. Its functions:
 //   cpu_capability()    the instruction set the CPU kernel runs with ("AVX512", "AVX2" or "DEFAULT");
 //   direct_stats(list)  the CPU or CUDA kernel called on a list of plain tensors without the dispatcher, or None;
+//   direct_histogram_stats(list)  the same for the histogram overload (a plain 4-tuple), or None;
 //   set_stats_type(t)   the NamedTuple direct_stats returns (torch_gradstats.TensorStats);
 //   collect_grads(...)  grad_stats's walk over its parameters, or None.
 // Compiled only by setup.py; the CMake build produces the same library without Python.
@@ -43,12 +44,12 @@ bool plain_tensor(PyObject* obj) {
 }
 
 // The compiled kernel for a device type, or nullptr (the dispatcher decides: meta, XPU, the fallback...).
-torch_gradstats::Kernel kernel_for(c10::DeviceType type) {
+torch_gradstats::Kernel kernel_for(c10::DeviceType type, bool histogram) {
   switch (type) {
     case c10::DeviceType::CPU:
       return &torch_gradstats::multi_tensor_stats_cpu;
     case c10::DeviceType::CUDA:
-      return torch_gradstats::cuda_kernel();
+      return histogram ? nullptr : torch_gradstats::cuda_kernel();
     default:
       return nullptr;
   }
@@ -107,8 +108,12 @@ PyObject* set_stats_type(PyObject* /*self*/, PyObject* type) {
 
 // The three outputs as a g_stats_type. The tensors are wrapped first and the tuple made from them by CPython's own
 // tuple.__new__: a collection run by any of these allocations never sees a tuple with empty slots.
-PyObject* wrap_stats(torch_gradstats::Stats out) {
+PyObject* wrap_stats(torch_gradstats::Stats out, at::Tensor* histogram) {
   auto& [sumsq, amax, counts] = out;
+  if (histogram != nullptr) {  // a plain tuple: the Python caller names it
+    return Py_BuildValue("(NNNN)", THPVariable_Wrap(std::move(sumsq)), THPVariable_Wrap(std::move(amax)),
+                         THPVariable_Wrap(std::move(counts)), THPVariable_Wrap(std::move(*histogram)));
+  }
   PyObject* items = Py_BuildValue("(NNN)", THPVariable_Wrap(std::move(sumsq)), THPVariable_Wrap(std::move(amax)),
                                   THPVariable_Wrap(std::move(counts)));
   if (items == nullptr || g_stats_type == &PyTuple_Type) return items;
@@ -137,6 +142,7 @@ constexpr int64_t kReleaseGilElemsPerTensor = int64_t{1} << 14;
 // list changes (a __del__ run by the collector while this function allocates, another thread while the GIL is
 // released) and nothing else can reach it. The GIL is released while the kernel runs on CUDA (its launches may wait
 // for room in the queue) and on large CPU lists (kReleaseGilElems, kReleaseGilElemsPerTensor).
+template <bool kHistogram>
 PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
   HANDLE_TH_ERRORS
   if (!PyList_CheckExact(list) || PyList_GET_SIZE(list) == 0 || at::impl::torch_function_mode_enabled() ||
@@ -159,13 +165,17 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
     if (c10::add_overflows(elems, t.numel(), &elems)) elems = std::numeric_limits<int64_t>::max();
     refs[i] = &t;
   }
-  const torch_gradstats::Kernel kernel = kernel_for(type);
+  const torch_gradstats::Kernel kernel = kernel_for(type, kHistogram);
   if (kernel == nullptr) Py_RETURN_NONE;
-  RECORD_FUNCTION("torch_gradstats::multi_tensor_stats", c10::ArrayRef<const c10::IValue>{});
+  RECORD_FUNCTION(kHistogram ? "torch_gradstats::multi_tensor_stats.histogram" : "torch_gradstats::multi_tensor_stats",
+                  c10::ArrayRef<const c10::IValue>{});
   torch_gradstats::Stats out;
+  at::Tensor histogram;
+  at::Tensor* histogram_out = kHistogram ? &histogram : nullptr;
   const auto n = static_cast<int64_t>(refs.size());
   if (type == c10::DeviceType::CPU && (elems < kReleaseGilElems || elems < kReleaseGilElemsPerTensor * n)) {
-    out = kernel(torch_gradstats::TensorRefs(c10::ArrayRef<const at::Tensor*>(refs.data(), refs.size())));
+    out = kernel(torch_gradstats::TensorRefs(c10::ArrayRef<const at::Tensor*>(refs.data(), refs.size())),
+                 histogram_out);
   } else {
     // Without the GIL the tensors are held here too, as the dispatcher's boxed list would hold them: a Python object
     // keeps its tensor, but torch.utils.swap_tensors, run by another thread meanwhile, swaps a tensor that nothing
@@ -174,9 +184,9 @@ PyObject* direct_stats(PyObject* /*self*/, PyObject* list) {
     held.reserve(refs.size());
     for (const at::Tensor* t : refs) held.push_back(*t);
     pybind11::gil_scoped_release no_gil;  // taken back before `held` and `items` let go of the tensors
-    out = kernel(torch_gradstats::TensorRefs(at::TensorList(held.data(), held.size())));
+    out = kernel(torch_gradstats::TensorRefs(at::TensorList(held.data(), held.size())), histogram_out);
   }
-  return wrap_stats(std::move(out));
+  return wrap_stats(std::move(out), histogram_out);
   END_HANDLE_TH_ERRORS
 }
 
@@ -257,9 +267,11 @@ PyMethodDef methods[] = {
     {"cpu_capability", cpu_capability, METH_NOARGS,
      "Instruction set of the CPU kernel on this machine: 'AVX512', 'AVX2' or 'DEFAULT' (follows ATen's choice, so "
      "ATEN_CPU_CAPABILITY=default forces the baseline)."},
-    {"direct_stats", direct_stats, METH_O,
+    {"direct_stats", direct_stats<false>, METH_O,
      "(sumsq, amax, counts) of a list of plain CPU or CUDA tensors from the compiled kernel of their device type, "
      "called without the dispatcher; None when the list needs the dispatcher (use torch.ops then)."},
+    {"direct_histogram_stats", direct_stats<true>, METH_O,
+     "(sumsq, amax, counts, exponent_histogram) as a tuple, like direct_stats, for the histogram overload."},
     {"set_stats_type", set_stats_type, METH_O,
      "set_stats_type(type): the NamedTuple (torch_gradstats.TensorStats) direct_stats returns its results as."},
     {"collect_grads", collect_grads, METH_O,

@@ -25,6 +25,7 @@ LAYERS = {
     "torch_gradstats._transfer": 0,
     "torch_gradstats._checks": 0,
     "torch_gradstats.fallback": 1,
+    "torch_gradstats.fallback_histogram": 1,
     "torch_gradstats.ops": 2,
     "torch_gradstats.health": 3,
     "torch_gradstats._layout": 0,

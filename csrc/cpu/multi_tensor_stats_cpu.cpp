@@ -1,5 +1,5 @@
 // Fused CPU kernel of torch_gradstats::multi_tensor_stats: one read of every element gives its square, |x|, and
-// whether it is zero, NaN or Inf. This file (compiled for the baseline CPU) holds the op: input checks, the work
+// whether it is zero, NaN or Inf (and, for the histogram overload, its binary exponent). This file (compiled for the baseline CPU) holds the op: input checks, the work
 // split, the choice of instruction set and the final combination; the per-element kernels are in
 // stats_kernel_impl.h, compiled once per instruction set.
 //
@@ -119,7 +119,7 @@ struct Segment {
 
 }  // namespace
 
-Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
+Stats multi_tensor_stats_cpu(const TensorRefs& tensors, at::Tensor* histogram) {
   check_inputs(tensors);
   const int64_t n = static_cast<int64_t>(tensors.size());
   // Covers this thread's share of the tasks and the final combination (which compares subnormal amax values).
@@ -162,13 +162,33 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
   }
   const int64_t num_tasks = static_cast<int64_t>(task_first.size()) - 1;
 
+  // The histogram's rows are added into by the tasks directly; a tensor whose segments lie in several tasks
+  // (split at a task boundary) gets atomic adds.
+  int64_t* hist_out = nullptr;
+  std::vector<bool> shared_row;
+  if (histogram != nullptr) {
+    *histogram = zero_histogram(n, tensors[0].device());
+    hist_out = histogram->mutable_data_ptr<int64_t>();
+    shared_row.resize(n);
+    for (int64_t k = 1; k < num_tasks; ++k) {
+      const size_t s = task_first[k];
+      if (segments[s - 1].tensor == segments[s].tensor) {
+        shared_row[segments[s].tensor] = true;
+      }
+    }
+  }
+
   const cpu::AccumulateFn accumulate = kernel().fn;
   c10::SmallVector<Partial, kInlineTensors> partials(segments.size());
   at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
     [[maybe_unused]] const IeeeDenormals ieee_in_worker;
     for (size_t s = task_first[task_begin]; s < task_first[task_end]; ++s) {
       const Segment& seg = segments[s];
-      partials[s] = accumulate(seg.dtype, seg.data, seg.numel);
+      cpu::HistogramRow row;
+      if (hist_out != nullptr) {
+        row = {hist_out + seg.tensor * kHistogramBuckets, shared_row[seg.tensor]};
+      }
+      partials[s] = accumulate(seg.dtype, seg.data, seg.numel, row);
     }
   });
 
@@ -194,14 +214,17 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors) {
     counts_out[i * kNumCounts + kInf] = p.infs;
   }
   Stats out{std::move(sumsq), std::move(amax), std::move(counts)};
-  non_dense.scale(out);
+  non_dense.scale(out, histogram);
   return out;
 }
 
 const char* cpu_kernel_capability() { return kernel().name; }
 
 TORCH_LIBRARY_IMPL(torch_gradstats, CPU, m) {
-  m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cpu>>());
+  m.impl("multi_tensor_stats",
+         torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cpu, false>>());
+  m.impl("multi_tensor_stats.histogram",
+         torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cpu, true>>());
 }
 
 }  // namespace torch_gradstats

@@ -3,6 +3,8 @@
 // stats_kernel_avx2.cpp, stats_kernel_avx512.cpp). The op picks one at run time (see cpu_kernel_capability()).
 #pragma once
 
+#include "multi_tensor_stats.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
@@ -28,21 +30,30 @@ struct Partial {
   }
 };
 
-// Statistics of `n` contiguous elements of `dtype` (float16, bfloat16, float32 or float64) at `data`.
+// Where a span's exponent histogram goes (the op's histogram overload): added into the kHistogramBuckets entries of
+// `row`, a row of the output; with atomic adds when `shared` (other tasks add into the same row: a tensor whose
+// segments were split between tasks). Integer adds, so the result is the same in any order.
+struct HistogramRow {
+  int64_t* row = nullptr;  // nullptr: no histogram
+  bool shared = false;
+};
+
+// Statistics of `n` contiguous elements of `dtype` (float16, bfloat16, float32 or float64) at `data`, and their
+// exponent histogram added into `histogram` when it has a row. n <= 2^31 with a histogram (the op passes segments).
 // Zeros, NaNs and Infs are classified from the bit patterns, so the counts do not depend on the FTZ/DAZ mode;
 // the caller runs it with FTZ/DAZ cleared so that the sums do not either.
-using AccumulateFn = Partial (*)(c10::ScalarType dtype, const void* data, int64_t n);
+using AccumulateFn = Partial (*)(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
 
 namespace DEFAULT {
-Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n);
+Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
 }
 #if defined(__x86_64__) || defined(_M_X64)
 #define TORCH_GRADSTATS_X86_KERNELS 1
 namespace AVX2 {
-Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n);
+Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
 }
 namespace AVX512 {
-Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n);
+Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
 }
 #endif
 

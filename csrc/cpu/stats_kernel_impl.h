@@ -22,6 +22,13 @@
 //    float64 likewise, with max |x| in double and a zero detected by an integer compare.
 //  - the generic one (at::vec) for every dtype in the DEFAULT build: sums and max |x| in vectors, zeros counted
 //    from the bits in a second loop over the block.
+//
+// Exponent histogram (the op's histogram overload). After a block's statistics, while the block is still in L1, its
+// elements' exponent fields are counted (the same read of memory): a table per field value, in kHistogramWays
+// interleaved copies so that consecutive increments of the same field do not wait on each other. At the end of the
+// span the field counts become buckets: a normal field E is one bucket; field 0 holds the zeros (known from the
+// statistics) and the subnormals, which are then found again and bucketed by their mantissa (spans with subnormals
+// only); the all-ones field holds the NaNs and Infs, which are not in the histogram.
 #pragma once
 
 #include "stats_kernel.h"
@@ -32,6 +39,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -499,32 +508,150 @@ void accumulate_block_simd<double>(const double* x, int64_t n, Partial& p) {
 }
 #endif  // TORCH_GRADSTATS_SIMD
 
+// ---------------------------------------------------------------------------------------------------------------
+// Exponent histogram.
+// ---------------------------------------------------------------------------------------------------------------
+// Each dtype's exponent field: |bits| >> kShift is the field (0 .. kFields - 1), kBias its bias, kMantissa the
+// mantissa's bits. A normal value with field E has floor(log2 |x|) = E - kBias; a subnormal with mantissa m has
+// floor(log2 |x|) = 1 - kBias - kMantissa + floor(log2 m).
 template <typename T>
-Partial accumulate_span(const T* x, int64_t n) {
+struct Exponent;
+template <>
+struct Exponent<float> {
+  static constexpr int kShift = 23, kFields = 256, kBias = 127, kMantissa = 23;
+};
+template <>
+struct Exponent<c10::BFloat16> {
+  static constexpr int kShift = 7, kFields = 256, kBias = 127, kMantissa = 7;
+};
+template <>
+struct Exponent<c10::Half> {
+  static constexpr int kShift = 10, kFields = 32, kBias = 15, kMantissa = 10;
+};
+template <>
+struct Exponent<double> {
+  static constexpr int kShift = 52, kFields = 2048, kBias = 1023, kMantissa = 52;
+};
+
+// The histogram bucket of floor(log2 |x|) == e (float64's wider range clamped at both ends).
+constexpr int64_t bucket_of(int64_t e) {
+  return std::clamp<int64_t>(e - kHistogramMinExponent, 0, kHistogramBuckets - 1);
+}
+
+// Field counts of one span, in kWays interleaved tables (uint32: a span has at most 2^31 elements).
+template <typename T>
+class ExponentCounts {
+ public:
+  using E = Exponent<T>;
+  static constexpr int kWays = E::kFields > 256 ? 1 : 4;  // float64's table is 8 KiB already
+
+  ExponentCounts() { std::memset(table_, 0, sizeof(table_)); }
+
+  // Counts the fields of x[0, n).
+  void add(const T* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + kWays <= n; i += kWays) {
+      for (int w = 0; w < kWays; ++w) {
+        ++table_[w][field(x + i + w)];
+      }
+    }
+    for (; i < n; ++i) {
+      ++table_[0][field(x + i)];
+    }
+  }
+
+  // Adds the span's buckets into `out`: `zeros` is the span's zero count (part of field 0), x[0, n) the span (read
+  // again only when it holds subnormals).
+  void flush(const T* x, int64_t n, int64_t zeros, HistogramRow out) const {
+    const auto add_to = [&](int64_t bucket, int64_t count) {
+      if (out.shared) {
+        std::atomic_ref<int64_t>(out.row[bucket]).fetch_add(count, std::memory_order_relaxed);
+      } else {
+        out.row[bucket] += count;
+      }
+    };
+    for (int f = 1; f < E::kFields - 1; ++f) {  // normal values; the last field is NaN and Inf
+      const int64_t count = total(f);
+      if (count != 0) {
+        add_to(bucket_of(f - E::kBias), count);
+      }
+    }
+    const int64_t subnormals = total(0) - zeros;
+    if (subnormals == 0) {
+      return;
+    }
+    constexpr int64_t kSubnormalExponent = 1 - E::kBias - E::kMantissa;  // floor(log2) of mantissa 1
+    if constexpr (kSubnormalExponent + E::kMantissa - 1 < kHistogramMinExponent) {
+      add_to(0, subnormals);  // float64: all of them below 2^-149
+    } else {
+      int64_t counts[E::kMantissa] = {};  // by floor(log2 m)
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t a = abs_bits(x + i);
+        if (a != 0 && (a >> E::kShift) == 0) {
+          ++counts[std::bit_width(a) - 1];
+        }
+      }
+      for (int k = 0; k < E::kMantissa; ++k) {
+        if (counts[k] != 0) {
+          add_to(bucket_of(kSubnormalExponent + k), counts[k]);
+        }
+      }
+    }
+  }
+
+ private:
+  static uint32_t field(const T* x) { return static_cast<uint32_t>(abs_bits(x) >> E::kShift); }
+  int64_t total(int f) const {
+    int64_t sum = 0;
+    for (int w = 0; w < kWays; ++w) {
+      sum += table_[w][f];
+    }
+    return sum;
+  }
+
+  uint32_t table_[kWays][E::kFields];
+};
+
+template <typename T>
+void accumulate_block(const T* x, int64_t n, Partial& p) {
+#if defined(TORCH_GRADSTATS_SIMD)
+  accumulate_block_simd(x, n, p);
+#else
+  accumulate_block_generic(x, n, p);
+#endif
+}
+
+template <typename T>
+Partial accumulate_span(const T* x, int64_t n, HistogramRow histogram) {
   Partial p;
+  if (histogram.row == nullptr) {
+    for (int64_t b = 0; b < n; b += kBlockElems) {
+      accumulate_block(x + b, std::min(kBlockElems, n - b), p);
+    }
+    return p;
+  }
+  ExponentCounts<T> exponents;
   for (int64_t b = 0; b < n; b += kBlockElems) {
     const int64_t len = std::min(kBlockElems, n - b);
-#if defined(TORCH_GRADSTATS_SIMD)
-    accumulate_block_simd(x + b, len, p);
-#else
-    accumulate_block_generic(x + b, len, p);
-#endif
+    accumulate_block(x + b, len, p);
+    exponents.add(x + b, len);  // the block is still in L1
   }
+  exponents.flush(x, n, p.zeros, histogram);
   return p;
 }
 
 }  // namespace
 
-Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n) {
+Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram) {
   switch (dtype) {
     case c10::ScalarType::Float:
-      return accumulate_span(static_cast<const float*>(data), n);
+      return accumulate_span(static_cast<const float*>(data), n, histogram);
     case c10::ScalarType::Double:
-      return accumulate_span(static_cast<const double*>(data), n);
+      return accumulate_span(static_cast<const double*>(data), n, histogram);
     case c10::ScalarType::Half:
-      return accumulate_span(static_cast<const c10::Half*>(data), n);
+      return accumulate_span(static_cast<const c10::Half*>(data), n, histogram);
     case c10::ScalarType::BFloat16:
-      return accumulate_span(static_cast<const c10::BFloat16*>(data), n);
+      return accumulate_span(static_cast<const c10::BFloat16*>(data), n, histogram);
     default:
       return Partial{};  // unreachable: the op checks the dtypes first
   }

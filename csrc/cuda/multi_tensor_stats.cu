@@ -868,7 +868,8 @@ inline uint64_t mix(uint64_t h, uint64_t v) {
   return h;
 }
 
-Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
+Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) {
+  TORCH_CHECK(histogram == nullptr, "multi_tensor_stats_cuda: the histogram overload has no CUDA kernel yet");
   check_inputs(tensors);
   const at::Device device = tensors[0].device();
   TORCH_CHECK_VALUE(device.is_cuda(), "multi_tensor_stats: the CUDA kernel got tensors on ", device);
@@ -971,7 +972,7 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors) {
       std::get<1>(out).data_ptr<double>(), std::get<2>(out).data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   lease.reset();  // both reads are enqueued: the entry may be evicted, its free ordered after them
-  dense_copies.scale(out);  // the repeats of broadcast dimensions
+  dense_copies.scale(out, nullptr);  // the repeats of broadcast dimensions
   return out;
 }
 
@@ -983,7 +984,7 @@ std::vector<int64_t> metadata_cache_info() {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_gradstats, CUDA, m) {
-  m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cuda>>());
+  m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cuda, false>>());
   set_cuda_kernel(&multi_tensor_stats_cuda);  // and for the eager entry point that skips the dispatcher
 }
 
