@@ -41,7 +41,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 ISA_FLAGS = {
     "avx2": {"unix": ["-mavx2", "-mfma", "-mf16c"], "msvc": ["/arch:AVX2"]},
     "avx512": {
-        "unix": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+        "unix": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mpopcnt"],
         "msvc": ["/arch:AVX512"],
     },
 }

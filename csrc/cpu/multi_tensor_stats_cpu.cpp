@@ -4,7 +4,7 @@
 // stats_kernel_impl.h, compiled once per instruction set.
 //
 // Instruction set. The kernels are compiled for the baseline CPU and, on x86-64, for AVX2 (+FMA, F16C) and AVX512
-// (F, BW, VL, DQ). The op uses the one ATen's own CPU kernels use (at::get_cpu_capability(), which honours
+// (F, BW, VL, DQ, with POPCNT). The op uses the one ATen's own CPU kernels use (at::get_cpu_capability(), which honours
 // ATEN_CPU_CAPABILITY=default|avx2|avx512), provided the running CPU has its features, so a build made on any
 // machine runs on every x86-64 CPU. cpu_kernel_capability() names the choice. The variants add in different orders,
 // so sumsq's last bits may differ between them (within the accuracy contract); counts and amax do not.
@@ -62,7 +62,7 @@ bool cpu_has(const char* isa) {
   if (std::string(isa) == "AVX512") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("popcnt");
   }
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else

@@ -293,6 +293,46 @@ inline VD add_d(VD a, VD b) { return _mm512_add_pd(a, b); }
 inline VD fmadd_d(VD a, VD b, VD c) { return _mm512_fmadd_pd(a, b, c); }
 inline double hsum_d(VD v) { return _mm512_reduce_add_pd(v); }
 inline double hmax_d(VD v) { return _mm512_reduce_max_pd(v); }
+// For the exponent histogram: fields as bytes, and byte-wise counts.
+template <int kShift>
+inline VI srli32(VI a) { return _mm512_srli_epi32(a, kShift); }
+template <int kShift>
+inline VI srli16(VI a) { return _mm512_srli_epi16(a, kShift); }
+inline VI packus32(VI a, VI b) { return _mm512_packus_epi32(a, b); }
+inline VI packus16(VI a, VI b) { return _mm512_packus_epi16(a, b); }
+inline VI set1_8(uint8_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+inline VI max_u8(VI a, VI b) { return _mm512_max_epu8(a, b); }
+inline VI min_u8(VI a, VI b) { return _mm512_min_epu8(a, b); }
+inline VI sub8(VI a, VI b) { return _mm512_sub_epi8(a, b); }
+inline void storei(void* p, VI a) { _mm512_storeu_si512(p, a); }
+// How many bytes of the registers given to add() equal `want`'s: a popcount of the compare's mask.
+class ByteMatches {
+ public:
+  void add(VI a, VI want) { count_ += __builtin_popcountll(_cvtmask64_u64(_mm512_cmpeq_epi8_mask(a, want))); }
+  int64_t total() const { return count_; }
+
+ private:
+  int64_t count_ = 0;
+};
+// Largest and smallest byte.
+inline int hmax_u8(VI a) {
+  const __m256i h = _mm256_max_epu8(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  __m128i m = _mm_max_epu8(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 8));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 4));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
+  return _mm_cvtsi128_si32(m) & 0xff;
+}
+inline int hmin_u8(VI a) {
+  const __m256i h = _mm256_min_epu8(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  __m128i m = _mm_min_epu8(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 8));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 4));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 2));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 1));
+  return _mm_cvtsi128_si32(m) & 0xff;
+}
 // Whether any of the 64-bit |bits| seen was 0: their minimum.
 struct ZeroTracker64 {
   VI m = set1_64(~uint64_t{0} >> 1);
@@ -340,6 +380,49 @@ inline double hsum_d(VD v) {
 inline double hmax_d(VD v) {
   __m128d s = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
   return _mm_cvtsd_f64(_mm_max_sd(s, _mm_unpackhi_pd(s, s)));
+}
+// For the exponent histogram: fields as bytes, and byte-wise counts.
+template <int kShift>
+inline VI srli32(VI a) { return _mm256_srli_epi32(a, kShift); }
+template <int kShift>
+inline VI srli16(VI a) { return _mm256_srli_epi16(a, kShift); }
+inline VI packus32(VI a, VI b) { return _mm256_packus_epi32(a, b); }
+inline VI packus16(VI a, VI b) { return _mm256_packus_epi16(a, b); }
+inline VI set1_8(uint8_t v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+inline VI max_u8(VI a, VI b) { return _mm256_max_epu8(a, b); }
+inline VI min_u8(VI a, VI b) { return _mm256_min_epu8(a, b); }
+inline VI sub8(VI a, VI b) { return _mm256_sub_epi8(a, b); }
+inline void storei(void* p, VI a) { _mm256_storeu_si256(static_cast<__m256i*>(p), a); }
+// How many bytes of the registers given to add() equal `want`'s: per-byte counters (an equal byte compares to 0xff,
+// that is -1), at most 255 registers.
+class ByteMatches {
+ public:
+  void add(VI a, VI want) { acc_ = _mm256_sub_epi8(acc_, _mm256_cmpeq_epi8(a, want)); }
+  int64_t total() const {
+    const __m256i s = _mm256_sad_epu8(acc_, _mm256_setzero_si256());
+    return _mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) +
+           _mm256_extract_epi64(s, 3);
+  }
+
+ private:
+  __m256i acc_ = _mm256_setzero_si256();
+};
+// Largest and smallest byte.
+inline int hmax_u8(VI a) {
+  __m128i m = _mm_max_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 8));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 4));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
+  m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
+  return _mm_cvtsi128_si32(m) & 0xff;
+}
+inline int hmin_u8(VI a) {
+  __m128i m = _mm_min_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 8));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 4));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 2));
+  m = _mm_min_epu8(m, _mm_srli_si128(m, 1));
+  return _mm_cvtsi128_si32(m) & 0xff;
 }
 // Whether any of the 64-bit |bits| seen was 0 (AVX2 has no 64-bit integer min): an OR of equality masks.
 struct ZeroTracker64 {
@@ -547,8 +630,14 @@ class ExponentCounts {
 
   ExponentCounts() { std::memset(table_, 0, sizeof(table_)); }
 
-  // Counts the fields of x[0, n).
+  // Counts the fields of x[0, n), n <= kBlockElems.
   void add(const T* x, int64_t n) {
+#if defined(TORCH_GRADSTATS_SIMD)
+    if constexpr (E::kFields <= 256) {
+      add_by_compares(x, n);
+      return;
+    }
+#endif
     int64_t i = 0;
     for (; i + kWays <= n; i += kWays) {
       for (int w = 0; w < kWays; ++w) {
@@ -599,8 +688,98 @@ class ExponentCounts {
     }
   }
 
- private:
   static uint32_t field(const T* x) { return static_cast<uint32_t>(abs_bits(x) >> E::kShift); }
+
+ private:
+#if defined(TORCH_GRADSTATS_SIMD)
+  // Above this many distinct fields in a block, one increment per element costs less than a compare per field.
+  static constexpr int kMaxCompareFields = 64;
+  static constexpr int kFieldsPerPass = 4;
+  static constexpr int64_t kBytes = sizeof(VI);
+
+  // The block's fields as bytes, then, for each field from the smallest non-zero one to the largest, a byte compare
+  // of the whole block: a block of 4,096 gradients typically spans ~15 fields, so ~15 compares per 64 elements
+  // instead of 64 dependent increments of a table.
+  void add_by_compares(const T* x, int64_t n) {
+    alignas(64) uint8_t fields[kBlockElems];
+    int lo = 0;
+    int hi = 0;
+    const int64_t regs = pack_fields(x, n, fields, lo, hi);
+    if (hi - lo + 1 > kMaxCompareFields) {
+      for (int64_t i = 0; i < n; ++i) {  // the first n bytes are the elements' fields
+        ++table_[i % kWays][fields[i]];
+      }
+      return;
+    }
+    // kFieldsPerPass fields per pass over the block: independent accumulators, one load per register.
+    int64_t counted = 0;
+    for (int f = lo; f <= hi; f += kFieldsPerPass) {
+      VI want[kFieldsPerPass];
+      ByteMatches matches[kFieldsPerPass];  // regs <= 64 registers each
+      for (int k = 0; k < kFieldsPerPass; ++k) {
+        want[k] = set1_8(static_cast<uint8_t>(f + k));  // past hi (even wrapped past 255): counted, not used
+      }
+      for (int64_t r = 0; r < regs; ++r) {
+        const VI v = loadi(fields + r * kBytes);
+        for (int k = 0; k < kFieldsPerPass; ++k) {
+          matches[k].add(v, want[k]);
+        }
+      }
+      for (int k = 0; k < kFieldsPerPass && f + k <= hi; ++k) {
+        const int64_t count = matches[k].total();
+        table_[0][f + k] += static_cast<uint32_t>(count);
+        counted += count;
+      }
+    }
+    table_[0][0] += static_cast<uint32_t>(n - counted);  // zeros and subnormals: every other field is in [lo, hi]
+  }
+
+  // The exponent fields of x[0, n) as bytes into `out` (in any order within a register: a count does not depend on
+  // it), the last register padded with zero bytes; sets lo and hi to the smallest non-zero and the largest field
+  // (lo > hi when every field is 0). Returns the number of registers written. The first n bytes are the fields.
+  static int64_t pack_fields(const T* x, int64_t n, uint8_t* out, int& lo, int& hi) {
+    constexpr int64_t kElems = kBytes / static_cast<int64_t>(sizeof(T));  // elements per input register
+    const VI mask = sizeof(T) == 2 ? set1_16(static_cast<uint16_t>(Bits<T>::kAbs)) : set1_32(Bits<T>::kAbs);
+    const VI one = set1_8(1);
+    VI top = zero_i();
+    VI bottom = set1_8(0xff);  // of field - 1, so that a 0 field (0xff) never lowers it
+    const auto track = [&](VI b) {
+      top = max_u8(top, b);
+      bottom = min_u8(bottom, sub8(b, one));
+    };
+    int64_t i = 0;
+    int64_t r = 0;
+    for (; i + kBytes <= n; i += kBytes, ++r) {
+      VI b;
+      if constexpr (sizeof(T) == 4) {
+        VI f[4];
+        for (int k = 0; k < 4; ++k) {
+          f[k] = srli32<E::kShift>(and_i(loadi(x + i + k * kElems), mask));
+        }
+        b = packus16(packus32(f[0], f[1]), packus32(f[2], f[3]));
+      } else {
+        b = packus16(srli16<E::kShift>(and_i(loadi(x + i), mask)),
+                     srli16<E::kShift>(and_i(loadi(x + i + kElems), mask)));
+      }
+      storei(out + r * kBytes, b);
+      track(b);
+    }
+    if (i < n) {
+      alignas(64) uint8_t tail[kBytes] = {};
+      for (int64_t j = 0; i + j < n; ++j) {
+        tail[j] = static_cast<uint8_t>(field(x + i + j));
+      }
+      const VI b = loadi(tail);
+      storei(out + r * kBytes, b);
+      track(b);
+      ++r;
+    }
+    hi = hmax_u8(top);
+    lo = hmin_u8(bottom) + 1;
+    return r;
+  }
+#endif
+
   int64_t total(int f) const {
     int64_t sum = 0;
     for (int w = 0; w < kWays; ++w) {
