@@ -266,3 +266,37 @@ def test_gradient_nan_with_the_watch_names_no_forward_origin(
     assert "forward origin of the non-finite values" not in out
     run = _run_record(result.log)
     assert run["activation_origin"] is None and run["inject_param"] == "hidden.weight"
+
+
+def test_layer_figure_is_written_and_draws_each_layers_norm(tmp_path: Path) -> None:
+    mpl = pytest.importorskip("matplotlib")
+    import numpy as np
+    from matplotlib.image import imread
+
+    from torch_gradstats._demo_figure import layer_figure
+
+    result = demo.run(steps=30, inject_nan=20, out=tmp_path, progress=False, plot=True)
+    assert result.layer_plot == tmp_path / "layers.png"
+    assert list(result.layer_norms) == ["embed", "hidden", "head"]  # GradStats.grouped("layer") of the demo model
+    for r in _steps(result.log):  # the layers' norms make up each step's global norm, as the Trainer read it
+        norms = [result.layer_norms[name][r["step"]] for name in result.layer_norms]
+        if r["step"] == 20:  # the poisoned gradient: hidden's norm is NaN, the others are not
+            assert r["total_norm"] is None and math.isnan(norms[1]) and math.isfinite(norms[0] + norms[2])
+        else:
+            assert math.isclose(math.sqrt(sum(v * v for v in norms)), r["total_norm"], rel_tol=1e-9)
+
+    png = result.layer_plot.read_bytes()
+    assert png[:4] == b"\x89PNG" and 20_000 < len(png) < 150_000
+    pixels = imread(result.layer_plot)[..., :3]
+    for color in ("tab:blue", "tab:orange", "tab:green"):  # each layer's line is drawn in it
+        assert (np.abs(pixels - mpl.colors.to_rgb(color)).max(axis=-1) < 0.02).sum() > 100, color
+
+    fig = layer_figure(result.layer_norms, [20])
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_legend().get_title().get_text() == "layer"
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.lines if not line.get_label().startswith("_")}
+    assert list(lines) == ["embed", "hidden", "head"]
+    for name, drawn in lines.items():  # a gap where the norm is NaN
+        assert [None if math.isnan(v) else v for v in drawn] == [
+            None if math.isnan(v) else v for v in result.layer_norms[name]]
+    assert [list(line.get_xdata()) for line in ax.lines if line.get_linestyle() == "--"] == [[20, 20]]

@@ -1,15 +1,17 @@
-"""The demo's figure: loss, global gradient norm (with the AdaptiveClip threshold and the steps the SpikeGuard skipped),
-health, and non-finite counts over the optimizer steps. Its own module: drawing is a job apart from running the demo."""
+"""The demo's figures: loss, global gradient norm (with the AdaptiveClip threshold and the steps the SpikeGuard
+skipped), health, and non-finite counts over the optimizer steps; and the gradient norm of each layer over the steps.
+Their own module: drawing is a job apart from running the demo."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch_gradstats.training import EpochSummary
 
-__all__ = ["figure"]
+__all__ = ["figure", "layer_figure", "save"]
 
 
 def figure(
@@ -102,3 +104,36 @@ def figure(
         title += f" ({spike})"
     fig.suptitle(title)
     return fig
+
+
+def layer_figure(norms: Mapping[str, Sequence[float]], bad_steps: Sequence[int] = (), note: str | None = None) -> Any:
+    """One line per layer: its gradient norm (``GradStats.grouped("layer")``) at each optimizer step, on a log axis;
+    a non-finite norm is a gap in its line, and each step in ``bad_steps`` a dashed red line."""
+    import matplotlib  # lazy: only the demo needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.4), constrained_layout=True)
+    for name, values in norms.items():
+        ax.plot(range(len(values)), [v if math.isfinite(v) and v > 0 else math.nan for v in values], lw=1.0,
+                label=name)
+    for b in bad_steps:
+        ax.axvline(b, color="tab:red", alpha=0.35, lw=1, ls="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("gradient norm (L2) of the layer")
+    ax.grid(alpha=0.3)
+    ax.legend(title="layer", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines fill the axes
+    ax.set_title("Gradient norm per layer" + (f" ({note})" if note else ""))
+    return fig
+
+
+def save(fig: Any, path: Path) -> None:
+    """Write ``fig`` as a PNG at ``path`` and free it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)

@@ -9,8 +9,9 @@ goes into that module's forward output instead, and an ActivationWatch names the
 with AdaptiveClip.
 
 Outputs in ``--out`` (default ``runs/demo``): ``gradstats.png`` (loss, global gradient norm, health and non-finite
-counts over steps) and ``log.jsonl`` (one JSON object per step with stats and one per epoch; non-finite numbers are
-written as ``null``). Without ``--inject-nan`` nothing goes non-finite, and the figure's non-finite panel says so.
+counts over steps), ``layers.png`` (each layer's gradient norm over steps, log scale) and ``log.jsonl`` (one JSON
+object per step with stats and one per epoch; non-finite numbers are written as ``null``). Without ``--inject-nan``
+nothing goes non-finite, and the figure's non-finite panel says so.
 
 While training, a tqdm progress bar over the optimizer steps goes to stderr when stderr is a terminal (not in a
 pipe or a file; ``--no-progress`` turns it off); the per-epoch table goes to stdout.
@@ -35,10 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torch_gradstats._demo_figure import figure
+from torch_gradstats._demo_figure import figure, layer_figure, save
 from torch_gradstats.activations import ActivationReport
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.guard import SpikeGuard
+from torch_gradstats.stats import grad_stats
 from torch_gradstats.training import EpochSummary, Trainer, format_epoch_table, validate_device
 
 __all__ = ["DemoResult", "build_parser", "main", "make_data", "make_model", "run"]
@@ -95,6 +97,8 @@ class DemoResult:
     plot: Path | None
     log: Path
     thresholds: list[float] = field(default_factory=list)  #: AdaptiveClip's threshold per step (with adaptive_clip)
+    layer_norms: dict[str, list[float]] = field(default_factory=dict)  #: layer -> its gradient norm at each step
+    layer_plot: Path | None = None
 
 
 def _epoch_batches(x: Tensor, y: Tensor, n_batches: int, g: torch.Generator) -> list[tuple[Tensor, Tensor]]:
@@ -169,22 +173,6 @@ def _figure(
     """The demo's matplotlib figure (see :mod:`torch_gradstats._demo_figure`)."""
     spike = None if spike_step is None else f"gradients x{SPIKE_FACTOR:g} at step {spike_step}"
     return figure(summaries, inject_step, thresholds, spike)
-
-
-def _plot(
-    path: Path,
-    summaries: Sequence[EpochSummary],
-    inject_step: int | None,
-    thresholds: Sequence[float] | None,
-    spike_step: int | None,
-) -> None:
-    import matplotlib.pyplot as plt
-
-    fig = _figure(summaries, inject_step, thresholds, spike_step)
-    try:
-        fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
 
 
 class _ActivationWarnings(logging.Filter):
@@ -267,6 +255,8 @@ def run(
 
     bar: Any = None
     thresholds: list[Tensor] = []  # AdaptiveClip's threshold of each step, kept on the device
+    layers: list[str] = []
+    layer_norms: list[Tensor] = []  # each layer's gradient norm at each step, kept on the device
     first_report: ActivationReport | None = None  # the first non-finite one the Trainer kept
 
     def after_backward(trainer: Trainer) -> None:
@@ -282,6 +272,9 @@ def run(
                     p.grad.mul_(SPIKE_FACTOR)
         if clip is not None and step > 0:
             thresholds.append(clip.last_threshold)  # the previous step's
+        groups = grad_stats(trainer.model.named_parameters()).grouped("layer")  # one more op call, no host sync
+        layers[:] = groups.names
+        layer_norms.append(groups.norms)
         report = trainer.last_activation_report  # from the previous step's sync
         if first_report is None and report is not None and report.nonfinite:
             first_report = report
@@ -382,6 +375,8 @@ def run(
     if clip is not None:
         thresholds.append(clip.last_threshold)
     threshold_values = [float(v) for v in torch.stack(thresholds).tolist()] if thresholds else []  # one transfer
+    by_step = torch.stack(layer_norms).tolist() if layer_norms else []  # one transfer
+    per_layer = {name: [float(row[i]) for row in by_step] for i, name in enumerate(layers)}
     if trainer.activation_watch is not None:
         trainer.activation_watch.remove()  # the held-out pass below is no training step
 
@@ -439,16 +434,18 @@ def run(
     }
     extra = {r.step: {"clip_threshold": t} for r, t in zip(rows, threshold_values)}
     _write_log(log_path, summaries, meta, extra)
-    plot_path: Path | None = None
+    plot_path = layer_path = None
     if plot:
         try:
-            plot_path = out_dir / "gradstats.png"
-            _plot(plot_path, summaries, inject_nan, threshold_values or None, inject_spike)
+            plot_path, layer_path = out_dir / "gradstats.png", out_dir / "layers.png"
+            save(_figure(summaries, inject_nan, threshold_values or None, inject_spike), plot_path)
+            bad_steps = [r.step for r in rows if r.nan_count + r.inf_count]
+            save(layer_figure(per_layer, bad_steps, "; ".join(injected) or None), layer_path)
         except ImportError:
-            plot_path = None
+            plot_path = layer_path = None
             print("matplotlib is not installed: no plot (pip install matplotlib)")
-    print(f"Wrote {log_path}" + (f" and {plot_path}" if plot_path else ""))
-    return DemoResult(summaries, accuracy, seconds, plot_path, log_path, threshold_values)
+    print(f"Wrote {log_path}" + (f", {plot_path} and {layer_path}" if plot_path else ""))
+    return DemoResult(summaries, accuracy, seconds, plot_path, log_path, threshold_values, per_layer, layer_path)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

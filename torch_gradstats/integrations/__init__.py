@@ -1,5 +1,5 @@
 """Integrations with the places people train and look at training: Lightning, the Hugging Face Trainer,
-TensorBoard and Weights & Biases.
+TensorBoard, Weights & Biases and MLflow.
 
 Each lives in its own module and imports its framework only when that module is imported; the core package never
 imports any of them:
@@ -8,6 +8,8 @@ imports any of them:
 * :mod:`torch_gradstats.integrations.transformers`: ``GradStatsCallback`` for ``transformers.Trainer``;
 * :mod:`torch_gradstats.integrations.tensorboard`: ``TensorBoardSink`` (a ``SummaryWriter``);
 * :mod:`torch_gradstats.integrations.wandb`: ``WandbSink`` (a W&B run);
+* :mod:`torch_gradstats.integrations.mlflow`: ``MLflowSink`` (an MLflow run; exported here, imports ``mlflow`` at its
+  first ``log``);
 * :mod:`torch_gradstats.integrations.files`: ``CSVSink`` and ``JSONLSink`` (standard library only; exported here).
 
 The sink protocol, for plain training loops (and for a trainer's ``log_to=[...]``): anything with a
@@ -82,7 +84,9 @@ def finite_values(values: list[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
-# The file sinks use the protocol and helpers above (standard library only, so always importable).
+# The file sinks use the protocol and helpers above (standard library only, so always importable); so does the MLflow
+# sink, which imports mlflow only when it logs.
 from torch_gradstats.integrations.files import CSVSink, JSONLSink  # noqa: E402
+from torch_gradstats.integrations.mlflow import MLflowSink  # noqa: E402
 
-__all__ += ["CSVSink", "JSONLSink"]
+__all__ += ["CSVSink", "JSONLSink", "MLflowSink"]
