@@ -25,12 +25,13 @@ LAYERS = {
     "torch_gradstats._transfer": 0,
     "torch_gradstats._checks": 0,
     "torch_gradstats.fallback": 1,
-    "torch_gradstats.fallback_histogram": 1,
+    "torch_gradstats.fallback_histogram": 1.5,  # the histogram overload's fallback, built on the pieces of fallback
     "torch_gradstats.ops": 2,
     "torch_gradstats.health": 3,
     "torch_gradstats._layout": 0,
     "torch_gradstats.distributed": 3,
     "torch_gradstats._scalars": 3,
+    "torch_gradstats.exponents": 3,  # the host-side exponent histogram that reports hold
     "torch_gradstats.report": 4,
     "torch_gradstats.groups": 4.5,  # per-group figures from per-parameter ones; GradStats.grouped delegates here
     "torch_gradstats.stats": 5,

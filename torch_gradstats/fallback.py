@@ -21,7 +21,15 @@ from torch import Tensor
 from torch_gradstats._checks import DTYPE_BITS, OP_NAME, checked_numels
 from torch_gradstats._transfer import host_int64
 
-__all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "release_workspace", "require_float64"]
+__all__ = [
+    "FALLBACK_CHUNK_ELEMS",
+    "distinct_elements",
+    "fallback_multi_tensor_stats",
+    "iter_pieces",
+    "register",
+    "release_workspace",
+    "require_float64",
+]
 
 #: Elements in one batch of the fallback; bounds its extra memory (see :func:`fallback_multi_tensor_stats`).
 FALLBACK_CHUNK_ELEMS = 1 << 18
@@ -45,7 +53,7 @@ def _is_dense(t: Tensor) -> bool:
     return True
 
 
-def _distinct_elements(t: Tensor) -> tuple[Tensor, int]:
+def distinct_elements(t: Tensor) -> tuple[Tensor, int]:
     """``t`` without its broadcast dimensions (stride 0, size > 1), and how many times that view's elements each
     appear in ``t``: a tensor made by ``expand`` is read once per distinct element, never materialized."""
     copies = 1
@@ -57,7 +65,7 @@ def _distinct_elements(t: Tensor) -> tuple[Tensor, int]:
     return t.as_strided([1 if st == 0 else s for s, st in zip(t.shape, t.stride())], t.stride()), copies
 
 
-def _iter_pieces(t: Tensor, chunk: int) -> Iterator[Tensor]:
+def iter_pieces(t: Tensor, chunk: int) -> Iterator[Tensor]:
     """Views of ``t`` of at most ``chunk`` elements that together hold each of its elements exactly once (an
     element that overlapping strides repeat, once per repeat), made one at a time: however large ``t``, only the
     views being read exist."""
@@ -79,7 +87,7 @@ def _iter_pieces(t: Tensor, chunk: int) -> Iterator[Tensor]:
             yield t.narrow(dim, start, min(step, size - start))
         return
     for j in range(size):
-        yield from _iter_pieces(t.select(dim, j), chunk)
+        yield from iter_pieces(t.select(dim, j), chunk)
 
 
 def _row_sums(x: Tensor) -> Tensor:
@@ -372,7 +380,7 @@ def _stats(
         if numel == 0:
             continue
         if not t.is_contiguous():
-            t, copies = _distinct_elements(t)
+            t, copies = distinct_elements(t)
             if copies > 1:
                 repeats[i] = copies
                 numel //= copies
@@ -382,7 +390,7 @@ def _stats(
             rows.append(t)
         elif numel <= _RUN_CHUNKS * chunk_elems:
             places = split[i] = []
-            for piece in _iter_pieces(t, chunk_elems):
+            for piece in iter_pieces(t, chunk_elems):
                 key = _row_key(t.dtype, piece.numel())
                 owners, rows = groups.setdefault(key, (array("q"), []))
                 places.append((key, len(rows)))
@@ -472,7 +480,7 @@ def _reduce_rows(
 
 
 def _large_tensor_stats(t: Tensor, chunk: int, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
-    """Statistics of one tensor larger than a chunk, from its pieces (:func:`_iter_pieces`) in order: consecutive
+    """Statistics of one tensor larger than a chunk, from its pieces (:func:`iter_pieces`) in order: consecutive
     pieces of one key make a batch, and each batch's figures are added to the running ones, so the order of
     every sum is fixed by the tensor's shape and strides alone."""
     device = t.device
@@ -491,7 +499,7 @@ def _large_tensor_stats(t: Tensor, chunk: int, ws: _Workspace) -> tuple[Tensor, 
 
     pending: list[Tensor] = []
     key = None
-    for piece in _iter_pieces(t, chunk):
+    for piece in iter_pieces(t, chunk):
         piece_key = _row_key(t.dtype, piece.numel())
         if pending and (piece_key != key or len(pending) * piece_key[1] >= _RUN_CHUNKS * chunk):
             add(pending, key)  # type: ignore[arg-type]  # key is set once pending is not empty

@@ -22,9 +22,9 @@ from torch import Tensor
 from torch_gradstats._checks import DTYPE_BITS, checked_numels
 from torch_gradstats.fallback import (
     FALLBACK_CHUNK_ELEMS,
-    _distinct_elements,
-    _iter_pieces,
+    distinct_elements,
     fallback_multi_tensor_stats,
+    iter_pieces,
     require_float64,
 )
 
@@ -88,10 +88,10 @@ def exponent_histogram(
     for i, (t, numel) in enumerate(zip(tensors, numels)):
         if numel == 0:
             continue
-        t, copies = _distinct_elements(t.detach())
+        t, copies = distinct_elements(t.detach())
         if copies > 1:
             repeats[i] = copies
-        for piece in _iter_pieces(t, chunk_elems):
+        for piece in iter_pieces(t, chunk_elems):
             if batch and (piece.dtype != batch[0].dtype or batch_elems + piece.numel() > chunk_elems):
                 flush()
             batch.append(piece)

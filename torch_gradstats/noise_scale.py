@@ -74,7 +74,7 @@ def _params_of(params: Any, caller: str) -> list[Tensor]:
 
 def _sumsq(tensors: list[Tensor]) -> Tensor:
     """Sum of squares of every element of ``tensors`` (0-d float64): one op call per device."""
-    return _stats_on_home(tensors)[0].sum()
+    return _stats_on_home(tensors, False)[0][0].sum()
 
 
 class NoiseScale:

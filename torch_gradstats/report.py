@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import INF, NAN, ZERO
 
@@ -57,6 +58,8 @@ class GradReport:
         groups: the per-group figures when the report was made with ``groups=`` (see :meth:`GradStats.grouped`).
         extra: more figures that came in the same transfer (``report(extra=...)``), e.g. the step policies'
             ``guard/...`` and ``clip/...``; empty by default.
+        exponent_histogram: the global exponent histogram when the statistics were read with
+            ``histogram=True`` (see :mod:`torch_gradstats.exponents`), else None.
     """
 
     total_norm: float
@@ -83,6 +86,7 @@ class GradReport:
     clipped_norm: float | None = None
     groups: GroupReport | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    exponent_histogram: ExponentHistogram | None = None
 
     @classmethod
     def _build(
@@ -174,8 +178,10 @@ class GradReport:
             prefix: prepended to every key (e.g. ``"grad/"``).
             per_param: include the per-parameter keys (``norm/<name>``, or the style's own).
             style: whose key names (see :data:`STYLES`): ``"default"``, this library's own figures (with
-                ``clip_coef`` and ``clipped_norm`` after :func:`~torch_gradstats.clip_grad_norm_`, and the group
-                keys of a report made with ``groups=``); ``"lightning"``, ``grad_2.0_norm/<name>`` and
+                ``clip_coef`` and ``clipped_norm`` after :func:`~torch_gradstats.clip_grad_norm_`, the group
+                keys of a report made with ``groups=``, and ``underflow/<format>`` and ``overflow/<format>`` for
+                fp16, bf16, fp8_e4m3 and fp8_e5m2 when the statistics were read with ``histogram=True``);
+                ``"lightning"``, ``grad_2.0_norm/<name>`` and
                 ``grad_2.0_norm_total`` as ``lightning.pytorch.utilities.grad_norm(module, 2)`` (nothing when no
                 gradient was read, as there); ``"hf"``, ``grad_norm`` (the pre-clip total norm the transformers
                 Trainer logs); ``"megatron"``, ``grad-norm`` and ``num-zeros``; ``"composer"``,
@@ -211,6 +217,8 @@ class GradReport:
             out["clip_coef"] = self.clip_coef
         if self.clipped_norm is not None:
             out["clipped_norm"] = self.clipped_norm
+        if self.exponent_histogram is not None:
+            out.update(self.exponent_histogram.fractions())
         if per_param:
             for name, norm in self.norms.items():
                 out[f"norm/{name}"] = norm

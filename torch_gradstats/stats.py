@@ -26,9 +26,19 @@ from torch import Tensor
 
 from torch_gradstats._extension import native_function
 from torch_gradstats._transfer import host_int64, repeated_int64, to_device, to_host
+from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.groups import GroupBy, GroupStats, group_stats
 from torch_gradstats.health import HealthPolicy
-from torch_gradstats.ops import INF, NAN, OP_NAME, SUPPORTED_DTYPES, ZERO, check_inputs, multi_tensor_stats
+from torch_gradstats.ops import (
+    HISTOGRAM_BUCKETS,
+    INF,
+    NAN,
+    OP_NAME,
+    SUPPORTED_DTYPES,
+    ZERO,
+    check_inputs,
+    multi_tensor_stats,
+)
 from torch_gradstats.report import GradReport
 
 __all__ = ["ExtraFigures", "GradReport", "GradStats", "ParamsLike", "grad_stats"]
@@ -230,6 +240,9 @@ class GradStats:
             multiplied by, float64 0-d; None otherwise.
         clipped_norm: set by :func:`torch_gradstats.clip_grad_norm_`: the total norm after clipping,
             ``clip_coef * clip_norm``, float64 0-d; None otherwise. The report carries both.
+        exponent_histogram: with ``grad_stats(..., histogram=True)``, int64 ``[277]``: the finite non-zero
+            gradient elements by ``floor(log2 |g|) + 149`` (``[P, 277]``, a row per parameter, with
+            ``per_tensor=True``); None otherwise. See :mod:`torch_gradstats.exponents`.
     """
 
     names: list[str]
@@ -242,6 +255,7 @@ class GradStats:
     clip_norm: Tensor | None = None
     clip_coef: Tensor | None = None
     clipped_norm: Tensor | None = None
+    exponent_histogram: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -337,8 +351,10 @@ class GradStats:
         clip = [] if self.clip_coef is None or self.clipped_norm is None else [self.clip_coef, self.clipped_norm]
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
         extra_floats, extra_ints = extra_tensors(extra, self.device)
+        hist = self.exponent_histogram
+        hist_ints = [] if hist is None else [hist if hist.dim() == 1 else hist.sum(0)]
         floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats, *extra_floats],
-                               ints_in + group_ints + extra_ints)
+                               ints_in + group_ints + extra_ints + hist_ints)
         n_floats = 2 * p + 1 + len(clip) + sum(t.numel() for t in group_floats)
         n_ints = (4 + world) * p + sum(t.numel() for t in group_ints)
         sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
@@ -351,6 +367,8 @@ class GradStats:
         if groups is not None:
             out.groups = groups._from_host(floats[2 * p + 1 + len(clip):n_floats], ints[(4 + world) * p:n_ints])
         out.extra = read_extra(extra, floats[n_floats:], ints[n_ints:])
+        if hist is not None:
+            out.exponent_histogram = ExponentHistogram(tuple(ints[len(ints) - HISTOGRAM_BUCKETS:]), out.numel)
         return out
 
 
@@ -366,18 +384,29 @@ def _empty_stats(device: torch.device) -> GradStats:
     )
 
 
-def _empty_local() -> tuple[Tensor, Tensor, Tensor]:
-    s = _empty_stats(torch.device("cpu"))
-    return s.sumsq, s.amax, s.counts
+def _empty_local(histogram: bool) -> list[Tensor]:
+    s = _with_histogram(_empty_stats(torch.device("cpu")), histogram, True)
+    return [s.sumsq, s.amax, s.counts] + ([] if s.exponent_histogram is None else [s.exponent_histogram])
 
 
-def _stats_on_home(local: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, torch.device]:
-    """One op call per device; results gathered on the home device (see the module docstring) in the order of
-    ``local``, and that device."""
+def _with_histogram(stats: GradStats, histogram: bool, per_tensor: bool) -> GradStats:
+    """``stats`` of no gradients, with an empty histogram when one is asked for."""
+    if histogram:
+        shape = (len(stats), HISTOGRAM_BUCKETS) if per_tensor else (HISTOGRAM_BUCKETS,)
+        stats.exponent_histogram = torch.zeros(shape, dtype=torch.int64, device=stats.device)
+    return stats
+
+
+def _stats_on_home(local: list[Tensor], histogram: bool) -> tuple[list[Tensor], torch.device]:
+    """One op call per device; its outputs (three, or four with ``histogram``) gathered on the home device (see the
+    module docstring) in the order of ``local``, and that device."""
+    op: Callable[[list[Tensor]], Sequence[Tensor]] = (
+        (lambda ts: multi_tensor_stats(ts, histogram=True)) if histogram else multi_tensor_stats
+    )
     if not torch.compiler.is_compiling():
         try:  # one device, the common case: no per-tensor Python at all
-            sumsq, amax, counts = multi_tensor_stats(local)
-            return sumsq, amax, counts, sumsq.device
+            out = list(op(local))
+            return out, out[0].device
         except ValueError:
             pass  # several devices (grouped below), or a bad input: the grouped call raises it again
     by_device: dict[torch.device, list[int]] = {}  # metadata only, model order inside each group
@@ -385,23 +414,18 @@ def _stats_on_home(local: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, torch.d
         by_device.setdefault(t.device, []).append(i)
     home = _home_device(by_device)
     if len(by_device) == 1:
-        return (*multi_tensor_stats(local), home)
-    parts_s, parts_a, parts_c, order = [], [], [], []
+        return list(op(local)), home
+    parts: list[list[Tensor]] = []
+    order: list[int] = []
     for idx in by_device.values():
-        s, a, c = multi_tensor_stats([local[i] for i in idx])
-        parts_s.append(to_device(s, home))
-        parts_a.append(to_device(a, home))
-        parts_c.append(to_device(c, home))
+        parts.append([to_device(o, home) for o in op([local[i] for i in idx])])
         order.extend(idx)
     # Scatter the per-device results back into model order.
     inverse = [0] * len(order)
     for pos, i in enumerate(order):
         inverse[i] = pos
     inv = host_int64(inverse, home)
-    sumsq = torch.cat(parts_s).index_select(0, inv)
-    amax = torch.cat(parts_a).index_select(0, inv)
-    counts = torch.cat(parts_c).index_select(0, inv)
-    return sumsq, amax, counts, home
+    return [torch.cat(outputs).index_select(0, inv) for outputs in zip(*parts)], home
 
 
 @torch.no_grad()
@@ -413,6 +437,8 @@ def grad_stats(
     tied: Collection[str] = (),
     expert_group: Any = None,
     is_expert: Callable[[str], bool] | None = None,
+    histogram: bool = False,
+    per_tensor: bool = False,
 ) -> GradStats:
     """Statistics of the gradients of ``params`` in one read, as device tensors (no host sync).
 
@@ -430,6 +456,10 @@ def grad_stats(
         tied: names of parameters shared by several stages (a tied embedding), counted once.
         expert_group: process group the plain gradients of expert parameters are sharded over (instead of
             ``group``); ``is_expert(name)`` says which parameters are experts.
+        histogram: also count the gradients' finite non-zero elements by binary exponent, in the same read
+            (``GradStats.exponent_histogram``; a report then has the fp16/bf16/fp8 underflow and overflow
+            fractions). Reduced across ranks with the rest.
+        per_tensor: keep the histogram's row of each parameter (``[P, 277]``) rather than their sum (``[277]``).
 
     Returns:
         :class:`GradStats` on the first accelerator device among the gradients (else the CPU). With no gradients:
@@ -468,6 +498,10 @@ def grad_stats(
                 local.append(g)
         numels = None  # read after the op: a .grad that is not a tensor is named there
 
+    if not isinstance(histogram, bool) or not isinstance(per_tensor, bool):
+        raise TypeError("grad_stats: histogram and per_tensor must be bools")
+    if per_tensor and not histogram:
+        raise ValueError("grad_stats: per_tensor=True keeps the histogram's per-parameter rows; pass histogram=True")
     distributed = group is not None or stage_group is not None or expert_group is not None
     if not distributed:  # these options need their group: silently ignored otherwise
         if isinstance(tied, str) or not isinstance(tied, Collection) or not all(isinstance(t, str) for t in tied):
@@ -479,15 +513,17 @@ def grad_stats(
         if is_expert is not None:
             raise ValueError("grad_stats: expert_group and is_expert go together: pass both or neither")
     if not local and not distributed:
-        return _empty_stats(torch.device("cpu"))
+        return _with_histogram(_empty_stats(torch.device("cpu")), histogram, per_tensor)
     names = _unique_names(names)
 
     try:
         # A rank without any gradient still takes part in the reduction, with nothing to add.
-        sumsq, amax, counts, home = _stats_on_home(local) if local else (*_empty_local(), torch.device("cpu"))
+        outputs, home = _stats_on_home(local, histogram) if local else (_empty_local(histogram), torch.device("cpu"))
     except (AttributeError, TypeError, ValueError, RuntimeError):  # AttributeError: a .grad that is not a tensor
         _check_grads(names, local)  # the same failure, named by parameter rather than by list index
         raise
+    sumsq, amax, counts = outputs[:3]
+    hist = outputs[3] if histogram else None
 
     if numels is None:
         numels = tuple(g.numel() for g in grads)  # DTensor.numel() is the logical (global) numel
@@ -510,4 +546,5 @@ def grad_stats(
         numel=numel,
         rank_nonfinite=rank_nonfinite,
         device=home,
+        exponent_histogram=None if hist is None else hist if per_tensor else hist.sum(0),
     )

@@ -194,7 +194,7 @@ class UpdateRatio:
         self._armed = False
         n = len(local)
         tensors = self._buffers + local
-        sumsq, amax, counts, _ = _stats_on_home(tensors)  # buffers and weights share devices and order
+        (sumsq, amax, counts), _ = _stats_on_home(tensors, False)  # buffers and weights share devices and order
         originals = [p for _, p in self._named]
         any_dt = bool(dt) and any(isinstance(p, dt) for p in originals)
         sumsq, *_ = _reduce(originals + originals, sumsq, amax, counts, self.group, any_dt)
@@ -464,7 +464,7 @@ def grad_and_weight_stats(
     local = [_local(t, dt) for t in grads] + [_local(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
     try:
-        sumsq, amax, counts, home = _stats_on_home(local)
+        (sumsq, amax, counts), home = _stats_on_home(local, False)
     except (TypeError, ValueError, RuntimeError):
         _check_named("grad_and_weight_stats", list(zip(names, local[: len(names)])) +
                      list(zip(names, local[len(names):])))

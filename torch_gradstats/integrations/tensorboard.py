@@ -16,7 +16,12 @@ What it writes at each step (``prefix`` defaults to ``"grad/"``):
 * with ``per_param``: ``grad/norm/<parameter>`` (and, from an ``UpdateReport``, ``grad/weight_norm/<parameter>``,
   ``grad/lr_update_ratio/<parameter>``, ``grad/update_ratio/<parameter>``);
 * with ``histograms``: ``grad/norms`` (and ``grad/update_ratios``), a histogram over parameters of the per-parameter
-  values at that step (non-finite values left out; their count is in the scalars);
+  values at that step (non-finite values left out; their count is in the scalars); and, when the report was read
+  with ``histogram=True``, ``grad/exponents``: the exponent histogram of every gradient element, written with
+  ``add_histogram_raw`` from the counts the report already holds (no gradient is copied to the host). Each bucket
+  is ``[2**e, 2**(e + 1))`` of |g|, its limit the upper edge ``2**(e + 1)``; only finite non-zero values are in it
+  (zeros, NaN and Inf are scalars of their own). The raw histogram's ``sum`` and ``sum_squares`` are written as 0:
+  the op does not compute the sum of |g|, and TensorBoard draws the buckets only;
 * when a gradient is non-finite: a text entry ``grad/first_nonfinite`` naming the first such parameter.
 
 The writer is not closed by the sink; call ``writer.flush()`` or ``close()`` as usual.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.updates import UpdateReport
 
@@ -40,7 +46,8 @@ class TensorBoardSink:
         writer: a SummaryWriter, or a log directory (a SummaryWriter is created there).
         prefix: tag prefix (default ``"grad/"``).
         per_param: write one scalar per parameter and figure.
-        histograms: also write histograms over parameters of the per-parameter norms.
+        histograms: also write histograms over parameters of the per-parameter norms, and the exponent histogram
+            of reports read with ``histogram=True``.
         key_style: the scalar tags of ``GradReport.to_dict(style=...)`` (default: ours).
     """
 
@@ -70,9 +77,23 @@ class TensorBoardSink:
                 ratios = finite_values(list(report.update_ratios.values()))
                 if ratios:
                     self.writer.add_histogram(self.prefix + "update_ratios", np.asarray(ratios), step)
+            if g.exponent_histogram is not None:
+                self._log_exponents(g.exponent_histogram, step)
         if g.first_nonfinite is not None:
             more = f" (+{len(g.nonfinite) - 1} more)" if len(g.nonfinite) > 1 else ""
             self.writer.add_text(self.prefix + "first_nonfinite", f"{g.first_nonfinite}{more}", step)
+
+
+    def _log_exponents(self, hist: ExponentHistogram, step: int) -> None:
+        first, end = hist.nonzero_range()
+        if first == end:
+            return  # no finite non-zero element: nothing to draw
+        edges = hist.edges()
+        counts = hist.counts[first:end]
+        self.writer.add_histogram_raw(
+            self.prefix + "exponents", min=edges[first], max=edges[end], num=sum(counts), sum=0.0, sum_squares=0.0,
+            bucket_limits=edges[first + 1 : end + 1], bucket_counts=list(counts), global_step=step,
+        )
 
 
 def log_step_records(writer: Any, records: Any, prefix: str = "grad/") -> None:

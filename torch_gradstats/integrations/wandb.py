@@ -18,17 +18,34 @@ history. W&B requires steps that never decrease across all ``run.log`` calls of 
 let the figures join the row your own next ``run.log`` call completes.
 
 Compared with ``wandb.watch(model, log="gradients")``: ``watch`` hooks every parameter and uploads a histogram of
-each gradient's *values* every ``log_freq`` batches; this sink uploads per-parameter *norms* and the counts computed
-on the device in one read, at the steps you choose. Both can run together.
+each gradient's *values* every ``log_freq`` batches (a copy of every gradient, two host reads and a ``histc`` per
+parameter, NaN and Inf left out); this sink uploads per-parameter *norms* and the counts computed on the device in
+one read, at the steps you choose, and, for reports read with ``histogram=True``, ``grad/exponents``: a
+``wandb.Histogram`` of the binary exponents ``floor(log2 |g|)`` of every finite non-zero gradient element (its
+x axis is log2 |g|), from the same read. The fp16/bf16/fp8 underflow and overflow fractions come with the figures.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
+from torch_gradstats.ops import HISTOGRAM_MIN_EXPONENT
 
-__all__ = ["WandbSink"]
+__all__ = ["WandbSink", "exponent_histogram"]
+
+
+def exponent_histogram(hist: ExponentHistogram) -> Any:
+    """``wandb.Histogram`` of an exponent histogram: buckets ``[e, e + 1)`` of log2 |g| for the non-empty range
+    (at most 277 bins, under W&B's limit of 512)."""
+    import wandb
+
+    first, end = hist.nonzero_range()
+    if first == end:
+        first, end = 0, 1  # nothing finite and non-zero: one empty bucket
+    edges = [float(HISTOGRAM_MIN_EXPONENT + b) for b in range(first, end + 1)]
+    return wandb.Histogram(np_histogram=(list(hist.counts[first:end]), edges))
 
 
 class WandbSink:
@@ -65,8 +82,11 @@ class WandbSink:
         kwargs: dict[str, Any] = {"step": step}
         if self.commit is not None:
             kwargs["commit"] = self.commit
-        run.log(metrics(report, self.prefix, self.per_param, self.key_style), **kwargs)
+        figures: dict[str, Any] = dict(metrics(report, self.prefix, self.per_param, self.key_style))
         g = grad_report(report)
+        if g.exponent_histogram is not None:
+            figures[self.prefix + "exponents"] = exponent_histogram(g.exponent_histogram)
+        run.log(figures, **kwargs)
         if g.first_nonfinite is not None and not self._first_recorded:
             self._first_recorded = True
             run.summary[self.prefix + "first_nonfinite"] = g.first_nonfinite
