@@ -8,6 +8,8 @@
 //  2. `finalize_kernel`: one warp (or, for a tensor of many tiles, one block) reduces each tensor's partials in a
 //     fixed order, turns the NaN/Inf counts into the special values of sumsq/amax and writes the outputs.
 // Which block handles which tile never changes a result, so the bits are the same on every call and every GPU.
+// The overload multi_tensor_stats.histogram runs the same two launches (tile_stats_kernel<true> also counts each
+// element's binary exponent into exponent_histogram, zeroed before them, with integer atomic adds: exact in any order).
 //
 // Tensor metadata (pointer, numel, dtype, tiling) is written to the device by `fill_metadata_kernel`, whose kernel
 // parameters carry it (no memcpy, no host buffer to keep alive). Eager calls keep it in a content-addressed cache
