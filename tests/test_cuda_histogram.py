@@ -32,12 +32,13 @@ INT_OF = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32
           torch.float64: torch.int64}  # fmt: skip
 
 
-def has_cuda_histogram_kernel() -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key("torch_gradstats::multi_tensor_stats.histogram", "CUDA")
+def has_cuda_kernel(op: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"torch_gradstats::{op}", "CUDA")
 
 
+# The build has the compiled CUDA kernel (of the plain op: the histogram overload's is what the test checks).
 needs_cuda_kernel = pytest.mark.skipif(
-    not torch.cuda.is_available() or not has_cuda_histogram_kernel(), reason="needs the compiled CUDA kernel"
+    not torch.cuda.is_available() or not has_cuda_kernel("multi_tensor_stats"), reason="needs the compiled CUDA kernel"
 )
 
 
@@ -315,6 +316,7 @@ def test_compiled_kernel_counts_in_the_same_two_launches(gen):
 
     from torch_gradstats import _C
 
+    assert has_cuda_kernel("multi_tensor_stats.histogram"), "the histogram overload has no CUDA kernel"
     tensors = [spread(n, DTYPES[i % 4], gen) for i, n in enumerate([64 + i % 100 for i in range(1000)] + [1 << 22])]
     HIST_OP(tensors)  # warm-up: writes the metadata once
     torch.cuda.synchronize()
