@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run on an H100/H200 in a single device call (see docs/cuda.md, "On a GPU"):
-#   versions -> toolchain -> build -> registration -> CUDA tests -> timing record -> compute-sanitizer memcheck and
+#   versions -> toolchain -> build -> registration -> CUDA tests (the op, then its histogram overload) -> timing
+#   record -> the op with and without the histogram (bench/bench_histogram.py) -> compute-sanitizer memcheck and
 #   racecheck -> CPU tests -> `python -m torch_gradstats bench --device cuda` -> bench/bench_training.py --device cuda.
 # Every step runs even if an earlier one failed (its exit status is recorded); the script exits non-zero if any did.
 # Steps run in that order of priority under one time budget (GPU_CHECK_BUDGET_S, default 560 s, so the summary is
@@ -8,9 +9,9 @@
 # are skipped with a note in the summary.
 #
 # Output, in "$OUT" (default ./gpu_check_out) and copied to bench/results/<device>/ for committing:
-#   summary.txt (device, driver, torch, CUDA, commit, per-step status, timing table), gpu_check.log (everything),
-#   test_cuda.xml and test_cpu.xml (JUnit), memcheck.log, racecheck.log, timing.txt, bench.txt, bench.csv,
-#   bench_training.txt.
+#   summary.txt (device, driver, torch, CUDA, commit, per-step status, timing tables), gpu_check.log (everything),
+#   test_cuda.xml, test_cuda_histogram.xml and test_cpu.xml (JUnit), memcheck.log, racecheck.log, timing.txt,
+#   timing_histogram.txt, bench.txt, bench.csv, bench_training.txt.
 #
 # Environment:
 #   TORCH_CUDA_ARCH_LIST   default: the device's compute capability (nvidia-smi), else 9.0
@@ -107,6 +108,8 @@ run registration 60 $PY -c "
 import torch, torch_gradstats
 assert torch_gradstats.HAS_EXTENSION, 'extension did not load'
 assert torch._C._dispatch_has_kernel_for_dispatch_key('torch_gradstats::multi_tensor_stats', 'CUDA'), 'no CUDA kernel'
+assert torch._C._dispatch_has_kernel_for_dispatch_key('torch_gradstats::multi_tensor_stats.histogram', 'CUDA'), \
+    'no CUDA kernel for the histogram overload'
 print('extension loaded, CUDA kernel registered; metadata cache:', torch.ops.torch_gradstats._cuda_metadata_cache_info())
 try:  # a C++ error message must come back as a Python exception, not a crash
     torch.ops.torch_gradstats.multi_tensor_stats([torch.zeros(3, device='cuda'), torch.zeros(3, dtype=torch.long, device='cuda')])
@@ -117,6 +120,8 @@ else:
 
 # 3. CUDA tests (slow ones included).
 run test_cuda 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml"
+run test_cuda_histogram 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_histogram.py \
+  --junitxml="$OUT/test_cuda_histogram.xml"
 
 TIMING="$STEPS/timing_case.py"
 cat >"$TIMING" <<'EOF_TIMING'
@@ -231,9 +236,12 @@ else:
 EOF_TIMING
 run timing 90 $PY "$TIMING"
 [[ -s "$STEPS/timing.out" ]] && cp "$STEPS/timing.out" "$OUT/timing.txt"
+# The op with and without the exponent histogram, device time side by side (docs/cuda.md, "The exponent histogram").
+run timing_histogram 90 $PY bench/bench_histogram.py --device cuda
+[[ -s "$STEPS/timing_histogram.out" ]] && cp "$STEPS/timing_histogram.out" "$OUT/timing_histogram.txt"
 
 # 5. compute-sanitizer on a small case: unaligned views, odd lengths, empty tensors, mixed dtypes, several tiles,
-#    a cache miss and hit, and a captured call (metadata owned by its graph) replayed.
+#    a cache miss and hit, and a captured call (metadata owned by its graph) replayed; each with the histogram too.
 CASE="$STEPS/sanitizer_case.py"
 cat >"$CASE" <<'EOF_CASE'
 import os
@@ -243,20 +251,22 @@ dts = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 base = [torch.randn(70_001, device="cuda").to(dt) for dt in dts]
 ts = [b[1:] for b in base] + [b[3:10] for b in base] + [torch.empty(0, device="cuda"), torch.randn(5, 7, device="cuda").t()]
 ts[0][5] = float("nan"); ts[2][0] = float("inf")
-def check(got):
-    ref = reference_multi_tensor_stats(ts)
+def check(got, hist=None):
+    ref = reference_multi_tensor_stats(ts, histogram=True)
     assert torch.equal(got.counts, ref[2]) and torch.allclose(got.sumsq, ref[0], rtol=1e-5, equal_nan=True)
+    assert hist is None or torch.equal(hist.exponent_histogram, ref[3])
 for _ in range(2):  # a cache miss, then a hit
-    check(torch_gradstats.multi_tensor_stats(ts))
+    check(torch_gradstats.multi_tensor_stats(ts), torch_gradstats.multi_tensor_stats(ts, histogram=True))
 if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":  # CUDA graphs need the caching allocator
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         captured = torch_gradstats.multi_tensor_stats(ts)
+        captured_hist = torch_gradstats.multi_tensor_stats(ts, histogram=True)
     ts[3][7] = float("-inf")
     g.replay()
     torch.cuda.synchronize()
-    check(captured)
+    check(captured, captured_hist)
     print("captured call replayed")
 torch.cuda.synchronize()
 print("sanitizer case ok")
@@ -273,7 +283,8 @@ else
 fi
 
 # 6. CPU tests (the rest of the suite).
-run test_cpu 120 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py -m "not distributed" \
+run test_cpu 120 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py \
+  --ignore=tests/test_cuda_histogram.py -m "not distributed" \
   --junitxml="$OUT/test_cpu.xml"
 
 # 7. Benchmarks: the CLI's (bounded by its own --budget-s), then the training-overhead one.
@@ -293,10 +304,12 @@ DEVICE="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -
   $PY -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null
   echo "nvcc: $(nvcc --version 2>/dev/null | tail -n1); CXX=${CXX:-default}; TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
   grep -E "=== .*: (rc=|skipped|not run)" "$LOG"
-  for xml in "$OUT"/test_cuda.xml "$OUT"/test_cpu.xml; do
+  for xml in "$OUT"/test_cuda.xml "$OUT"/test_cuda_histogram.xml "$OUT"/test_cpu.xml; do
     [[ -s "$xml" ]] && grep -o '<testsuite [^>]*' "$xml" | head -n1 | sed "s|<testsuite|$(basename "$xml"):|"
   done
   [[ -s "$STEPS/timing.out" ]] && { echo "--- timing (per call)"; grep -vE "^\[gpu_check\]" "$STEPS/timing.out"; }
+  [[ -s "$STEPS/timing_histogram.out" ]] && { echo "--- the op with and without the histogram (device time per call)"
+    grep -vE "^\[gpu_check\]" "$STEPS/timing_histogram.out"; }
   [[ ${#SKIPPED[@]} -eq 0 ]] || echo "SKIPPED: ${SKIPPED[*]}"
   if [[ ${#FAILED[@]} -eq 0 ]]; then echo "ALL STEPS THAT RAN PASSED"; else echo "FAILED: ${FAILED[*]}"; fi
 } | tee "$OUT/summary.txt"

@@ -43,13 +43,14 @@ bool plain_tensor(PyObject* obj) {
          (t.key_set() - kPlain).highestFunctionalityKey() == c10::DispatchKey::Undefined;
 }
 
-// The compiled kernel for a device type, or nullptr (the dispatcher decides: meta, XPU, the fallback...).
-torch_gradstats::Kernel kernel_for(c10::DeviceType type, bool histogram) {
+// The compiled kernel for a device type, or nullptr (the dispatcher decides: meta, XPU, the fallback...). The CPU and
+// CUDA kernels serve both overloads, so `histogram` does not change the answer.
+torch_gradstats::Kernel kernel_for(c10::DeviceType type, bool /*histogram*/) {
   switch (type) {
     case c10::DeviceType::CPU:
       return &torch_gradstats::multi_tensor_stats_cpu;
     case c10::DeviceType::CUDA:
-      return histogram ? nullptr : torch_gradstats::cuda_kernel();
+      return torch_gradstats::cuda_kernel();
     default:
       return nullptr;
   }

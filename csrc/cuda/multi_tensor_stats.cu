@@ -8,6 +8,8 @@
 //  2. `finalize_kernel`: one warp (or, for a tensor of many tiles, one block) reduces each tensor's partials in a
 //     fixed order, turns the NaN/Inf counts into the special values of sumsq/amax and writes the outputs.
 // Which block handles which tile never changes a result, so the bits are the same on every call and every GPU.
+// The overload multi_tensor_stats.histogram runs the same two launches (tile_stats_kernel<true> also counts each
+// element's binary exponent into exponent_histogram, zeroed before them, with integer atomic adds: exact in any order).
 //
 // Tensor metadata (pointer, numel, dtype, tiling) is written to the device by `fill_metadata_kernel`, whose kernel
 // parameters carry it (no memcpy, no host buffer to keep alive). Eager calls keep it in a content-addressed cache
@@ -78,30 +80,35 @@ static_assert(sizeof(TensorMeta) == 40, "TensorMeta layout is shared by host and
 
 // ----------------------------------------------------------------------------------------------------------------
 // Per-dtype bit patterns. Classification comes from the bits: with a = bits & kAbs, zero <=> a == 0 (so -0.0 too),
-// inf <=> a == kExp, NaN <=> a > kExp, finite <=> a < kExp; for finite values, a orders like |x|.
+// inf <=> a == kExp, NaN <=> a > kExp, finite <=> a < kExp; for finite values, a orders like |x|. The exponent
+// field is a >> kShift (the mantissa has kShift bits), biased by kBias.
 // Words: how packed16.h reads two of them from a 32-bit word (16-bit dtypes only).
 struct HalfTraits {
   using bits_t = uint16_t;
   using Words = packed16::HalfWords;
   static constexpr bits_t kAbs = 0x7fff, kExp = 0x7c00;
+  static constexpr int kShift = 10, kBias = 15;  // exponent field: a >> kShift; mantissa bits: kShift
   static __device__ __forceinline__ double to_double(bits_t b) { return __half2float(__ushort_as_half(b)); }
 };
 struct BFloat16Traits {
   using bits_t = uint16_t;
   using Words = packed16::BFloat16Words;
   static constexpr bits_t kAbs = 0x7fff, kExp = 0x7f80;
+  static constexpr int kShift = 7, kBias = 127;
   static __device__ __forceinline__ double to_double(bits_t b) { return __uint_as_float(uint32_t(b) << 16); }
 };
 struct FloatTraits {
   using bits_t = uint32_t;
   using Words = void;
   static constexpr bits_t kAbs = 0x7fffffffu, kExp = 0x7f800000u;
+  static constexpr int kShift = 23, kBias = 127;
   static __device__ __forceinline__ double to_double(bits_t b) { return __uint_as_float(b); }
 };
 struct DoubleTraits {
   using bits_t = uint64_t;
   using Words = void;
   static constexpr bits_t kAbs = 0x7fffffffffffffffull, kExp = 0x7ff0000000000000ull;
+  static constexpr int kShift = 52, kBias = 1023;
   static __device__ __forceinline__ double to_double(bits_t b) { return __longlong_as_double((long long)b); }
 };
 
@@ -230,11 +237,114 @@ __device__ __forceinline__ Partial block_reduce(Partial p, Partial* warp_results
   return r;
 }
 
+// ----------------------------------------------------------------------------------------------------------------
+// Exponent histogram (the overload multi_tensor_stats.histogram; docs/cuda.md, "The exponent histogram"). Each warp
+// counts its elements' buckets in a table of its own in shared memory (uint32, shared-memory atomics); a block flushes
+// its tables into the output row of the tensor it counted (one global 64-bit atomic add per non-zero bucket) when it
+// moves on to another tensor, a warp after each of its warp tiles (one tensor each). Integer adds: the result does
+// not depend on their order.
+constexpr int kBuckets = int(kHistogramBuckets);
+constexpr int kWarps = kThreads / 32;
+// A block flushes before the elements it has counted since its last flush would pass this, so that no warp's uint32
+// counter can overflow (a single larger tile is flushed alone; see kMaxHistogramNumel).
+constexpr int64_t kHistogramFlushElems = int64_t(1) << 31;
+// With a histogram, tensors of at most 2^46 elements: a tile then has at most 2^34 + 8 elements (4096 tiles per
+// tensor), and a warp counts at most 1/8 of its vectors plus one per lane and the scalar edges: < 2^32.
+constexpr int64_t kMaxHistogramNumel = int64_t(1) << 46;
+static_assert(kMaxHistogramNumel / kMaxTilesPerTensor / kWarps + 32 * 8 + 32 < (int64_t(1) << 32),
+              "a warp's histogram counters could overflow");
+
+// The bucket of a finite non-zero element, from a = its bits & kAbs (0 < a < kExp): floor(log2 |x|) from the
+// exponent field, or for a subnormal from its mantissa's highest set bit; clamped to [0, kBuckets) (float64 only).
+template <class Tr>
+__device__ __forceinline__ int exponent_bucket(typename Tr::bits_t a) {
+  const int field = int(a >> Tr::kShift);
+  int e;
+  if constexpr (sizeof(typename Tr::bits_t) == 8) {
+    e = field - Tr::kBias;  // a subnormal's field 0 gives 2^-1023: bucket 0, where every float64 subnormal goes
+  } else {
+    const int subnormal = 1 - Tr::kBias - Tr::kShift + 31 - __clz(uint32_t(a));
+    e = field != 0 ? field - Tr::kBias : subnormal;
+  }
+  e -= int(kHistogramMinExponent);
+  return e < 0 ? 0 : (e < kBuckets ? e : kBuckets - 1);
+}
+
+// Counts elements into a warp's table; ExponentCounter<false> (the op without a histogram) does nothing and
+// compiles away.
+template <bool kEnabled>
+struct ExponentCounter {
+  template <class Tr>
+  __device__ __forceinline__ void count(typename Tr::bits_t) const {}
+  template <class Tr, int V>
+  __device__ __forceinline__ void count_run(const uint4 (&)[V]) const {}
+};
+template <>
+struct ExponentCounter<true> {
+  uint32_t* table;  // this warp's kBuckets counters, in shared memory
+
+  template <class Tr>
+  __device__ __forceinline__ void count(typename Tr::bits_t b) const {
+    using bits_t = typename Tr::bits_t;
+    using wide_t = std::conditional_t<sizeof(bits_t) == 8, uint64_t, uint32_t>;
+    const wide_t a = wide_t(b & Tr::kAbs);
+    if (a - 1 < wide_t(Tr::kExp) - 1) atomicAdd(table + exponent_bucket<Tr>(bits_t(a)), 1u);  // 0 < a < kExp
+  }
+  template <class Tr, int V>
+  __device__ __forceinline__ void count_run(const uint4 (&r)[V]) const {
+    using bits_t = typename Tr::bits_t;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const bits_t* e = reinterpret_cast<const bits_t*>(&r[k]);
+#pragma unroll
+      for (int j = 0; j < int(sizeof(uint4) / sizeof(bits_t)); ++j) count<Tr>(e[j]);
+    }
+  }
+};
+
+// The block's kWarps tables of kBuckets counters (only the histogram kernel refers to them, so only it has them).
+__device__ __forceinline__ uint32_t* histogram_tables() {
+  __shared__ uint32_t tables[kWarps * kBuckets];
+  return tables;
+}
+
+// Every thread of the block: adds the sum of the warps' tables into `row` (int64 [kBuckets], as unsigned: two's
+// complement adds alike) and zeroes them. Each bucket is read and zeroed by one thread; the barriers order that after
+// every warp's counting and before any warp counts again.
+__device__ __forceinline__ void flush_block_histogram(uint32_t* tables, unsigned long long* row) {
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBuckets; b += kThreads) {
+    unsigned long long sum = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      sum += tables[w * kBuckets + b];
+      tables[w * kBuckets + b] = 0;
+    }
+    if (sum != 0) atomicAdd(row + b, sum);
+  }
+  __syncthreads();
+}
+
+// Every lane of one warp: adds the warp's table into `row` and zeroes it.
+__device__ __forceinline__ void flush_warp_histogram(uint32_t* table, unsigned long long* row, int lane) {
+  __syncwarp();
+  for (int b = lane; b < kBuckets; b += 32) {
+    const uint32_t c = table[b];
+    if (c != 0) {
+      atomicAdd(row + b, (unsigned long long)c);
+      table[b] = 0;
+    }
+  }
+  __syncwarp();
+}
+
 // Reads elements [start, end) of the flat span at `base` with kWorkers threads (a block, or one warp for a small
 // tile), `worker` being this thread's index among them: a scalar head up to the first 16-byte boundary, 16-byte
-// vector loads (kUnroll in flight per thread), a scalar tail after the last boundary.
-template <class Tr, int kWorkers>
-__device__ __forceinline__ Partial tile_partial(const void* base, int64_t start, int64_t end, int worker) {
+// vector loads (kUnroll in flight per thread), a scalar tail after the last boundary. `counter` counts each element
+// read (exactly once: where it is loaded) into the histogram, when there is one.
+template <class Tr, int kWorkers, bool kHistogram>
+__device__ __forceinline__ Partial tile_partial(const void* base, int64_t start, int64_t end, int worker,
+                                                const ExponentCounter<kHistogram>& counter) {
   using bits_t = typename Tr::bits_t;
   constexpr int64_t es = sizeof(bits_t);
   ThreadAcc<Tr> acc;
@@ -246,7 +356,11 @@ __device__ __forceinline__ Partial tile_partial(const void* base, int64_t start,
   const int tid = worker;
 
   const int64_t n_head = int64_t(vb - a0) / es;  // < 16 / es
-  if (tid < n_head) acc.visit(__ldg(reinterpret_cast<const bits_t*>(a0) + tid));
+  if (tid < n_head) {
+    const bits_t b = __ldg(reinterpret_cast<const bits_t*>(a0) + tid);
+    acc.visit(b);
+    counter.template count<Tr>(b);
+  }
 
   const uint4* vp = reinterpret_cast<const uint4*>(vb);
   const int64_t n_vec = int64_t(ve - vb) / kVecBytes;
@@ -256,27 +370,34 @@ __device__ __forceinline__ Partial tile_partial(const void* base, int64_t start,
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) r[k] = __ldg(vp + v + int64_t(k) * kWorkers);
     acc.visit_run(r);
+    counter.template count_run<Tr>(r);
   }
   for (; v < n_vec; v += kWorkers) {
     const uint4 r[1] = {__ldg(vp + v)};
     acc.visit_run(r);
+    counter.template count_run<Tr>(r);
   }
 
   const int64_t n_tail = int64_t(a1 - ve) / es;  // < 16 / es
-  if (tid < n_tail) acc.visit(__ldg(reinterpret_cast<const bits_t*>(ve) + tid));
+  if (tid < n_tail) {
+    const bits_t b = __ldg(reinterpret_cast<const bits_t*>(ve) + tid);
+    acc.visit(b);
+    counter.template count<Tr>(b);
+  }
 
   return {acc.sumsq, Tr::to_double(acc.amax_bits), acc.zeros, acc.nans, acc.infs};
 }
 
-template <int kWorkers>
-__device__ __forceinline__ Partial tile_partial_of(const TensorMeta& m, int64_t t, int worker) {
+template <int kWorkers, bool kHistogram>
+__device__ __forceinline__ Partial tile_partial_of(const TensorMeta& m, int64_t t, int worker,
+                                                   const ExponentCounter<kHistogram>& counter) {
   const int64_t start = (t - m.first_tile) * m.tile_elems;
   const int64_t end = start + m.tile_elems < m.numel ? start + m.tile_elems : m.numel;
   switch (m.dtype) {
-    case kTagHalf: return tile_partial<HalfTraits, kWorkers>(m.ptr, start, end, worker);
-    case kTagBFloat16: return tile_partial<BFloat16Traits, kWorkers>(m.ptr, start, end, worker);
-    case kTagFloat: return tile_partial<FloatTraits, kWorkers>(m.ptr, start, end, worker);
-    default: return tile_partial<DoubleTraits, kWorkers>(m.ptr, start, end, worker);
+    case kTagHalf: return tile_partial<HalfTraits, kWorkers>(m.ptr, start, end, worker, counter);
+    case kTagBFloat16: return tile_partial<BFloat16Traits, kWorkers>(m.ptr, start, end, worker, counter);
+    case kTagFloat: return tile_partial<FloatTraits, kWorkers>(m.ptr, start, end, worker, counter);
+    default: return tile_partial<DoubleTraits, kWorkers>(m.ptr, start, end, worker, counter);
   }
 }
 
@@ -294,25 +415,53 @@ __device__ __forceinline__ void store_partial(const Partial& r, int64_t t, int64
 // kWarpTileBytes, by single warps (warp-stride over every warp of the grid), reduced with shuffles alone: a block's
 // reduction and its two barriers would cost more than reading such a tile. Whole blocks and whole warps take each
 // loop's trips together. The launch bounds keep the persistent grid's kBlocksPerSM blocks resident (<= 64 registers).
+// kHistogram (the overload): every element is also counted into `histogram` (int64 [N, kBuckets], zeroed before the
+// launch); the plain instantiation has no histogram code at all (`histogram` is unused).
+template <bool kHistogram>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(const TensorMeta* __restrict__ meta,
                                                               const int32_t* __restrict__ tile_tensor,
                                                               int64_t num_tiles, int64_t num_block_tiles,
                                                               double* __restrict__ p_sumsq,
                                                               double* __restrict__ p_amax,
-                                                              int64_t* __restrict__ p_counts) {
+                                                              int64_t* __restrict__ p_counts,
+                                                              unsigned long long* __restrict__ histogram) {
   __shared__ Partial warp_results[kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  ExponentCounter<kHistogram> counter;
+  if constexpr (kHistogram) {
+    uint32_t* tables = histogram_tables();
+    for (int j = threadIdx.x; j < kWarps * kBuckets; j += kThreads) tables[j] = 0;
+    __syncthreads();  // zeroed before any warp counts (every thread gets here: no return comes before)
+    counter.table = tables + warp * kBuckets;
+  }
+  [[maybe_unused]] int64_t pending = 0;  // histogram: elements (whole tiles) counted since the block's last flush
   for (int64_t t = blockIdx.x; t < num_block_tiles; t += gridDim.x) {
-    const Partial r = block_reduce(tile_partial_of<kThreads>(meta[tile_tensor[t]], t, threadIdx.x), warp_results);
+    const int32_t i = tile_tensor[t];
+    const Partial r = block_reduce(tile_partial_of<kThreads>(meta[i], t, threadIdx.x, counter), warp_results);
     if (threadIdx.x == 0) store_partial(r, t, num_tiles, p_sumsq, p_amax, p_counts);
+    if constexpr (kHistogram) {
+      // The tables are flushed when the block's next tile is another tensor's (or there is none), or before they
+      // could overflow. Every value tested is the same for the whole block, so all its threads flush together.
+      const int64_t tile_elems = meta[i].tile_elems;
+      pending += tile_elems;
+      const int64_t next = t + gridDim.x;
+      if (next >= num_block_tiles || tile_tensor[next] != i || pending + tile_elems > kHistogramFlushElems) {
+        flush_block_histogram(histogram_tables(), histogram + int64_t(i) * kBuckets);
+        pending = 0;
+      }
+    }
   }
   // Warps are ranked from the first block that ran one block tile fewer than the others, so the warp tiles start
   // where the block tiles ran out first.
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
   const int64_t rank = (int64_t(blockIdx.x) + gridDim.x - num_block_tiles % gridDim.x) % gridDim.x;
   for (int64_t t = num_block_tiles + rank * (kThreads / 32) + warp; t < num_tiles; t += warps) {
-    const Partial p = warp_reduce(tile_partial_of<32>(meta[tile_tensor[t]], t, lane));
+    const int32_t i = tile_tensor[t];
+    const Partial p = warp_reduce(tile_partial_of<32>(meta[i], t, lane, counter));
     if (lane == 0) store_partial(p, t, num_tiles, p_sumsq, p_amax, p_counts);
+    // A warp tile is a whole tensor: its counts go to that tensor's row now. The block's flushes above have left
+    // every table zeroed, with a barrier after them.
+    if constexpr (kHistogram) flush_warp_histogram(counter.table, histogram + int64_t(i) * kBuckets, lane);
   }
 }
 
@@ -868,8 +1017,8 @@ inline uint64_t mix(uint64_t h, uint64_t v) {
   return h;
 }
 
+// With `histogram` non-null (the overload) it also allocates *histogram and fills it, in the same read.
 Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) {
-  TORCH_CHECK(histogram == nullptr, "multi_tensor_stats_cuda: the histogram overload has no CUDA kernel yet");
   check_inputs(tensors);
   const at::Device device = tensors[0].device();
   TORCH_CHECK_VALUE(device.is_cuda(), "multi_tensor_stats: the CUDA kernel got tensors on ", device);
@@ -899,6 +1048,8 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
     const void* ptr = numel == 0 ? nullptr : t->const_data_ptr();
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(ptr) % uintptr_t(es) == 0, "multi_tensor_stats: tensors[", i,
                       "] has a data pointer that is not aligned to its element size");
+    TORCH_CHECK_VALUE(histogram == nullptr || numel <= kMaxHistogramNumel, "multi_tensor_stats.histogram: tensors[",
+                      i, "] has ", numel, " elements; at most 2^46 are supported on CUDA");
     const int64_t tile_elems = tile_elems_for(numel, es);
     const int32_t tag = dtype_tag(t->scalar_type());
     const int64_t tiles = numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
@@ -951,6 +1102,11 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
   const auto* d_tile_tensor = reinterpret_cast<const int32_t*>(d_metadata + size_t(n) * sizeof(TensorMeta));
 
   Stats out = empty_stats(n, device);
+  unsigned long long* histogram_out = nullptr;
+  if (histogram != nullptr) {
+    *histogram = zero_histogram(n, device);  // on this stream, before the kernel adds into it
+    histogram_out = reinterpret_cast<unsigned long long*>(histogram->data_ptr<int64_t>());
+  }
   double* p_sumsq = nullptr;
   double* p_amax = nullptr;
   int64_t* p_counts = nullptr;
@@ -960,8 +1116,13 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
     p_counts = reinterpret_cast<int64_t*>(p_amax + num_tiles);
     const int64_t work = num_block_tiles + (num_warp_tiles + kThreads / 32 - 1) / (kThreads / 32);  // in blocks
     const int64_t grid = std::min<int64_t>(work, int64_t(sm_count(device.index())) * kBlocksPerSM);
-    tile_stats_kernel<<<unsigned(grid), kThreads, 0, stream.stream()>>>(d_meta, d_tile_tensor, num_tiles,
-                                                                        num_block_tiles, p_sumsq, p_amax, p_counts);
+    if (histogram_out != nullptr) {
+      tile_stats_kernel<true><<<unsigned(grid), kThreads, 0, stream.stream()>>>(
+          d_meta, d_tile_tensor, num_tiles, num_block_tiles, p_sumsq, p_amax, p_counts, histogram_out);
+    } else {
+      tile_stats_kernel<false><<<unsigned(grid), kThreads, 0, stream.stream()>>>(
+          d_meta, d_tile_tensor, num_tiles, num_block_tiles, p_sumsq, p_amax, p_counts, nullptr);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // Short lists: a block per tensor, so the large tensors are reduced side by side; long ones: a warp per tensor.
@@ -972,7 +1133,7 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
       std::get<1>(out).data_ptr<double>(), std::get<2>(out).data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   lease.reset();  // both reads are enqueued: the entry may be evicted, its free ordered after them
-  dense_copies.scale(out, nullptr);  // the repeats of broadcast dimensions
+  dense_copies.scale(out, histogram);  // the repeats of broadcast dimensions
   return out;
 }
 
@@ -985,6 +1146,8 @@ std::vector<int64_t> metadata_cache_info() {
 
 TORCH_LIBRARY_IMPL(torch_gradstats, CUDA, m) {
   m.impl("multi_tensor_stats", torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cuda, false>>());
+  m.impl("multi_tensor_stats.histogram",
+         torch::CppFunction::makeFromBoxedFunction<&boxed_kernel<&multi_tensor_stats_cuda, true>>());
   set_cuda_kernel(&multi_tensor_stats_cuda);  // and for the eager entry point that skips the dispatcher
 }
 
