@@ -156,3 +156,35 @@ def test_wandb_histogram_from_the_report():
     assert list(want) == list(h.histogram)
     empty = exponent_histogram(ExponentHistogram((0,) * HISTOGRAM_BUCKETS, 0))
     assert list(empty.histogram) == [0]
+
+
+@pytest.mark.parametrize("clip", ["none", "max_grad_norm", "adaptive"])
+def test_trainer_logs_the_fractions_of_the_gradients_before_clipping(tmp_path: Path, clip: str):
+    import json
+
+    from torch_gradstats.integrations import JSONLSink
+    from torch_gradstats.training import Trainer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: dict[int, dict] = {}
+
+    def spy(trainer: Trainer) -> None:  # the gradients as the stats read them (before any clip)
+        seen[trainer.global_step] = tg.grad_stats(model.named_parameters(), histogram=True).report().to_dict()
+
+    kwargs = {"none": {}, "max_grad_norm": {"max_grad_norm": 1e-3}, "adaptive": {"adaptive_clip": tg.AdaptiveClip()}}
+    sink = JSONLSink(tmp_path / "log.jsonl")
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), log_to=[sink], log_every=2, histogram=True,
+                      after_backward=spy, **kwargs[clip])  # fmt: skip
+    data = [(torch.randn(16, 4), torch.randint(0, 2, (16,))) for _ in range(5)]
+    trainer.fit(data, epochs=1)
+    sink.close()
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    for row in rows:
+        for fmt in FORMATS:
+            for kind in ("underflow", "overflow"):
+                assert row[f"{kind}/{fmt}"] == seen[row["step"]][f"{kind}/{fmt}"]
+    with pytest.raises(TypeError, match="histogram must be a bool"):
+        Trainer(model, opt, nn.CrossEntropyLoss(), histogram=1)  # type: ignore[arg-type]

@@ -160,13 +160,15 @@ class AdaptiveClip:
         return threshold
 
     @torch.no_grad()
-    def clip_(self, params: ParamsLike, group: Any = None) -> GradStats:
+    def clip_(self, params: ParamsLike, group: Any = None, *, stats: GradStats | None = None) -> GradStats:
         """Clip gradients in place to this step's :meth:`threshold`: one read of the gradients gives the statistics
         and the norm, then the fused :func:`~torch_gradstats.clip_grad_norm_` scales them (no host sync).
 
         Args:
             params: what :func:`~torch_gradstats.grad_stats` accepts.
             group: process group over which plain-tensor gradients are shards of one set (see ``clip_grad_norm_``).
+            stats: the :func:`~torch_gradstats.grad_stats` of these gradients, already read (e.g. with
+                ``histogram=True``): used instead of reading them again, as ``clip_grad_norm_(stats=)``.
 
         Returns:
             The statistics before clipping, with ``clip_norm`` and ``clip_coef`` set (as ``clip_grad_norm_``).
@@ -176,7 +178,8 @@ class AdaptiveClip:
             if id(p) not in seen:
                 seen.add(id(p))
                 named.append((name, p))
-        stats = grad_stats(named, group=group)
+        if stats is None:
+            stats = grad_stats(named, group=group)
         if not len(stats):
             return clip_grad_norm_(named, math.inf, stats=stats)
         return clip_grad_norm_(named, self.threshold(stats.total_norm), stats=stats)

@@ -70,6 +70,9 @@ class Trainer:
             optimizer steps the gradients' :class:`~torch_gradstats.GradReport` (before clipping) is sent to each
             sink: one host transfer per logging step, on top of the per-epoch sync.
         log_every: optimizer steps between two reports to ``log_to`` (default 1; ignored without ``log_to``).
+        histogram: on each logging step, read the gradients' exponent histogram too, in the same read
+            (``grad_stats(..., histogram=True)``): every sink gets the fp16/bf16/fp8 underflow and overflow
+            fractions, and ``TensorBoardSink(histograms=True)`` and ``WandbSink`` draw the histogram.
         spike_guard: a :class:`~torch_gradstats.SpikeGuard` that judges every step's gradient norm (before
             clipping) and mean loss and skips the step it flags, on the device with a fused optimizer (with a
             scaler: a step skipped by either is skipped once). Non-finite gradients are then skipped too.
@@ -119,6 +122,7 @@ class Trainer:
         spike_guard: SpikeGuard | None = None,
         adaptive_clip: AdaptiveClip | None = None,
         watch_activations: ActivationWatch | bool | None = None,
+        histogram: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -170,6 +174,9 @@ class Trainer:
         self.after_backward = after_backward
         self.log_to = _check_sinks(log_to)
         self.log_every = log_every
+        if not isinstance(histogram, bool):
+            raise TypeError(f"histogram must be a bool, got {type(histogram).__name__}")
+        self.histogram = histogram
         # Skipped steps can only be counted if every step is looked at.
         self.must_check_every_step = (
             skip_nonfinite or scaler is not None or spike_guard is not None or adaptive_clip is not None
@@ -269,7 +276,7 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)  # stats must see the true gradients, not loss-scaled ones
         log_due = bool(self.log_to) and step % self.log_every == 0
         take_stats = self.must_check_every_step or log_due or step % self.stats_every == 0
-        stats = self._read_gradients(take_stats)
+        stats = self._read_gradients(take_stats, self.histogram and log_due)
         nonfinite = self._nonfinite_flag(stats)
         flagged = None
         if self.spike_guard is not None and stats is not None:
@@ -315,15 +322,16 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _read_gradients(self, take_stats: bool) -> GradStats | None:
-        """The gradients' stats (clipping them on the way when ``max_grad_norm``), or None when none are read or
-        no parameter has a gradient."""
+    def _read_gradients(self, take_stats: bool, histogram: bool) -> GradStats | None:
+        """The gradients' stats (clipping them on the way when ``max_grad_norm``), with the exponent histogram
+        when ``histogram``, or None when none are read or no parameter has a gradient."""
+        read = grad_stats(self.model.named_parameters(), histogram=True) if histogram else None
         if self.adaptive_clip is not None:
-            stats = self.adaptive_clip.clip_(self.model.named_parameters())
+            stats = self.adaptive_clip.clip_(self.model.named_parameters(), stats=read)
         elif self.max_grad_norm is not None:
-            stats = clip_grad_norm_(self.model.named_parameters(), self.max_grad_norm)
+            stats = clip_grad_norm_(self.model.named_parameters(), self.max_grad_norm, stats=read)
         elif take_stats:
-            stats = grad_stats(self.model.named_parameters())
+            stats = read if read is not None else grad_stats(self.model.named_parameters())
         else:
             return None
         return stats if len(stats) > 0 else None
