@@ -300,3 +300,31 @@ def test_layer_figure_is_written_and_draws_each_layers_norm(tmp_path: Path) -> N
         assert [None if math.isnan(v) else v for v in drawn] == [
             None if math.isnan(v) else v for v in result.layer_norms[name]]
     assert [list(line.get_xdata()) for line in ax.lines if line.get_linestyle() == "--"] == [[20, 20]]
+
+
+def test_exponent_figure_is_written_from_each_steps_histogram(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import numpy as np
+
+    from torch_gradstats._demo_figure import exponent_figure
+    from torch_gradstats.ops import HISTOGRAM_BUCKETS
+
+    result = demo.run(steps=12, inject_nan=5, out=tmp_path, progress=False, plot=True)
+    assert result.exponent_plot == tmp_path / "exponents.png"
+    png = result.exponent_plot.read_bytes()
+    assert png[:4] == b"\x89PNG" and 10_000 < len(png) < 150_000
+    assert len(result.exponents) == 12 and all(len(row) == HISTOGRAM_BUCKETS for row in result.exponents)
+    params = dict(demo.make_model(0).named_parameters())
+    numel = sum(p.numel() for p in params.values())
+    for step, row in enumerate(result.exponents):  # the finite non-zero gradient elements of each step
+        assert sum(row) <= numel and (step == 5 or sum(row) > 0.5 * numel), step
+    # step 5's poisoned gradient (all NaN) is not in its histogram
+    assert sum(result.exponents[5]) <= numel - params["hidden.weight"].numel()
+
+    fig = exponent_figure(result.exponents, [5])
+    image = fig.axes[0].images[0].get_array()
+    used = np.flatnonzero(np.asarray(result.exponents).sum(0))
+    assert image.shape == (used[-1] + 1 - used[0], 12)  # one column per step, one row per binade used
+    shares = np.asarray(result.exponents, dtype=float)[:, used[0]:used[-1] + 1]
+    shares /= shares.sum(1, keepdims=True)
+    assert np.allclose(np.nan_to_num(np.asarray(image.filled(np.nan))), shares.T)

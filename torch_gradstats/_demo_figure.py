@@ -129,6 +129,42 @@ def layer_figure(norms: Mapping[str, Sequence[float]], bad_steps: Sequence[int] 
     return fig
 
 
+def exponent_figure(histograms: Sequence[Sequence[int]], bad_steps: Sequence[int] = ()) -> Any:
+    """The exponent histogram of every step (``grad_stats(..., histogram=True)``) as an image: x the optimizer step,
+    y ``floor(log2 |g|)``, the colour the share of the step's finite non-zero gradient elements in that binade; the
+    smallest normal numbers of fp16 and fp8 e4m3 are dashed lines (what lies below would underflow there), and each
+    step in ``bad_steps`` is marked red."""
+    import matplotlib  # lazy: only the demo needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from torch_gradstats.exponents import FORMATS
+    from torch_gradstats.ops import HISTOGRAM_MIN_EXPONENT
+
+    counts = np.asarray(histograms, dtype=np.float64).reshape(len(histograms), -1)
+    used = np.flatnonzero(counts.sum(0))
+    lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 1)
+    shares = counts[:, lo:hi] / np.maximum(counts.sum(1, keepdims=True), 1)
+    fig, ax = plt.subplots(figsize=(7.5, 3.4), constrained_layout=True)
+    extent = (-0.5, len(histograms) - 0.5, HISTOGRAM_MIN_EXPONENT + lo, HISTOGRAM_MIN_EXPONENT + hi)
+    image = ax.imshow(np.where(shares > 0, shares, np.nan).T, origin="lower", aspect="auto", extent=extent,
+                      cmap="viridis", norm=matplotlib.colors.LogNorm(vmin=1e-5, vmax=1.0))
+    fig.colorbar(image, ax=ax, label="share of the step's finite non-zero elements")
+    for name, color in (("fp16", "white"), ("fp8_e4m3", "tab:orange")):
+        e = FORMATS[name].min_exponent
+        if extent[2] <= e <= extent[3]:
+            ax.axhline(e, color=color, ls="--", lw=1, label=f"{name} smallest normal (2^{e})")
+    for b in bad_steps:
+        ax.axvline(b, color="tab:red", alpha=0.6, lw=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("floor(log2 |gradient|)")
+    ax.legend(loc="lower right", fontsize=8, facecolor="0.75")
+    ax.set_title("Gradient values by binary exponent (exponent histogram, same read as the norms)")
+    return fig
+
+
 def save(fig: Any, path: Path) -> None:
     """Write ``fig`` as a PNG at ``path`` and free it."""
     import matplotlib.pyplot as plt

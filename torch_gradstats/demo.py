@@ -31,12 +31,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from torch_gradstats._demo_figure import figure, layer_figure, save
+from torch_gradstats._demo_figure import exponent_figure, figure, layer_figure, save
 from torch_gradstats.activations import ActivationReport
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.guard import SpikeGuard
@@ -99,6 +99,8 @@ class DemoResult:
     thresholds: list[float] = field(default_factory=list)  #: AdaptiveClip's threshold per step (with adaptive_clip)
     layer_norms: dict[str, list[float]] = field(default_factory=dict)  #: layer -> its gradient norm at each step
     layer_plot: Path | None = None
+    exponents: list[list[int]] = field(default_factory=list)  #: each step's exponent histogram (277 buckets)
+    exponent_plot: Path | None = None
 
 
 def _epoch_batches(x: Tensor, y: Tensor, n_batches: int, g: torch.Generator) -> list[tuple[Tensor, Tensor]]:
@@ -257,6 +259,7 @@ def run(
     thresholds: list[Tensor] = []  # AdaptiveClip's threshold of each step, kept on the device
     layers: list[str] = []
     layer_norms: list[Tensor] = []  # each layer's gradient norm at each step, kept on the device
+    exponents: list[Tensor] = []  # each step's exponent histogram, kept on the device
     first_report: ActivationReport | None = None  # the first non-finite one the Trainer kept
 
     def after_backward(trainer: Trainer) -> None:
@@ -272,9 +275,11 @@ def run(
                     p.grad.mul_(SPIKE_FACTOR)
         if clip is not None and step > 0:
             thresholds.append(clip.last_threshold)  # the previous step's
-        groups = grad_stats(trainer.model.named_parameters()).grouped("layer")  # one more op call, no host sync
+        stats = grad_stats(trainer.model.named_parameters(), histogram=True)  # one more op call, no host sync
+        groups = stats.grouped("layer")
         layers[:] = groups.names
         layer_norms.append(groups.norms)
+        exponents.append(cast(Tensor, stats.exponent_histogram))
         report = trainer.last_activation_report  # from the previous step's sync
         if first_report is None and report is not None and report.nonfinite:
             first_report = report
@@ -377,6 +382,7 @@ def run(
     threshold_values = [float(v) for v in torch.stack(thresholds).tolist()] if thresholds else []  # one transfer
     by_step = torch.stack(layer_norms).tolist() if layer_norms else []  # one transfer
     per_layer = {name: [float(row[i]) for row in by_step] for i, name in enumerate(layers)}
+    exponent_rows: list[list[int]] = torch.stack(exponents).tolist() if exponents else []  # one transfer
     if trainer.activation_watch is not None:
         trainer.activation_watch.remove()  # the held-out pass below is no training step
 
@@ -434,18 +440,21 @@ def run(
     }
     extra = {r.step: {"clip_threshold": t} for r, t in zip(rows, threshold_values)}
     _write_log(log_path, summaries, meta, extra)
-    plot_path = layer_path = None
+    plot_path = layer_path = exponent_path = None
     if plot:
         try:
             plot_path, layer_path = out_dir / "gradstats.png", out_dir / "layers.png"
+            exponent_path = out_dir / "exponents.png"
             save(_figure(summaries, inject_nan, threshold_values or None, inject_spike), plot_path)
             bad_steps = [r.step for r in rows if r.nan_count + r.inf_count]
             save(layer_figure(per_layer, bad_steps, "; ".join(injected) or None), layer_path)
+            save(exponent_figure(exponent_rows, bad_steps), exponent_path)
         except ImportError:
-            plot_path = layer_path = None
+            plot_path = layer_path = exponent_path = None
             print("matplotlib is not installed: no plot (pip install matplotlib)")
-    print(f"Wrote {log_path}" + (f", {plot_path} and {layer_path}" if plot_path else ""))
-    return DemoResult(summaries, accuracy, seconds, plot_path, log_path, threshold_values, per_layer, layer_path)
+    print(f"Wrote {log_path}" + (f", {plot_path}, {layer_path} and {exponent_path}" if plot_path else ""))
+    return DemoResult(summaries, accuracy, seconds, plot_path, log_path, threshold_values, per_layer, layer_path,
+                      exponent_rows, exponent_path)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
