@@ -90,6 +90,9 @@ class ReducedStats(NamedTuple):
     rank_nonfinite: Tensor | None  #: int64 ``[P, world]``, or None when there was nothing to reduce
     numel: Tensor  #: int64 ``[P]``: logical element count of each parameter
     names: list[str] | None = None  #: the row names (see :func:`reduce_across_ranks`), or None without names
+    #: whether each row counts in the figures of the whole model (False: a tied parameter's copy on a later
+    #: stage), or None when every row does
+    counted: list[bool] | None = None
 
 
 def _dtensor_class() -> type[Any] | None:
@@ -260,6 +263,7 @@ class _Table(NamedTuple):
     sum_buf: Tensor  # float64 [R, 5 + world]
     max_buf: Tensor  # float64 [R]
     descs: list[Desc]
+    counted: list[bool]  # False: a tied parameter's copy, reported but not counted in the whole model's figures
 
 
 def _reduce_step(
@@ -317,7 +321,8 @@ def _reduce_step(
         max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep)])
     else:
         sum_buf, max_buf = sub_sum[:n], sub_max[:n]
-    return _Table(sum_buf, max_buf, list(agreed.descs) + [table.descs[i] for i in rest])
+    descs = list(agreed.descs) + [table.descs[i] for i in rest]
+    return _Table(sum_buf, max_buf, descs, list(agreed.counted) + [table.counted[i] for i in rest])
 
 
 def _reorder(table: _Table, row_names: list[str]) -> _Table:
@@ -329,7 +334,8 @@ def _reorder(table: _Table, row_names: list[str]) -> _Table:
         return table
     idx = host_int64(order, table.sum_buf.device)
     descs = [table.descs[i] for i in order]
-    return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs)
+    counted = [table.counted[i] for i in order]
+    return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs, counted)
 
 
 def _check_names(names: Any, p: int) -> list[str] | None:
@@ -377,14 +383,16 @@ def reduce_across_ranks(
         is_expert: ``name -> bool``, which gradients are expert parameters.
         stage_group: process group whose ranks hold disjoint parts of the model (pipeline stages): after the
             other reductions, the rows of all its ranks are gathered on each (one SUM and one MAX). A name held
-            by several ranks becomes ``name@stage<k>`` (k: rank in ``stage_group``), one row each, unless it is in
-            ``tied``: then one row, counted once (from the lowest such rank). Needs ``names``.
-        tied: names of parameters tied across stages (e.g. a shared embedding), see ``stage_group``.
+            by several ranks becomes ``name@stage<k>`` (k: rank in ``stage_group``), one row each. Needs
+            ``names``.
+        tied: names of parameters tied across stages (e.g. a shared embedding): each stage's row is still
+            reported, but only the lowest stage's is counted in the figures of the whole model (``counted``).
 
     Returns:
-        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel, names)`` of tensors on ``sumsq``'s
-        device, identical on every rank that reduced together. ``names`` gives the rows: the agreed union of what
-        the ranks hold (with stage suffixes), or ``names`` as given (None if not given) when nothing was gathered.
+        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel, names, counted)`` of tensors on
+        ``sumsq``'s device, identical on every rank that reduced together. ``names`` gives the rows: the agreed
+        union of what the ranks hold (with stage suffixes), or ``names`` as given (None if not given) when nothing
+        was gathered. ``counted`` says which rows count in the whole model's figures (None: all).
         ``numel`` is each parameter's logical element count: the local counts summed over the same groups as
         everything else. ``rank_nonfinite`` is int64 ``[P, world]`` (world and columns: global ranks), or None
         when torch.distributed is not initialized and no gradient is a DTensor (nothing to reduce: the same
@@ -435,7 +443,7 @@ def reduce_across_ranks(
     ranks[:, rank] = local_nonfinite.to(torch.float64)
     numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device).unsqueeze(1)
     sum_buf = torch.cat([sumsq.unsqueeze(1), counts.to(torch.float64), ranks, numel_col], dim=1)
-    table = _Table(sum_buf, amax.clone(), _descs(planned, row_names, dtensor_cls, has_dtensor))
+    table = _Table(sum_buf, amax.clone(), _descs(planned, row_names, dtensor_cls, has_dtensor), [True] * p)
     for pg, rows in steps:
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
@@ -458,7 +466,8 @@ def reduce_across_ranks(
     rank_nonfinite = sum_buf[:, _RANKS_START : _RANKS_START + world].to(torch.int64)
     numel_out = sum_buf[:, _RANKS_START + world].to(torch.int64)
     out_names = [d.name for d in table.descs] if (gathered and given_names is not None) else given_names
-    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names)
+    counted = None if all(table.counted) else table.counted
+    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names, counted)
 
 
 def _check_options(

@@ -1,0 +1,143 @@
+"""Worker side of tests/test_distributed_pipeline.py: pipeline stages with a tied parameter, run by every rank of a
+gloo process group on the CPU (see _dist_workers for the scenario protocol).
+
+Each scenario compares what every rank computes with a single-process float64 reference on the same tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from _dist_layout_workers import _full, _params, _reference, _shard_flat
+from _dist_workers import RTOL, _seq
+
+from torch_gradstats.clip import clip_grad_norm_
+from torch_gradstats.distributed import reduce_across_ranks
+from torch_gradstats.ops import multi_tensor_stats
+from torch_gradstats.stats import grad_stats
+
+
+def _close(what: str, got: float, ref: float) -> None:
+    assert math.isclose(got, ref, rel_tol=RTOL), f"{what}: {got} != {ref}"
+
+
+def _layouts(world: int) -> list[tuple[str, object, object, int, int]]:
+    """(label, stage group, shard group in the stage or None, stage index, stage count) of each layout this world
+    runs: 2 ranks: 2 stages of one rank; 4 ranks: 2 stages x 2 shard ranks, then 4 stages of one rank. Every rank
+    creates every group, in the same order."""
+    rank = dist.get_rank()
+    if world == 2:
+        return [("2 stages", dist.group.WORLD, None, rank, 2)]
+    dp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return [
+        ("2 stages x 2 shards", pp[rank % 2], dp[rank // 2], rank // 2, 2),
+        ("4 stages", dist.group.WORLD, None, rank, 4),
+    ]
+
+
+def _stage_model(stage: int, n_stages: int, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(what this stage holds, every stage's tensors by row name): each stage holds ``layers.<stage>.w``; the
+    first and the last also hold ``tok.weight`` (a tied embedding), each with its own gradient, the last one's
+    larger in magnitude so that counting it would change every figure."""
+    full = _full(seed, [f"layers.{s}.w" for s in range(n_stages)] + ["tok.first", "tok.last"])
+    full["tok.last"] = full["tok.last"] * 10
+    full["tok.last"][1] = 0.0  # one more exact zero than the first stage's copy: a count that must not be added
+    rows: dict[str, torch.Tensor] = {}
+    for s in range(n_stages):
+        if s == 0:
+            rows["tok.weight@stage0"] = full["tok.first"]
+        rows[f"layers.{s}.w"] = full[f"layers.{s}.w"]
+        if s == n_stages - 1:
+            rows[f"tok.weight@stage{s}"] = full["tok.last"]
+    held = {n.split("@")[0]: t for n, t in rows.items() if n in (f"layers.{stage}.w", f"tok.weight@stage{stage}")}
+    return held, rows
+
+
+def tied_across_stages(rank: int, world: int) -> None:
+    """A tied embedding on the first and the last stage: one row per stage, each equal to that stage's own
+    figures; the whole model's figures (total norm, max, counts, numel, groups) count it once, from the first
+    stage; one SUM and one MAX per group in steady state; changing ``tied`` is picked up at the next call."""
+    for label, pp, dp, stage, n_stages in _layouts(world):
+        shard_world = 1 if dp is None else dist.get_world_size(dp)
+        shard_rank = 0 if dp is None else dist.get_rank(dp)
+        held, rows = _stage_model(stage, n_stages, seed=11)
+        named = [(n, _shard_flat(t, shard_rank, shard_world)) for n, t in held.items()]
+        ref_rows = _reference(rows)  # every stage's row, as reported
+        once = {n: t for n, t in rows.items() if n != f"tok.weight@stage{n_stages - 1}"}
+        ref_once = _reference(once)  # the whole model, the tied embedding counted once
+        ref_twice = ref_rows
+        for call in range(2):
+            b_pp = _seq(pp)
+            stats = grad_stats(_params(named), group=dp, stage_group=pp, tied={"tok.weight"})
+            rep = stats.report()
+            what = f"{label}, call {call}"
+            assert list(rep.norms) == list(ref_rows.norms), f"{what} rows: {list(rep.norms)}"
+            for name, ref in ref_rows.norms.items():
+                _close(f"{what} norm of {name}", rep.norms[name], ref)
+            assert rep.zero_counts == ref_rows.zero_counts, f"{what} zero counts {rep.zero_counts}"
+            for key in ("total_norm", "inf_norm"):
+                _close(f"{what} {key}", getattr(rep, key), getattr(ref_once, key))
+            for key in ("numel", "zero_count", "nan_count", "inf_count"):
+                assert getattr(rep, key) == getattr(ref_once, key), f"{what} {key}: {getattr(rep, key)}"
+            _close(f"{what} device total_norm", float(stats.total_norm), ref_once.total_norm)
+            _close(f"{what} device inf_norm", float(stats.inf_norm), ref_once.inf_norm)
+            assert int(stats.zero_count) == ref_once.zero_count, f"{what} device zero_count"
+            # Groups count it once too: the embedding's group is the first stage's copy, and the groups add up.
+            groups = stats.grouped("layer")
+            grep = stats.report(groups=groups).groups
+            assert grep is not None and list(grep.norms) == ["tok", *[f"layers.{s}" for s in range(n_stages)]]
+            _close(f"{what} group tok", grep.norms["tok"], ref_rows.norms["tok.weight@stage0"])
+            _close(f"{what} groups add up", math.sqrt(sum(v * v for v in grep.norms.values())), ref_once.total_norm)
+            if call == 1:
+                assert _seq(pp) - b_pp == 2, f"{what}: {_seq(pp) - b_pp} collectives on the stage group"
+
+        # Not tied any more: both copies count (the layout is exchanged again, on every rank together).
+        rep = grad_stats(_params(named), group=dp, stage_group=pp).report()
+        _close(f"{label}, untied total_norm", rep.total_norm, ref_twice.total_norm)
+        assert rep.numel == ref_twice.numel and rep.zero_count == ref_twice.zero_count, f"{label}, untied counts"
+
+        # reduce_across_ranks says which rows count.
+        local = [t for _, t in named]
+        s, a, c = multi_tensor_stats(local)
+        r = reduce_across_ranks(local, s, a, c, dp, names=[n for n, _ in named], stage_group=pp, tied=["tok.weight"])
+        assert r.names == list(ref_rows.norms)
+        assert r.counted == [n != f"tok.weight@stage{n_stages - 1}" for n in r.names], r.counted
+
+
+def clip_with_tied_stages(rank: int, world: int) -> None:
+    """clip_grad_norm_ with stage_group and tied clips every stage by the whole model's norm, the tied embedding
+    counted once, and returns the per-stage rows; also with ``stats=`` from grad_stats."""
+    for label, pp, dp, stage, n_stages in _layouts(world):
+        shard_world = 1 if dp is None else dist.get_world_size(dp)
+        shard_rank = 0 if dp is None else dist.get_rank(dp)
+        held, rows = _stage_model(stage, n_stages, seed=12)
+        once = {n: t for n, t in rows.items() if n != f"tok.weight@stage{n_stages - 1}"}
+        ref_total = _reference(once).total_norm
+        max_norm = ref_total / 4
+        for use_stats in (False, True):
+            named = [(n, _shard_flat(t, shard_rank, shard_world).clone()) for n, t in held.items()]
+            params = _params(named)
+            before = {n: p.grad.clone() for n, p in params}
+            given = grad_stats(params, group=dp, stage_group=pp, tied={"tok.weight"}) if use_stats else None
+            stats = clip_grad_norm_(params, max_norm, group=dp, stage_group=pp, tied={"tok.weight"}, stats=given)
+            what = f"{label}, stats given: {use_stats}"
+            assert stats.clip_norm is not None and stats.clip_coef is not None
+            _close(f"{what} clip_norm", float(stats.clip_norm), ref_total)
+            coef = max_norm / (ref_total + 1e-6)
+            _close(f"{what} clip_coef", float(stats.clip_coef), coef)
+            assert stats.names == list(rows), f"{what} rows {stats.names}"
+            for n, p in params:
+                torch.testing.assert_close(p.grad, before[n] * coef, rtol=1e-5, atol=0, msg=f"{what} grad {n}")
+
+
+SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
+    f.__name__: f
+    for f in (
+        tied_across_stages,
+        clip_with_tied_stages,
+    )
+}
