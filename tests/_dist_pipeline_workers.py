@@ -6,7 +6,13 @@ Each scenario compares what every rank computes with a single-process float64 re
 
 from __future__ import annotations
 
+import csv
+import importlib.util
+import json
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -16,8 +22,14 @@ from _dist_workers import RTOL, _seq
 
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.distributed import reduce_across_ranks
+from torch_gradstats.integrations import CSVSink, JSONLSink
+from torch_gradstats.integrations._common import logs_here
+from torch_gradstats.integrations.tensorboard import TensorBoardSink
+from torch_gradstats.integrations.wandb import WandbSink
 from torch_gradstats.ops import multi_tensor_stats
 from torch_gradstats.stats import grad_stats
+
+_HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the integrations extra
 
 
 def _close(what: str, got: float, ref: float) -> None:
@@ -134,10 +146,84 @@ def clip_with_tied_stages(rank: int, world: int) -> None:
                 torch.testing.assert_close(p.grad, before[n] * coef, rtol=1e-5, atol=0, msg=f"{what} grad {n}")
 
 
+def _shared_dir() -> str:
+    """A directory every rank writes into (rank 0's temporary directory)."""
+    made = [tempfile.mkdtemp(prefix="tgs-sinks-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    return str(made[0])
+
+
+def sinks_write_on_one_rank(rank: int, world: int) -> None:
+    """Sinks made with stage_group (and group) on every rank write on one rank only, the last stage's first rank
+    of group, with the whole model's figures; log_rank= chooses another; the other ranks open no file and need no
+    W&B run; the callbacks' rule is the framework's rank 0 unless log_rank is given."""
+    root = _shared_dir()
+    for li, (label, pp, dp, stage, n_stages) in enumerate(_layouts(world)):
+        expected = (world - (dist.get_world_size(dp) if dp is not None else 1))  # last stage, first of its group
+        held, rows = _stage_model(stage, n_stages, seed=13)
+        shard_world = 1 if dp is None else dist.get_world_size(dp)
+        shard_rank = 0 if dp is None else dist.get_rank(dp)
+        named = [(n, _shard_flat(t, shard_rank, shard_world)) for n, t in held.items()]
+        rep = grad_stats(_params(named), group=dp, stage_group=pp, tied={"tok.weight"}).report()
+        base = os.path.join(root, f"layout{li}")
+        sinks = [
+            CSVSink(f"{base}-rank{rank}.csv", stage_group=pp, group=dp),
+            JSONLSink(f"{base}-rank{rank}.jsonl", stage_group=pp, group=dp),
+            CSVSink(f"{base}-chosen-rank{rank}.csv", stage_group=pp, group=dp, log_rank=0),
+        ]
+        if _HAS_TENSORBOARD:
+            sinks.append(TensorBoardSink(f"{base}-tb-rank{rank}", stage_group=pp, group=dp))
+        wandb_sink = WandbSink(stage_group=pp, group=dp)  # no run anywhere: only the writing rank may look for one
+        for sink in sinks:
+            sink.log(rep, 1)
+        try:
+            wandb_sink.log(rep, 1)
+            assert rank != expected, "the logging rank logged to W&B without a run"
+        except RuntimeError as exc:
+            assert rank == expected and "wandb.init" in str(exc), (rank, exc)
+        for sink in sinks:
+            if isinstance(sink, TensorBoardSink):
+                assert (sink.writer is None) == (not sink.writes)
+                if sink.writer is not None:
+                    sink.writer.close()
+            else:
+                sink.close()
+        dist.barrier()
+        if rank == 0:
+            made = sorted(os.listdir(root))
+            want = sorted([f"layout{li}-rank{expected}.csv", f"layout{li}-rank{expected}.jsonl",
+                           f"layout{li}-chosen-rank0.csv"] + [f"layout{li}-tb-rank{expected}"] * _HAS_TENSORBOARD)
+            assert [m for m in made if m.startswith(f"layout{li}-")] == want, (label, made)
+            with open(f"{base}-rank{expected}.csv") as f:
+                (row,) = list(csv.DictReader(f))
+            with open(f"{base}-rank{expected}.jsonl") as f:
+                (line,) = [json.loads(x) for x in f]
+            once = {n: t for n, t in rows.items() if n != f"tok.weight@stage{n_stages - 1}"}
+            ref = _reference(once).total_norm
+            _close(f"{label} CSV total_norm", float(row["total_norm"]), ref)
+            _close(f"{label} JSONL total_norm", line["total_norm"], ref)
+            assert set(_reference(rows).norms) <= {k.removeprefix("norm/") for k in line}, f"{label}: rows missing"
+        dist.barrier()
+    # The callbacks keep the framework's logging process (rank 0) unless log_rank says otherwise.
+    flags: list[object] = [None] * world
+    dist.all_gather_object(flags, (logs_here("cb", rank == 0, None), logs_here("cb", rank == 0, world - 1)))
+    assert [r for r in range(world) if flags[r][0]] == [0] and [r for r in range(world) if flags[r][1]] == [world - 1]
+    try:
+        CSVSink(os.path.join(root, f"bad-rank{rank}.csv"), log_rank=world)
+        raise AssertionError("log_rank=world was accepted")
+    except ValueError as exc:
+        assert "CSVSink: log_rank must be in" in str(exc), exc
+    assert not os.path.exists(os.path.join(root, f"bad-rank{rank}.csv"))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root)
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f
     for f in (
         tied_across_stages,
         clip_with_tied_stages,
+        sinks_write_on_one_rank,
     )
 }

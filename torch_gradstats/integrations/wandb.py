@@ -20,6 +20,11 @@ let the figures join the row your own next ``run.log`` call completes.
 Compared with ``wandb.watch(model, log="gradients")``: ``watch`` hooks every parameter and uploads a histogram of
 each gradient's *values* every ``log_freq`` batches; this sink uploads per-parameter *norms* and the counts computed
 on the device in one read, at the steps you choose. Both can run together.
+
+Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
+(:func:`torch_gradstats.distributed.is_logging_rank`: the last stage's first rank of ``group``, or global rank
+``log_rank``) logs; elsewhere ``log`` does nothing and needs no run, so ``wandb.init`` can be called on that
+rank alone.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
+from torch_gradstats.integrations._logging_rank import writes_here
 
 __all__ = ["WandbSink"]
 
@@ -40,10 +46,14 @@ class WandbSink:
         per_param: log one value per parameter and figure.
         commit: passed to ``run.log`` (None: W&B's default).
         key_style: the keys of ``GradReport.to_dict(style=...)`` (default: ours).
+        stage_group, group, log_rank: which process logs (see the module docstring); none given: this one.
     """
 
     def __init__(self, run: Any = None, prefix: str = "grad/", per_param: bool = True,
-                 commit: bool | None = None, key_style: str = "default") -> None:
+                 commit: bool | None = None, key_style: str = "default", *, stage_group: Any = None,
+                 group: Any = None, log_rank: int | None = None) -> None:
+        #: whether this process logs (False on the ranks other than the logging rank)
+        self.writes = writes_here("WandbSink", stage_group, group, log_rank)
         self.run = run
         self.prefix = prefix
         self.per_param = per_param
@@ -61,6 +71,8 @@ class WandbSink:
         return wandb.run
 
     def log(self, report: AnyReport, step: int) -> None:
+        if not self.writes:
+            return
         run = self._run()
         kwargs: dict[str, Any] = {"step": step}
         if self.commit is not None:
