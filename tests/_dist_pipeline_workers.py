@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from _dist_layout_workers import _full, _params, _reference, _shard_flat
 from _dist_workers import RTOL, _seq
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.distributed import reduce_across_ranks
@@ -219,11 +220,170 @@ def sinks_write_on_one_rank(rank: int, world: int) -> None:
         shutil.rmtree(root)
 
 
+# ---------------------------------------------------------------------------------------------- compat, 4 ranks
+NORMS = (2.0, 1.0, math.inf, 3.0)
+
+
+def _compat_full(seed: int, n: int) -> list[torch.Tensor]:
+    """``n`` float32 tensors with odd first dimensions (uneven shards), some exact zeros, growing magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = torch.randn(5 + 2 * i, 3, generator=gen) * (i + 1)
+        t[i % 5, :2] = 0.0
+        out.append(t)
+    return out
+
+
+def _ref_norm(grads: list[torch.Tensor], p: float) -> float:
+    flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads])
+    return float(flat.abs().max()) if math.isinf(p) else float(flat.abs().pow(p).sum() ** (1.0 / p))
+
+
+def _ref_clipped(grads: list[torch.Tensor], p: float, max_norm: float) -> list[torch.Tensor]:
+    params = [torch.nn.Parameter(torch.zeros_like(g, dtype=torch.float64)) for g in grads]
+    for q, g in zip(params, grads):
+        q.grad = g.to(torch.float64)
+    torch.nn.utils.clip_grad_norm_(params, max_norm, p)
+    return [q.grad.float() for q in params]
+
+
+def _dtensor_param(full: torch.Tensor, mesh, placements):  # type: ignore[no-untyped-def]
+    q = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, placements))
+    q.grad = distribute_tensor(full.clone(), mesh, placements)
+    return q
+
+
+def torchtitan_two_stages_two_shards(rank: int, world: int) -> str | None:
+    """torchtitan's clip_grad_norm_ on a ("pp", "dp") = (2, 2) mesh: each stage's parameters are DTensors sharded
+    over its "dp" ranks, the norm is combined over pp_mesh; every norm type against the float64 reference, with no
+    host read, and the clipped gradients against torch's clip of the full tensors."""
+    if world != 4:
+        return "skip: a 4-rank layout"
+    from _compat_dist_worker import _no_host_reads
+
+    from torch_gradstats.compat import torchtitan
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage, pp_mesh, dp_mesh = mesh.get_coordinate()[0], mesh["pp"], mesh["dp"]  # slicing a mesh reads its ranks
+    full = _compat_full(21, 6)
+    mine = [i for i in range(len(full)) if i % 2 == stage]  # stage 0: tensors 0, 2, 4; stage 1: 1, 3, 5
+    for p in NORMS:
+        params = [_dtensor_param(full[i], dp_mesh, [Shard(0)]) for i in mine]
+        total = _no_host_reads(lambda: torchtitan.clip_grad_norm_(params, 1.0, p, pp_mesh=pp_mesh))  # noqa: B023
+        assert type(total) is torch.Tensor and total.dtype == torch.float32 and total.dim() == 0
+        _close(f"2x2 norm {p}", float(total), _ref_norm(full, p))
+        ref = _ref_clipped(full, p, 1.0)
+        for q, i in zip(params, mine):
+            torch.testing.assert_close(q.grad.full_tensor(), ref[i], rtol=1e-5, atol=1e-7)
+    return None
+
+
+def torchtitan_expert_group_of_two(rank: int, world: int) -> str | None:
+    """ep_enabled on 4 ranks: dense parameters sharded over all 4, experts sharded over an expert group of 2 and
+    replicated over the 2 expert-data-parallel replicas (a (2, 2) mesh, [Replicate(), Shard(0)]): a replica is
+    counted once; every norm type against the float64 reference."""
+    if world != 4:
+        return "skip: a 4-rank layout"
+    from torch_gradstats.compat import torchtitan
+
+    dense_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    full = _compat_full(22, 5)
+    for p in NORMS:
+        params = [
+            _dtensor_param(g, expert_mesh, [Replicate(), Shard(0)]) if i % 2 else
+            _dtensor_param(g, dense_mesh, [Shard(0)])
+            for i, g in enumerate(full)
+        ]
+        total = torchtitan.clip_grad_norm_(params, 2.0, p, ep_enabled=True)
+        _close(f"experts norm {p}", float(total), _ref_norm(full, p))
+        for q, r in zip(params, _ref_clipped(full, p, 2.0)):
+            torch.testing.assert_close(q.grad.full_tensor(), r, rtol=1e-5, atol=1e-7)
+    return None
+
+
+def megatron_two_stages_two_replicas(rank: int, world: int) -> str | None:
+    """Megatron on 2 pipeline stages x 2 data-parallel replicas: the model-parallel group is the stage group; the
+    embedding is tied between the stages and marked ``shared`` on the last (Megatron's rule): the norm (the caller
+    leaves shared gradients out) and the zero count are the whole model's, the embedding once, and equal
+    grad_stats(stage_group=, tied=)'s."""
+    if world != 4:
+        return "skip: a 4-rank layout"
+    from torch_gradstats.compat import megatron
+
+    pp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]  # stage = rank // 2; rank % 2: the replica
+    stage = rank // 2
+    full = _compat_full(23, 4)
+    emb = full[0]
+    layers = {0: [full[1]], 1: [full[2], full[3]]}[stage]
+    held = [("emb", emb.clone())] + [(f"layers.{stage}.{i}", t.clone()) for i, t in enumerate(layers)]
+    params = _params(held)
+    if stage == 1:
+        params[0][1].shared = True  # type: ignore[attr-defined]
+    once = full  # the embedding once, every layer
+    zeros = sum(int((g == 0).sum()) for g in once)
+    for p in NORMS:
+        megatron.clear_cache()
+        grads = [q.grad for _, q in params if not getattr(q, "shared", False)]
+        norm = megatron.get_grad_norm_fp32(grads, p, pp)
+        _close(f"megatron 2x2 norm {p}", norm, _ref_norm(once, p))
+        count = megatron.count_zeros_fp32([q for _, q in params], pp)
+        assert count == zeros, (p, count, zeros)
+    ours = grad_stats(params, stage_group=pp, tied={"emb"})
+    _close("grad_stats agrees with megatron", float(ours.total_norm), _ref_norm(once, 2.0))
+    assert int(ours.zero_count) == zeros
+    return None
+
+
+def megatron_tensor_and_expert_groups(rank: int, world: int) -> str | None:
+    """Megatron on 4 ranks: tensor parallel 2 x pipeline 2 (a split weight on each tensor-parallel rank, a
+    replicated one counted on tensor-parallel rank 0 only), and experts over an expert group of 2 (each expert
+    rank holds its own experts; ranks 2, 3 replicate ranks 0, 1)."""
+    if world != 4:
+        return "skip: a 4-rank layout"
+    from torch_gradstats.compat import megatron
+
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp, tp_rank, stage = tp_groups[rank // 2], rank % 2, rank // 2
+    full = _compat_full(24, 4)  # stage 0: split 0, replicated 1; stage 1: split 2, replicated 3
+    split, replicated = full[2 * stage], full[2 * stage + 1]
+    shard = torch.tensor_split(split, 2)[tp_rank].clone()
+    w = torch.nn.Parameter(torch.zeros_like(shard))
+    w.grad = shard
+    w.tensor_model_parallel = True  # type: ignore[attr-defined]
+    b = torch.nn.Parameter(torch.zeros_like(replicated))
+    b.grad = replicated.clone()
+    for p in NORMS:
+        megatron.clear_cache()
+        # Megatron's caller leaves tensor-parallel duplicates out of the norm: the replicated one on tp rank 0.
+        grads = [w.grad] + ([b.grad] if tp_rank == 0 else [])
+        _close(f"tp x pp norm {p}", megatron.get_grad_norm_fp32(grads, p, dist.group.WORLD), _ref_norm(full, p))
+        count = megatron.count_zeros_fp32([w, b], dist.group.WORLD, tp_group=tp)
+        assert count == sum(int((g == 0).sum()) for g in full), count
+
+    ep = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    experts = _compat_full(25, 4)
+    mine = [experts[i] for i in range(4) if i % 2 == rank % 2]
+    eparams = _params([(f"experts.{i}", t.clone()) for i, t in enumerate(mine)])
+    for p in NORMS:
+        megatron.clear_cache()
+        norm = megatron.get_grad_norm_fp32([q.grad for _, q in eparams], p, ep)
+        _close(f"experts norm {p}", norm, _ref_norm(experts, p))
+        count = megatron.count_zeros_fp32([q for _, q in eparams], ep)
+        assert count == sum(int((g == 0).sum()) for g in experts), count
+    return None
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f
     for f in (
         tied_across_stages,
         clip_with_tied_stages,
         sinks_write_on_one_rank,
+        torchtitan_two_stages_two_shards,
+        torchtitan_expert_group_of_two,
+        megatron_two_stages_two_replicas,
+        megatron_tensor_and_expert_groups,
     )
 }
