@@ -220,6 +220,35 @@ def sinks_write_on_one_rank(rank: int, world: int) -> None:
         shutil.rmtree(root)
 
 
+def layout_change_on_one_rank(rank: int, world: int) -> None:
+    """The last rank gains and then loses a gradient while the others hold the same rows in the agreed order (their
+    buffers are reduced in place): the check row fails, every rank packs again from its own figures and the
+    layouts are exchanged; the figures equal the reference at every call, and the steady state is one SUM and one
+    MAX again."""
+    pg = dist.group.WORLD
+    full = _full(31, ["a", "b", "c"])
+    shards = {n: _shard_flat(t, rank, world) for n, t in full.items()}
+    last = rank == world - 1
+    plans = [  # (names held by the last rank, the reference)
+        (["a", "b"], {"a": full["a"], "b": full["b"]}),
+        (["a", "b", "c"], {"a": full["a"], "b": full["b"], "c": _shard_flat(full["c"], world - 1, world)}),
+        (["a", "b"], {"a": full["a"], "b": full["b"]}),
+    ]
+    for call, (held_last, ref) in enumerate(plans):
+        held = held_last if last else ["a", "b"]
+        for repeat in range(2):
+            before = _seq(pg)
+            stats = grad_stats(_params([(n, shards[n]) for n in held]), group=pg)
+            rep = stats.report()
+            what = f"call {call}.{repeat}"
+            assert list(rep.norms) == list(ref), f"{what} rows {list(rep.norms)}"
+            for name, t in ref.items():
+                _close(f"{what} norm {name}", rep.norms[name], float(t.double().norm()))
+            _close(f"{what} total", rep.total_norm, _reference(ref).total_norm)
+            if repeat == 1:
+                assert _seq(pg) - before == 2, f"{what}: {_seq(pg) - before} collectives, expected 2"
+
+
 # ---------------------------------------------------------------------------------------------- compat, 4 ranks
 NORMS = (2.0, 1.0, math.inf, 3.0)
 
@@ -381,6 +410,7 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
         tied_across_stages,
         clip_with_tied_stages,
         sinks_write_on_one_rank,
+        layout_change_on_one_rank,
         torchtitan_two_stages_two_shards,
         torchtitan_expert_group_of_two,
         megatron_two_stages_two_replicas,

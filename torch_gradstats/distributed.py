@@ -47,7 +47,13 @@ communicated with, so each replica reports its own copy (and a 0-d Partial gradi
 names only the rank itself if its own addend was bad).
 
 Buffers are built and unpacked on the statistics' device; row indices are copied host-to-device from pinned memory
-without blocking. The one host read is the layout check above.
+without blocking. The buffers keep a last row for the check, so a rank that holds every row in the agreed order (the
+common case) reduces the buffer it packed as it is; the rows are packed again from the inputs only when the check
+fails. The one host read is the layout check above, and it stays: whether the group exchanges layouts (an
+``all_gather_object``, then buffers of another size) must be decided on the host, identically on every rank, before
+the next collective on the group, and only the reduced check row tells a rank that another rank's layout changed.
+Checking one call late (reading the previous call's check row, long finished) would avoid the wait, but the call
+on which a rank first holds a parameter the agreed layout lacks would then return figures without it.
 """
 
 from __future__ import annotations
@@ -258,18 +264,26 @@ def _plan(
 
 
 class _Table(NamedTuple):
-    """The rows a rank holds while reducing: packed SUM and MAX buffers, with a name and description per row."""
+    """The rows a rank holds while reducing: packed SUM and MAX buffers, with a name and description per row.
 
-    sum_buf: Tensor  # float64 [R, 5 + world]
-    max_buf: Tensor  # float64 [R]
+    The buffers have one more row than ``descs``, the last: the slot of the layout check row, so that a table
+    that needs no repacking is reduced as it is, without a copy to append the check row."""
+
+    sum_buf: Tensor  # float64 [R + 1, 5 + world]
+    max_buf: Tensor  # float64 [R + 1]
     descs: list[Desc]
     counted: list[bool]  # False: a tied parameter's copy, reported but not counted in the whole model's figures
 
 
 def _reduce_step(
-    table: _Table, pg: Any, mode: str, rows: list[int], tied: Collection[str], strict: bool
+    table: _Table, pg: Any, mode: str, rows: list[int], tied: Collection[str], strict: bool,
+    remake: Callable[[], _Table] | None = None,
 ) -> _Table:
     """Reduce ``rows`` of ``table`` over ``pg`` in the group's agreed layout; one SUM and one MAX in steady state.
+
+    ``remake``: makes ``table`` again (from the caller's inputs). With it, a table that needs no repacking is
+    reduced in place, and made again if the layout check fails (the rows must then be packed anew); without it,
+    such a table is copied first.
 
     Returns the new table: the agreed rows (in the agreed order, including rows other ranks hold and this one does
     not), then the rows not reduced over ``pg``.
@@ -285,9 +299,10 @@ def _reduce_step(
             dirty = False
         n = len(agreed.names)
         identity = not dirty and n == len(table.descs) and rows == agreed.positions == list(range(n))
-        if identity:  # the common case: this rank holds every row, in the agreed order
-            sub_sum = torch.cat([table.sum_buf, table.sum_buf.new_zeros(1, table.sum_buf.shape[1])])
-            sub_max = torch.cat([table.max_buf, table.max_buf.new_zeros(1)])
+        if identity:  # the common case: this rank holds every row, in the agreed order; the last row is the slot
+            in_place = remake is not None
+            sub_sum = table.sum_buf if in_place else table.sum_buf.clone()
+            sub_max = table.max_buf if in_place else table.max_buf.clone()
         else:
             sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
             sub_max = torch.zeros(n + 1, dtype=torch.float64, device=device)
@@ -313,14 +328,16 @@ def _reduce_step(
             break
         logger.debug("reduce_across_ranks: a rank's parameter layout changed; exchanging layouts again")
         agreed, fresh = None, True
+        if identity and remake is not None:  # the reduction overwrote this rank's rows: pack them anew
+            table = remake()
     held = set(rows)
     rest = [i for i in range(len(table.descs)) if i not in held]
     if rest:
         keep = host_int64(rest, device)
-        sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep)])
-        max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep)])
+        sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep), sub_sum[n:]])
+        max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep), sub_max[n:]])
     else:
-        sum_buf, max_buf = sub_sum[:n], sub_max[:n]
+        sum_buf, max_buf = sub_sum, sub_max
     descs = list(agreed.descs) + [table.descs[i] for i in rest]
     return _Table(sum_buf, max_buf, descs, list(agreed.counted) + [table.counted[i] for i in rest])
 
@@ -332,7 +349,7 @@ def _reorder(table: _Table, row_names: list[str]) -> _Table:
     order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
     if order == list(range(len(order))):
         return table
-    idx = host_int64(order, table.sum_buf.device)
+    idx = host_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot
     descs = [table.descs[i] for i in order]
     counted = [table.counted[i] for i in order]
     return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs, counted)
@@ -438,26 +455,36 @@ def reduce_across_ranks(
         explicit.append((group, None))
     steps, local_numel = _plan(planned, row_names, dtensor_cls, explicit)
 
-    # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer.
-    ranks = torch.zeros(p, world, dtype=torch.float64, device=device)
-    ranks[:, rank] = local_nonfinite.to(torch.float64)
-    numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device).unsqueeze(1)
-    sum_buf = torch.cat([sumsq.unsqueeze(1), counts.to(torch.float64), ranks, numel_col], dim=1)
-    table = _Table(sum_buf, amax.clone(), _descs(planned, row_names, dtensor_cls, has_dtensor), [True] * p)
+    # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer, each with a last row
+    # for the layout check.
+    numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device)
+    descs = _descs(planned, row_names, dtensor_cls, has_dtensor)
+
+    def first_table() -> _Table:
+        sum_buf = torch.zeros(p + 1, _RANKS_START + world + 1, dtype=torch.float64, device=device)
+        sum_buf[:p, _SUMSQ_COL] = sumsq
+        sum_buf[:p, _COUNTS_COLS] = counts
+        sum_buf[:p, _RANKS_START + rank] = local_nonfinite
+        sum_buf[:p, _RANKS_START + world] = numel_col
+        return _Table(sum_buf, torch.cat([amax, amax.new_zeros(1)]), descs, [True] * p)
+
+    table = first_table()
+    remake: Callable[[], _Table] | None = first_table  # only the first step reduces the caller's rows
     for pg, rows in steps:
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
-        table = _reduce_step(table, pg, "shard", [where[row_names[r]] for r in rows], (), strict)
+        table = _reduce_step(table, pg, "shard", [where[row_names[r]] for r in rows], (), strict, remake)
+        remake = None
     staged = stage_group is not None and dist.get_world_size(stage_group) > 1
     if staged:  # its agreed order (stage by stage) is the same on every rank
-        table = _reduce_step(table, stage_group, "stage", list(range(len(table.descs))), tied, strict)
+        table = _reduce_step(table, stage_group, "stage", list(range(len(table.descs))), tied, strict, remake)
     elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
         table = _reorder(table, row_names)
     gathered = bool(steps) or staged
     if gathered:
         logger.debug("reduce_across_ranks: %d local parameters, %d rows, %d step(s)", p, len(table.descs), len(steps))
 
-    sum_buf, max_buf = table.sum_buf, table.max_buf
+    sum_buf, max_buf = table.sum_buf[: len(table.descs)], table.max_buf[: len(table.descs)]
     counts_out = sum_buf[:, _COUNTS_COLS].to(torch.int64)
     has_nan = counts_out[:, NAN] > 0
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
