@@ -110,7 +110,7 @@ class GradReport:
         def whole(rows: list[_T]) -> list[_T]:
             return rows if counted is None else [r for r, c in zip(rows, counted) if c]
 
-        total_numel = sum(whole(numel))
+        total_numel, whole_amax, whole_zeros = sum(whole(numel)), whole(amax), sum(whole(zeros))
         vanishing_mask, exploding_mask = policy.classify_host(norm_list)
         # NaN sorts as the largest: a NaN norm is the first thing a reader must see.
         order = sorted(
@@ -125,12 +125,12 @@ class GradReport:
                     ranks[n] = bad
         return cls(
             total_norm=math.sqrt(total_sumsq) if not math.isnan(total_sumsq) else math.nan,
-            inf_norm=_nan_max(whole(amax)) if whole(amax) else 0.0,
+            inf_norm=_nan_max(whole_amax) if whole_amax else 0.0,
             numel=total_numel,
-            zero_count=sum(whole(zeros)),
+            zero_count=whole_zeros,
             nan_count=sum(whole(nans)),
             inf_count=sum(whole(infs)),
-            zero_fraction=sum(whole(zeros)) / total_numel if total_numel else 0.0,
+            zero_fraction=whole_zeros / total_numel if total_numel else 0.0,
             norms=dict(zip(names, norm_list)),
             zero_counts=dict(zip(names, zeros)),
             nan_counts=dict(zip(names, nans)),
