@@ -17,8 +17,8 @@ holds in full, so every rank raises the same error before any buffer is reduced.
 
 Two ways to merge: ``"shard"`` (a name on several ranks is one parameter sharded over them: its rows are summed) and
 ``"stage"`` (the ranks hold disjoint parts of a model: a name held by several ranks is one row per rank, suffixed
-``@stage<rank in the group>``, unless it is declared tied: then one row, to which only the lowest such rank
-contributes).
+``@stage<rank in the group>``; a tied one too, but only the lowest such rank's row is *counted* in the figures of the
+whole model, see :attr:`Agreed.counted`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Agreed:
     descs: list[Desc]  # one per output name (renamed where a stage suffix was added)
     positions: list[int | None]
     fingerprint: int
+    #: one per output name: whether the row counts in the figures of the whole model (False for the copies of a
+    #: tied parameter on stages other than the lowest that holds it)
+    counted: list[bool]
 
 
 @dataclass
@@ -66,8 +69,9 @@ class _Entry:
 _CACHE: dict[tuple[int, str], _Entry] = {}
 
 
-def _fingerprint(names: Sequence[str], descs: Sequence[Sequence[Desc]]) -> int:
-    digest = hashlib.blake2b(repr((list(names), [list(d) for d in descs])).encode(), digest_size=8).digest()
+def _fingerprint(names: Sequence[str], descs: Sequence[Sequence[Desc]], counted: Sequence[bool]) -> int:
+    digest = hashlib.blake2b(repr((list(names), [list(d) for d in descs], list(counted))).encode(),
+                             digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - _FP_BITS)
 
 
@@ -126,30 +130,25 @@ def _agree(
         out_descs = [first[n][1] for n in names]
         where = {n: i for i, n in enumerate(names)}
         positions: list[int | None] = [where[d.name] for d in all_descs[me]]
+        counted = [True] * len(names)
     else:  # stage
         holders: dict[str, list[int]] = {}
         for r, descs in enumerate(all_descs):
             for d in descs:
                 holders.setdefault(d.name, []).append(r)
 
-        def out_name(name: str, r: int) -> str | None:
-            ranks = holders[name]
-            if len(ranks) == 1:
-                return name
-            if name in tied:
-                return name if r == ranks[0] else None
-            return f"{name}@stage{r}"
-
-        per_rank = [[out_name(d.name, r) for d in descs] for r, descs in enumerate(all_descs)]
-        names, out_descs = [], []
-        for row, descs in zip(per_rank, all_descs):
-            for n, d in zip(row, descs):
-                if n is not None:
-                    names.append(n)
-                    out_descs.append(d._replace(name=n))
-        where = {n: i for i, n in enumerate(names)}
-        positions = [None if n is None else where[n] for n in per_rank[me]]
-    return Agreed(names, out_descs, positions, _fingerprint(names, all_descs))
+        names, out_descs, counted = [], [], []
+        for r, descs in enumerate(all_descs):
+            for d in descs:
+                ranks = holders[d.name]
+                name = d.name if len(ranks) == 1 else f"{d.name}@stage{r}"
+                names.append(name)
+                out_descs.append(d._replace(name=name))
+                # A tied parameter is one parameter: every stage's row is reported, the lowest stage's is counted.
+                counted.append(d.name not in tied or r == ranks[0])
+        start = sum(map(len, all_descs[:me]))  # this rank's rows, stage by stage
+        positions = [start + i for i in range(len(all_descs[me]))]
+    return Agreed(names, out_descs, positions, _fingerprint(names, all_descs, counted), counted)
 
 
 def cached(group: Any, mode: str, local: list[Desc], tied: Collection[str]) -> tuple[Agreed | None, bool]:

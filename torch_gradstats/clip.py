@@ -27,7 +27,7 @@ A NaN or Inf *element* gives a non-finite norm in both, with the same effect (Na
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -89,6 +89,8 @@ def clip_grad_norm_(
     group: Any = None,
     *,
     stats: GradStats | None = None,
+    stage_group: Any = None,
+    tied: Collection[str] = (),
 ) -> GradStats:
     """Clip gradients in place like ``torch.nn.utils.clip_grad_norm_`` and return the statistics read on the way.
 
@@ -106,7 +108,10 @@ def clip_grad_norm_(
         group: process group over which plain-tensor gradients are shards of one set (FSDP1 flat parameters,
             ZeRO): the clip uses their global norm. DTensor gradients need no group. Only norm types 2 and inf.
         stats: the :func:`~torch_gradstats.grad_stats` of exactly these parameters' gradients, already read (with
-            the same ``group``): the clip then uses them instead of reading the gradients again.
+            the same ``group``, ``stage_group`` and ``tied``): the clip then uses them instead of reading the
+            gradients again.
+        stage_group, tied: pipeline parallelism, as in :func:`~torch_gradstats.grad_stats`: the clip uses the norm
+            of the whole model, every stage's parameters, a tied one counted once. Only norm types 2 and inf.
 
     Returns:
         The :class:`~torch_gradstats.stats.GradStats` of the gradients *before* clipping, with ``clip_norm`` (the
@@ -131,14 +136,15 @@ def clip_grad_norm_(
         max_norm = float(max_norm)
     norm_type = float(norm_type)
     named = _named_params(params)
-    if group is not None and norm_type not in (2.0, math.inf):
-        raise ValueError(f"clip_grad_norm_: with group=, norm_type must be 2 or inf, got {norm_type}")
+    if (group is not None or stage_group is not None) and norm_type not in (2.0, math.inf):
+        arg = "group" if group is not None else "stage_group"
+        raise ValueError(f"clip_grad_norm_: with {arg}=, norm_type must be 2 or inf, got {norm_type}")
     grads = [p.grad for _, p in named if p.grad is not None]
     if stats is None:
-        stats = grad_stats(named, group=group)
+        stats = grad_stats(named, group=group, stage_group=stage_group, tied=tied)
     elif not isinstance(stats, GradStats):
         raise TypeError(f"clip_grad_norm_: stats must be a GradStats or None, got a {type(stats).__name__}")
-    elif len(stats) != len(grads):
+    elif stage_group is None and len(stats) != len(grads):  # gathered over stages, it has every stage's rows
         raise ValueError(
             f"clip_grad_norm_: stats must be the GradStats of the {len(grads)} gradients of params, got the "
             f"statistics of {len(stats)}"

@@ -34,7 +34,8 @@ not hold only from the groups it shares with a holder: a DTensor sharded over se
 gradient on all ranks of its mesh or on none.
 
 The SUM buffer is float64 ``[K, 5 + world]``: sum of squares, the three counts, the per-rank non-finite counts and
-the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata).
+the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata); with
+an exponent histogram, its 277 counts per row follow, in the same collective.
 Counts travel as float64 because it holds every integer below 2**53 exactly and one buffer means one collective; a
 logical parameter would need 2**53 (9e15) elements to break that, which is checked on metadata. NaN and Inf are
 carried as counts: a MAX all-reduce need not propagate NaN (gloo does not guarantee it), so after the reduction
@@ -47,7 +48,13 @@ communicated with, so each replica reports its own copy (and a 0-d Partial gradi
 names only the rank itself if its own addend was bad).
 
 Buffers are built and unpacked on the statistics' device; row indices are copied host-to-device from pinned memory
-without blocking. The one host read is the layout check above.
+without blocking. The buffers keep a last row for the check, so a rank that holds every row in the agreed order (the
+common case) reduces the buffer it packed as it is; the rows are packed again from the inputs only when the check
+fails. The one host read is the layout check above, and it stays: whether the group exchanges layouts (an
+``all_gather_object``, then buffers of another size) must be decided on the host, identically on every rank, before
+the next collective on the group, and only the reduced check row tells a rank that another rank's layout changed.
+Checking one call late (reading the previous call's check row, long finished) would avoid the wait, but the call
+on which a rank first holds a parameter the agreed layout lacks would then return figures without it.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from torch import Tensor
 from torch_gradstats import _layout
 from torch_gradstats._layout import Desc
 from torch_gradstats._transfer import host_int64, to_device, to_host
-from torch_gradstats.ops import INF, NAN, multi_tensor_stats
+from torch_gradstats.ops import HISTOGRAM_BUCKETS, INF, NAN, multi_tensor_stats
 
 __all__ = ["ReducedStats", "is_logging_rank", "reduce_across_ranks"]
 
@@ -90,6 +97,11 @@ class ReducedStats(NamedTuple):
     rank_nonfinite: Tensor | None  #: int64 ``[P, world]``, or None when there was nothing to reduce
     numel: Tensor  #: int64 ``[P]``: logical element count of each parameter
     names: list[str] | None = None  #: the row names (see :func:`reduce_across_ranks`), or None without names
+    #: whether each row counts in the figures of the whole model (False: a tied parameter's copy on a later
+    #: stage), or None when every row does
+    counted: list[bool] | None = None
+    #: int64 ``[P, 277]``: each row's exponent histogram, summed like the counts, when one was given
+    histogram: Tensor | None = None
 
 
 def _dtensor_class() -> type[Any] | None:
@@ -153,22 +165,23 @@ def _check_inputs(grads: Sequence[Any], sumsq: Tensor, amax: Tensor, counts: Ten
 
 
 def _materialize_partials(
-    grads: Sequence[Any], dtensor_cls: type[Any] | None, sumsq: Tensor, amax: Tensor, counts: Tensor
-) -> tuple[list[Any], Tensor, Tensor, Tensor]:
+    grads: Sequence[Any], dtensor_cls: type[Any] | None, sumsq: Tensor, amax: Tensor, counts: Tensor,
+    histogram: Tensor | None,
+) -> tuple[list[Any], Tensor, Tensor, Tensor, Tensor | None]:
     """Replace Partial DTensor gradients by their reduced redistribution and recompute their rows.
 
     Returns the gradients to plan with (materialized where Partial) and the updated statistics. The caller's
     tensors are not modified.
     """
     if dtensor_cls is None:
-        return list(grads), sumsq, amax, counts
+        return list(grads), sumsq, amax, counts, histogram
     rows = [
         i
         for i, g in enumerate(grads)
         if isinstance(g, dtensor_cls) and any(pl.is_partial() for pl in g.placements)
     ]
     if not rows:
-        return list(grads), sumsq, amax, counts
+        return list(grads), sumsq, amax, counts, histogram
     from torch.distributed.tensor import Replicate, Shard
 
     planned = list(grads)
@@ -179,13 +192,18 @@ def _materialize_partials(
         target = Shard(0) if g.ndim > 0 else Replicate()
         # A new DTensor: the gradient itself is left as it is.
         planned[i] = g.redistribute(g.device_mesh, [target if pl.is_partial() else pl for pl in g.placements])
-    s, a, c = multi_tensor_stats([planned[i].to_local() for i in rows])
+    local = [planned[i].to_local() for i in rows]
     device = sumsq.device
     idx = host_int64(rows, device)
+    if histogram is not None:
+        s, a, c, h = multi_tensor_stats(local, histogram=True)
+        histogram = histogram.index_copy(0, idx, to_device(h, device))
+    else:
+        s, a, c = multi_tensor_stats(local)
     sumsq = sumsq.index_copy(0, idx, to_device(s, device))
     amax = amax.index_copy(0, idx, to_device(a, device))
     counts = counts.index_copy(0, idx, to_device(c, device))
-    return planned, sumsq, amax, counts
+    return planned, sumsq, amax, counts, histogram
 
 
 def _descs(grads: Sequence[Any], names: Sequence[str], dtensor_cls: type[Any] | None, has_dtensor: bool) -> list[Desc]:
@@ -255,17 +273,26 @@ def _plan(
 
 
 class _Table(NamedTuple):
-    """The rows a rank holds while reducing: packed SUM and MAX buffers, with a name and description per row."""
+    """The rows a rank holds while reducing: packed SUM and MAX buffers, with a name and description per row.
 
-    sum_buf: Tensor  # float64 [R, 5 + world]
-    max_buf: Tensor  # float64 [R]
+    The buffers have one more row than ``descs``, the last: the slot of the layout check row, so that a table
+    that needs no repacking is reduced as it is, without a copy to append the check row."""
+
+    sum_buf: Tensor  # float64 [R + 1, 5 + world]
+    max_buf: Tensor  # float64 [R + 1]
     descs: list[Desc]
+    counted: list[bool]  # False: a tied parameter's copy, reported but not counted in the whole model's figures
 
 
 def _reduce_step(
-    table: _Table, pg: Any, mode: str, rows: list[int], tied: Collection[str], strict: bool
+    table: _Table, pg: Any, mode: str, rows: list[int], tied: Collection[str], strict: bool,
+    remake: Callable[[], _Table] | None = None,
 ) -> _Table:
     """Reduce ``rows`` of ``table`` over ``pg`` in the group's agreed layout; one SUM and one MAX in steady state.
+
+    ``remake``: makes ``table`` again (from the caller's inputs). With it, a table that needs no repacking is
+    reduced in place, and made again if the layout check fails (the rows must then be packed anew); without it,
+    such a table is copied first.
 
     Returns the new table: the agreed rows (in the agreed order, including rows other ranks hold and this one does
     not), then the rows not reduced over ``pg``.
@@ -281,9 +308,10 @@ def _reduce_step(
             dirty = False
         n = len(agreed.names)
         identity = not dirty and n == len(table.descs) and rows == agreed.positions == list(range(n))
-        if identity:  # the common case: this rank holds every row, in the agreed order
-            sub_sum = torch.cat([table.sum_buf, table.sum_buf.new_zeros(1, table.sum_buf.shape[1])])
-            sub_max = torch.cat([table.max_buf, table.max_buf.new_zeros(1)])
+        if identity:  # the common case: this rank holds every row, in the agreed order; the last row is the slot
+            in_place = remake is not None
+            sub_sum = table.sum_buf if in_place else table.sum_buf.clone()
+            sub_max = table.max_buf if in_place else table.max_buf.clone()
         else:
             sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
             sub_max = torch.zeros(n + 1, dtype=torch.float64, device=device)
@@ -309,15 +337,18 @@ def _reduce_step(
             break
         logger.debug("reduce_across_ranks: a rank's parameter layout changed; exchanging layouts again")
         agreed, fresh = None, True
+        if identity and remake is not None:  # the reduction overwrote this rank's rows: pack them anew
+            table = remake()
     held = set(rows)
     rest = [i for i in range(len(table.descs)) if i not in held]
     if rest:
         keep = host_int64(rest, device)
-        sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep)])
-        max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep)])
+        sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep), sub_sum[n:]])
+        max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep), sub_max[n:]])
     else:
-        sum_buf, max_buf = sub_sum[:n], sub_max[:n]
-    return _Table(sum_buf, max_buf, list(agreed.descs) + [table.descs[i] for i in rest])
+        sum_buf, max_buf = sub_sum, sub_max
+    descs = list(agreed.descs) + [table.descs[i] for i in rest]
+    return _Table(sum_buf, max_buf, descs, list(agreed.counted) + [table.counted[i] for i in rest])
 
 
 def _reorder(table: _Table, row_names: list[str]) -> _Table:
@@ -327,9 +358,10 @@ def _reorder(table: _Table, row_names: list[str]) -> _Table:
     order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
     if order == list(range(len(order))):
         return table
-    idx = host_int64(order, table.sum_buf.device)
+    idx = host_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot
     descs = [table.descs[i] for i in order]
-    return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs)
+    counted = [table.counted[i] for i in order]
+    return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs, counted)
 
 
 def _check_names(names: Any, p: int) -> list[str] | None:
@@ -357,6 +389,7 @@ def reduce_across_ranks(
     is_expert: Callable[[str], bool] | None = None,
     stage_group: Any = None,
     tied: Collection[str] = (),
+    histogram: Tensor | None = None,
 ) -> ReducedStats:
     """Turn per-rank statistics of local gradients into statistics of the whole logical parameters.
 
@@ -377,14 +410,18 @@ def reduce_across_ranks(
         is_expert: ``name -> bool``, which gradients are expert parameters.
         stage_group: process group whose ranks hold disjoint parts of the model (pipeline stages): after the
             other reductions, the rows of all its ranks are gathered on each (one SUM and one MAX). A name held
-            by several ranks becomes ``name@stage<k>`` (k: rank in ``stage_group``), one row each, unless it is in
-            ``tied``: then one row, counted once (from the lowest such rank). Needs ``names``.
-        tied: names of parameters tied across stages (e.g. a shared embedding), see ``stage_group``.
+            by several ranks becomes ``name@stage<k>`` (k: rank in ``stage_group``), one row each. Needs
+            ``names``.
+        tied: names of parameters tied across stages (e.g. a shared embedding): each stage's row is still
+            reported, but only the lowest stage's is counted in the figures of the whole model (``counted``).
+        histogram: int64 ``[P, 277]``, each gradient's local exponent histogram (the op's histogram overload):
+            summed like the counts, as more columns of the same SUM collective.
 
     Returns:
-        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel, names)`` of tensors on ``sumsq``'s
-        device, identical on every rank that reduced together. ``names`` gives the rows: the agreed union of what
-        the ranks hold (with stage suffixes), or ``names`` as given (None if not given) when nothing was gathered.
+        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel, names, counted)`` of tensors on
+        ``sumsq``'s device, identical on every rank that reduced together. ``names`` gives the rows: the agreed
+        union of what the ranks hold (with stage suffixes), or ``names`` as given (None if not given) when nothing
+        was gathered. ``counted`` says which rows count in the whole model's figures (None: all).
         ``numel`` is each parameter's logical element count: the local counts summed over the same groups as
         everything else. ``rank_nonfinite`` is int64 ``[P, world]`` (world and columns: global ranks), or None
         when torch.distributed is not initialized and no gradient is a DTensor (nothing to reduce: the same
@@ -398,6 +435,11 @@ def reduce_across_ranks(
     """
     _check_inputs(grads, sumsq, amax, counts)
     p = len(grads)
+    if histogram is not None and (histogram.dtype != torch.int64 or histogram.shape != (p, HISTOGRAM_BUCKETS)
+                                  or histogram.device != sumsq.device):  # fmt: skip
+        raise ValueError(f"reduce_across_ranks: histogram must be int64 of shape [{p}, {HISTOGRAM_BUCKETS}] on "
+                         f"{sumsq.device}, got {histogram.dtype} of shape {list(histogram.shape)} on "
+                         f"{histogram.device}")
     given_names = _check_names(names, p)
     tied = _check_options(given_names, expert_group, is_expert, stage_group, tied)
     dtensor_cls = _dtensor_class() if dist.is_available() else None
@@ -410,7 +452,7 @@ def reduce_across_ranks(
         )
     if not initialized and not has_dtensor:
         numel = host_int64([g.numel() for g in grads], sumsq.device)
-        return ReducedStats(sumsq, amax, counts, None, numel, given_names)
+        return ReducedStats(sumsq, amax, counts, None, numel, given_names, histogram=histogram)
 
     group = _resolve_group(group, "group")
     expert_group = _resolve_group(expert_group, "expert_group")
@@ -422,7 +464,7 @@ def reduce_across_ranks(
 
     # The rank that produced a NaN/Inf is named from what it held before any materialization.
     local_nonfinite = counts[:, NAN] + counts[:, INF]
-    planned, sumsq, amax, counts = _materialize_partials(grads, dtensor_cls, sumsq, amax, counts)
+    planned, sumsq, amax, counts, histogram = _materialize_partials(grads, dtensor_cls, sumsq, amax, counts, histogram)
     explicit: list[tuple[Any, Callable[[str], bool] | None]] = []
     if expert_group is not None and is_expert is not None:
         explicit.append((expert_group, is_expert))
@@ -430,26 +472,40 @@ def reduce_across_ranks(
         explicit.append((group, None))
     steps, local_numel = _plan(planned, row_names, dtensor_cls, explicit)
 
-    # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer.
-    ranks = torch.zeros(p, world, dtype=torch.float64, device=device)
-    ranks[:, rank] = local_nonfinite.to(torch.float64)
-    numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device).unsqueeze(1)
-    sum_buf = torch.cat([sumsq.unsqueeze(1), counts.to(torch.float64), ranks, numel_col], dim=1)
-    table = _Table(sum_buf, amax.clone(), _descs(planned, row_names, dtensor_cls, has_dtensor))
+    # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer, each with a last row
+    # for the layout check.
+    numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device)
+    descs = _descs(planned, row_names, dtensor_cls, has_dtensor)
+
+    hist_cols = 0 if histogram is None else HISTOGRAM_BUCKETS  # after the numel column
+
+    def first_table() -> _Table:
+        sum_buf = torch.zeros(p + 1, _RANKS_START + world + 1 + hist_cols, dtype=torch.float64, device=device)
+        sum_buf[:p, _SUMSQ_COL] = sumsq
+        sum_buf[:p, _COUNTS_COLS] = counts
+        sum_buf[:p, _RANKS_START + rank] = local_nonfinite
+        sum_buf[:p, _RANKS_START + world] = numel_col
+        if histogram is not None:
+            sum_buf[:p, _RANKS_START + world + 1 :] = histogram
+        return _Table(sum_buf, torch.cat([amax, amax.new_zeros(1)]), descs, [True] * p)
+
+    table = first_table()
+    remake: Callable[[], _Table] | None = first_table  # only the first step reduces the caller's rows
     for pg, rows in steps:
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
-        table = _reduce_step(table, pg, "shard", [where[row_names[r]] for r in rows], (), strict)
+        table = _reduce_step(table, pg, "shard", [where[row_names[r]] for r in rows], (), strict, remake)
+        remake = None
     staged = stage_group is not None and dist.get_world_size(stage_group) > 1
     if staged:  # its agreed order (stage by stage) is the same on every rank
-        table = _reduce_step(table, stage_group, "stage", list(range(len(table.descs))), tied, strict)
+        table = _reduce_step(table, stage_group, "stage", list(range(len(table.descs))), tied, strict, remake)
     elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
         table = _reorder(table, row_names)
     gathered = bool(steps) or staged
     if gathered:
         logger.debug("reduce_across_ranks: %d local parameters, %d rows, %d step(s)", p, len(table.descs), len(steps))
 
-    sum_buf, max_buf = table.sum_buf, table.max_buf
+    sum_buf, max_buf = table.sum_buf[: len(table.descs)], table.max_buf[: len(table.descs)]
     counts_out = sum_buf[:, _COUNTS_COLS].to(torch.int64)
     has_nan = counts_out[:, NAN] > 0
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
@@ -457,8 +513,10 @@ def reduce_across_ranks(
     amax_out = torch.where(has_nan, nan, max_buf)  # NaN need not survive a MAX all-reduce; the count does
     rank_nonfinite = sum_buf[:, _RANKS_START : _RANKS_START + world].to(torch.int64)
     numel_out = sum_buf[:, _RANKS_START + world].to(torch.int64)
+    hist_out = sum_buf[:, _RANKS_START + world + 1 :].to(torch.int64) if histogram is not None else None
     out_names = [d.name for d in table.descs] if (gathered and given_names is not None) else given_names
-    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names)
+    counted = None if all(table.counted) else table.counted
+    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names, counted, hist_out)
 
 
 def _check_options(

@@ -34,7 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -66,6 +66,15 @@ class PerParam(Protocol):
 
     @property
     def numel(self) -> Tensor: ...
+
+
+class _Rows(NamedTuple):
+    """Some rows of per-parameter figures."""
+
+    sumsq: Tensor
+    amax: Tensor
+    counts: Tensor
+    numel: Tensor
 
 
 # ---------------------------------------------------------------------------------------------- naming
@@ -289,6 +298,12 @@ def group_stats(stats: PerParam, by: GroupBy, *, names: Sequence[str] | None = N
     if len(names) != p:
         raise ValueError(f"grouped: {len(names)} names for the figures of {p} parameters")
     device = stats.sumsq.device
+    counted = getattr(stats, "counted", None)
+    if counted is not None and not all(counted):  # a tied parameter's copies on later stages: in no group
+        keep = [i for i, c in enumerate(counted) if c]
+        rows = host_int64(keep, device)
+        names = [names[i] for i in keep]
+        stats = _Rows(*(t.index_select(0, rows) for t in (stats.sumsq, stats.amax, stats.counts, stats.numel)))
     groups, index, members = _index(names, by, device)
     slots = len(groups) + 1  # the last slot collects the parameters left out, and is dropped
     g = len(groups)

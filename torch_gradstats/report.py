@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.health import HealthPolicy
@@ -17,6 +18,7 @@ from torch_gradstats.ops import INF, NAN, ZERO
 __all__ = ["STYLES", "GradReport", "GroupReport"]
 
 _DEFAULT_POLICY = HealthPolicy()
+_T = TypeVar("_T")
 
 
 def _nan_max(values: Sequence[float]) -> float:
@@ -100,6 +102,7 @@ class GradReport:
         rank_nonfinite: list[list[int]] | None,
         k: int,
         policy: HealthPolicy | None,
+        counted: list[bool] | None = None,
     ) -> GradReport:
         policy = policy or _DEFAULT_POLICY
         norm_list = [math.sqrt(s) if not math.isnan(s) else math.nan for s in sumsq]
@@ -107,7 +110,11 @@ class GradReport:
         nans = [c[NAN] for c in counts]
         infs = [c[INF] for c in counts]
         nonfinite = [n for n, a, b in zip(names, nans, infs) if a + b > 0]
-        total_numel = sum(numel)
+        # The totals count each row that counts (``total_sumsq`` already does): a tied parameter's copies once.
+        def whole(rows: list[_T]) -> list[_T]:
+            return rows if counted is None else [r for r, c in zip(rows, counted) if c]
+
+        total_numel, whole_amax, whole_zeros = sum(whole(numel)), whole(amax), sum(whole(zeros))
         vanishing_mask, exploding_mask = policy.classify_host(norm_list)
         # NaN sorts as the largest: a NaN norm is the first thing a reader must see.
         order = sorted(
@@ -122,12 +129,12 @@ class GradReport:
                     ranks[n] = bad
         return cls(
             total_norm=math.sqrt(total_sumsq) if not math.isnan(total_sumsq) else math.nan,
-            inf_norm=_nan_max(amax) if amax else 0.0,
+            inf_norm=_nan_max(whole_amax) if whole_amax else 0.0,
             numel=total_numel,
-            zero_count=sum(zeros),
-            nan_count=sum(nans),
-            inf_count=sum(infs),
-            zero_fraction=sum(zeros) / total_numel if total_numel else 0.0,
+            zero_count=whole_zeros,
+            nan_count=sum(whole(nans)),
+            inf_count=sum(whole(infs)),
+            zero_fraction=whole_zeros / total_numel if total_numel else 0.0,
             norms=dict(zip(names, norm_list)),
             zero_counts=dict(zip(names, zeros)),
             nan_counts=dict(zip(names, nans)),

@@ -243,6 +243,10 @@ class GradStats:
         exponent_histogram: with ``grad_stats(..., histogram=True)``, int64 ``[277]``: the finite non-zero
             gradient elements by ``floor(log2 |g|) + 149`` (``[P, 277]``, a row per parameter, with
             ``per_tensor=True``); None otherwise. See :mod:`torch_gradstats.exponents`.
+        counted: one bool per row: whether it counts in the figures of the whole model (the totals, the report's
+            totals, :meth:`grouped`), or None when every row does. False only for the copies of a parameter tied
+            across pipeline stages (``grad_stats(..., stage_group=, tied=)``) on stages other than the lowest that
+            holds it: each copy is still reported as a row of its own.
     """
 
     names: list[str]
@@ -256,9 +260,16 @@ class GradStats:
     clip_coef: Tensor | None = None
     clipped_norm: Tensor | None = None
     exponent_histogram: Tensor | None = None
+    counted: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def _whole(self, rows: Tensor) -> Tensor:
+        """The rows of ``rows`` that count in the figures of the whole model (all of them unless tied copies)."""
+        if self.counted is None:
+            return rows
+        return rows.index_select(0, repeated_int64([i for i, c in enumerate(self.counted) if c], rows.device))
 
     # ---- device-side properties (no sync)
     @property
@@ -268,8 +279,8 @@ class GradStats:
 
     @property
     def total_sumsq(self) -> Tensor:
-        """float64 0-d: sum of squares of all gradients."""
-        return self.sumsq.sum()
+        """float64 0-d: sum of squares of all gradients (a tied parameter once, see ``counted``)."""
+        return self._whole(self.sumsq).sum()
 
     @property
     def total_norm(self) -> Tensor:
@@ -281,22 +292,22 @@ class GradStats:
         """float64 0-d: max |g| over all gradients (NaN if any NaN). 0 if empty."""
         if self.amax.numel() == 0:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        return self.amax.max()
+        return self._whole(self.amax).max()
 
     @property
     def zero_count(self) -> Tensor:
         """int64 0-d: number of gradient elements equal to zero."""
-        return self.counts[:, ZERO].sum()
+        return self._whole(self.counts[:, ZERO]).sum()
 
     @property
     def nan_count(self) -> Tensor:
         """int64 0-d: number of NaN gradient elements."""
-        return self.counts[:, NAN].sum()
+        return self._whole(self.counts[:, NAN]).sum()
 
     @property
     def inf_count(self) -> Tensor:
         """int64 0-d: number of +-Inf gradient elements."""
-        return self.counts[:, INF].sum()
+        return self._whole(self.counts[:, INF]).sum()
 
     @property
     def nonfinite_count(self) -> Tensor:
@@ -352,7 +363,7 @@ class GradStats:
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
         extra_floats, extra_ints = extra_tensors(extra, self.device)
         hist = self.exponent_histogram
-        hist_ints = [] if hist is None else [hist if hist.dim() == 1 else hist.sum(0)]
+        hist_ints = [] if hist is None else [hist if hist.dim() == 1 else self._whole(hist).sum(0)]
         floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats, *extra_floats],
                                ints_in + group_ints + extra_ints + hist_ints)
         n_floats = 2 * p + 1 + len(clip) + sum(t.numel() for t in group_floats)
@@ -361,7 +372,8 @@ class GradStats:
         counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
         numel = ints[3 * p : 4 * p]
         rank_nf = [ints[4 * p + world * i : 4 * p + world * (i + 1)] for i in range(p)] if world else None
-        out = GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy)
+        out = GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy,
+                                self.counted)
         if clip:
             out.clip_coef, out.clipped_norm = floats[2 * p + 1], floats[2 * p + 2]
         if groups is not None:
@@ -452,8 +464,10 @@ def grad_stats(
             on one rank counts as an empty shard there); see docs/distributed.md.
         stage_group: process group of pipeline stages (ranks holding disjoint parts of the model): the figures
             of all stages are gathered on every rank; a name held by several stages is reported as
-            ``name@stage<k>``, unless listed in ``tied`` (then once, from the lowest stage).
-        tied: names of parameters shared by several stages (a tied embedding), counted once.
+            ``name@stage<k>``, one row per stage.
+        tied: names of parameters shared by several stages (a tied embedding): each stage's row is reported, and
+            the figures of the whole model (totals, groups, the clip norm) count it once, from the lowest stage
+            (``GradStats.counted``).
         expert_group: process group the plain gradients of expert parameters are sharded over (instead of
             ``group``); ``is_expert(name)`` says which parameters are experts.
         histogram: also count the gradients' finite non-zero elements by binary exponent, in the same read
@@ -529,16 +543,20 @@ def grad_stats(
         numels = tuple(g.numel() for g in grads)  # DTensor.numel() is the logical (global) numel
     numel = repeated_int64(numels, home)
     rank_nonfinite = None
+    counted = None
     if distributed or any_dtensor:
         from torch_gradstats.distributed import reduce_across_ranks  # only on this path: no import otherwise
 
         # Plain shards: no rank knows a parameter's full size, so numel travels in the same SUM collective.
-        sumsq, amax, counts, rank_nonfinite, numel, out_names = reduce_across_ranks(
+        reduced = reduce_across_ranks(
             grads, sumsq, amax, counts, group, names=names, stage_group=stage_group, tied=tied,
-            expert_group=expert_group, is_expert=is_expert,
+            expert_group=expert_group, is_expert=is_expert, histogram=hist,
         )
-        names = out_names if out_names is not None else names
-    return GradStats(
+        sumsq, amax, counts, numel, hist = reduced.sumsq, reduced.amax, reduced.counts, reduced.numel, reduced.histogram
+        rank_nonfinite = reduced.rank_nonfinite
+        names = reduced.names if reduced.names is not None else names
+        counted = reduced.counted
+    out = GradStats(
         names=names,
         sumsq=sumsq,
         amax=amax,
@@ -546,5 +564,8 @@ def grad_stats(
         numel=numel,
         rank_nonfinite=rank_nonfinite,
         device=home,
-        exponent_histogram=None if hist is None else hist if per_tensor else hist.sum(0),
+        counted=counted,
     )
+    if hist is not None:  # the whole model's: a tied parameter's copies once
+        out.exponent_histogram = hist if per_tensor else out._whole(hist).sum(0)
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from collections.abc import Collection
 from typing import Any, Literal
 
 import torch
@@ -19,6 +20,7 @@ from torch_gradstats.groups import GroupBy, group_names
 from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report
+from torch_gradstats.integrations._logging_rank import writes_here
 from torch_gradstats.report import STYLES
 from torch_gradstats.stats import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats
@@ -142,7 +144,11 @@ class StatsTaker:
 
     def __init__(self, log_weight_norms: bool, log_update_ratio: bool, group: Any, policy: HealthPolicy | None,
                  k: int, group_by: GroupBy | None = None, spike_guard: SpikeGuard | None = None,
-                 adaptive_clip: AdaptiveClip | None = None) -> None:
+                 adaptive_clip: AdaptiveClip | None = None, stage_group: Any = None,
+                 tied: Collection[str] = ()) -> None:
+        if stage_group is not None and (log_weight_norms or log_update_ratio):
+            raise ValueError("stage_group: weight norms and update ratios are not gathered over pipeline stages; "
+                             "pass log_weight_norms=False and log_update_ratio=False with stage_group")
         if group_by is not None:
             group_names([], group_by)  # a wrong kind of group_by is named now, not at the first logging step
         check_policies(spike_guard, adaptive_clip)
@@ -150,6 +156,8 @@ class StatsTaker:
         self.log_weight_norms = log_weight_norms
         self.log_update_ratio = log_update_ratio
         self.group = group
+        self.stage_group = stage_group
+        self.tied = tied
         self.policy = policy
         self.k = k
         self.ratio: UpdateRatio | None = None
@@ -176,7 +184,7 @@ class StatsTaker:
                 factor = self.spike_guard.observe(g.total_norm, mean_over_ranks(loss))
             if self.adaptive_clip is not None:
                 clip_grad_norm_(self.trainable(module), self.adaptive_clip.threshold(g.total_norm), stats=g,
-                                group=self.group)
+                                group=self.group, stage_group=self.stage_group, tied=self.tied)
         return factor
 
     @staticmethod
@@ -188,7 +196,7 @@ class StatsTaker:
         params = self.trainable(module)
         if self.log_weight_norms or self.log_update_ratio:
             return grad_and_weight_stats(params, optimizer=optimizer, group=self.group)
-        return grad_stats(params, group=self.group)
+        return grad_stats(params, group=self.group, stage_group=self.stage_group, tied=self.tied)
 
     def snapshot(self, module: nn.Module) -> None:
         if self.ratio is None:
@@ -242,3 +250,10 @@ def describe_nonfinite(report: AnyReport) -> str:
 def _describe(first: str | None, n_tensors: int, nan: int, inf: int) -> str:
     more = f" and {n_tensors - 1} more" if n_tensors > 1 else ""
     return f"{first!r}{more} ({nan} NaN, {inf} Inf)"
+
+
+def logs_here(who: str, framework_rank_zero: bool, log_rank: int | None) -> bool:
+    """Whether a callback transfers and logs on this process: the framework's own logging process (global rank 0,
+    the only one where Lightning's loggers and the Hugging Face Trainer's ``report_to`` integrations write), or
+    global rank ``log_rank``."""
+    return framework_rank_zero if log_rank is None else writes_here(who, None, None, log_rank)

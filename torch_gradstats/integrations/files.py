@@ -17,6 +17,11 @@ A key that first appears at a later step (a new parameter, ``clip_coef`` once cl
 A key missing at a later step is an empty cell (CSV) or ``null`` (JSON Lines), so columns and key order never
 change. Each sink opens its file (truncating it) when made, flushes after every step unless ``flush_every`` says
 otherwise, and :meth:`close` flushes and closes it (also as a context manager).
+
+Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
+(:func:`torch_gradstats.distributed.is_logging_rank`: the last stage's first rank of ``group``, or global rank
+``log_rank``) opens the file and writes; on every other rank the sink opens nothing and ``log`` does nothing
+(``writes`` is False), so every rank can make and call it alike.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 from typing import IO, Any
 
 from torch_gradstats.integrations import AnyReport
+from torch_gradstats.integrations._logging_rank import writes_here
 from torch_gradstats.report import STYLES
 
 __all__ = ["CSVSink", "JSONLSink"]
@@ -35,7 +41,7 @@ __all__ = ["CSVSink", "JSONLSink"]
 
 class _FileSink:
     def __init__(self, path: str | os.PathLike[str], prefix: str, per_param: bool, style: str,
-                 flush_every: int) -> None:
+                 flush_every: int, stage_group: Any, group: Any, log_rank: int | None) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{type(self).__name__}: path must be a str or path, got a {type(path).__name__}")
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
@@ -56,7 +62,11 @@ class _FileSink:
         self.flush_every = flush_every
         self.columns: list[str] = ["step"]  #: every key written so far, in file order
         self._known: set[str] = {"step"}
-        self._file: IO[str] | None = open(self.path, "w", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        #: whether this process writes (False on the ranks other than the logging rank; see the module docstring)
+        self.writes = writes_here(type(self).__name__, stage_group, group, log_rank)
+        self._file: IO[str] | None = (
+            open(self.path, "w", newline="", encoding="utf-8") if self.writes else None  # noqa: SIM115 (closed by close())
+        )
         self._since_flush = 0
 
     def _row(self, report: AnyReport, step: int) -> dict[str, Any]:
@@ -113,14 +123,18 @@ class CSVSink(_FileSink):
         per_param: one column per parameter (and per figure).
         style: the key names of ``GradReport.to_dict(style=...)``.
         flush_every: flush the file every this many rows (default 1: a crash loses nothing written).
+        stage_group, group, log_rank: which process writes (see the module docstring); none given: this one.
     """
 
     def __init__(self, path: str | os.PathLike[str], prefix: str = "", per_param: bool = True,
-                 style: str = "default", flush_every: int = 1) -> None:
-        super().__init__(path, prefix, per_param, style, flush_every)
+                 style: str = "default", flush_every: int = 1, *, stage_group: Any = None, group: Any = None,
+                 log_rank: int | None = None) -> None:
+        super().__init__(path, prefix, per_param, style, flush_every, stage_group, group, log_rank)
         self._rows = 0
 
     def log(self, report: AnyReport, step: int) -> None:
+        if not self.writes:
+            return
         row = self._row(report, step)
         assert self._file is not None
         if self._new_columns(row) and self._rows:
@@ -158,13 +172,17 @@ class JSONLSink(_FileSink):
         per_param: one key per parameter (and per figure).
         style: the key names of ``GradReport.to_dict(style=...)``.
         flush_every: flush the file every this many lines (default 1).
+        stage_group, group, log_rank: which process writes (see the module docstring); none given: this one.
     """
 
     def __init__(self, path: str | os.PathLike[str], prefix: str = "", per_param: bool = True,
-                 style: str = "default", flush_every: int = 1) -> None:
-        super().__init__(path, prefix, per_param, style, flush_every)
+                 style: str = "default", flush_every: int = 1, *, stage_group: Any = None, group: Any = None,
+                 log_rank: int | None = None) -> None:
+        super().__init__(path, prefix, per_param, style, flush_every, stage_group, group, log_rank)
 
     def log(self, report: AnyReport, step: int) -> None:
+        if not self.writes:
+            return
         row = self._row(report, step)
         assert self._file is not None
         self._new_columns(row)

@@ -93,6 +93,7 @@ are installed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -113,6 +114,7 @@ from torch_gradstats.integrations._common import (
     check_options,
     check_watch,
     describe_nonfinite,
+    logs_here,
     styled_keys,
 )
 from torch_gradstats.stats import GradStats
@@ -158,6 +160,9 @@ class _GradStatsMixin(ActivationReporting):
         spike_guard: SpikeGuard | None = None,
         adaptive_clip: AdaptiveClip | None = None,
         watch_activations: ActivationWatch | bool | None = None,
+        stage_group: Any = None,
+        tied: Collection[str] = (),
+        log_rank: int | None = None,
     ) -> None:
         """
         Args:
@@ -182,6 +187,12 @@ class _GradStatsMixin(ActivationReporting):
             watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole
                 LightningModule (made at setup, removed at teardown): ``act/`` figures on logging steps, and the
                 origin module named in the warning of a non-finite step.
+            stage_group: the pipeline-stage group (see :func:`torch_gradstats.grad_stats`): every rank then reports
+                the whole model, every stage's parameters; ``tied`` names parameters shared by stages (counted once).
+                Not with ``log_weight_norms`` / ``log_update_ratio``.
+            log_rank: the global rank that transfers and logs the figures. Default: the framework's logging process,
+                global rank 0 (Lightning's loggers write only there); with ``stage_group`` its figures are the whole
+                model's, the same as on the last stage. Give another rank for a logger that writes there.
         """
         super().__init__()
         self.key_style = check_key_style(key_style) if lightning_names else None
@@ -191,7 +202,10 @@ class _GradStatsMixin(ActivationReporting):
         self.lightning_names = lightning_names
         self.on_nonfinite = on_nonfinite
         self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by,
-                                spike_guard=spike_guard, adaptive_clip=adaptive_clip)
+                                spike_guard=spike_guard, adaptive_clip=adaptive_clip, stage_group=stage_group,
+                                tied=tied)
+        self.log_rank = log_rank
+        logs_here("GradStatsCallback", True, log_rank)  # a wrong log_rank is named now
         self._watch_option = check_watch(watch_activations)
         #: the activation watch (the one given, or the one made at setup for ``watch_activations=True``)
         self.activation_watch: ActivationWatch | None = (
@@ -247,7 +261,7 @@ class _GradStatsMixin(ActivationReporting):
             if factor is not None:
                 self._apply_factor(trainer, optimizer, factor)
         report: AnyReport | None = None
-        if log_now and trainer.is_global_zero and not self.taker.log_update_ratio:
+        if log_now and self._logs_here(trainer) and not self.taker.log_update_ratio:
             report = self.taker.report(stats)  # the one transfer of this step
         if self.on_nonfinite is not None:
             g = grad_report(report) if report is not None else None
@@ -256,7 +270,7 @@ class _GradStatsMixin(ActivationReporting):
                 self._handle_nonfinite(trainer, optimizer, step, report, stats)
                 if not log_now and self._log_due(trainer, logger_step):  # "stop": Lightning logs this step too
                     log_now = True
-                    if trainer.is_global_zero and not self.taker.log_update_ratio:
+                    if self._logs_here(trainer) and not self.taker.log_update_ratio:
                         report = self.taker.report(stats)
         if report is not None:
             self._log(trainer, report, logger_step)
@@ -270,7 +284,7 @@ class _GradStatsMixin(ActivationReporting):
         stats, logger_step, _ = self._pending
         self._pending = None
         self.taker.measure(stats)
-        if trainer.is_global_zero:
+        if self._logs_here(trainer):
             self._log(trainer, self.taker.report(stats), logger_step)
 
     # ----------------------------------------------------------------------------------------------- internals
@@ -302,6 +316,9 @@ class _GradStatsMixin(ActivationReporting):
         if id(optimizer) in self._found_inf_set:
             self._found_inf_set.discard(id(optimizer))
             del optimizer.found_inf
+
+    def _logs_here(self, trainer: Any) -> bool:
+        return logs_here("GradStatsCallback", trainer.is_global_zero, self.log_rank)
 
     @staticmethod
     def _logger_step(trainer: Any) -> int:

@@ -25,6 +25,10 @@ What it writes at each step (``prefix`` defaults to ``"grad/"``):
 * when a gradient is non-finite: a text entry ``grad/first_nonfinite`` naming the first such parameter.
 
 The writer is not closed by the sink; call ``writer.flush()`` or ``close()`` as usual.
+
+Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
+(:func:`torch_gradstats.distributed.is_logging_rank`: the last stage's first rank of ``group``, or global rank
+``log_rank``) writes; elsewhere ``log`` does nothing and a log directory given as ``writer`` is not created.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
+from torch_gradstats.integrations._logging_rank import writes_here
 from torch_gradstats.updates import UpdateReport
 
 __all__ = ["TensorBoardSink", "log_step_records"]
@@ -49,21 +54,28 @@ class TensorBoardSink:
         histograms: also write histograms over parameters of the per-parameter norms, and the exponent histogram
             of reports read with ``histogram=True``.
         key_style: the scalar tags of ``GradReport.to_dict(style=...)`` (default: ours).
+        stage_group, group, log_rank: which process writes (see the module docstring); none given: this one.
     """
 
     def __init__(self, writer: Any, prefix: str = "grad/", per_param: bool = True, histograms: bool = False,
-                 key_style: str = "default") -> None:
+                 key_style: str = "default", *, stage_group: Any = None, group: Any = None,
+                 log_rank: int | None = None) -> None:
+        #: whether this process writes (False on the ranks other than the logging rank)
+        self.writes = writes_here("TensorBoardSink", stage_group, group, log_rank)
         if isinstance(writer, str) or hasattr(writer, "__fspath__"):
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            writer = SummaryWriter(str(writer))
-        self.writer = writer
+            # A rank that does not write creates no log directory: its writer is None.
+            writer = SummaryWriter(str(writer)) if self.writes else None
+        self.writer: Any = writer
         self.prefix = prefix
         self.per_param = per_param
         self.histograms = histograms
         self.key_style = key_style
 
     def log(self, report: AnyReport, step: int) -> None:
+        if not self.writes:
+            return
         for tag, value in metrics(report, self.prefix, self.per_param, self.key_style).items():
             self.writer.add_scalar(tag, value, step)
         g = grad_report(report)

@@ -82,6 +82,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import types
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -103,6 +104,7 @@ from torch_gradstats.integrations._common import (
     check_options,
     check_watch,
     describe_nonfinite,
+    logs_here,
     styled_keys,
 )
 from torch_gradstats.stats import GradStats
@@ -160,6 +162,12 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole model (made
             when training starts, removed when it ends): ``act/`` figures on logging steps, and the origin module
             named in the warning of a non-finite step.
+        stage_group: the pipeline-stage group (see :func:`torch_gradstats.grad_stats`): every rank then reports
+            the whole model, every stage's parameters; ``tied`` names parameters shared by stages (counted once).
+            Not with ``log_weight_norms`` / ``log_update_ratio``.
+        log_rank: the global rank that transfers and logs the figures. Default: the Trainer's main process,
+            global rank 0 (its ``report_to`` integrations write only there); with ``stage_group`` its figures are
+            the whole model's, the same as on the last stage. Give another rank for a logger that writes there.
     """
 
     def __init__(
@@ -177,6 +185,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         spike_guard: SpikeGuard | None = None,
         adaptive_clip: AdaptiveClip | None = None,
         watch_activations: ActivationWatch | bool | None = None,
+        stage_group: Any = None,
+        tied: Collection[str] = (),
+        log_rank: int | None = None,
     ) -> None:
         check_options(None, on_nonfinite)
         self.key_style = check_key_style(key_style)
@@ -184,7 +195,10 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         self.prefix = prefix
         self.on_nonfinite = on_nonfinite
         self.taker = StatsTaker(log_weight_norms, log_update_ratio, group, policy, k=5, group_by=group_by,
-                                spike_guard=spike_guard, adaptive_clip=adaptive_clip)
+                                spike_guard=spike_guard, adaptive_clip=adaptive_clip, stage_group=stage_group,
+                                tied=tied)
+        self.log_rank = log_rank
+        logs_here("GradStatsCallback", True, log_rank)  # a wrong log_rank is named now
         self._watch_option = check_watch(watch_activations)
         #: the activation watch (the one given, or the one made when training starts for True)
         self.activation_watch: ActivationWatch | None = (
@@ -298,7 +312,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         if step != state.global_step:  # figures of another step: never attach them to this one
             return
         self._pending = None
-        if not state.is_world_process_zero:
+        if not logs_here("GradStatsCallback", state.is_world_process_zero, self.log_rank):
             return
         report = self.taker.report(stats)  # the one transfer of this logging step (the policies' figures too)
         figures: dict[str, Any] = metrics(report, self.prefix, self.per_param)

@@ -23,6 +23,11 @@ parameter, NaN and Inf left out); this sink uploads per-parameter *norms* and th
 one read, at the steps you choose, and, for reports read with ``histogram=True``, ``grad/exponents``: a
 ``wandb.Histogram`` of the binary exponents ``floor(log2 |g|)`` of every finite non-zero gradient element (its
 x axis is log2 |g|), from the same read. The fp16/bf16/fp8 underflow and overflow fractions come with the figures.
+
+Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
+(:func:`torch_gradstats.distributed.is_logging_rank`: the last stage's first rank of ``group``, or global rank
+``log_rank``) logs; elsewhere ``log`` does nothing and needs no run, so ``wandb.init`` can be called on that
+rank alone.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 
 from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
+from torch_gradstats.integrations._logging_rank import writes_here
 from torch_gradstats.ops import HISTOGRAM_MIN_EXPONENT
 
 __all__ = ["WandbSink", "exponent_histogram"]
@@ -57,10 +63,14 @@ class WandbSink:
         per_param: log one value per parameter and figure.
         commit: passed to ``run.log`` (None: W&B's default).
         key_style: the keys of ``GradReport.to_dict(style=...)`` (default: ours).
+        stage_group, group, log_rank: which process logs (see the module docstring); none given: this one.
     """
 
     def __init__(self, run: Any = None, prefix: str = "grad/", per_param: bool = True,
-                 commit: bool | None = None, key_style: str = "default") -> None:
+                 commit: bool | None = None, key_style: str = "default", *, stage_group: Any = None,
+                 group: Any = None, log_rank: int | None = None) -> None:
+        #: whether this process logs (False on the ranks other than the logging rank)
+        self.writes = writes_here("WandbSink", stage_group, group, log_rank)
         self.run = run
         self.prefix = prefix
         self.per_param = per_param
@@ -78,6 +88,8 @@ class WandbSink:
         return wandb.run
 
     def log(self, report: AnyReport, step: int) -> None:
+        if not self.writes:
+            return
         run = self._run()
         kwargs: dict[str, Any] = {"step": step}
         if self.commit is not None:
