@@ -181,8 +181,10 @@ def goals(results: Sequence[Measurement]) -> list[str]:
                 noisy, note = too_noisy(value, bound, reps)
                 passed = value <= bound if at_most else value >= bound
                 status = "NOISY" if noisy else ("PASS" if passed else "FAIL")
+                within = sum((x <= bound) if at_most else (x >= bound) for x in reps)
                 extra = f"; noisy, not judged ({note})" if noisy else f" (repeat spread {_pm(reps)})"
-                out.append(f"[{status}] {where}: {label}: {value:.3g}x{extra}")
+                out.append(f"[{status}] {where}: {label}: {value:.3g}x{extra}; {within}/{len(reps)} repetitions "
+                           "within the goal")  # fmt: skip
     return out
 
 

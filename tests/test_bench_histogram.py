@@ -47,6 +47,7 @@ def test_histogram_cpu_quick_measures_every_dtype_thread_and_clock():
     assert all(re.match(r"\[(PASS|FAIL|NOISY)\] gpt2 (float32|bfloat16), [12] threads?, (wall|thread) clock: ", ln)
                for ln in lines)  # fmt: skip
     assert sum("op+histogram <= 1.25x op" in ln for ln in lines) == 6
+    assert all(ln.endswith("/3 repetitions within the goal") for ln in lines)
 
 
 def test_histogram_cpu_check_leaves_zeros_nan_and_inf_out_of_the_count():
