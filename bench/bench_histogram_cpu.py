@@ -77,7 +77,7 @@ def _check(sample: Sample) -> None:
         same = torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
         assert same, "multi_tensor_stats: the histogram overload changed the other statistics"
     counted = hist.exponent_histogram.sum(1)
-    numel = torch.tensor([t.numel() for t in sample.tensors])
+    numel = torch.tensor([t.numel() for t in sample.tensors], device=counted.device)
     assert torch.equal(counted, numel - plain.counts.sum(1)), "exponent histogram: counts do not add up"
 
 
