@@ -84,3 +84,18 @@ def test_wandb_watch_quick_times_three_logging_steps(capsys):
     for r in rows[1:]:
         assert all(re.fullmatch(r"[0-9.]+ ± (\d+%|-)", c) for c in r[2:5])
         assert all(re.fullmatch(r"\*\*[0-9.]+x\*\* ± (\d+%|-)", c) for c in r[5:7])
+
+
+def test_histogram_cuda_script_runs_on_the_cpu_in_quick_mode():
+    """bench/bench_histogram_cuda.py is what a GPU run times (bench/gpu_check.sh); here its CPU mode checks that it
+    runs and prints a ratio for every list."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_histogram_cuda.py"), "--device", "cpu",
+                           "--quick"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "histogram overload kernel: compiled" in proc.stdout or "histogram overload kernel" in proc.stdout
+    summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("summary: histogram / plain:")]
+    assert len(summary) == 1
+    ratios = re.findall(r"(\d+\.\d+)", summary[0])
+    assert len(ratios) == 4 and all(float(r) > 0 for r in ratios)
