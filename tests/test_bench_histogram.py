@@ -94,7 +94,7 @@ def test_histogram_cuda_script_runs_on_the_cpu_in_quick_mode():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_histogram_cuda.py"), "--device", "cpu",
                            "--quick"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "histogram overload kernel: compiled" in proc.stdout or "histogram overload kernel" in proc.stdout
+    assert "histogram overload kernel:" in proc.stdout
     summary = [ln for ln in proc.stdout.splitlines() if ln.startswith("summary: histogram / plain:")]
     assert len(summary) == 1
     ratios = re.findall(r"(\d+\.\d+)", summary[0])
