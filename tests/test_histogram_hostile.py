@@ -136,3 +136,31 @@ def test_fallback_stats_reads_negative_views():
     x = torch.randn(10)
     torch.testing.assert_close(fallback_multi_tensor_stats([torch._neg_view(x)])[1],
                                tg.multi_tensor_stats([x]).amax)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ integrations
+@pytest.mark.xfail(strict=True, reason="integrations/wandb.exponent_histogram reads .nonzero_range() of whatever it "
+                   "is given: AttributeError, not TypeError, for a tensor of counts")
+def test_wandb_exponent_histogram_rejects_a_tensor():
+    pytest.importorskip("wandb")
+    from torch_gradstats.integrations.wandb import exponent_histogram
+
+    with pytest.raises(TypeError, match="ExponentHistogram"):
+        exponent_histogram(torch.zeros(HISTOGRAM_BUCKETS, dtype=torch.int64))  # type: ignore[arg-type]
+
+
+@pytest.mark.xfail(strict=True, reason="TensorBoardSink takes any truthy histograms= ('yes', 1; None as False) "
+                   "(integrations/tensorboard.py)")
+@pytest.mark.parametrize("value", ["yes", None])
+def test_tensorboard_sink_histograms_must_be_a_bool(tmp_path, value):
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from torch_gradstats.integrations.tensorboard import TensorBoardSink
+
+    writer = SummaryWriter(str(tmp_path))
+    try:
+        with pytest.raises(TypeError, match="histograms"):
+            TensorBoardSink(writer, histograms=value)
+    finally:
+        writer.close()
