@@ -13,10 +13,15 @@ narrower format would lose:
   make it inf or NaN. NaN and Inf elements are in neither fraction: they have their own counts.
 
 Both are fractions of **all** elements (zeros, NaN and Inf included in the denominator).
+
+The last bucket holds ``floor(log2 |x|) >= 127``: float32's top binade and every float64 value at or above
+``2**128`` alike. bf16's overflow threshold, ``2**128``, lies inside it, so ``overflow("bf16")`` (like any format
+with ``max_exponent >= 127``) counts none of them: float64 gradients at or above ``2**128`` are not in it.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,6 +47,23 @@ FORMATS: dict[str, FloatFormat] = {
 }
 
 
+def _as_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"ExponentHistogram: {name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def _format(fmt: str | FloatFormat) -> FloatFormat:
+    if isinstance(fmt, FloatFormat):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"ExponentHistogram: fmt must be a format name or a FloatFormat, got {type(fmt).__name__}")
+    if fmt not in FORMATS:
+        raise ValueError(f"ExponentHistogram: unknown format {fmt!r}; expected one of {', '.join(FORMATS)} or a "
+                         f"FloatFormat")
+    return FORMATS[fmt]
+
+
 @dataclass(frozen=True)
 class ExponentHistogram:
     """A global exponent histogram on the host.
@@ -57,6 +79,17 @@ class ExponentHistogram:
     def __post_init__(self) -> None:
         if len(self.counts) != HISTOGRAM_BUCKETS:
             raise ValueError(f"ExponentHistogram: expected {HISTOGRAM_BUCKETS} counts, got {len(self.counts)}")
+        # Counts and numel are numbers of elements (ints, numpy's too, stored as ints): anything else would give
+        # fractions outside [0, 1].
+        object.__setattr__(self, "numel", _as_int(self.numel, "numel"))
+        object.__setattr__(self, "counts", tuple(_as_int(c, f"counts[{b}]") for b, c in enumerate(self.counts)))
+        negative = next((b for b, c in enumerate(self.counts) if c < 0), None)
+        if negative is not None:
+            raise ValueError(f"ExponentHistogram: counts must be >= 0, got {self.counts[negative]} in bucket "
+                             f"{negative}")
+        if sum(self.counts) > self.numel:
+            raise ValueError(f"ExponentHistogram: the counts add up to {sum(self.counts)}, more than numel "
+                             f"({self.numel}), the number of elements they are part of")
 
     def _count_below(self, exponent: int) -> int:
         """Elements with ``floor(log2 |x|) < exponent``."""
@@ -64,13 +97,13 @@ class ExponentHistogram:
 
     def underflow(self, fmt: str | FloatFormat) -> float:
         """Fraction of all elements that are non-zero and below ``fmt``'s smallest normal number."""
-        f = FORMATS[fmt] if isinstance(fmt, str) else fmt
+        f = _format(fmt)
         return self._count_below(f.min_exponent) / self.numel if self.numel else 0.0
 
     def overflow(self, fmt: str | FloatFormat) -> float:
         """Fraction of all elements at or above ``2 ** (max_exponent + 1)`` of ``fmt`` (see the module's note on
         values between the largest finite number and that power of two)."""
-        f = FORMATS[fmt] if isinstance(fmt, str) else fmt
+        f = _format(fmt)
         total = sum(self.counts)
         return (total - self._count_below(f.max_exponent + 1)) / self.numel if self.numel else 0.0
 

@@ -113,6 +113,10 @@ def fallback_multi_tensor_stats_histogram(
     fallback_multi_tensor_stats`'s three outputs and the exponent histogram (see the module's docstring)."""
     numels = checked_numels(tensors)
     require_float64(tensors[0].device)
+    if any(t.is_neg() for t in tensors):
+        # A negative view (torch._neg_view, conj of a real tensor) has no bits to read: flip its sign bit back, no
+        # copy. Every statistic is symmetric in the sign. (Through the dispatcher such views arrive resolved.)
+        tensors = [torch._neg_view(t) if t.is_neg() else t for t in tensors]
     sumsq, amax, counts = fallback_multi_tensor_stats(tensors, chunk_elems)
     return sumsq, amax, counts, exponent_histogram(tensors, numels, chunk_elems)
 

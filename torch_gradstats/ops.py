@@ -259,7 +259,10 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor], *, histogram: bool = 
             tensors = list(tensors)
     if histogram is not False:
         if histogram is not True:
-            raise TypeError(f"multi_tensor_stats: histogram must be a bool, got {type(histogram).__name__}")
+            # numpy.bool_ is named "bool" too: the module tells it apart from the builtin the message asks for
+            kind = type(histogram)
+            name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            raise TypeError(f"multi_tensor_stats: histogram must be a bool (True or False), got {name}")
         return _with_histogram(tensors)
     if is_dynamo_compiling():  # a constant to Dynamo; in eager a quarter of is_compiling()'s host time
         # No Python checks here: an exception raised while Dynamo traces this frame would surface as "Observed
