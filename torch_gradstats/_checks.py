@@ -12,7 +12,16 @@ from collections.abc import Set as AbstractSet
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPE_BITS", "OP_NAME", "SUPPORTED_DTYPES", "check_inputs", "check_tensor_list", "checked_numels"]
+__all__ = [
+    "DTYPE_BITS",
+    "OP_NAME",
+    "SUPPORTED_DTYPES",
+    "check_bool",
+    "check_inputs",
+    "check_tensor_list",
+    "checked_numels",
+    "type_name",
+]
 
 OP_NAME = "multi_tensor_stats"
 
@@ -27,6 +36,20 @@ DTYPE_BITS = {
     torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
     torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
 }
+
+
+def type_name(value: object) -> str:
+    """The type of ``value`` as errors name it: ``int``, ``str``, but ``numpy.bool`` (numpy's bool type is named
+    "bool" too, and "must be a bool, got bool" would tell the caller nothing)."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_bool(where: str, value: object) -> bool:
+    """``value`` if it is True or False, else a TypeError naming ``where`` and what was given."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where} must be a bool (True or False), got {type_name(value)}")
+    return value
 
 
 def check_inputs(tensors: Sequence[Tensor], *, check_storage: bool = True) -> None:

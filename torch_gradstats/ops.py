@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.compiler import is_dynamo_compiling
 
 from torch_gradstats import fallback, fallback_histogram
-from torch_gradstats._checks import OP_NAME, SUPPORTED_DTYPES, check_inputs, check_tensor_list
+from torch_gradstats._checks import OP_NAME, SUPPORTED_DTYPES, check_bool, check_inputs, check_tensor_list
 from torch_gradstats.fallback import fallback_multi_tensor_stats
 from torch_gradstats.fallback_histogram import HISTOGRAM_BUCKETS, HISTOGRAM_MIN_EXPONENT
 
@@ -258,11 +258,7 @@ def multi_tensor_stats(tensors: Tensor | Iterable[Tensor], *, histogram: bool = 
             check_tensor_list(tensors, iterables=True)
             tensors = list(tensors)
     if histogram is not False:
-        if histogram is not True:
-            # numpy.bool_ is named "bool" too: the module tells it apart from the builtin the message asks for
-            kind = type(histogram)
-            name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-            raise TypeError(f"multi_tensor_stats: histogram must be a bool (True or False), got {name}")
+        check_bool("multi_tensor_stats: histogram", histogram)
         return _with_histogram(tensors)
     if is_dynamo_compiling():  # a constant to Dynamo; in eager a quarter of is_compiling()'s host time
         # No Python checks here: an exception raised while Dynamo traces this frame would surface as "Observed

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from torch_gradstats._checks import check_bool
 from torch_gradstats._transfer import to_host
 from torch_gradstats.activations import ActivationReport, ActivationWatch
 from torch_gradstats.adaptive_clip import AdaptiveClip
@@ -67,8 +68,7 @@ def check_options(every_n_steps: Any, on_nonfinite: Any) -> int | None:
 def check_histogram(histogram: Any, log_weight_norms: bool, log_update_ratio: bool) -> bool:
     """Validate a callback's ``histogram``: a bool, and not with the weight statistics (their one op call over the
     gradients and the weights has no histogram)."""
-    if not isinstance(histogram, bool):
-        raise TypeError(f"histogram must be a bool, got {type(histogram).__name__}")
+    check_bool("histogram", histogram)
     if histogram and (log_weight_norms or log_update_ratio):
         raise ValueError("histogram=True reads the gradients' exponent histogram with grad_stats; it is not taken "
                          "with log_weight_norms or log_update_ratio")

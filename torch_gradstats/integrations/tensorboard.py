@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch_gradstats._checks import check_bool
 from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
@@ -61,6 +62,7 @@ class TensorBoardSink:
                  key_style: str = "default", *, stage_group: Any = None, group: Any = None,
                  log_rank: int | None = None) -> None:
         #: whether this process writes (False on the ranks other than the logging rank)
+        check_bool("TensorBoardSink: histograms", histograms)  # before a log directory is made
         self.writes = writes_here("TensorBoardSink", stage_group, group, log_rank)
         if isinstance(writer, str) or hasattr(writer, "__fspath__"):
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package

@@ -45,6 +45,9 @@ __all__ = ["WandbSink", "exponent_histogram"]
 def exponent_histogram(hist: ExponentHistogram) -> Any:
     """``wandb.Histogram`` of an exponent histogram: buckets ``[e, e + 1)`` of log2 |g| for the non-empty range
     (at most 277 bins, under W&B's limit of 512)."""
+    if not isinstance(hist, ExponentHistogram):
+        raise TypeError(f"exponent_histogram: expected an ExponentHistogram (GradReport.exponent_histogram), got a "
+                        f"{type(hist).__name__}")
     import wandb
 
     first, end = hist.nonzero_range()

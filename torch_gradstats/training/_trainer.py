@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats._checks import check_bool
 from torch_gradstats._transfer import PinnedBuffer, to_host
 from torch_gradstats.activations import ActivationReport, ActivationWatch
 from torch_gradstats.adaptive_clip import AdaptiveClip
@@ -174,9 +175,7 @@ class Trainer:
         self.after_backward = after_backward
         self.log_to = _check_sinks(log_to)
         self.log_every = log_every
-        if not isinstance(histogram, bool):
-            raise TypeError(f"histogram must be a bool, got {type(histogram).__name__}")
-        self.histogram = histogram
+        self.histogram = check_bool("histogram", histogram)
         # Skipped steps can only be counted if every step is looked at.
         self.must_check_every_step = (
             skip_nonfinite or scaler is not None or spike_guard is not None or adaptive_clip is not None
