@@ -30,6 +30,7 @@ LAYERS = {
     "torch_gradstats.ops": 2,
     "torch_gradstats.health": 3,
     "torch_gradstats._layout": 0,
+    "torch_gradstats._reduce_plan": 2.5,  # what distributed reduces over which group (DTensor planning)
     "torch_gradstats.distributed": 3,
     "torch_gradstats._scalars": 3,
     "torch_gradstats.exponents": 3,  # the host-side exponent histogram that reports hold
