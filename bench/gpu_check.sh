@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script to run on an H100/H200 in a single device call (see docs/cuda.md, "On a GPU"):
 #   versions -> toolchain -> build -> registration -> CUDA tests (the op, then its histogram overload) -> timing
-#   record -> the op with and without the histogram (bench/bench_histogram.py) -> compute-sanitizer memcheck and
+#   record -> the op with and without the histogram (bench/bench_histogram_cuda.py) -> compute-sanitizer memcheck and
 #   racecheck -> CPU tests -> `python -m torch_gradstats bench --device cuda` -> bench/bench_training.py --device cuda.
 # Every step runs even if an earlier one failed (its exit status is recorded); the script exits non-zero if any did.
 # Steps run in that order of priority under one time budget (GPU_CHECK_BUDGET_S, default 560 s, so the summary is
@@ -237,7 +237,7 @@ EOF_TIMING
 run timing 90 $PY "$TIMING"
 [[ -s "$STEPS/timing.out" ]] && cp "$STEPS/timing.out" "$OUT/timing.txt"
 # The op with and without the exponent histogram, device time side by side (docs/cuda.md, "The exponent histogram").
-run timing_histogram 90 $PY bench/bench_histogram.py --device cuda
+run timing_histogram 90 $PY bench/bench_histogram_cuda.py --device cuda
 [[ -s "$STEPS/timing_histogram.out" ]] && cp "$STEPS/timing_histogram.out" "$OUT/timing_histogram.txt"
 
 # 5. compute-sanitizer on a small case: unaligned views, odd lengths, empty tensors, mixed dtypes, several tiles,

@@ -7,6 +7,7 @@ Each scenario compares what every rank computes with a single-process float64 re
 from __future__ import annotations
 
 import csv
+import glob
 import importlib.util
 import json
 import math
@@ -25,12 +26,14 @@ from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.distributed import reduce_across_ranks
 from torch_gradstats.integrations import CSVSink, JSONLSink
 from torch_gradstats.integrations._common import logs_here
+from torch_gradstats.integrations.mlflow import MLflowSink
 from torch_gradstats.integrations.tensorboard import TensorBoardSink
 from torch_gradstats.integrations.wandb import WandbSink
 from torch_gradstats.ops import multi_tensor_stats
 from torch_gradstats.stats import grad_stats
 
 _HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the integrations extra
+_HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
 
 
 def _close(what: str, got: float, ref: float) -> None:
@@ -174,6 +177,10 @@ def sinks_write_on_one_rank(rank: int, world: int) -> None:
         ]
         if _HAS_TENSORBOARD:
             sinks.append(TensorBoardSink(f"{base}-tb-rank{rank}", stage_group=pp, group=dp))
+        if _HAS_MLFLOW:  # read by mlflow when the writing rank imports it; the others never do
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+            os.environ["MLFLOW_TRACKING_URI"] = "file:" + os.path.join(root, f"layout{li}-mlruns")
+            sinks.append(MLflowSink(stage_group=pp, group=dp))
         wandb_sink = WandbSink(stage_group=pp, group=dp)  # no run anywhere: only the writing rank may look for one
         for sink in sinks:
             sink.log(rep, 1)
@@ -193,7 +200,11 @@ def sinks_write_on_one_rank(rank: int, world: int) -> None:
         if rank == 0:
             made = sorted(os.listdir(root))
             want = sorted([f"layout{li}-rank{expected}.csv", f"layout{li}-rank{expected}.jsonl",
-                           f"layout{li}-chosen-rank0.csv"] + [f"layout{li}-tb-rank{expected}"] * _HAS_TENSORBOARD)
+                           f"layout{li}-chosen-rank0.csv"] + [f"layout{li}-tb-rank{expected}"] * _HAS_TENSORBOARD
+                          + [f"layout{li}-mlruns"] * _HAS_MLFLOW)  # fmt: skip
+            if _HAS_MLFLOW:  # one run, written by the logging rank
+                metric = glob.glob(os.path.join(root, f"layout{li}-mlruns", "*", "*", "metrics", "grad", "total_norm"))
+                assert len(metric) == 1, metric
             assert [m for m in made if m.startswith(f"layout{li}-")] == want, (label, made)
             with open(f"{base}-rank{expected}.csv") as f:
                 (row,) = list(csv.DictReader(f))

@@ -139,6 +139,8 @@ def test_bad_arguments_name_the_argument():
         AdaptiveClip(warmup=2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="warmup must be >= 1"):
         AdaptiveClip(warmup=0)
+    with pytest.raises(ValueError, match="warmup must be <= 1,048,576"):
+        AdaptiveClip(warmup=10**12)  # before: torch's allocator failing on 8 TB
     with pytest.raises(ValueError, match="max_norm must be finite, > 0"):
         AdaptiveClip(max_norm=-1.0)
     with pytest.raises(TypeError, match="skip_update_on_spike must be a bool"):

@@ -231,6 +231,9 @@ def test_bad_arguments_name_the_argument():
         SpikeGuard(window=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="window must be >= 1"):
         SpikeGuard(window=0)
+    with pytest.raises(ValueError, match="window must be <= 1,048,576 .each history is a buffer"):
+        SpikeGuard(window=10**12)  # before: torch's allocator failing on 16 TB
+    assert SpikeGuard(window=1 << 20).window == 1 << 20
     with pytest.raises(ValueError, match="sigma must be finite, >= 0"):
         SpikeGuard(sigma=-1.0)
     with pytest.raises(TypeError, match="sigma must be a real number"):

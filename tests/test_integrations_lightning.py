@@ -138,6 +138,34 @@ def test_logged_values_match_independent_figures_and_nan_step_is_skipped(tmp_pat
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
 
+def test_histogram_fractions_are_logged(tmp_path: Path) -> None:
+    """histogram=True: each logged row carries the fp16/bf16/fp8 fractions of the gradients the recorder saw in the
+    same hook (grad_stats with histogram=True on the same tensors)."""
+    import torch_gradstats as tg
+
+    class Fractions(L.Callback):
+        def __init__(self) -> None:
+            self.seen: dict[int, dict[str, Any]] = {}
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            stats = tg.grad_stats(pl_module.named_parameters(), histogram=True)
+            self.seen[trainer.global_step] = stats.report().to_dict()
+
+    rec = Fractions()
+    logger = CSVLogger(tmp_path)
+    _fit(Tiny(), [rec, GradStatsCallback(every_n_steps=2, histogram=True)], logger, max_steps=4)
+    rows = _csv_rows(logger)
+    assert sorted(rows) == [1, 3]
+    for step in (1, 3):
+        for fmt in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+            for kind in ("underflow", "overflow"):
+                assert rows[step][f"grad_stats/{kind}/{fmt}"] == pytest.approx(rec.seen[step][f"{kind}/{fmt}"],
+                                                                               rel=1e-6, abs=0), (step, kind, fmt)
+    assert any(rows[s]["grad_stats/underflow/fp8_e4m3"] > 0 for s in (1, 3))  # small gradients: not all zero
+    with pytest.raises(ValueError, match="log_update_ratio"):
+        GradStatsCallback(histogram=True, log_update_ratio=True)
+
+
 def test_stop_on_nonfinite(tmp_path: Path) -> None:
     rec = Recorder()
     cb = GradStatsCallback(every_n_steps=100, on_nonfinite="stop")

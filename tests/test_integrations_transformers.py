@@ -194,6 +194,43 @@ def test_fp16_scaled_gradients_are_unscaled_on_the_device() -> None:
     torch.testing.assert_close(unscaled.norms, ref.norms, rtol=1e-12, atol=0)
     torch.testing.assert_close(unscaled.amax, ref.amax, rtol=1e-12, atol=0)
     torch.testing.assert_close(unscaled.counts, ref.counts, rtol=0, atol=0)
+    # the exponent histogram moves down by log2(scale) buckets, per parameter and in all
+    for per_tensor in (False, True):
+        scaled_h = tg.grad_stats(model.named_parameters(), histogram=True, per_tensor=per_tensor)
+        scaled_h.exponent_histogram = torch.roll(scaled_h.exponent_histogram, 12, dims=-1)  # the grads * 2**12
+        moved = _unscaled(scaled_h, scaler._scale).exponent_histogram
+        want = tg.grad_stats(model.named_parameters(), histogram=True, per_tensor=per_tensor).exponent_histogram
+        assert torch.equal(moved, want)
+
+
+def test_histogram_fractions_are_logged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """histogram=True: the logged steps carry the fp16/bf16/fp8 fractions of the gradients the Trainer clipped
+    (before clipping), equal to those of the same gradients read by grad_stats."""
+    import torch_gradstats as tg
+
+    model = _model()
+    seen: list[dict[str, Any]] = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def recording(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        params = list(parameters)
+        named = [(n, p) for n, p in model.named_parameters() if any(p is q for q in params)]
+        seen.append(tg.grad_stats(named, histogram=True).report().to_dict())
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=_data())
+    add_to_trainer(trainer, histogram=True)
+    _train(trainer)
+    logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
+    assert sorted(logs) == [2, 4]
+    for step in (2, 4):
+        for key in ("underflow/fp16", "overflow/fp16", "underflow/fp8_e4m3", "overflow/fp8_e5m2"):
+            assert logs[step][f"grad/{key}"] == seen[step - 1][key], (step, key)
+    with pytest.raises(ValueError, match="log_weight_norms"):
+        add_to_trainer(trainer, histogram=True, log_weight_norms=True)
+    with pytest.raises(TypeError, match="histogram must be a bool"):
+        add_to_trainer(trainer, histogram="yes")
 
 
 def test_figures_are_taken_after_end_of_backward_callbacks(tmp_path: Path) -> None:

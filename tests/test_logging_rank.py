@@ -52,6 +52,16 @@ def test_tensorboard_and_wandb_sinks_take_the_same_arguments(tmp_path: Path) -> 
         WandbSink(log_rank=-2)
 
 
+def test_mlflow_sink_takes_the_same_arguments() -> None:
+    from torch_gradstats.integrations.mlflow import MLflowSink
+
+    with pytest.raises(TypeError, match="MLflowSink: log_rank must be an int"):
+        MLflowSink(log_rank="0")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="MLflowSink: log_rank must be a global rank"):
+        MLflowSink(log_rank=-1)
+    assert MLflowSink(log_rank=0).writes  # one process: it writes
+
+
 def test_lightning_callback_logging_rank_arguments() -> None:
     lightning = pytest.importorskip("lightning.pytorch")
     from torch_gradstats.integrations.lightning import GradStatsCallback

@@ -120,6 +120,38 @@ def test_state_dict_round_trip_continues_the_same_estimates() -> None:
     assert empty.steps == 0 and math.isnan(empty.to_dict()["noise/b_simple"])
 
 
+def test_a_non_finite_step_is_left_out() -> None:
+    """A NaN or Inf gradient on one step leaves the estimates as they were (it made them NaN for good before);
+    the steps around it give what they give without it, and a checkpoint keeps that."""
+    pairs = [(3.25 + i / 7, 1.5 - i / 50) for i in range(6)]
+    bad = [(float("nan"), 1.0), (2.0, float("inf")), (float("inf"), float("inf"))]
+    with_bad, without = NoiseScale(4, ema=0.9), NoiseScale(4, ema=0.9)
+    for i, (s, b) in enumerate(pairs):
+        if i == 3:
+            for bs, bb in bad:
+                with_bad.update(bs, bb, big_batch_size=16)
+        with_bad.update(s, b, big_batch_size=16)
+        without.update(s, b, big_batch_size=16)
+    assert with_bad.steps == len(pairs) + len(bad)
+    got, want = with_bad.to_dict(), without.to_dict()
+    assert all(math.isfinite(v) for v in got.values())
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-14), key
+    resumed = NoiseScale(4, ema=0.9)
+    resumed.load_state_dict(with_bad.state_dict())
+    assert resumed.to_dict() == got
+    only_bad = NoiseScale(4)
+    only_bad.update(float("nan"), 1.0, big_batch_size=16)
+    assert all(math.isnan(v) for v in only_bad.to_dict().values())
+    # a state saved without "weight" (every step counted) still loads
+    old = with_bad.state_dict()
+    legacy = NoiseScale(4, ema=0.9)
+    legacy.load_state_dict({k: v for k, v in without.state_dict().items() if k != "weight"})
+    assert legacy.to_dict()["noise/grad_sq"] == pytest.approx(want["noise/grad_sq"], rel=1e-14)
+    with pytest.raises(ValueError, match="weight must be"):
+        NoiseScale(4, ema=0.9).load_state_dict({**old, "weight": "x"})
+
+
 def test_a_step_is_folded_when_its_last_all_reduce_completes_in_any_order() -> None:
     """The bookkeeping behind noise_scale_hook: buckets' all-reduces may complete out of order (a process group can
     run several at once); the step is folded once, after the last launched bucket AND every reduction are in."""

@@ -30,12 +30,18 @@ def check_real(
     return number
 
 
-def check_int(where: str, value: object, *, low: int) -> int:
-    """``value`` as an int >= ``low``, or a TypeError/ValueError naming ``where``."""
+#: The most values a policy keeps on the device per history (its buffers are allocated whole, up front).
+MAX_HISTORY = 1 << 20
+
+
+def check_int(where: str, value: object, *, low: int, high: int | None = None, why: str = "") -> int:
+    """``value`` as an int in ``[low, high]``, or a TypeError/ValueError naming ``where`` (and ``why`` the bound)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{where} must be an int, got {value!r} ({type(value).__name__})")
     if int(value) < low:
         raise ValueError(f"{where} must be >= {low}, got {value!r}")
+    if high is not None and int(value) > high:
+        raise ValueError(f"{where} must be <= {high:,}{why}, got {value!r}")
     return int(value)
 
 

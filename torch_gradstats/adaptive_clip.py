@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._params import ParamsLike, named_params
-from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
+from torch_gradstats._scalars import MAX_HISTORY, as_figure, check_device, check_int, check_real, load_state, moved
 from torch_gradstats._transfer import fetch, to_host
 from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.stats import GradStats, grad_stats
@@ -72,7 +72,8 @@ class AdaptiveClip:
         if self.alpha >= 1.0:
             raise ValueError(f"AdaptiveClip: alpha must be in [0, 1), got {alpha!r}")
         self.z_thresh = check_real("AdaptiveClip: z_thresh", z_thresh, low=0.0, low_open=True)
-        self.warmup = check_int("AdaptiveClip: warmup", warmup, low=1)
+        self.warmup = check_int("AdaptiveClip: warmup", warmup, low=1, high=MAX_HISTORY,
+                                why=" (the warm-up norms are a buffer of that many float64 values on the device)")
         if clip_option not in _CLIP_OPTIONS:
             raise ValueError(f"AdaptiveClip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}")
         self.clip_option = clip_option

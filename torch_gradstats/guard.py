@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._scalars import as_figure, check_device, check_int, check_real, load_state, moved
+from torch_gradstats._scalars import MAX_HISTORY, as_figure, check_device, check_int, check_real, load_state, moved
 from torch_gradstats._transfer import fetch, to_device, to_host
 
 __all__ = ["SpikeGuard", "SpikeStreakError"]
@@ -89,7 +89,8 @@ class SpikeGuard:
         max_consecutive: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        self.window = check_int("SpikeGuard: window", window, low=1)
+        self.window = check_int("SpikeGuard: window", window, low=1, high=MAX_HISTORY,
+                                why=" (each history is a buffer of that many float64 values on the device)")
         self.sigma = check_real("SpikeGuard: sigma", sigma, low=0.0)
         default_min = max(2, self.window // 2) - 1
         self.min_history = (

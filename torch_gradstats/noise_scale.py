@@ -85,7 +85,8 @@ class NoiseScale:
             micro-batch (:meth:`micro_batch`). A positive int.
         ema: decay of the two EMAs, in [0, 1). Both start at zero and are divided by ``1 - ema**steps`` (bias
             correction), so every step seen so far is weighted by ``ema**age``: 0.99 averages over about 200 steps,
-            enough to bring the noisy per-step estimates within a few percent (docs/noise_scale.md).
+            enough to bring the noisy per-step estimates within a few percent (docs/noise_scale.md). A step whose
+            estimates are not finite (a NaN or Inf gradient) is left out, on the device: it changes nothing.
         process_group: the group given to ``DistributedDataParallel`` (None: the default group). The hook
             all-reduces over it in DDP's place, so it must be DDP's own. Used by :func:`noise_scale_hook` only.
 
@@ -106,9 +107,12 @@ class NoiseScale:
         self.local_batch_size: int = int(local_batch_size)
         self.ema: float = float(ema)
         self.process_group = process_group
-        self.steps: int = 0  # steps folded in (a host counter: no sync)
+        self.steps: int = 0  # steps given to update (a host counter: no sync)
         self._grad_sq_ema: Tensor | None = None
         self._trace_ema: Tensor | None = None
+        # The EMA of ones over the same steps, 1 - ema**(steps folded in): the bias correction, on the device
+        # because a step with a non-finite estimate is left out there (no host read decides it).
+        self._weight: Tensor | None = None
         self._lock = threading.Lock()  # bucket callbacks and autograd hooks can run on other threads
         # One DDP step in flight: buckets launched / reduced, and their squared norms summed so far.
         self._launched = 0
@@ -122,9 +126,9 @@ class NoiseScale:
 
     # ------------------------------------------------------------------------------------------- the estimates
     def _smoothed(self, ema: Tensor | None) -> Tensor:
-        if ema is None:
+        if ema is None or self._weight is None:
             return torch.tensor(float("nan"), dtype=torch.float64)
-        return ema / (1.0 - self.ema**self.steps)
+        return ema / self._weight  # NaN while every step so far was left out
 
     @property
     def grad_sq(self) -> Tensor:
@@ -179,18 +183,27 @@ class NoiseScale:
             self._fold(grad_sq, trace)
 
     def _fold(self, grad_sq: Tensor, trace: Tensor) -> None:
+        """One step into the EMAs, on the device. A step whose estimates are not finite (a NaN or Inf gradient) is
+        left out: one such step would otherwise make every later estimate NaN."""
         device = grad_sq.device
-        if self._grad_sq_ema is None or self._trace_ema is None:
+        if self._grad_sq_ema is None or self._trace_ema is None or self._weight is None:
             self._grad_sq_ema = torch.zeros((), dtype=torch.float64, device=device)
             self._trace_ema = torch.zeros((), dtype=torch.float64, device=device)
+            self._weight = torch.zeros((), dtype=torch.float64, device=device)
         elif self._grad_sq_ema.device != device:  # a state loaded on another device: moved once
             if device.type == "cpu":
                 self._grad_sq_ema, self._trace_ema = self._grad_sq_ema.to(device), self._trace_ema.to(device)
+                self._weight = self._weight.to(device)
             else:
                 self._grad_sq_ema = to_device(self._grad_sq_ema, device)
                 self._trace_ema = to_device(self._trace_ema, device)
-        self._grad_sq_ema.mul_(self.ema).add_(grad_sq, alpha=1.0 - self.ema)
-        self._trace_ema.mul_(self.ema).add_(trace, alpha=1.0 - self.ema)
+                self._weight = to_device(self._weight, device)
+        ok = (torch.isfinite(grad_sq) & torch.isfinite(trace)).to(torch.float64)
+        decay = 1.0 - ok * (1.0 - self.ema)  # ema for a step folded in, 1 for one left out
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self._grad_sq_ema.mul_(decay).add_(torch.where(ok > 0, grad_sq, zero), alpha=1.0 - self.ema)
+        self._trace_ema.mul_(decay).add_(torch.where(ok > 0, trace, zero), alpha=1.0 - self.ema)
+        self._weight.mul_(decay).add_(ok, alpha=1.0 - self.ema)
         self.steps += 1
 
     # ------------------------------------------------------------------------------------------- DDP buckets
@@ -286,12 +299,14 @@ class NoiseScale:
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The EMAs, the step count and the decay (the bias correction needs the same decay on reload)."""
+        """The EMAs, their bias correction (``weight``), the step count and the decay (the bias correction needs
+        the same decay on reload)."""
         return {
             "ema": self.ema,
             "steps": self.steps,
             "grad_sq_ema": None if self._grad_sq_ema is None else self._grad_sq_ema.clone(),
             "trace_sigma_ema": None if self._trace_ema is None else self._trace_ema.clone(),
+            "weight": None if self._weight is None else self._weight.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -321,10 +336,21 @@ class NoiseScale:
                     f"NoiseScale.load_state_dict: {name} must be a one-element floating-point tensor with a value, "
                     f"got {t!r}"
                 )
+        weight = state.get("weight")  # absent from states saved before steps could be left out: every step counted
+        if weight is not None and (not isinstance(weight, Tensor) or weight.numel() != 1
+                                   or not weight.dtype.is_floating_point or weight.device.type == "meta"):
+            raise ValueError(f"NoiseScale.load_state_dict: weight must be a one-element floating-point tensor with "
+                             f"a value, got {weight!r}")
         with self._lock:
             self.steps = steps
             self._grad_sq_ema = None if g is None else g.detach().reshape(()).to(torch.float64).clone()
             self._trace_ema = None if tr is None else tr.detach().reshape(()).to(torch.float64).clone()
+            if g is None:
+                self._weight = None
+            elif weight is None:
+                self._weight = torch.full((), 1.0 - self.ema**steps, dtype=torch.float64, device=g.device)
+            else:
+                self._weight = weight.detach().reshape(()).to(device=g.device, dtype=torch.float64).clone()
 
     def __repr__(self) -> str:
         return f"NoiseScale(local_batch_size={self.local_batch_size}, ema={self.ema}, steps={self.steps})"

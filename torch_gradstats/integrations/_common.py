@@ -64,6 +64,17 @@ def check_options(every_n_steps: Any, on_nonfinite: Any) -> int | None:
     return int(every_n_steps)
 
 
+def check_histogram(histogram: Any, log_weight_norms: bool, log_update_ratio: bool) -> bool:
+    """Validate a callback's ``histogram``: a bool, and not with the weight statistics (their one op call over the
+    gradients and the weights has no histogram)."""
+    if not isinstance(histogram, bool):
+        raise TypeError(f"histogram must be a bool, got {type(histogram).__name__}")
+    if histogram and (log_weight_norms or log_update_ratio):
+        raise ValueError("histogram=True reads the gradients' exponent histogram with grad_stats; it is not taken "
+                         "with log_weight_norms or log_update_ratio")
+    return histogram
+
+
 def check_policies(spike_guard: Any, adaptive_clip: Any) -> None:
     """Validate a callback's ``spike_guard`` and ``adaptive_clip``."""
     if spike_guard is not None and not isinstance(spike_guard, SpikeGuard):
@@ -191,12 +202,13 @@ class StatsTaker:
     def trainable(module: nn.Module) -> list[tuple[str, Tensor]]:
         return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
-    def take(self, module: nn.Module, optimizer: Any) -> GradStats | GradWeightStats:
-        """Device statistics of the gradients (and weights, with learning rates) of ``module``; no host sync."""
+    def take(self, module: nn.Module, optimizer: Any, histogram: bool = False) -> GradStats | GradWeightStats:
+        """Device statistics of the gradients (and weights, with learning rates) of ``module``, with the exponent
+        histogram when ``histogram`` (see :func:`check_histogram`); no host sync."""
         params = self.trainable(module)
         if self.log_weight_norms or self.log_update_ratio:
             return grad_and_weight_stats(params, optimizer=optimizer, group=self.group)
-        return grad_stats(params, group=self.group, stage_group=self.stage_group, tied=self.tied)
+        return grad_stats(params, group=self.group, stage_group=self.stage_group, tied=self.tied, histogram=histogram)
 
     def snapshot(self, module: nn.Module) -> None:
         if self.ratio is None:

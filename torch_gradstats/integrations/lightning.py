@@ -110,6 +110,7 @@ from torch_gradstats.integrations._common import (
     OnNonfinite,
     StatsTaker,
     activation_metrics,
+    check_histogram,
     check_key_style,
     check_options,
     check_watch,
@@ -163,6 +164,7 @@ class _GradStatsMixin(ActivationReporting):
         stage_group: Any = None,
         tied: Collection[str] = (),
         log_rank: int | None = None,
+        histogram: bool = False,
     ) -> None:
         """
         Args:
@@ -193,6 +195,9 @@ class _GradStatsMixin(ActivationReporting):
             log_rank: the global rank that transfers and logs the figures. Default: the framework's logging process,
                 global rank 0 (Lightning's loggers write only there); with ``stage_group`` its figures are the whole
                 model's, the same as on the last stage. Give another rank for a logger that writes there.
+            histogram: on logging steps, read the gradients' exponent histogram in the same read and log the
+                fp16/bf16/fp8 underflow and overflow fractions (``<prefix>underflow/fp16`` ...; see
+                docs/histograms.md). Not with ``log_weight_norms`` / ``log_update_ratio``.
         """
         super().__init__()
         self.key_style = check_key_style(key_style) if lightning_names else None
@@ -206,6 +211,7 @@ class _GradStatsMixin(ActivationReporting):
                                 tied=tied)
         self.log_rank = log_rank
         logs_here("GradStatsCallback", True, log_rank)  # a wrong log_rank is named now
+        self.histogram = check_histogram(histogram, log_weight_norms, log_update_ratio)
         self._watch_option = check_watch(watch_activations)
         #: the activation watch (the one given, or the one made at setup for ``watch_activations=True``)
         self.activation_watch: ActivationWatch | None = (
@@ -254,7 +260,7 @@ class _GradStatsMixin(ActivationReporting):
         log_now = self._log_due(trainer, logger_step)
         if not log_now and self.on_nonfinite is None and not self.taker.every_step:
             return  # nothing read, nothing synced
-        stats = self.taker.take(pl_module, optimizer)
+        stats = self.taker.take(pl_module, optimizer, histogram=self.histogram and log_now)
         if self.taker.every_step:
             loss, self._loss = self._loss, None
             factor = self.taker.apply_policies(pl_module, stats, loss)

@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
+from torch_gradstats.integrations._logging_rank import writes_here
 from torch_gradstats.report import STYLES
 
 __all__ = ["MLflowSink", "mlflow_key"]
@@ -84,10 +85,14 @@ class MLflowSink:
         key_style: the keys of ``GradReport.to_dict(style=...)`` (default: ours).
         synchronous: passed to ``log_batch``: True waits for each batch, False returns at once (:meth:`flush` and
             :meth:`close` wait), None follows MLflow's ``MLFLOW_ENABLE_ASYNC_LOGGING`` setting.
+        stage_group, group, log_rank: which process writes, as for every sink (docs/integrations.md, "One rank
+            writes"): none given, this one; else only the logging rank logs, and on the others ``log`` does
+            nothing, needs no run and never imports mlflow.
     """
 
     def __init__(self, run_id: str | None = None, prefix: str = "grad/", per_param: bool = True,
-                 key_style: str = "default", synchronous: bool | None = None) -> None:
+                 key_style: str = "default", synchronous: bool | None = None, *, stage_group: Any = None,
+                 group: Any = None, log_rank: int | None = None) -> None:
         if run_id is not None and not isinstance(run_id, str):
             raise TypeError(f"MLflowSink: run_id must be a str or None, got a {type(run_id).__name__}")
         if run_id is not None and not run_id:
@@ -114,6 +119,8 @@ class MLflowSink:
         self._pending: list[Any] = []  # asynchronous batches not yet waited for
         self._first_recorded = False
         self._closed = False
+        #: whether this process writes (False on the ranks other than the logging rank)
+        self.writes = writes_here("MLflowSink", stage_group, group, log_rank)
 
     def key(self, key: str) -> str:
         """The MLflow key this sink logs ``key`` under (:func:`mlflow_key`, made unique within the sink)."""
@@ -151,6 +158,8 @@ class MLflowSink:
         # MLflow stores steps as 64-bit integers: a float step would be refused or truncated there.
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"MLflowSink.log: step must be an int, got {step!r} ({type(step).__name__})")
+        if not self.writes:
+            return
         if not hasattr(report, "to_dict"):
             raise TypeError(f"MLflowSink.log: report must be a GradReport or an UpdateReport, got a "
                             f"{type(report).__name__}")

@@ -100,6 +100,7 @@ from torch_gradstats.integrations._common import (
     OnNonfinite,
     StatsTaker,
     activation_metrics,
+    check_histogram,
     check_key_style,
     check_options,
     check_watch,
@@ -128,10 +129,17 @@ def _sync_gradients() -> bool:
 
 
 def _unscaled(stats: GradStats | GradWeightStats, scale: torch.Tensor) -> GradStats | GradWeightStats:
-    """The statistics of ``grads / scale`` from those of ``grads`` (on the device; counts are unchanged)."""
+    """The statistics of ``grads / scale`` from those of ``grads`` (on the device; counts are unchanged). The
+    exponent histogram moves down by ``log2(scale)`` buckets: exact for a power-of-two scale, as GradScaler's are
+    (its initial scale and growth and backoff factors by default)."""
     g = stats.grads if isinstance(stats, GradWeightStats) else stats
     s = scale.to(device=g.device, dtype=torch.float64)
     unscaled = dataclasses.replace(g, sumsq=g.sumsq / (s * s), amax=g.amax / s)
+    if g.exponent_histogram is not None:
+        h = g.exponent_histogram
+        shift = torch.round(torch.log2(s)).to(torch.int64)
+        index = (torch.arange(h.shape[-1], device=h.device) - shift).clamp_(0, h.shape[-1] - 1).expand_as(h)
+        unscaled.exponent_histogram = torch.zeros_like(h).scatter_add_(-1, index, h)
     if isinstance(stats, GradWeightStats):
         return dataclasses.replace(stats, grads=unscaled)
     return unscaled
@@ -168,6 +176,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         log_rank: the global rank that transfers and logs the figures. Default: the Trainer's main process,
             global rank 0 (its ``report_to`` integrations write only there); with ``stage_group`` its figures are
             the whole model's, the same as on the last stage. Give another rank for a logger that writes there.
+        histogram: on logging steps, read the gradients' exponent histogram in the same read and log the
+            fp16/bf16/fp8 underflow and overflow fractions (``grad/underflow/fp16`` ...; see docs/histograms.md),
+            of the unscaled gradients under a GradScaler. Not with ``log_weight_norms`` / ``log_update_ratio``.
     """
 
     def __init__(
@@ -188,6 +199,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         stage_group: Any = None,
         tied: Collection[str] = (),
         log_rank: int | None = None,
+        histogram: bool = False,
     ) -> None:
         check_options(None, on_nonfinite)
         self.key_style = check_key_style(key_style)
@@ -199,6 +211,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
                                 tied=tied)
         self.log_rank = log_rank
         logs_here("GradStatsCallback", True, log_rank)  # a wrong log_rank is named now
+        self.histogram = check_histogram(histogram, log_weight_norms, log_update_ratio)
         self._watch_option = check_watch(watch_activations)
         #: the activation watch (the one given, or the one made when training starts for True)
         self.activation_watch: ActivationWatch | None = (
@@ -386,7 +399,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         if not log_now and self.on_nonfinite is None and not self.taker.every_step:
             return
         with torch.no_grad():
-            stats = self.taker.take(self._model, self._optimizer)
+            stats = self.taker.take(self._model, self._optimizer, histogram=self.histogram and log_now)
             scale = self._scale()
             if scale is not None:
                 stats = _unscaled(stats, scale)

@@ -8,7 +8,7 @@ time per call: one CUDA graph holding calls on ``COPIES`` copies of the list (so
 from L2), replayed back to back and timed with events; the two overloads alternate, and each figure is the median
 of ``ROUNDS`` rounds. On the CPU (``--device cpu``): wall time per call, median of the rounds.
 
-    python bench/bench_histogram.py [--device cuda|cpu] [--quick]
+    python bench/bench_histogram_cuda.py [--device cuda|cpu] [--quick]
 """
 
 from __future__ import annotations
