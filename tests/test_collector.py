@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import torch_gradstats.stats as stats_mod
+import torch_gradstats._params as params_mod
 from torch_gradstats import collector as C
 
 try:
@@ -260,8 +260,8 @@ def test_one_fused_call_no_copies_one_transfer(monkeypatch):
     m = small_cnn()
     grads = {p.grad.data_ptr() for p in m.parameters()}
     op_calls, copies = [], []
-    real_op = stats_mod.multi_tensor_stats
-    monkeypatch.setattr(stats_mod, "multi_tensor_stats", lambda ts: op_calls.append(len(ts)) or real_op(ts))
+    real_op = params_mod.multi_tensor_stats
+    monkeypatch.setattr(params_mod, "multi_tensor_stats", lambda ts: op_calls.append(len(ts)) or real_op(ts))
     real_cat, real_clone, real_double = torch.cat, torch.Tensor.clone, torch.Tensor.double
 
     def cat(tensors, *a, **k):

@@ -24,16 +24,19 @@ LAYERS = {
     "torch_gradstats._extension": 0,
     "torch_gradstats._transfer": 0,
     "torch_gradstats._checks": 0,
+    "torch_gradstats._fallback_workspace": 0.5,  # the fallback's per-thread buffers
     "torch_gradstats.fallback": 1,
     "torch_gradstats.fallback_histogram": 1.5,  # the histogram overload's fallback, built on the pieces of fallback
     "torch_gradstats.ops": 2,
     "torch_gradstats.health": 3,
     "torch_gradstats._layout": 0,
+    "torch_gradstats._reduce_plan": 2.5,  # what distributed reduces over which group (DTensor planning)
     "torch_gradstats.distributed": 3,
     "torch_gradstats._scalars": 3,
     "torch_gradstats.exponents": 3,  # the host-side exponent histogram that reports hold
     "torch_gradstats.report": 4,
     "torch_gradstats.groups": 4.5,  # per-group figures from per-parameter ones; GradStats.grouped delegates here
+    "torch_gradstats._params": 4.8,  # the walk over parameters that stats and its users share
     "torch_gradstats.stats": 5,
     "torch_gradstats.activations": 5,  # and every module of the activations package
     "torch_gradstats.clip": 6,
@@ -55,17 +58,9 @@ SAME_LAYER_OK = {
     "torch_gradstats.compat",
 }
 
-#: Private names one module may import from another, with the reason.
-ALLOWED_PRIVATE = {
-    # The normaliser of every accepted form of `params` (generators are read once): shared by the layers that take
-    # the same `params` argument as grad_stats.
-    ("torch_gradstats.stats", "_named_params"),
-    # Parameter naming and DTensor detection, shared with updates.py, which reads the same parameters.
-    ("torch_gradstats.stats", "_unique_names"),
-    ("torch_gradstats.stats", "_dtensor_types"),
-    # One op call per device, gathered on the home device in model order: updates.py reads gradients and weights so.
-    ("torch_gradstats.stats", "_stats_on_home"),
-}
+#: Private names one module may import from another, with the reason. None today: what several modules share is
+#: public in the module that owns it (the walk over parameters is torch_gradstats._params's).
+ALLOWED_PRIVATE: set[tuple[str, str]] = set()
 
 #: Host reads outside torch_gradstats._transfer, with the reason they are not on a per-step path.
 ALLOWED_HOST_READS = {

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_gradstats as tg
+from torch_gradstats import _fallback_workspace as fallback_workspace
 from torch_gradstats import fallback as fallback_module
 from torch_gradstats.bench.timing import peak_allocated_bytes
 from torch_gradstats.ops import (
@@ -965,9 +966,9 @@ def test_fallback_cpu_workspace_is_per_thread_and_survives_inference_mode():
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert_matches_reference(tensors, TensorStats(*fallback_multi_tensor_stats(tensors)))
     # What a thread keeps is bounded by the default chunk: a call with a larger one leaves the kept buffers alone.
-    kept = fallback_module._thread_state.cpu_workspace
+    kept = fallback_workspace._thread_state.cpu_workspace
     kept_bytes = sum(b.numel() for b in kept.buffers.values())
     big = [torch.randn(1 << 20, generator=g)]
     assert_matches_reference(big, TensorStats(*fallback_multi_tensor_stats(big, chunk_elems=1 << 20)))
-    assert fallback_module._thread_state.cpu_workspace is kept
+    assert fallback_workspace._thread_state.cpu_workspace is kept
     assert sum(b.numel() for b in kept.buffers.values()) == kept_bytes <= 56 * fallback_module.FALLBACK_CHUNK_ELEMS

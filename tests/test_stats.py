@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import torch_gradstats._params as params_mod
 import torch_gradstats.fallback
 import torch_gradstats.stats as stats_mod
 from torch_gradstats.health import HealthPolicy
@@ -282,13 +283,13 @@ def test_report_makes_exactly_one_transfer(nan):
 
 def test_one_op_call_per_device(monkeypatch):
     calls = []
-    real = stats_mod.multi_tensor_stats
+    real = params_mod.multi_tensor_stats
 
     def spy(tensors):
         calls.append(len(tensors))
         return real(tensors)
 
-    monkeypatch.setattr(stats_mod, "multi_tensor_stats", spy)
+    monkeypatch.setattr(params_mod, "multi_tensor_stats", spy)
     m = cnn()
     grad_stats(m.named_parameters())
     assert calls == [len(list(m.parameters()))]

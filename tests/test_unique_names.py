@@ -1,4 +1,4 @@
-"""Parameter names made unique (stats._unique_names): the same names as the original quadratic rule, in linear time."""
+"""Parameter names made unique (_params.unique_names): the same names as the original quadratic rule, in linear time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_gradstats.stats import _unique_names
+from torch_gradstats._params import unique_names
 
 
 def quadratic_unique_names(names: list[str]) -> list[str]:
@@ -32,16 +32,16 @@ NAMES = st.sampled_from(["a", "a#1", "a#2", "a#3", "a#1#1", "b", "b#2", "", "#",
 @settings(max_examples=400, deadline=None)
 @given(st.lists(NAMES | st.text(alphabet="ab#12", max_size=4), max_size=60))
 def test_same_names_as_the_quadratic_rule(names):
-    got = _unique_names(names)
+    got = unique_names(names)
     assert got == quadratic_unique_names(names)
     assert len(set(got)) == len(got)
 
 
 def test_examples():
-    assert _unique_names(["a", "a#1", "a"]) == ["a", "a#1", "a#2"]
-    assert _unique_names(["w", "w", "w#1", "w"]) == ["w", "w#2", "w#1", "w#3"]
+    assert unique_names(["a", "a#1", "a"]) == ["a", "a#1", "a#2"]
+    assert unique_names(["w", "w", "w#1", "w"]) == ["w", "w#2", "w#1", "w#3"]
     names = ["x", "y"]
-    assert _unique_names(names) is names  # nothing repeated: the list itself
+    assert unique_names(names) is names  # nothing repeated: the list itself
 
 
 def test_sixteen_thousand_repeats_of_one_name_take_linear_time():
@@ -49,7 +49,7 @@ def test_sixteen_thousand_repeats_of_one_name_take_linear_time():
     for a loaded machine)."""
     names = ["weight"] * 16_384
     start = time.perf_counter()
-    got = _unique_names(names)
+    got = unique_names(names)
     elapsed = time.perf_counter() - start
     assert got == ["weight"] + [f"weight#{k}" for k in range(1, 16_384)]
     assert elapsed < 1.0, elapsed

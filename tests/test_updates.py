@@ -10,8 +10,8 @@ from _host_reads import HostReads
 from torch import nn
 
 import torch_gradstats as tg
+import torch_gradstats._params as params_mod
 import torch_gradstats.ops as ops_mod
-import torch_gradstats.stats as stats_mod
 from torch_gradstats import updates
 from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
 
@@ -41,7 +41,7 @@ class _OpCalls:
             self.calls += 1
             return real(tensors)
 
-        monkeypatch.setattr(stats_mod, "multi_tensor_stats", counting)  # updates reads through stats' per-device call
+        monkeypatch.setattr(params_mod, "multi_tensor_stats", counting)  # updates reads through the per-device call
 
 
 def test_grad_and_weight_stats_matches_grad_stats_and_float64(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_gradstats._params import ParamsLike, named_params
 from torch_gradstats._scalars import MAX_HISTORY, as_figure, check_device, check_int, check_real, load_state, moved
 from torch_gradstats._transfer import fetch, to_host
 from torch_gradstats.clip import clip_grad_norm_
-from torch_gradstats.stats import GradStats, ParamsLike, _named_params, grad_stats
+from torch_gradstats.stats import GradStats, grad_stats
 
 __all__ = ["AdaptiveClip"]
 
@@ -175,7 +176,7 @@ class AdaptiveClip:
             The statistics before clipping, with ``clip_norm`` and ``clip_coef`` set (as ``clip_grad_norm_``).
         """
         named, seen = [], set()
-        for name, p in _named_params(params, "AdaptiveClip.clip_"):  # a tensor given twice (tied) is clipped once
+        for name, p in named_params(params, "AdaptiveClip.clip_"):  # a tensor given twice (tied) is clipped once
             if id(p) not in seen:
                 seen.add(id(p))
                 named.append((name, p))

@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_gradstats._params import ParamsLike, named_params
 from torch_gradstats._transfer import fetch, to_device, to_host
-from torch_gradstats.stats import GradStats, ParamsLike, _named_params, grad_stats
+from torch_gradstats.stats import GradStats, grad_stats
 
 __all__ = ["clip_grad_norm_"]
 
@@ -135,7 +136,7 @@ def clip_grad_norm_(
     else:
         max_norm = float(max_norm)
     norm_type = float(norm_type)
-    named = _named_params(params)
+    named = named_params(params)
     if (group is not None or stage_group is not None) and norm_type not in (2.0, math.inf):
         arg = "group" if group is not None else "stage_group"
         raise ValueError(f"clip_grad_norm_: with {arg}=, norm_type must be 2 or inf, got {norm_type}")

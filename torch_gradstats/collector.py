@@ -30,9 +30,10 @@ from typing import TypedDict
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats._params import named_params
 from torch_gradstats._transfer import to_host
 from torch_gradstats.health import DEFAULT_EXPLODING_THRESHOLD, DEFAULT_VANISHING_THRESHOLD, HealthPolicy
-from torch_gradstats.stats import GradStats, _named_params, grad_stats
+from torch_gradstats.stats import GradStats, grad_stats
 
 __all__ = [
     "DEFAULT_EXPLODING_THRESHOLD",
@@ -338,7 +339,7 @@ class DualGradientStats:
 
 
 def _squared_sum_async(parameters: ParamIter, device: torch.device | str) -> tuple[Tensor, int]:
-    named = _named_params(parameters)
+    named = named_params(parameters)
     stats = grad_stats(named)
     if len(stats) == 0:
         # A float64 zero on the caller's device, so materialize_dual_grad_stats sees one type either way.

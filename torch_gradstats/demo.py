@@ -20,10 +20,8 @@ pipe or a file; ``--no-progress`` turns it off); the per-epoch table goes to std
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
-import os
 import sys
 import time
 import warnings
@@ -37,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats._demo_figure import exponent_figure, figure, layer_figure, save
+from torch_gradstats._demo_output import json_number, progress_bar, write_log
 from torch_gradstats.activations import ActivationReport
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.guard import SpikeGuard
@@ -108,62 +107,11 @@ def _epoch_batches(x: Tensor, y: Tensor, n_batches: int, g: torch.Generator) -> 
     return [(x[idx], y[idx]) for idx in order[: n_batches * BATCH].split(BATCH)]
 
 
-def _json_number(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None  # strict JSON has no NaN/Infinity; the counts say what it was
-    return v
-
-
-def _write_log(
-    path: Path, summaries: Sequence[EpochSummary], meta: dict[str, Any], extra: dict[int, dict[str, Any]]
-) -> None:
-    with path.open("w") as f:
-        f.write(json.dumps({"type": "run", **meta}, allow_nan=False) + "\n")
-        for s in summaries:
-            for r in s.history:
-                rec = {k: _json_number(v) for k, v in {**r.to_dict(), **extra.get(r.step, {})}.items()}
-                f.write(json.dumps({"type": "step", **rec}, allow_nan=False) + "\n")
-            rec = {k: _json_number(v) for k, v in s.to_dict().items()}
-            f.write(json.dumps({"type": "epoch", **rec}, allow_nan=False) + "\n")
-
-
 #: What the table's columns are (printed once above it): every norm is a global L2 norm over all gradients.
 TABLE_KEY = (
     "max_norm, mean_norm: largest and mean global L2 gradient norm of the epoch's steps; "
     "min_health: its worst step's health"
 )
-
-
-def _terminal_size(stream: Any) -> tuple[int, int]:
-    """Columns and rows of the terminal ``stream`` writes to, 80x24 where it reports none: a pseudo-terminal
-    nobody sized (``script``, some CI runners and containers) says 0x0, and tqdm then draws nothing at all."""
-    try:
-        cols, rows = os.get_terminal_size(stream.fileno())
-    except (AttributeError, OSError, ValueError):
-        cols, rows = 0, 0
-    return cols if cols > 0 else 80, rows if rows > 0 else 24
-
-
-def _stderr_isatty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _progress_bar(progress: bool | None, total: int) -> Any:
-    """The demo's tqdm bar over its optimizer steps, on stderr; None when ``progress`` is False, when it is None and
-    stderr is not a terminal, or without tqdm."""
-    if progress is False or (progress is None and not _stderr_isatty()):
-        return None
-    try:
-        from tqdm import tqdm  # lazy: only the demo needs it
-    except ImportError:
-        if progress:
-            print("tqdm is not installed: no progress bar (pip install tqdm)", file=sys.stderr)
-        return None
-    cols, rows = _terminal_size(sys.stderr)
-    return tqdm(total=total, desc="demo", unit="step", file=sys.stderr, ncols=cols, nrows=rows, leave=True)
 
 
 def _figure(
@@ -337,7 +285,7 @@ def run(
         # A model this small runs fastest on one thread; several threads spin against each other (and against
         # anything else on a busy machine): 1.7 ms vs 340 ms per step measured on a loaded 2-core box.
         torch.set_num_threads(1)
-    bar = _progress_bar(progress, steps)
+    bar = progress_bar(progress, steps)
     trainer_warnings = _ActivationWarnings()
     logger = logging.getLogger("torch_gradstats")
     logger.addFilter(trainer_warnings)
@@ -428,7 +376,7 @@ def run(
         "spike_guard": guard is not None,
         "guard_skipped_steps": [r.step for r in guard_skips] if guard is not None else None,
         "adaptive_clip": clip is not None,
-        "policy_figures": {k: _json_number(v) for k, v in trainer.policy_figures.items()},
+        "policy_figures": {k: json_number(v) for k, v in trainer.policy_figures.items()},
         "watch_activations": watch_activations,
         "activation_origin": first_report.origin if first_report is not None else None,
         "activation_step": first_report.step if first_report is not None else None,
@@ -439,7 +387,7 @@ def run(
         "seconds": seconds,
     }
     extra = {r.step: {"clip_threshold": t} for r, t in zip(rows, threshold_values)}
-    _write_log(log_path, summaries, meta, extra)
+    write_log(log_path, summaries, meta, extra)
     plot_path = layer_path = exponent_path = None
     if plot:
         try:

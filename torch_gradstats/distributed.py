@@ -59,8 +59,6 @@ on which a rank first holds a parameter the agreed layout lacks would then retur
 
 from __future__ import annotations
 
-import importlib
-import itertools
 import logging
 import numbers
 from collections.abc import Callable, Collection, Sequence
@@ -72,15 +70,13 @@ from torch import Tensor
 
 from torch_gradstats import _layout
 from torch_gradstats._layout import Desc
+from torch_gradstats._reduce_plan import dtensor_class, materialize_partials, plan_steps, row_descs
 from torch_gradstats._transfer import host_int64, to_device, to_host
-from torch_gradstats.ops import HISTOGRAM_BUCKETS, INF, NAN, multi_tensor_stats
+from torch_gradstats.ops import HISTOGRAM_BUCKETS, INF, NAN
 
 __all__ = ["ReducedStats", "is_logging_rank", "reduce_across_ranks"]
 
 logger = logging.getLogger("torch_gradstats")
-
-#: float64 holds every integer below this exactly; counts travel in float64 buffers.
-_EXACT_F64_INT = 2**53
 
 # Columns of the packed SUM buffer.
 _SUMSQ_COL = 0
@@ -102,19 +98,6 @@ class ReducedStats(NamedTuple):
     counted: list[bool] | None = None
     #: int64 ``[P, 277]``: each row's exponent histogram, summed like the counts, when one was given
     histogram: Tensor | None = None
-
-
-def _dtensor_class() -> type[Any] | None:
-    """torch's DTensor class, or None if this torch has none."""
-    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # new name, then torch < 2.5
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
-        cls = getattr(mod, "DTensor", None)
-        if isinstance(cls, type):
-            return cls
-    return None
 
 
 def _resolve_group(group: Any, arg: str) -> Any:
@@ -162,114 +145,6 @@ def _check_inputs(grads: Sequence[Any], sumsq: Tensor, amax: Tensor, counts: Ten
     for i, g in enumerate(grads):
         if not isinstance(g, Tensor):
             raise TypeError(f"reduce_across_ranks: grads[{i}] is a {type(g).__name__}, expected a tensor")
-
-
-def _materialize_partials(
-    grads: Sequence[Any], dtensor_cls: type[Any] | None, sumsq: Tensor, amax: Tensor, counts: Tensor,
-    histogram: Tensor | None,
-) -> tuple[list[Any], Tensor, Tensor, Tensor, Tensor | None]:
-    """Replace Partial DTensor gradients by their reduced redistribution and recompute their rows.
-
-    Returns the gradients to plan with (materialized where Partial) and the updated statistics. The caller's
-    tensors are not modified.
-    """
-    if dtensor_cls is None:
-        return list(grads), sumsq, amax, counts, histogram
-    rows = [
-        i
-        for i, g in enumerate(grads)
-        if isinstance(g, dtensor_cls) and any(pl.is_partial() for pl in g.placements)
-    ]
-    if not rows:
-        return list(grads), sumsq, amax, counts, histogram
-    from torch.distributed.tensor import Replicate, Shard
-
-    planned = list(grads)
-    for i in rows:
-        g = grads[i]
-        # Partial -> Shard(0) (a reduce-scatter): the dimension is then reduced like any sharded one, so the
-        # per-rank non-finite counts of the addends reach every rank. A 0-d tensor cannot be sharded: Replicate.
-        target = Shard(0) if g.ndim > 0 else Replicate()
-        # A new DTensor: the gradient itself is left as it is.
-        planned[i] = g.redistribute(g.device_mesh, [target if pl.is_partial() else pl for pl in g.placements])
-    local = [planned[i].to_local() for i in rows]
-    device = sumsq.device
-    idx = host_int64(rows, device)
-    if histogram is not None:
-        s, a, c, h = multi_tensor_stats(local, histogram=True)
-        histogram = histogram.index_copy(0, idx, to_device(h, device))
-    else:
-        s, a, c = multi_tensor_stats(local)
-    sumsq = sumsq.index_copy(0, idx, to_device(s, device))
-    amax = amax.index_copy(0, idx, to_device(a, device))
-    counts = counts.index_copy(0, idx, to_device(c, device))
-    return planned, sumsq, amax, counts, histogram
-
-
-def _descs(grads: Sequence[Any], names: Sequence[str], dtensor_cls: type[Any] | None, has_dtensor: bool) -> list[Desc]:
-    if dtensor_cls is None or not has_dtensor:  # the per-step cost of the layout check: one tuple per row
-        return list(map(Desc._make, zip(names, [g.dtype for g in grads], itertools.repeat(None))))
-    return [
-        Desc(n, g.dtype, (tuple(g.shape), repr(tuple(g.placements))) if isinstance(g, dtensor_cls) else None)
-        for g, n in zip(grads, names)
-    ]
-
-
-def _plan(
-    grads: Sequence[Any],
-    names: Sequence[str],
-    dtensor_cls: type[Any] | None,
-    explicit: Sequence[tuple[Any, Callable[[str], bool] | None]],
-) -> tuple[list[tuple[Any, list[int]]], list[int]]:
-    """The reduction steps: each process group (the explicit ones first, always, so that a rank holding none of
-    their rows still takes part; then each mesh dimension group in first-use order) with the rows reduced over it.
-
-    ``explicit`` lists (group, which plain rows it reduces: None for all). Also returns each row's local element
-    count.
-    """
-    steps: dict[int, tuple[Any, list[int]]] = {}
-    sizes: dict[int, int] = {}  # dist.get_world_size costs microseconds: once per group, not once per row
-
-    def size(pg: Any) -> int:
-        n = sizes.get(id(pg))
-        if n is None:
-            n = sizes[id(pg)] = dist.get_world_size(pg)
-        return n
-
-    for pg, _ in explicit:
-        if pg is not None and size(pg) > 1:
-            steps.setdefault(id(pg), (pg, []))
-    only = explicit[0][0] if len(explicit) == 1 and explicit[0][1] is None else None  # it takes every plain row
-    local_numel: list[int] = []
-    for i, (g, name) in enumerate(zip(grads, names)):
-        row_groups: list[Any] = []
-        if dtensor_cls is not None and isinstance(g, dtensor_cls):
-            mesh = g.device_mesh
-            local_numel.append(g.to_local().numel())
-            if mesh.get_coordinate() is not None:  # ranks outside the mesh hold nothing and reduce nothing
-                row_groups = [mesh.get_group(d) for d, pl in enumerate(g.placements) if pl.is_shard()]
-            logical = g.numel()
-        else:
-            local_numel.append(g.numel())
-            pg = only
-            if pg is None:
-                pg = next((pg for pg, takes in explicit if takes is None or takes(name)), None)
-            logical = g.numel()
-            if pg is not None:
-                row_groups = [pg]
-                logical *= size(pg)  # an upper bound: every shard as large
-        if logical >= _EXACT_F64_INT:
-            raise ValueError(
-                f"reduce_across_ranks: grads[{i}] has about {logical} elements across ranks; counts travel as "
-                "float64 and are exact only below 2**53"
-            )
-        seen: set[int] = set()
-        for pg in row_groups:
-            if id(pg) in seen or size(pg) == 1:
-                continue
-            seen.add(id(pg))
-            steps.setdefault(id(pg), (pg, []))[1].append(i)
-    return list(steps.values()), local_numel
 
 
 class _Table(NamedTuple):
@@ -442,7 +317,7 @@ def reduce_across_ranks(
                          f"{histogram.device}")
     given_names = _check_names(names, p)
     tied = _check_options(given_names, expert_group, is_expert, stage_group, tied)
-    dtensor_cls = _dtensor_class() if dist.is_available() else None
+    dtensor_cls = dtensor_class() if dist.is_available() else None
     has_dtensor = dtensor_cls is not None and any(isinstance(g, dtensor_cls) for g in grads)
     initialized = dist.is_available() and dist.is_initialized()
     if any(g is not None for g in (group, expert_group, stage_group)) and not initialized:
@@ -464,18 +339,18 @@ def reduce_across_ranks(
 
     # The rank that produced a NaN/Inf is named from what it held before any materialization.
     local_nonfinite = counts[:, NAN] + counts[:, INF]
-    planned, sumsq, amax, counts, histogram = _materialize_partials(grads, dtensor_cls, sumsq, amax, counts, histogram)
+    planned, sumsq, amax, counts, histogram = materialize_partials(grads, dtensor_cls, sumsq, amax, counts, histogram)
     explicit: list[tuple[Any, Callable[[str], bool] | None]] = []
     if expert_group is not None and is_expert is not None:
         explicit.append((expert_group, is_expert))
     if group is not None:
         explicit.append((group, None))
-    steps, local_numel = _plan(planned, row_names, dtensor_cls, explicit)
+    steps, local_numel = plan_steps(planned, row_names, dtensor_cls, explicit)
 
     # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer, each with a last row
     # for the layout check.
     numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device)
-    descs = _descs(planned, row_names, dtensor_cls, has_dtensor)
+    descs = row_descs(planned, row_names, dtensor_cls, has_dtensor)
 
     hist_cols = 0 if histogram is None else HISTOGRAM_BUCKETS  # after the numel column
 

@@ -11,7 +11,6 @@ like any other kernel.
 from __future__ import annotations
 
 import math
-import threading
 from array import array
 from collections.abc import Iterator, Sequence
 
@@ -19,6 +18,13 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._checks import DTYPE_BITS, OP_NAME, checked_numels
+from torch_gradstats._fallback_workspace import (  # the first and fourth stay public here too
+    FALLBACK_CHUNK_ELEMS,
+    Workspace,
+    give_back,
+    release_workspace,
+    take_workspace,
+)
 from torch_gradstats._transfer import host_int64
 
 __all__ = [
@@ -31,8 +37,6 @@ __all__ = [
     "require_float64",
 ]
 
-#: Elements in one batch of the fallback; bounds its extra memory (see :func:`fallback_multi_tensor_stats`).
-FALLBACK_CHUNK_ELEMS = 1 << 18
 #: Row sums longer than this are cut into blocks first (see :func:`_row_sums`).
 _SUM_BLOCK = 1 << 12
 #: Batches of at most this many rows are read row by row instead of being stacked first.
@@ -110,80 +114,6 @@ def _fixed_order_sum(v: Tensor) -> Tensor:
     return _row_sums(v.view(1, -1))[0]
 
 
-class _Workspace:
-    """Buffers reused by every batch of a call. Fresh large allocations come back from the OS as untouched pages,
-    and faulting them in costs more than the arithmetic: a batch writes into these instead. One byte buffer per
-    role, of a fixed size (8 bytes per element of a chunk: every batch fits), all made at once when the workspace
-    is made (so none is made in the middle of a call, above the call's other memory) and never replaced; viewed
-    as whatever dtype the batch needs, so mixed dtypes share it. Buffers and views are made outside inference
-    mode, so a workspace first used inside ``torch.inference_mode()`` can be written outside it. One call at a time
-    uses a workspace (see :func:`_take_workspace`), and the views it made are dropped when it ends."""
-
-    _ROLES = ("rows", "bits", "tmp", "squares")
-    _MAX_VIEWS = 256  # batch shapes vary with the last batch of each group: keep the cache small
-
-    def __init__(self, device: torch.device, chunk: int) -> None:
-        self.device = device
-        self.chunk = chunk  # the largest chunk this workspace serves
-        with torch.inference_mode(False):
-            self.buffers = {role: torch.empty(8 * chunk, dtype=torch.uint8, device=device) for role in self._ROLES}
-        self.views: dict[tuple[str, torch.dtype, tuple[int, int]], Tensor] = {}  # batches mostly repeat a shape
-        self.row_lists: dict[str, tuple[Tensor, list[Tensor]]] = {}
-
-    def get(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> Tensor:
-        view = self.views.get((role, dtype, shape))
-        if view is not None:
-            return view
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        with torch.inference_mode(False):
-            if len(self.views) >= self._MAX_VIEWS:
-                self.views.clear()
-            view = self.views[role, dtype, shape] = self.buffers[role][:nbytes].view(dtype).view(shape)
-        return view
-
-    def rows(self, role: str, dtype: torch.dtype, shape: tuple[int, int]) -> list[Tensor]:
-        """The rows of :meth:`get`'s view, as a list kept with it (selecting a row costs a torch call)."""
-        view = self.get(role, dtype, shape)
-        rows = self.row_lists.get(role)
-        if rows is None or rows[0] is not view:
-            with torch.inference_mode(False):
-                rows = self.row_lists[role] = (view, list(view.unbind()))
-        return rows[1]
-
-
-#: The calling thread's kept CPU workspace, while no call of that thread is using it.
-_thread_state = threading.local()
-
-
-def _take_workspace(device: torch.device, chunk: int) -> _Workspace:
-    """The workspace of one call, which no other call uses until :func:`_give_back`.
-
-    On the CPU a thread keeps one between its calls (``32 * FALLBACK_CHUNK_ELEMS`` bytes, 8 MiB;
-    :func:`release_workspace` frees it): torch's CPU allocator does not cache, and faulting a fresh one in costs
-    more than a batch's arithmetic. A call takes it away while it runs, so a call made during that one on the
-    same thread (from a gc callback, a signal handler, a ``__del__``) finds none and makes its own; calls with
-    another chunk always make their own, of their own size. Other devices' allocators cache blocks themselves, so
-    a workspace there lives for one call."""
-    if device.type != "cpu" or chunk != FALLBACK_CHUNK_ELEMS:
-        return _Workspace(device, chunk)
-    ws = _thread_state.__dict__.pop("cpu_workspace", None)
-    return ws if ws is not None else _Workspace(device, chunk)
-
-
-def _give_back(ws: _Workspace) -> None:
-    """End a call's use of ``ws``: a CPU workspace of the default size is kept by the thread for its next call,
-    without the call's views (made in the middle of the call, kept they would pin the memory below them)."""
-    ws.views.clear()
-    ws.row_lists.clear()
-    if ws.device.type == "cpu" and ws.chunk == FALLBACK_CHUNK_ELEMS:
-        _thread_state.cpu_workspace = ws
-
-
-def release_workspace() -> None:
-    """Free the calling thread's CPU workspace (the fallback makes a new one on its next call on the CPU)."""
-    _thread_state.__dict__.pop("cpu_workspace", None)
-
-
 def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
     """Per row, how many of the non-negative ``bits`` are >= ``threshold`` (clamped to 0/1 and summed in int32,
     which torch vectorizes, unlike comparisons to bool and int64 sums)."""
@@ -205,7 +135,7 @@ _FLOAT32_SAFE_BITS = {
 }
 
 
-def _exact_sumsq(absx: Tensor, ws: _Workspace) -> Tensor:
+def _exact_sumsq(absx: Tensor, ws: Workspace) -> Tensor:
     """Row sums of squares computed in float64: squares of 16/32-bit values are exact there."""
     squares = ws.get("squares", torch.float64, (absx.shape[0], absx.shape[1]))
     if absx.dtype == torch.float64:
@@ -216,7 +146,7 @@ def _exact_sumsq(absx: Tensor, ws: _Workspace) -> Tensor:
     return _row_sums(squares)
 
 
-def _float32_sumsq(absx: Tensor, ws: _Workspace, overwrite: bool = False) -> Tensor:
+def _float32_sumsq(absx: Tensor, ws: Workspace, overwrite: bool = False) -> Tensor:
     """Row sums of squares of a 16/32-bit batch whose nonzero |x| all lie in the range of _FLOAT32_SAFE_BITS:
     squares in float32 (each rounded once, never subnormal), summed in float32 by blocks of at most _SUM_BLOCK
     (torch's cascade sum), the block sums added in float64. ``overwrite``: ``absx`` (a workspace buffer, never
@@ -250,7 +180,7 @@ def _counts(
     return torch.stack([zeros.to(torch.int64), nans.to(torch.int64), infs.to(torch.int64)], dim=1), nonzero
 
 
-def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
+def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: Workspace) -> tuple[Tensor, Tensor, Tensor]:
     """Statistics of each row of a batch given as the bits of its |x| ([r, L], of ``dtype``); ``pad[j]`` zero
     elements of row j are padding."""
     _, _, inf_bits = DTYPE_BITS[dtype]
@@ -321,7 +251,7 @@ def fallback_multi_tensor_stats(
 
     Threads and reentrancy: no module state is shared between calls. Threads each use their own workspace; a call
     made while another runs on the same thread (a gc callback, a signal handler, a ``__del__``) uses a workspace
-    of its own (see :func:`_take_workspace`), so both get their own results.
+    of its own (see :func:`~torch_gradstats._fallback_workspace.take_workspace`), so both get their own results.
 
     Paths: max |x| and the zero/NaN/Inf counts are exact everywhere (read from the bits). Off the CPU every batch
     runs the same ops and nothing is read back (no sync): all counts are taken, and squares are computed in
@@ -352,15 +282,15 @@ def fallback_multi_tensor_stats(
     require_float64(tensors[0].device)
     if chunk_elems < 1 or chunk_elems & (chunk_elems - 1):
         raise ValueError(f"{OP_NAME}: chunk_elems must be a power of two, got {chunk_elems}")
-    ws = _take_workspace(tensors[0].device, chunk_elems)
+    ws = take_workspace(tensors[0].device, chunk_elems)
     try:
         return _stats(tensors, numels, chunk_elems, ws)
     finally:
-        _give_back(ws)
+        give_back(ws)
 
 
 def _stats(
-    tensors: Sequence[Tensor], numels: list[int], chunk_elems: int, ws: _Workspace
+    tensors: Sequence[Tensor], numels: list[int], chunk_elems: int, ws: Workspace
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`fallback_multi_tensor_stats` of checked inputs, in the workspace ``ws``."""
     n, device = len(tensors), ws.device
@@ -441,7 +371,7 @@ def _reduce_rows(
     rows: list[Tensor],
     key: tuple[torch.dtype, int, bool],
     chunk: int,
-    ws: _Workspace,
+    ws: Workspace,
     out: tuple[Tensor, Tensor, Tensor],
 ) -> None:
     """Statistics of rows of one key, batch by batch, written into ``out`` (sumsq, amax, counts; one entry per row):
@@ -479,7 +409,7 @@ def _reduce_rows(
             o.index_copy_(0, idx, part)
 
 
-def _large_tensor_stats(t: Tensor, chunk: int, ws: _Workspace) -> tuple[Tensor, Tensor, Tensor]:
+def _large_tensor_stats(t: Tensor, chunk: int, ws: Workspace) -> tuple[Tensor, Tensor, Tensor]:
     """Statistics of one tensor larger than a chunk, from its pieces (:func:`iter_pieces`) in order: consecutive
     pieces of one key make a batch, and each batch's figures are added to the running ones, so the order of
     every sum is fixed by the tensor's shape and strides alone."""
@@ -526,7 +456,7 @@ def require_float64(device: torch.device) -> None:
 _SQUARE_LOW, _SQUARE_HIGH = 2.0**-126, 2.0**112
 
 
-def _squares_first(rows: list[Tensor], length: int, ws: _Workspace, out: tuple[Tensor, Tensor, Tensor]) -> None:
+def _squares_first(rows: list[Tensor], length: int, ws: Workspace, out: tuple[Tensor, Tensor, Tensor]) -> None:
     """Float32 squares of a batch of full 16/32-bit rows (written once, into the workspace) and, per row, their
     largest and smallest value and the float64 sum of their float32 sums by blocks of _SUM_BLOCK, into ``out``:
     three reads of a buffer still in cache instead of the bits path's mask, max, min and squares (the CPU path for
@@ -558,7 +488,7 @@ def _squares_first(rows: list[Tensor], length: int, ws: _Workspace, out: tuple[T
     sumsq.copy_(_row_sums(block_sums.view(r, length // block).to(torch.float64)))
 
 
-def _abs_bits(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
+def _abs_bits(rows: list[Tensor], length: int, ws: Workspace) -> tuple[Tensor, Tensor | None]:
     """The bits of the rows' |x| as one ``[len(rows), length]`` tensor (zero-padded), and each row's number of
     padding zeros. A few rows are masked straight from their own memory (no stacked copy)."""
     int_dtype, abs_mask, _ = DTYPE_BITS[rows[0].dtype]
@@ -577,7 +507,7 @@ def _abs_bits(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, 
     return torch.bitwise_and(m.view(int_dtype), abs_mask, out=bits), pad
 
 
-def _stack_rows(rows: list[Tensor], length: int, ws: _Workspace) -> tuple[Tensor, Tensor | None]:
+def _stack_rows(rows: list[Tensor], length: int, ws: Workspace) -> tuple[Tensor, Tensor | None]:
     """The rows as one ``[len(rows), length]`` tensor (zero-padded) and each row's number of padding zeros."""
     r, device = len(rows), ws.device  # more than _FEW_ROWS rows: fewer are read in place by _abs_bits
     lengths = [x.numel() for x in rows]

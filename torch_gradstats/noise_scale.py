@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from torch_gradstats._params import named_params, stats_on_home
 from torch_gradstats._transfer import to_device, to_host
 from torch_gradstats.ops import multi_tensor_stats
-from torch_gradstats.stats import _named_params, _stats_on_home
 
 __all__ = ["NoiseScale", "noise_scale_hook"]
 
@@ -69,12 +69,12 @@ def _params_of(params: Any, caller: str) -> list[Tensor]:
     """The distinct tensors of ``params`` (a module, or what grad_stats accepts), in order: a tied one once."""
     if isinstance(params, nn.Module):
         params = params.parameters()
-    return list({id(p): p for _, p in _named_params(params, caller=caller)}.values())
+    return list({id(p): p for _, p in named_params(params, caller=caller)}.values())
 
 
 def _sumsq(tensors: list[Tensor]) -> Tensor:
     """Sum of squares of every element of ``tensors`` (0-d float64): one op call per device."""
-    return _stats_on_home(tensors, False)[0][0].sum()
+    return stats_on_home(tensors, False)[0][0].sum()
 
 
 class NoiseScale:

@@ -33,22 +33,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from torch_gradstats._params import ParamsLike, dtensor_types, named_params, stats_on_home, unique_names
 from torch_gradstats._transfer import to_device, to_host
 from torch_gradstats.groups import GroupBy, GroupStats, group_sums, norm_ratio
 from torch_gradstats.health import HealthPolicy
 from torch_gradstats.ops import SUPPORTED_DTYPES
-from torch_gradstats.stats import (
-    ExtraFigures,
-    GradReport,
-    GradStats,
-    ParamsLike,
-    _dtensor_types,
-    _named_params,
-    _stats_on_home,
-    _unique_names,
-    extra_tensors,
-    read_extra,
-)
+from torch_gradstats.stats import ExtraFigures, GradReport, GradStats, extra_tensors, read_extra
 
 __all__ = [
     "GradWeightStats",
@@ -100,11 +90,11 @@ def _device_ratio(num_sumsq: Tensor, den_sumsq: Tensor) -> Tensor:
 
 def _names_like_grad_stats(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     """Unique names that agree with ``grad_stats`` (which names only the parameters with a gradient) for the
-    parameters that have one; the others get names unique around them. Differs from ``_unique_names`` of all the
+    parameters that have one; the others get names unique around them. Differs from ``unique_names`` of all the
     names only when a name repeats and a gradient is missing."""
     given = [n for n, _ in named]
     with_grad = [i for i, (_, p) in enumerate(named) if p.grad is not None]
-    out = dict(zip(with_grad, _unique_names([given[i] for i in with_grad])))
+    out = dict(zip(with_grad, unique_names([given[i] for i in with_grad])))
     taken, given_set = set(out.values()), set(given)
     for i, name in enumerate(given):
         if i in out:
@@ -154,10 +144,10 @@ class UpdateRatio:
     """
 
     def __init__(self, params: ParamsLike, *, group: Any = None) -> None:
-        self._named = _named_params(params, "UpdateRatio")
+        self._named = named_params(params, "UpdateRatio")
         if not self._named:
             raise ValueError("UpdateRatio: no parameters given")
-        self.names = _unique_names([n for n, _ in self._named])
+        self.names = unique_names([n for n, _ in self._named])
         self.group = group
         self._buffers: list[Tensor] | None = None
         self._armed = False
@@ -169,13 +159,13 @@ class UpdateRatio:
         copy of each parameter's local shard: a DTensor's local tensor, not its global size)."""
         if self._buffers is not None:
             return sum(b.numel() * b.element_size() for b in self._buffers)
-        dt = _dtensor_types()
+        dt = dtensor_types()
         return sum(t.numel() * t.element_size() for t in (_local(p, dt) for _, p in self._named))
 
     @torch.no_grad()
     def snapshot(self) -> None:
         """Copy the current weights (one foreach copy into kept buffers). Call right before ``optimizer.step()``."""
-        dt = _dtensor_types()
+        dt = dtensor_types()
         local = [_local(p, dt) for _, p in self._named]
         if self._buffers is None or any(b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
                                         for b, t in zip(self._buffers, local)):
@@ -188,13 +178,13 @@ class UpdateRatio:
         """After the step: ``||Δw||²`` and ``||w||²`` of each parameter from one op call (device tensors)."""
         if not self._armed or self._buffers is None:
             raise RuntimeError("UpdateRatio.measure() called without a snapshot() before the optimizer step")
-        dt = _dtensor_types()
+        dt = dtensor_types()
         local = [_local(p, dt) for _, p in self._named]
         torch._foreach_sub_(self._buffers, local)  # buffers := w_before - w_after
         self._armed = False
         n = len(local)
         tensors = self._buffers + local
-        (sumsq, amax, counts), _ = _stats_on_home(tensors, False)  # buffers and weights share devices and order
+        (sumsq, amax, counts), _ = stats_on_home(tensors, False)  # buffers and weights share devices and order
         originals = [p for _, p in self._named]
         any_dt = bool(dt) and any(isinstance(p, dt) for p in originals)
         sumsq, *_ = _reduce(originals + originals, sumsq, amax, counts, self.group, any_dt)
@@ -450,21 +440,21 @@ def grad_and_weight_stats(
     Returns:
         :class:`GradWeightStats`; ``.grads`` equals ``grad_stats(params, group=group)`` value for value.
     """
-    named = [(n, p) for n, p in _named_params(params, "grad_and_weight_stats") if p.grad is not None]
-    dt = _dtensor_types()
+    named = [(n, p) for n, p in named_params(params, "grad_and_weight_stats") if p.grad is not None]
+    dt = dtensor_types()
     if not named:
         empty_f = torch.zeros(0, dtype=torch.float64)
         stats = GradStats(names=[], sumsq=empty_f, amax=empty_f.clone(), counts=torch.zeros(0, 3, dtype=torch.int64),
                           numel=torch.zeros(0, dtype=torch.int64))
         return GradWeightStats(stats, empty_f.clone(), empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64),
                                [] if optimizer is not None else None, update)
-    names = _unique_names([n for n, _ in named])
+    names = unique_names([n for n, _ in named])
     grads: list[Tensor] = [p.grad for _, p in named]  # type: ignore[misc]
     weights = [p.detach() for _, p in named]
     local = [_local(t, dt) for t in grads] + [_local(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
     try:
-        (sumsq, amax, counts), home = _stats_on_home(local, False)
+        (sumsq, amax, counts), home = stats_on_home(local, False)
     except (TypeError, ValueError, RuntimeError):
         _check_named("grad_and_weight_stats", list(zip(names, local[: len(names)])) +
                      list(zip(names, local[len(names):])))
