@@ -1,8 +1,7 @@
 """Hostile inputs to the exponent histogram: the argument checks, the host-side ExponentHistogram, negative views in
 the pure-PyTorch fallback, and a limit of the 277 buckets.
 
-Every count is compared with numpy.frexp of the float64 values (floor(log2 |x|) = e - 1). Tests marked xfail(strict)
-document a defect outside this file's modules; they flip when it is fixed."""
+Every count is compared with numpy.frexp of the float64 values (floor(log2 |x|) = e - 1)."""
 
 from __future__ import annotations
 
@@ -129,8 +128,6 @@ def test_fallback_histogram_reads_negative_views(dtype):
     torch.testing.assert_close(out[1], plain.amax, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.xfail(strict=True, reason="fallback_multi_tensor_stats views a negative view's bits (fallback.py "
-                   "_abs_bits): RuntimeError 'view is not supported for tensors with negative bit set'")
 def test_fallback_stats_reads_negative_views():
     x = torch.randn(10)
     torch.testing.assert_close(fallback_multi_tensor_stats([torch._neg_view(x)])[1],

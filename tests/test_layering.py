@@ -24,6 +24,7 @@ LAYERS = {
     "torch_gradstats._extension": 0,
     "torch_gradstats._transfer": 0,
     "torch_gradstats._checks": 0,
+    "torch_gradstats._pieces": 0,  # how the pure-PyTorch kernels cut tensors into pieces
     "torch_gradstats._fallback_workspace": 0.5,  # the fallback's per-thread buffers
     "torch_gradstats.fallback": 1,
     "torch_gradstats.fallback_histogram": 1.5,  # the histogram overload's fallback, built on the pieces of fallback

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -25,17 +25,10 @@ from torch_gradstats._fallback_workspace import (  # the first and fourth stay p
     release_workspace,
     take_workspace,
 )
+from torch_gradstats._pieces import distinct_elements, iter_pieces
 from torch_gradstats._transfer import host_int64
 
-__all__ = [
-    "FALLBACK_CHUNK_ELEMS",
-    "distinct_elements",
-    "fallback_multi_tensor_stats",
-    "iter_pieces",
-    "register",
-    "release_workspace",
-    "require_float64",
-]
+__all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "release_workspace", "require_float64"]
 
 #: Row sums longer than this are cut into blocks first (see :func:`_row_sums`).
 _SUM_BLOCK = 1 << 12
@@ -44,54 +37,6 @@ _FEW_ROWS = 8
 #: The pieces of a tensor of at most this many chunks are rows among the others; a larger one is read alone, in runs
 #: of pieces of at most this many chunks' elements, each run's rows reduced together and added to its figures.
 _RUN_CHUNKS = 32
-
-
-def _is_dense(t: Tensor) -> bool:
-    """True if ``t``'s elements fill a contiguous range of its storage in some order (contiguous or permuted)."""
-    expected = 1
-    dims = sorted(((st, s) for s, st in zip(t.shape, t.stride()) if s != 1))
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def distinct_elements(t: Tensor) -> tuple[Tensor, int]:
-    """``t`` without its broadcast dimensions (stride 0, size > 1), and how many times that view's elements each
-    appear in ``t``: a tensor made by ``expand`` is read once per distinct element, never materialized."""
-    copies = 1
-    for size, stride in zip(t.shape, t.stride()):
-        if stride == 0 and size > 1:
-            copies *= size
-    if copies == 1:
-        return t, 1
-    return t.as_strided([1 if st == 0 else s for s, st in zip(t.shape, t.stride())], t.stride()), copies
-
-
-def iter_pieces(t: Tensor, chunk: int) -> Iterator[Tensor]:
-    """Views of ``t`` of at most ``chunk`` elements that together hold each of its elements exactly once (an
-    element that overlapping strides repeat, once per repeat), made one at a time: however large ``t``, only the
-    views being read exist."""
-    n = t.numel()
-    if n <= chunk:
-        yield t
-        return
-    if _is_dense(t):  # one flat view in storage order (the statistics do not depend on element order)
-        flat = t.as_strided((n,), (1,))
-        for start in range(0, n, chunk):
-            yield flat.narrow(0, start, min(chunk, n - start))
-        return
-    dim = next(d for d, s in enumerate(t.shape) if s > 1)
-    size = t.shape[dim]
-    per_slice = n // size
-    if per_slice <= chunk:
-        step = chunk // per_slice
-        for start in range(0, size, step):
-            yield t.narrow(dim, start, min(step, size - start))
-        return
-    for j in range(size):
-        yield from iter_pieces(t.select(dim, j), chunk)
 
 
 def _row_sums(x: Tensor) -> Tensor:
@@ -280,6 +225,8 @@ def fallback_multi_tensor_stats(
     """
     numels = checked_numels(tensors)
     require_float64(tensors[0].device)
+    if any(t.is_neg() for t in tensors):  # a negative view has no bits to read: its sign flipped back, no copy
+        tensors = [torch._neg_view(t) if t.is_neg() else t for t in tensors]
     if chunk_elems < 1 or chunk_elems & (chunk_elems - 1):
         raise ValueError(f"{OP_NAME}: chunk_elems must be a power of two, got {chunk_elems}")
     ws = take_workspace(tensors[0].device, chunk_elems)

@@ -20,13 +20,8 @@ import torch
 from torch import Tensor
 
 from torch_gradstats._checks import DTYPE_BITS, checked_numels
-from torch_gradstats.fallback import (
-    FALLBACK_CHUNK_ELEMS,
-    distinct_elements,
-    fallback_multi_tensor_stats,
-    iter_pieces,
-    require_float64,
-)
+from torch_gradstats._pieces import distinct_elements, iter_pieces
+from torch_gradstats.fallback import FALLBACK_CHUNK_ELEMS, fallback_multi_tensor_stats, require_float64
 
 __all__ = ["HISTOGRAM_BUCKETS", "HISTOGRAM_MIN_EXPONENT", "fallback_multi_tensor_stats_histogram"]
 
