@@ -58,7 +58,11 @@ def _same(a: float, b: float) -> bool:
 
 
 def _accepted(key: str) -> bool:
-    """MLflow's own check of a metric key (characters, file-path rule) and its length limit."""
+    """MLflow's own check of a metric key (characters, file-path rule) and its length limit. Its pattern ends in
+    ``$``, which also matches before a final newline, so it lets ``"a\n"`` through; mlflow_key replaces a newline
+    like any other character outside the pattern, and so does this check."""
+    if "\n" in key:
+        return False
     try:
         _validate_metric_name(key)
     except MlflowException:

@@ -66,7 +66,7 @@ def test_wandb_sink_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    run = wandb.init(project="torch-gradstats-test", dir=str(tmp_path))
+    run = wandb.init(project="torch-gradstats-test", dir=str(tmp_path), mode="offline")  # whatever ran before
     sink = WandbSink(run)
     assert isinstance(sink, GradSink)
     reports = {}
