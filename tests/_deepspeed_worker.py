@@ -71,6 +71,7 @@ def _train_and_check(stage: int, gas: int, rank: int, world: int, precision: dic
 
     engine = _engine(stage, gas, world, precision)
     dtype = next(engine.module.parameters()).dtype  # type: ignore[attr-defined]
+    assert engine.optimizer.cpu_offload == ("offload_optimizer" in str(precision))  # type: ignore[attr-defined]
     for step in range(3):
         names, sumsq, amax, zeros = _reference(engine, step, gas, world)
         for micro in range(gas):
@@ -108,6 +109,12 @@ def zero1_bf16(rank: int, world: int) -> None:
     _train_and_check(1, 1, rank, world, {"bf16": {"enabled": True}}, rtol=3e-2)
 
 
+def zero2_offload(rank: int, world: int) -> None:
+    # the averaged partitions then live in the offloaded optimizer's gradient dictionary
+    _train_and_check(2, 1, rank, world, {"zero_force_ds_cpu_optimizer": False,
+                                         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+
+
 def after_step_raises(rank: int, world: int) -> None:
     from torch_gradstats.compat.deepspeed import engine_grad_stats
 
@@ -137,7 +144,7 @@ def round_robin_rejected(rank: int, world: int) -> None:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (zero1, zero2_accumulated, zero2_fp16, zero1_bf16, after_step_raises, round_robin_rejected)
+    for f in (zero1, zero2_accumulated, zero2_fp16, zero1_bf16, zero2_offload, after_step_raises, round_robin_rejected)
 }
 
 
