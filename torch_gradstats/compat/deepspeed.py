@@ -1,4 +1,5 @@
-"""Global per-parameter statistics from DeepSpeed ZeRO stage 1/2 gradient partitions, by partition arithmetic.
+"""Global per-parameter statistics from DeepSpeed ZeRO stage 1/2 gradient partitions: of a live engine, or by
+partition arithmetic.
 
 ZeRO stages 1 and 2 flatten the parameters of an optimizer parameter group, in order, into one buffer, pad its end
 with zeros to a multiple of ``alignment * world_size`` (DeepSpeed aligns partition starts for NCCL), and give rank
@@ -175,7 +176,9 @@ def engine_grad_stats(engine: Any) -> GradStats:
     pieces: list[Tensor] = []
     rows: list[int] = []
     for row, (name, p) in enumerate(named):
-        mapping = getattr(p, "_hp_mapping", None)
+        if not hasattr(p, "_hp_mapping"):
+            raise ValueError(f"engine_grad_stats: DeepSpeed has not linked {name} to its gradient partition")
+        mapping = p._hp_mapping
         if mapping is None:  # no piece of it on this rank
             continue
         piece = mapping.get_lp_grad_fragment(p._index_in_param_group).reshape(-1)
