@@ -130,6 +130,19 @@ def after_step_raises(rank: int, world: int) -> None:
         raise AssertionError("no ValueError after engine.step()")
 
 
+def unlinked_parameter_rejected(rank: int, world: int) -> None:
+    from torch_gradstats.compat.deepspeed import engine_grad_stats
+
+    engine = _engine(1, 1, world)
+    del engine.module[2].bias._hp_mapping  # type: ignore[attr-defined, index]
+    try:
+        engine_grad_stats(engine)
+    except ValueError as e:
+        assert "2.bias" in str(e), e
+    else:
+        raise AssertionError("no ValueError for a parameter without its partition link")
+
+
 def round_robin_rejected(rank: int, world: int) -> None:
     from torch_gradstats.compat.deepspeed import engine_grad_stats
 
@@ -144,7 +157,8 @@ def round_robin_rejected(rank: int, world: int) -> None:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (zero1, zero2_accumulated, zero2_fp16, zero1_bf16, zero2_offload, after_step_raises, round_robin_rejected)
+    for f in (zero1, zero2_accumulated, zero2_fp16, zero1_bf16, zero2_offload, after_step_raises,
+              unlinked_parameter_rejected, round_robin_rejected)
 }
 
 

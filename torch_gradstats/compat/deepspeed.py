@@ -172,12 +172,13 @@ def engine_grad_stats(engine: Any) -> GradStats:
     named = [(name, p) for name, p in engine.module.named_parameters() if id(p) in trainable]
     if len(named) != len(trainable):
         raise ValueError("engine_grad_stats: the optimizer holds parameters that engine.module does not")
+    unlinked = [name for name, p in named if not hasattr(p, "_hp_mapping")]
+    if unlinked:
+        raise ValueError(f"engine_grad_stats: DeepSpeed has not linked {unlinked} to the gradient partitions")
     home = named[0][1].device if named else torch.device("cpu")
     pieces: list[Tensor] = []
     rows: list[int] = []
     for row, (name, p) in enumerate(named):
-        if not hasattr(p, "_hp_mapping"):
-            raise ValueError(f"engine_grad_stats: DeepSpeed has not linked {name} to its gradient partition")
         mapping = p._hp_mapping
         if mapping is None:  # no piece of it on this rank
             continue
