@@ -1,4 +1,5 @@
-"""Global per-parameter statistics from DeepSpeed ZeRO stage 1/2 gradient partitions, by partition arithmetic.
+"""Global per-parameter statistics from DeepSpeed ZeRO stage 1/2 gradient partitions: of a live engine, or by
+partition arithmetic.
 
 ZeRO stages 1 and 2 flatten the parameters of an optimizer parameter group, in order, into one buffer, pad its end
 with zeros to a multiple of ``alignment * world_size`` (DeepSpeed aligns partition starts for NCCL), and give rank
@@ -9,8 +10,14 @@ A parameter can straddle two or more partitions; padding belongs to no parameter
 rank's gradient partition in one fused op call (one view per piece, padding left out) and combines the ranks with
 one SUM and one MAX all-reduce into the statistics of the whole parameters, the same on every rank.
 
-DeepSpeed itself is not needed (nor imported): pass a rank's flat gradient partition of one parameter group and the
-element counts of that group's parameters in flattening order (with ``round_robin_gradients``, that order).
+DeepSpeed itself is not needed (nor imported) for those two: pass a rank's flat gradient partition of one parameter
+group and the element counts of that group's parameters in flattening order (with ``round_robin_gradients``, that
+order).
+
+:func:`engine_grad_stats` reads a live ZeRO 1/2 engine instead: each parameter's piece of this rank's averaged
+gradient partition, where DeepSpeed itself links it (``param._hp_mapping``, the link its ``safe_get_full_grad``
+uses), read in one fused op call and combined the same way. It needs no DeepSpeed import either: it only reads
+attributes of the engine it is given.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from torch import Tensor
 
 from torch_gradstats._transfer import host_int64
 from torch_gradstats.ops import TensorStats, multi_tensor_stats
+from torch_gradstats.stats import GradStats
 
-__all__ = ["Piece", "partition_pieces", "partition_stats"]
+__all__ = ["Piece", "engine_grad_stats", "partition_pieces", "partition_stats"]
 
 
 class Piece(NamedTuple):
@@ -106,8 +114,99 @@ def partition_stats(
         amax.index_copy_(0, idx, a)
         counts.index_copy_(0, idx, c)
     if distributed and world > 1:
-        packed = torch.cat([sumsq, counts.to(torch.float64).reshape(-1)])  # counts exact below 2**53
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        sumsq, counts = packed[:n], packed[n:].reshape(n, 3).to(torch.int64)
+        return _combine(sumsq, amax, counts, group)
     return TensorStats(sumsq, amax, counts)
+
+
+def _combine(sumsq: Tensor, amax: Tensor, counts: Tensor, group: Any) -> TensorStats:
+    """Per-rank rows of the pieces each rank holds (zeros elsewhere) -> rows of the whole parameters, on every rank:
+    one SUM and one MAX all-reduce."""
+    n = sumsq.numel()
+    packed = torch.cat([sumsq, counts.to(torch.float64).reshape(-1)])  # counts exact below 2**53
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return TensorStats(packed[:n], amax, packed[n:].reshape(n, 3).to(torch.int64))
+
+
+def _zero_optimizer(engine: Any) -> Any:
+    optimizer = getattr(engine, "optimizer", None)
+    if not all(hasattr(optimizer, a) for a in ("bit16_groups", "averaged_gradients", "real_dp_process_group")):
+        raise TypeError(
+            "engine_grad_stats: engine must be a DeepSpeed engine with ZeRO stage 1 or 2 (its optimizer a "
+            f"DeepSpeedZeroOptimizer), got a {type(engine).__name__} whose optimizer is a "
+            f"{type(optimizer).__name__}"
+        )
+    if getattr(optimizer, "round_robin_gradients", False):
+        # not checked against a round-robin flattening order: refused rather than risk wrong rows
+        raise ValueError("engine_grad_stats: round_robin_gradients=True is not supported; leave it False")
+    return optimizer
+
+
+def engine_grad_stats(engine: Any) -> GradStats:
+    """The statistics of every trainable parameter's whole gradient, from a DeepSpeed ZeRO stage 1 or 2 engine.
+
+    Call it on every rank of the data-parallel group after ``engine.backward(loss)`` on the last micro-batch of a
+    step (the gradient accumulation boundary) and before ``engine.step()``: that is while the engine holds its
+    averaged gradient partitions; at any other time DeepSpeed raises its ``ValueError`` ("Gradients are only
+    available immediately after backward and before engine step"). The gradients are the ones the optimizer steps
+    with: averaged over the ranks and over the accumulated micro-batches, before clipping; under fp16 loss scaling
+    the norms and max |g| are divided by the current loss scale (counts need no unscaling).
+
+    Args:
+        engine: the engine ``deepspeed.initialize`` returned, with ``zero_optimization.stage`` 1 or 2 (CPU offload
+            included; ``round_robin_gradients`` left False).
+
+    Returns:
+        :class:`~torch_gradstats.GradStats`, one row per trainable parameter named as in
+        ``engine.module.named_parameters()``, in that order, the same on every rank: one fused read of this rank's
+        pieces, one SUM and one MAX all-reduce over the data-parallel group, no host sync.
+    """
+    optimizer = _zero_optimizer(engine)
+    dp_groups = list(optimizer.real_dp_process_group)
+    if any(g is not dp_groups[0] for g in dp_groups):
+        raise ValueError(
+            "engine_grad_stats: every parameter group must be partitioned over the same data-parallel group "
+            "(expert-parallel MoE groups are not supported)"
+        )
+    trainable = {id(p) for group in optimizer.bit16_groups for p in group}
+    named = [(name, p) for name, p in engine.module.named_parameters() if id(p) in trainable]
+    if len(named) != len(trainable):
+        raise ValueError("engine_grad_stats: the optimizer holds parameters that engine.module does not")
+    unlinked = [name for name, p in named if not hasattr(p, "_hp_mapping")]
+    if unlinked:
+        raise ValueError(f"engine_grad_stats: DeepSpeed has not linked {unlinked} to the gradient partitions")
+    home = named[0][1].device if named else torch.device("cpu")
+    pieces: list[Tensor] = []
+    rows: list[int] = []
+    for row, (name, p) in enumerate(named):
+        mapping = p._hp_mapping
+        if mapping is None:  # no piece of it on this rank
+            continue
+        piece = mapping.get_lp_grad_fragment(p._index_in_param_group).reshape(-1)
+        address = mapping.lp_fragment_address
+        if piece.numel() != address.numel:
+            if piece.numel() != p.numel():
+                raise RuntimeError(
+                    f"engine_grad_stats: the gradient piece of {name} has {piece.numel()} elements, expected "
+                    f"{address.numel}"
+                )
+            piece = piece.narrow(0, address.start, address.numel)  # a whole gradient: keep this rank's part
+        pieces.append(piece)
+        rows.append(row)
+    n = len(named)
+    sumsq = torch.zeros(n, dtype=torch.float64, device=home)
+    amax = torch.zeros(n, dtype=torch.float64, device=home)
+    counts = torch.zeros(n, 3, dtype=torch.int64, device=home)
+    if pieces:  # a parameter has at most one piece per rank
+        s, a, c = multi_tensor_stats(pieces)
+        idx = host_int64(rows, home)
+        sumsq.index_copy_(0, idx, s.to(home))
+        amax.index_copy_(0, idx, a.to(home))
+        counts.index_copy_(0, idx, c.to(home))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(dp_groups[0]) > 1:
+        sumsq, amax, counts = _combine(sumsq, amax, counts, dp_groups[0])
+    if getattr(optimizer, "dtype", None) == torch.float16:  # still multiplied by the loss scale until step()
+        scale = optimizer.loss_scale
+        sumsq, amax = sumsq / (scale * scale), amax / scale
+    numel = host_int64([p.numel() for _, p in named], home)
+    return GradStats([name for name, _ in named], sumsq, amax, counts, numel, device=home)
