@@ -279,6 +279,8 @@ TORCH_GRADSTATS_NARROW_I(narrow_max32, _mm256_max_epi32, _mm_max_epi32)
 TORCH_GRADSTATS_NARROW_I(narrow_min32, _mm256_min_epi32, _mm_min_epi32)
 TORCH_GRADSTATS_NARROW_I(narrow_max16, _mm256_max_epi16, _mm_max_epi16)
 TORCH_GRADSTATS_NARROW_I(narrow_min16, _mm256_min_epi16, _mm_min_epi16)
+TORCH_GRADSTATS_NARROW_I(narrow_max_u8, _mm256_max_epu8, _mm_max_epu8)
+TORCH_GRADSTATS_NARROW_I(narrow_min_u8, _mm256_min_epu8, _mm_min_epu8)
 #undef TORCH_GRADSTATS_NARROW_I
 inline __m128 narrow_add(VF a) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
@@ -314,25 +316,6 @@ class ByteMatches {
  private:
   int64_t count_ = 0;
 };
-// Largest and smallest byte.
-inline int hmax_u8(VI a) {
-  const __m256i h = _mm256_max_epu8(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-  __m128i m = _mm_max_epu8(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 8));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 4));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
-  return _mm_cvtsi128_si32(m) & 0xff;
-}
-inline int hmin_u8(VI a) {
-  const __m256i h = _mm256_min_epu8(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
-  __m128i m = _mm_min_epu8(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 8));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 4));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 2));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 1));
-  return _mm_cvtsi128_si32(m) & 0xff;
-}
 // Whether any of the 64-bit |bits| seen was 0: their minimum.
 struct ZeroTracker64 {
   VI m = set1_64(~uint64_t{0} >> 1);
@@ -365,6 +348,8 @@ inline __m128i narrow_max32(VI a) { return _mm_max_epi32(_mm256_castsi256_si128(
 inline __m128i narrow_min32(VI a) { return _mm_min_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
 inline __m128i narrow_max16(VI a) { return _mm_max_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
 inline __m128i narrow_min16(VI a) { return _mm_min_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
+inline __m128i narrow_max_u8(VI a) { return _mm_max_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
+inline __m128i narrow_min_u8(VI a) { return _mm_min_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
 inline __m128 narrow_add(VF a) { return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); }
 using VD = __m256d;
 inline VI set1_64(uint64_t v) { return _mm256_set1_epi64x(static_cast<long long>(v)); }
@@ -407,23 +392,6 @@ class ByteMatches {
  private:
   __m256i acc_ = _mm256_setzero_si256();
 };
-// Largest and smallest byte.
-inline int hmax_u8(VI a) {
-  __m128i m = _mm_max_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 8));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 4));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
-  m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
-  return _mm_cvtsi128_si32(m) & 0xff;
-}
-inline int hmin_u8(VI a) {
-  __m128i m = _mm_min_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 8));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 4));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 2));
-  m = _mm_min_epu8(m, _mm_srli_si128(m, 1));
-  return _mm_cvtsi128_si32(m) & 0xff;
-}
 // Whether any of the 64-bit |bits| seen was 0 (AVX2 has no 64-bit integer min): an OR of equality masks.
 struct ZeroTracker64 {
   VI m = _mm256_setzero_si256();
@@ -451,6 +419,12 @@ TORCH_GRADSTATS_HREDUCE(hmax16, _mm_max_epi16, m = _mm_max_epi16(m, _mm_srli_epi
                         return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffU)
 TORCH_GRADSTATS_HREDUCE(hmin16, _mm_min_epi16, m = _mm_min_epi16(m, _mm_srli_epi32(m, 16));
                         return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffU)
+TORCH_GRADSTATS_HREDUCE(hmax_u8, _mm_max_epu8, m = _mm_max_epu8(m, _mm_srli_epi32(m, 16));
+                        m = _mm_max_epu8(m, _mm_srli_epi16(m, 8));
+                        return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffU)
+TORCH_GRADSTATS_HREDUCE(hmin_u8, _mm_min_epu8, m = _mm_min_epu8(m, _mm_srli_epi32(m, 16));
+                        m = _mm_min_epu8(m, _mm_srli_epi16(m, 8));
+                        return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffU)
 #undef TORCH_GRADSTATS_HREDUCE
 
 // |x| of a dtype's |bits|, as float.
@@ -774,8 +748,8 @@ class ExponentCounts {
       track(b);
       ++r;
     }
-    hi = hmax_u8(top);
-    lo = hmin_u8(bottom) + 1;
+    hi = static_cast<int>(hmax_u8(narrow_max_u8(top)));
+    lo = static_cast<int>(hmin_u8(narrow_min_u8(bottom))) + 1;
     return r;
   }
 #endif
