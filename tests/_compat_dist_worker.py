@@ -171,7 +171,8 @@ def megatron_dtensor(rank: int, world: int) -> None:
 def zero_partitions(rank: int, world: int) -> None:
     """ZeRO stage 1/2 layout: flat buffer padded to alignment * world, equal partitions; parameters straddle them."""
     full = _full(5)
-    full[0][1, 1] = float("nan")
+    full[0][1, 1] = float("nan")  # in the first rank's partition
+    full[-1].view(-1)[-1] = float("nan")  # in the last rank's: a MAX all-reduce need not keep either
     numels = [g.numel() for g in full]
     for alignment in (1, 2, 4):
         flat = torch.cat([g.reshape(-1) for g in full])

@@ -22,6 +22,7 @@ attributes of the engine it is given.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_gradstats._transfer import host_int64
-from torch_gradstats.ops import TensorStats, multi_tensor_stats
+from torch_gradstats.ops import NAN, TensorStats, multi_tensor_stats
 from torch_gradstats.stats import GradStats
 
 __all__ = ["Piece", "engine_grad_stats", "partition_pieces", "partition_stats"]
@@ -120,12 +121,15 @@ def partition_stats(
 
 def _combine(sumsq: Tensor, amax: Tensor, counts: Tensor, group: Any) -> TensorStats:
     """Per-rank rows of the pieces each rank holds (zeros elsewhere) -> rows of the whole parameters, on every rank:
-    one SUM and one MAX all-reduce."""
+    one SUM and one MAX all-reduce. A MAX all-reduce need not keep a NaN (gloo's does not promise to): a row whose
+    reduced NaN count is positive gets NaN for its sum of squares and max |g|, as the op's contract says."""
     n = sumsq.numel()
     packed = torch.cat([sumsq, counts.to(torch.float64).reshape(-1)])  # counts exact below 2**53
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return TensorStats(packed[:n], amax, packed[n:].reshape(n, 3).to(torch.int64))
+    counts = packed[n:].reshape(n, 3).to(torch.int64)
+    has_nan = counts[:, NAN] > 0
+    return TensorStats(packed[:n].masked_fill(has_nan, math.nan), amax.masked_fill(has_nan, math.nan), counts)
 
 
 def _zero_optimizer(engine: Any) -> Any:
