@@ -95,8 +95,10 @@ def test_empty_and_bad_arguments():
     assert r.to_dict()["underflow/fp16"] == 0.0
     with pytest.raises(ValueError, match="pass histogram=True"):
         tg.grad_stats([], per_tensor=True)
-    with pytest.raises(TypeError, match="bools"):
+    with pytest.raises(TypeError, match="grad_stats: histogram must be a bool .True or False., got str"):
         tg.grad_stats([], histogram="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="per_tensor must be a bool"):
+        tg.grad_stats([], histogram=True, per_tensor=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="277"):
         ExponentHistogram((1, 2), 3)
 

@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from torch_gradstats._checks import check_bool
 from torch_gradstats._extension import native_function
 from torch_gradstats._params import ParamsLike, check_grads, dtensor_types, named_params, stats_on_home, unique_names
 from torch_gradstats._transfer import repeated_int64, to_device, to_host
@@ -322,6 +323,9 @@ def grad_stats(
             dtype (both errors name the item or parameter).
         ValueError: a sparse or nested gradient, or one whose storage was freed (named).
     """
+    check_bool("grad_stats: histogram", histogram)
+    if check_bool("grad_stats: per_tensor", per_tensor) and not histogram:
+        raise ValueError("grad_stats: per_tensor=True keeps the histogram's per-parameter rows; pass histogram=True")
     names: list[str] = []
     grads: list[Tensor] = []  # as given (possibly DTensors): for numel and the distributed hook
     local: list[Tensor] = []  # what the op reads
@@ -350,10 +354,6 @@ def grad_stats(
                 local.append(g)
         numels = None  # read after the op: a .grad that is not a tensor is named there
 
-    if not isinstance(histogram, bool) or not isinstance(per_tensor, bool):
-        raise TypeError("grad_stats: histogram and per_tensor must be bools")
-    if per_tensor and not histogram:
-        raise ValueError("grad_stats: per_tensor=True keeps the histogram's per-parameter rows; pass histogram=True")
     distributed = group is not None or stage_group is not None or expert_group is not None
     if not distributed:  # these options need their group: silently ignored otherwise
         if isinstance(tied, str) or not isinstance(tied, Collection) or not all(isinstance(t, str) for t in tied):
