@@ -83,15 +83,20 @@ def test_reference_matches_numpy():
 
 
 @pytest.mark.skipif(not torch_gradstats.HAS_EXTENSION, reason="compiled extension not loaded")
-@pytest.mark.parametrize("variant", ["default", "avx2", "avx512"])
-def test_cpu_kernel_variant_exact(variant):
-    if variant not in supported_variants():
-        pytest.skip(f"this CPU cannot run the {variant} kernel")
+@pytest.mark.parametrize("variant", ["default", "avx2", "avx512", "avx512-compares"])
+def test_cpu_kernel_variant_exact(variant, monkeypatch):
+    # "avx512-compares": the AVX512 kernel with its GFNI/BITALG counting turned off (TORCH_GRADSTATS_CPU_GFNI=0), so
+    # that on a CPU with those features both ways of counting are checked.
+    capability = variant.split("-")[0]
+    if capability not in supported_variants():
+        pytest.skip(f"this CPU cannot run the {capability} kernel")
+    if variant.endswith("-compares"):
+        monkeypatch.setenv("TORCH_GRADSTATS_CPU_GFNI", "0")
     out = run_with_capability(
-        variant,
+        capability,
         f"""
         from tests.test_histogram import assert_histogram_call_exact, histogram_inputs
-        assert cpu_capability() == {variant.upper()!r}, cpu_capability()
+        assert cpu_capability() == {capability.upper()!r}, cpu_capability()
         assert_histogram_call_exact(histogram_inputs())
         torch.set_num_threads(1)
         assert_histogram_call_exact(histogram_inputs()[-40:])
