@@ -108,6 +108,28 @@ struct Bits<c10::BFloat16> {
   static constexpr U kAbs = 0x7fff, kInf = 0x7f80;
 };
 
+// Each dtype's exponent field: |bits| >> kShift is the field (0 .. kFields - 1), kBias its bias, kMantissa the
+// mantissa's bits. A normal value with field E has floor(log2 |x|) = E - kBias; a subnormal with mantissa m has
+// floor(log2 |x|) = 1 - kBias - kMantissa + floor(log2 m).
+template <typename T>
+struct Exponent;
+template <>
+struct Exponent<float> {
+  static constexpr int kShift = 23, kFields = 256, kBias = 127, kMantissa = 23;
+};
+template <>
+struct Exponent<c10::BFloat16> {
+  static constexpr int kShift = 7, kFields = 256, kBias = 127, kMantissa = 7;
+};
+template <>
+struct Exponent<c10::Half> {
+  static constexpr int kShift = 10, kFields = 32, kBias = 15, kMantissa = 10;
+};
+template <>
+struct Exponent<double> {
+  static constexpr int kShift = 52, kFields = 2048, kBias = 1023, kMantissa = 52;
+};
+
 template <typename T>
 typename Bits<T>::U abs_bits(const T* x) {
   typename Bits<T>::U u;
@@ -498,6 +520,62 @@ float value_of_abs_bits(uint32_t a) {
   }
 }
 
+// The exponent fields of a block as bytes (the histogram's input), made from the |bits| registers the statistics'
+// loop already holds: one register of bytes per iteration of simd_block (kBytes elements), in any order within it
+// (a count does not depend on it), the last one zero-padded; and their smallest non-zero and largest values.
+template <typename T>
+class FieldPacker {
+ public:
+  using E = Exponent<T>;
+  static constexpr int64_t kBytes = sizeof(VI);
+
+  explicit FieldPacker(uint8_t* out) : out_(out) {}
+
+  // One iteration's registers of masked |bits|: 4 of float32, 2 of a 16-bit type, kBytes elements either way.
+  template <int kRegs>
+  void add(const VI (&a)[kRegs]) {
+    if constexpr (sizeof(T) == 4) {
+      static_assert(kRegs == 4, "4 registers of float32 make a register of bytes");
+      push(packus16(packus32(srli32<E::kShift>(a[0]), srli32<E::kShift>(a[1])),
+                    packus32(srli32<E::kShift>(a[2]), srli32<E::kShift>(a[3]))));
+    } else {
+      static_assert(kRegs == 2, "2 registers of a 16-bit type make a register of bytes");
+      push(packus16(srli16<E::kShift>(a[0]), srli16<E::kShift>(a[1])));
+    }
+  }
+
+  // The block's last n < kBytes elements.
+  void add_tail(const T* x, int64_t n) {
+    if (n == 0) {
+      return;
+    }
+    alignas(64) uint8_t tail[kBytes] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      tail[j] = static_cast<uint8_t>(abs_bits(x + j) >> E::kShift);
+    }
+    push(loadi(tail));
+  }
+
+  const uint8_t* bytes() const { return out_; }
+  int64_t regs() const { return regs_; }
+  // The largest field, and the smallest non-zero one (above hi() when every field is 0).
+  int hi() const { return static_cast<int>(hmax_u8(narrow_max_u8(top_))); }
+  int lo() const { return static_cast<int>(hmin_u8(narrow_min_u8(bottom_))) + 1; }
+
+ private:
+  void push(VI b) {
+    storei(out_ + regs_ * kBytes, b);
+    ++regs_;
+    top_ = max_u8(top_, b);
+    bottom_ = min_u8(bottom_, sub8(b, set1_8(1)));  // of field - 1, so that a 0 field (0xff) never lowers it
+  }
+
+  uint8_t* out_;
+  int64_t regs_ = 0;
+  VI top_ = zero_i();
+  VI bottom_ = set1_8(0xff);
+};
+
 struct SimdBlock {
   float sumsq;       // sum of squares (scaled by kTinyScale^2 with kScaled), meaningless if max_bits >= Inf bits
   uint32_t max_bits;  // largest |bits|: the largest |x|, or a NaN/Inf when >= the dtype's Inf bits
@@ -505,8 +583,8 @@ struct SimdBlock {
 };
 
 // One block of float32, float16 or bfloat16: |bits| extrema on the integer registers, squares in float.
-template <typename T, bool kScaled>
-SimdBlock simd_block(const T* x, int64_t n) {
+template <typename T, bool kScaled, bool kPack = false>
+SimdBlock simd_block(const T* x, int64_t n, FieldPacker<T>* pack = nullptr) {
   constexpr bool k16 = sizeof(T) == 2;
   constexpr int64_t kElems = static_cast<int64_t>(sizeof(VI) / sizeof(T));  // elements per register
   constexpr int kRegs = k16 ? 2 : 4;  // registers per iteration: 4 float vectors either way
@@ -522,9 +600,13 @@ SimdBlock simd_block(const T* x, int64_t n) {
   };
   int64_t i = 0;
   for (; i + kRegs * kElems <= n; i += kRegs * kElems) {
+    [[maybe_unused]] VI masked[kRegs];
     for (int r = 0; r < kRegs; ++r) {
       prefetch_ahead(x + i + r * kElems);  // one register is one cache line (AVX512) or half of one (AVX2)
       const VI a = and_i(loadi(x + i + r * kElems), mask);
+      if constexpr (kPack) {
+        masked[r] = a;
+      }
       if constexpr (k16) {
         mx[r & 1] = max16(mx[r & 1], a);
         mn[r & 1] = min16(mn[r & 1], a);
@@ -542,6 +624,12 @@ SimdBlock simd_block(const T* x, int64_t n) {
         square(f16_hi(a), 2 * r + 1);
       }
     }
+    if constexpr (kPack) {
+      pack->add(masked);
+    }
+  }
+  if constexpr (kPack) {
+    pack->add_tail(x + i, n - i);
   }
   SimdBlock b;
   b.sumsq = hsum(add(add(sq[0], sq[1]), add(sq[2], sq[3])));
@@ -562,9 +650,10 @@ SimdBlock simd_block(const T* x, int64_t n) {
   return b;
 }
 
+// With `pack`, the block's exponent fields are packed into it on the way (the histogram's input).
 template <typename T>
-void accumulate_block_simd(const T* x, int64_t n, Partial& p) {
-  const SimdBlock b = simd_block<T, false>(x, n);
+void accumulate_block_simd(const T* x, int64_t n, Partial& p, FieldPacker<T>* pack = nullptr) {
+  const SimdBlock b = pack != nullptr ? simd_block<T, false, true>(x, n, pack) : simd_block<T, false>(x, n);
   if (b.max_bits >= Bits<T>::kInf || !std::isfinite(b.sumsq)) {  // a NaN or an Inf, or float overflow
     accumulate_exact(x, n, p);
     return;
@@ -585,7 +674,7 @@ void accumulate_block_simd(const T* x, int64_t n, Partial& p) {
 // One block of float64, summed in double: |bits| by a mask, squares and max |x| of those values, whether a zero
 // occurs from the bits. A NaN or an Inf makes the sum non-finite (exact path).
 template <>
-void accumulate_block_simd<double>(const double* x, int64_t n, Partial& p) {
+void accumulate_block_simd<double>(const double* x, int64_t n, Partial& p, FieldPacker<double>* /*pack*/) {
   constexpr int64_t kElems = static_cast<int64_t>(sizeof(VI) / sizeof(double));
   const VI mask = set1_64(Bits<double>::kAbs);
   VD sq[4] = {zero_d(), zero_d(), zero_d(), zero_d()}, mx[2] = {zero_d(), zero_d()};
@@ -627,28 +716,6 @@ void accumulate_block_simd<double>(const double* x, int64_t n, Partial& p) {
 // ---------------------------------------------------------------------------------------------------------------
 // Exponent histogram.
 // ---------------------------------------------------------------------------------------------------------------
-// Each dtype's exponent field: |bits| >> kShift is the field (0 .. kFields - 1), kBias its bias, kMantissa the
-// mantissa's bits. A normal value with field E has floor(log2 |x|) = E - kBias; a subnormal with mantissa m has
-// floor(log2 |x|) = 1 - kBias - kMantissa + floor(log2 m).
-template <typename T>
-struct Exponent;
-template <>
-struct Exponent<float> {
-  static constexpr int kShift = 23, kFields = 256, kBias = 127, kMantissa = 23;
-};
-template <>
-struct Exponent<c10::BFloat16> {
-  static constexpr int kShift = 7, kFields = 256, kBias = 127, kMantissa = 7;
-};
-template <>
-struct Exponent<c10::Half> {
-  static constexpr int kShift = 10, kFields = 32, kBias = 15, kMantissa = 10;
-};
-template <>
-struct Exponent<double> {
-  static constexpr int kShift = 52, kFields = 2048, kBias = 1023, kMantissa = 52;
-};
-
 // The histogram bucket of floor(log2 |x|) == e (float64's wider range clamped at both ends).
 constexpr int64_t bucket_of(int64_t e) {
   return std::clamp<int64_t>(e - kHistogramMinExponent, 0, kHistogramBuckets - 1);
@@ -663,14 +730,8 @@ class ExponentCounts {
 
   ExponentCounts() { std::memset(table_, 0, sizeof(table_)); }
 
-  // Counts the fields of x[0, n), n <= kBlockElems.
+  // Counts the fields of x[0, n) one by one (the baseline build, and float64's 2,048 fields).
   void add(const T* x, int64_t n) {
-#if defined(TORCH_GRADSTATS_SIMD)
-    if constexpr (E::kFields <= 256) {
-      add_by_compares(x, n);
-      return;
-    }
-#endif
     int64_t i = 0;
     for (; i + kWays <= n; i += kWays) {
       for (int w = 0; w < kWays; ++w) {
@@ -723,25 +784,20 @@ class ExponentCounts {
 
   static uint32_t field(const T* x) { return static_cast<uint32_t>(abs_bits(x) >> E::kShift); }
 
- private:
 #if defined(TORCH_GRADSTATS_SIMD)
-  // Above this many distinct fields in a block, one increment per element costs less than a compare per field.
-  static constexpr int kMaxCompareFields = 64;
-  static constexpr int kFieldsPerPass = 4;
-  static constexpr int64_t kBytes = sizeof(VI);
-
-  // The block's fields as bytes, then, for each field from the smallest non-zero one to the largest, a byte compare
-  // of the whole block: a block of 4,096 gradients typically spans ~15 fields, so ~15 compares per 64 elements
+  // Counts a block's n fields packed by simd_block: for each field from the smallest non-zero one to the largest, over
+  // 64 bytes at a time, 8 fields at once where the CPU has GFNI and AVX512-BITALG (count_window_gfni), else one byte
+  // compare per field: a block of 4,096 gradients typically spans ~15 fields, so ~15 compares per 64 elements
   // instead of 64 dependent increments of a table.
-  void add_by_compares(const T* x, int64_t n) {
-    alignas(64) uint8_t fields[kBlockElems];
-    int lo = 0;
-    int hi = 0;
-    const int64_t regs = pack_fields(x, n, fields, lo, hi);
+  void add_packed(const FieldPacker<T>& packed, int64_t n) {
+    const uint8_t* fields = packed.bytes();
+    const int64_t regs = packed.regs();
+    const int lo = packed.lo();
+    const int hi = packed.hi();
+    int64_t counted = 0;
 #if defined(CPU_CAPABILITY_AVX512)
     if (has_gfni_bitalg()) {
-      int64_t counted = 0;
-      for (int top = hi; top >= lo; top -= 8) {  // 8 fields per pass; field 0 (zeros, subnormals) never counted
+      for (int top = hi; top >= lo; top -= 8) {  // field 0 (zeros, subnormals) is never counted here
         int64_t counts[8];
         count_window_gfni(fields, regs, top, counts);
         for (int d = 0; d < 8 && top - d >= lo; ++d) {
@@ -760,7 +816,6 @@ class ExponentCounts {
       return;
     }
     // kFieldsPerPass fields per pass over the block: independent accumulators, one load per register.
-    int64_t counted = 0;
     for (int f = lo; f <= hi; f += kFieldsPerPass) {
       VI want[kFieldsPerPass];
       ByteMatches matches[kFieldsPerPass];  // regs <= 64 registers each
@@ -781,51 +836,14 @@ class ExponentCounts {
     }
     table_[0][0] += static_cast<uint32_t>(n - counted);  // zeros and subnormals: every other field is in [lo, hi]
   }
+#endif
 
-  // The exponent fields of x[0, n) as bytes into `out` (in any order within a register: a count does not depend on
-  // it), the last register padded with zero bytes; sets lo and hi to the smallest non-zero and the largest field
-  // (lo > hi when every field is 0). Returns the number of registers written. The first n bytes are the fields.
-  static int64_t pack_fields(const T* x, int64_t n, uint8_t* out, int& lo, int& hi) {
-    constexpr int64_t kElems = kBytes / static_cast<int64_t>(sizeof(T));  // elements per input register
-    const VI mask = sizeof(T) == 2 ? set1_16(static_cast<uint16_t>(Bits<T>::kAbs)) : set1_32(Bits<T>::kAbs);
-    const VI one = set1_8(1);
-    VI top = zero_i();
-    VI bottom = set1_8(0xff);  // of field - 1, so that a 0 field (0xff) never lowers it
-    const auto track = [&](VI b) {
-      top = max_u8(top, b);
-      bottom = min_u8(bottom, sub8(b, one));
-    };
-    int64_t i = 0;
-    int64_t r = 0;
-    for (; i + kBytes <= n; i += kBytes, ++r) {
-      VI b;
-      if constexpr (sizeof(T) == 4) {
-        VI f[4];
-        for (int k = 0; k < 4; ++k) {
-          f[k] = srli32<E::kShift>(and_i(loadi(x + i + k * kElems), mask));
-        }
-        b = packus16(packus32(f[0], f[1]), packus32(f[2], f[3]));
-      } else {
-        b = packus16(srli16<E::kShift>(and_i(loadi(x + i), mask)),
-                     srli16<E::kShift>(and_i(loadi(x + i + kElems), mask)));
-      }
-      storei(out + r * kBytes, b);
-      track(b);
-    }
-    if (i < n) {
-      alignas(64) uint8_t tail[kBytes] = {};
-      for (int64_t j = 0; i + j < n; ++j) {
-        tail[j] = static_cast<uint8_t>(field(x + i + j));
-      }
-      const VI b = loadi(tail);
-      storei(out + r * kBytes, b);
-      track(b);
-      ++r;
-    }
-    hi = static_cast<int>(hmax_u8(narrow_max_u8(top)));
-    lo = static_cast<int>(hmin_u8(narrow_min_u8(bottom))) + 1;
-    return r;
-  }
+ private:
+#if defined(TORCH_GRADSTATS_SIMD)
+  // Above this many distinct fields in a block, one increment per element costs less than a compare per field.
+  static constexpr int kMaxCompareFields = 64;
+  static constexpr int kFieldsPerPass = 4;
+  static constexpr int64_t kBytes = sizeof(VI);
 #endif
 
   int64_t total(int f) const {
@@ -860,6 +878,15 @@ Partial accumulate_span(const T* x, int64_t n, HistogramRow histogram) {
   ExponentCounts<T> exponents;
   for (int64_t b = 0; b < n; b += kBlockElems) {
     const int64_t len = std::min(kBlockElems, n - b);
+#if defined(TORCH_GRADSTATS_SIMD)
+    if constexpr (Exponent<T>::kFields <= 256) {  // packed by the statistics' own loop, counted while in L1
+      alignas(64) uint8_t fields[kBlockElems];
+      FieldPacker<T> packer(fields);
+      accumulate_block_simd(x + b, len, p, &packer);
+      exponents.add_packed(packer, len);
+      continue;
+    }
+#endif
     accumulate_block(x + b, len, p);
     exponents.add(x + b, len);  // the block is still in L1
   }
