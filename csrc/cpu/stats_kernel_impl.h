@@ -23,10 +23,11 @@
 //  - the generic one (at::vec) for every dtype in the DEFAULT build: sums and max |x| in vectors, zeros counted
 //    from the bits in a second loop over the block.
 //
-// Exponent histogram (the op's histogram overload). After a block's statistics, while the block is still in L1, its
-// elements' exponent fields are counted (the same read of memory). The x86 kernels pack the fields into bytes and
-// count each field present in the block over 64 bytes at a time: by byte compares, or, where the CPU has GFNI and
-// AVX512-BITALG, 8 fields per register at once (count_window_gfni). The baseline build (and float64's 2,048
+// Exponent histogram (the op's histogram overload): the elements' exponent fields are counted in the same read of
+// memory. The x86 kernels pack each field into a byte inside the statistics' own loop (FieldPacker, from the |bits|
+// registers it holds), then, while the block is still in L1, count each field present in the block over 64 bytes
+// at a time: by byte compares, or, where the CPU has GFNI and AVX512-BITALG, 8 fields per register at once
+// (count_window_gfni). The baseline build (and float64's 2,048
 // fields) increments a table per field value, in interleaved copies so that consecutive increments of the same field
 // do not wait on each other. At the end of the span the field counts become buckets: a normal field E is one bucket;
 // field 0 holds the zeros (known from the statistics) and the subnormals, which are then found again and bucketed by
