@@ -77,28 +77,45 @@ def _spawn(world: int, outdir: str, scenarios_module: str = "_dist_workers") -> 
             p.join(timeout=5)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def dist_results(request, tmp_path_factory) -> tuple[int, list[dict[str, dict[str, str]]]]:
-    world = request.param
-    outdir = str(tmp_path_factory.mktemp(f"dist{world}"))
-    _spawn(world, outdir)
+def spawn_scenarios(world: int, outdir: str, scenarios_module: str) -> tuple[int, list[dict[str, dict[str, str]]], str]:
+    """Run every scenario of ``scenarios_module`` on ``world`` ranks: (world, each rank's outcomes, the crash if a
+    rank died or hung; its unfinished scenarios then read "not reached" in assert_scenario)."""
+    crash = ""
+    try:
+        _spawn(world, outdir, scenarios_module)
+    except Exception as exc:  # noqa: BLE001 - reported per scenario
+        crash = f"{type(exc).__name__}: {exc}"
     results = []
     for rank in range(world):
-        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
-    return world, results
+        path = os.path.join(outdir, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+        else:
+            results.append({})
+    return world, results, crash
 
 
-@pytest.mark.parametrize("scenario", list(_dist_workers.SCENARIOS))
-def test_scenario(dist_results, scenario: str) -> None:
-    world, results = dist_results
-    outcomes = [r.get(scenario, {"status": "fail", "detail": "not reached"}) for r in results]
+def assert_scenario(spawned: tuple[int, list[dict[str, dict[str, str]]], str], scenario: str) -> None:
+    """One scenario's outcome on every rank: a failure on any rank fails it, naming the rank; skipped if all skip."""
+    world, results, crash = spawned
+    outcomes = [r.get(scenario, {"status": "fail", "detail": f"not reached ({crash or 'no result'})"}) for r in results]
     failed = [(rank, o["detail"]) for rank, o in enumerate(outcomes) if o["status"] == "fail"]
     if failed:
         pytest.fail("\n".join(f"--- rank {rank} of {world}:\n{detail}" for rank, detail in failed))
     if all(o["status"] == "skip" for o in outcomes):
         pytest.skip(outcomes[0]["detail"])
     assert all(o["status"] == "ok" for o in outcomes), outcomes
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def dist_results(request, tmp_path_factory) -> tuple[int, list[dict[str, dict[str, str]]], str]:
+    return spawn_scenarios(request.param, str(tmp_path_factory.mktemp(f"dist{request.param}")), "_dist_workers")
+
+
+@pytest.mark.parametrize("scenario", list(_dist_workers.SCENARIOS))
+def test_scenario(dist_results, scenario: str) -> None:
+    assert_scenario(dist_results, scenario)
 
 
 # ---------------------------------------------------------------------------------------------- single process
