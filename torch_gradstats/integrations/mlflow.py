@@ -83,8 +83,8 @@ class MLflowSink:
         prefix: key prefix (default ``"grad/"``).
         per_param: log one value per parameter and figure.
         key_style: the keys of ``GradReport.to_dict(style=...)`` (default: ours).
-        synchronous: passed to ``log_batch``: True waits for each batch, False returns at once (:meth:`flush` and
-            :meth:`close` wait), None follows MLflow's ``MLFLOW_ENABLE_ASYNC_LOGGING`` setting.
+        synchronous: passed to ``log_batch``: True waits for each batch, False returns at once (the next ``log``,
+            :meth:`flush` and :meth:`close` wait for it), None follows MLflow's ``MLFLOW_ENABLE_ASYNC_LOGGING``.
         stage_group, group, log_rank: which process writes, as for every sink (docs/integrations.md, "One rank
             writes"): none given, this one; else only the logging rank logs, and on the others ``log`` does
             nothing, needs no run and never imports mlflow.
@@ -178,8 +178,12 @@ class MLflowSink:
             self._first_recorded = True
             tags = [RunTag(self.key(self.prefix + "first_nonfinite"), g.first_nonfinite),
                     RunTag(self.key(self.prefix + "first_nonfinite_step"), str(int(step)))]
+        # At most one batch of this sink in flight: the previous one (a training step old, so normally written) is
+        # waited for first. MLflow's asynchronous writers may run two batches at once, and its file store then races
+        # to make the same metric directories ("[Errno 17] File exists").
+        self.flush()
         op = self._client.log_batch(run_id, metrics=batch, tags=tags, synchronous=self.synchronous)
-        if op is not None:  # asynchronous: waited for by flush()
+        if op is not None:  # asynchronous: waited for by the next log, flush() or close()
             self._pending.append(op)
 
     def flush(self) -> None:
