@@ -44,6 +44,11 @@ ISA_FLAGS = {
         "unix": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mpopcnt"],
         "msvc": ["/arch:AVX512"],
     },
+    "avx512_gfni": {  # MSVC defines no __GFNI__: there it builds the AVX512 kernel again
+        "unix": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mpopcnt", "-mgfni",
+                 "-mavx512bitalg"],
+        "msvc": ["/arch:AVX512"],
+    },
 }
 
 

@@ -1,13 +1,15 @@
 // Fused CPU kernel of torch_gradstats::multi_tensor_stats: one read of every element gives its square, |x|, and
-// whether it is zero, NaN or Inf (and, for the histogram overload, its binary exponent). This file (compiled for the baseline CPU) holds the op: input checks, the work
-// split, the choice of instruction set and the final combination; the per-element kernels are in
-// stats_kernel_impl.h, compiled once per instruction set.
+// whether it is zero, NaN or Inf (and, for the histogram overload, its binary exponent). This file (compiled for
+// the baseline CPU) holds the op: input checks, the work split, the choice of instruction set and the final
+// combination; the per-element kernels are in stats_kernel_impl.h, compiled once per instruction set.
 //
 // Instruction set. The kernels are compiled for the baseline CPU and, on x86-64, for AVX2 (+FMA, F16C) and AVX512
-// (F, BW, VL, DQ, with POPCNT). The op uses the one ATen's own CPU kernels use (at::get_cpu_capability(), which honours
-// ATEN_CPU_CAPABILITY=default|avx2|avx512), provided the running CPU has its features, so a build made on any
-// machine runs on every x86-64 CPU. cpu_kernel_capability() names the choice. The variants add in different orders,
-// so sumsq's last bits may differ between them (within the accuracy contract); counts and amax do not.
+// (F, BW, VL, DQ, with POPCNT; a second time with GFNI and BITALG, used where the CPU has them: only the exponent
+// histogram's counting differs). The op uses the one ATen's own CPU kernels use (at::get_cpu_capability(), which
+// honours ATEN_CPU_CAPABILITY=default|avx2|avx512), provided the running CPU has its features, so a build made on
+// any machine runs on every x86-64 CPU. cpu_kernel_capability() names the choice (AVX512 for both AVX512 builds).
+// The variants add in different orders, so sumsq's last bits may differ between them (within the accuracy
+// contract); counts and amax do not.
 //
 // Work split. Each tensor is cut into segments of kChunkElems elements from its own start, and consecutive segments
 // are grouped into parallel tasks of about kChunkElems elements (near-equal work, so at::parallel_for's static split
@@ -34,8 +36,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -64,6 +68,9 @@ bool cpu_has(const char* isa) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c") && __builtin_cpu_supports("popcnt");
   }
+  if (std::string(isa) == "GFNI") {  // with AVX512: what the AVX512_GFNI kernels add
+    return __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512bitalg");
+  }
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
   (void)isa;
@@ -75,6 +82,12 @@ Kernel choose_kernel() {
 #if defined(TORCH_GRADSTATS_X86_KERNELS)
   const std::string aten = at::get_cpu_capability();  // "DEFAULT", "AVX2", "AVX512", "NO AVX", ...
   if (aten == "AVX512" && cpu_has("AVX512")) {
+    // The same statistics; only the exponent histogram's counting differs. TORCH_GRADSTATS_CPU_GFNI=0 keeps the
+    // plain AVX512 kernel on a CPU with GFNI (to test or compare its byte compares there).
+    const char* gfni = std::getenv("TORCH_GRADSTATS_CPU_GFNI");
+    if (cpu_has("GFNI") && !(gfni != nullptr && std::string_view(gfni) == "0")) {
+      return {&cpu::AVX512_GFNI::accumulate, "AVX512"};
+    }
     return {&cpu::AVX512::accumulate, "AVX512"};
   }
   if ((aten == "AVX512" || aten == "AVX2") && cpu_has("AVX2")) {

@@ -1,7 +1,7 @@
 // The per-element kernels of the CPU op, compiled once per instruction set: stats_kernel_<isa>.cpp defines
-// CPU_CAPABILITY (DEFAULT, AVX2 or AVX512) and includes this file, which puts everything in
-// torch_gradstats::cpu::<CPU_CAPABILITY> (as ATen does with its CPU_CAPABILITY kernels). Only the AVX2/AVX512
-// translation units are compiled with their instruction-set flags.
+// CPU_CAPABILITY (DEFAULT, AVX2, AVX512 or AVX512_GFNI) and includes this file, which puts everything in
+// torch_gradstats::cpu::<CPU_CAPABILITY> (as ATen does with its CPU_CAPABILITY kernels). Only the x86 translation
+// units are compiled with their instruction-set flags; AVX512_GFNI is AVX512 (CPU_CAPABILITY_AVX512) plus GFNI.
 //
 // Accumulation. A span is summed in blocks of kBlockElems elements in the accumulation type (float for 16/32-bit
 // inputs, double for float64) with several independent vector accumulators; block sums are added in double. A block
@@ -25,14 +25,15 @@
 //
 // Exponent histogram (the op's histogram overload): the elements' exponent fields are counted in the same read of
 // memory. The x86 kernels pack each field into a byte inside the statistics' own loop (FieldPacker, from the |bits|
-// registers it holds), then, while the block is still in L1, count each field present in the block over 64 bytes
-// at a time: by byte compares, or, where the CPU has GFNI and AVX512-BITALG, 8 fields per register at once
-// (count_window_gfni). The baseline build (and float64's 2,048
-// fields) increments a table per field value, in interleaved copies so that consecutive increments of the same field
-// do not wait on each other. At the end of the span the field counts become buckets: a normal field E is one bucket;
-// field 0 holds the zeros (known from the statistics) and the subnormals, which are then found again and bucketed by
-// their mantissa (spans with subnormals only); the all-ones field holds the NaNs and Infs, which are not in the
-// histogram.
+// registers it holds) and count a block's fields while they are in L1, 64 bytes at a time. The AVX512_GFNI build
+// (CPUs with GFNI and AVX512-BITALG) counts the 16 fields below the block's largest at once (WindowCounter), one
+// register per iteration of the next block's loop, so that the counting overlaps that block's memory reads; the
+// few fields further down are found and counted one by one. The AVX2 and AVX512 builds count each field present
+// by byte compares after the block's loop. The baseline build (and float64's 2,048 fields) increments a table per
+// field value, in interleaved copies so that consecutive increments of the same field do not wait on each other.
+// At the end of the span the field counts become buckets: a normal field E is one bucket; field 0 holds the zeros
+// (known from the statistics) and the subnormals, which are then found again and bucketed by their mantissa (spans
+// with subnormals only); the all-ones field holds the NaNs and Infs, which are not in the histogram.
 #pragma once
 
 #include "stats_kernel.h"
@@ -307,7 +308,6 @@ TORCH_GRADSTATS_NARROW_I(narrow_max32, _mm256_max_epi32, _mm_max_epi32)
 TORCH_GRADSTATS_NARROW_I(narrow_min32, _mm256_min_epi32, _mm_min_epi32)
 TORCH_GRADSTATS_NARROW_I(narrow_max16, _mm256_max_epi16, _mm_max_epi16)
 TORCH_GRADSTATS_NARROW_I(narrow_min16, _mm256_min_epi16, _mm_min_epi16)
-TORCH_GRADSTATS_NARROW_I(narrow_max_u8, _mm256_max_epu8, _mm_max_epu8)
 TORCH_GRADSTATS_NARROW_I(narrow_min_u8, _mm256_min_epu8, _mm_min_epu8)
 #undef TORCH_GRADSTATS_NARROW_I
 inline __m128 narrow_add(VF a) {
@@ -331,7 +331,6 @@ inline VI srli16(VI a) { return _mm512_srli_epi16(a, kShift); }
 inline VI packus32(VI a, VI b) { return _mm512_packus_epi32(a, b); }
 inline VI packus16(VI a, VI b) { return _mm512_packus_epi16(a, b); }
 inline VI set1_8(uint8_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
-inline VI max_u8(VI a, VI b) { return _mm512_max_epu8(a, b); }
 inline VI min_u8(VI a, VI b) { return _mm512_min_epu8(a, b); }
 inline VI sub8(VI a, VI b) { return _mm512_sub_epi8(a, b); }
 inline void storei(void* p, VI a) { _mm512_storeu_si512(p, a); }
@@ -344,60 +343,79 @@ class ByteMatches {
  private:
   int64_t count_ = 0;
 };
-// The counts of the 8 fields [top - 7, top] among the bytes of fields[0, 64 * regs): counts[d] for field top - d.
-// Where the CPU has GFNI and AVX512-BITALG (Ice Lake, Sapphire Rapids, Zen 4: not part of this build's baseline, so
-// compiled for them alone and chosen at run time by has_gfni_bitalg()): each byte becomes a one-hot byte of its
-// distance below top (none when 8 or more), an 8x8 bit transpose of each qword (gf2p8affineqb with the identity's
-// bytes as the matrix operand) turns byte j into the set of the qword's 8 elements at distance j, and a byte
-// popcount counts them: 8 fields for 5 instructions per 64 elements, where the compares take 8.
-__attribute__((target("avx512f,avx512bw,gfni,avx512bitalg"))) inline void count_window_gfni(
-    const uint8_t* fields, int64_t regs, int top, int64_t counts[8]) {
-  const __m512i one_hot = _mm512_set4_epi32(0, 0, static_cast<int>(0x80402010), 0x08040201);  // d -> 1 << d (d < 8)
-  const __m512i unit_bytes = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ULL));
-  const __m512i top_v = _mm512_set1_epi8(static_cast<char>(top));
-  const __m512i eight = _mm512_set1_epi8(8);
-  alignas(64) uint16_t words[2][32];
-  __m512i wide[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // 16-bit sums, widened from the bytes
-  for (int64_t start = 0; start < regs; start += 31) {  // a byte adds at most 8 per register: 31 * 8 < 256
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t r = start; r < std::min(regs, start + 31); ++r) {
-      const __m512i v = _mm512_loadu_si512(fields + 64 * r);
-      const __m512i d = _mm512_min_epu8(_mm512_sub_epi8(top_v, v), eight);  // a field above top wraps past 8
-      const __m512i by_distance = _mm512_gf2p8affine_epi64_epi8(unit_bytes, _mm512_shuffle_epi8(one_hot, d), 0);
-      acc = _mm512_add_epi8(acc, _mm512_popcnt_epi8(by_distance));
-    }
-    wide[0] = _mm512_add_epi16(wide[0], _mm512_unpacklo_epi8(acc, _mm512_setzero_si512()));
-    wide[1] = _mm512_add_epi16(wide[1], _mm512_unpackhi_epi8(acc, _mm512_setzero_si512()));
-  }
-  _mm512_store_si512(words[0], wide[0]);
-  _mm512_store_si512(words[1], wide[1]);
-  for (int j = 0; j < 8; ++j) {
-    counts[j] = 0;
-  }
-  for (int w = 0; w < 2; ++w) {
-    for (int k = 0; k < 32; ++k) {
-      counts[k % 8] += words[w][k];  // each 8 words are one qword's 8 bytes, in order
-    }
-  }
-}
+#if defined(__GFNI__) && defined(__AVX512BITALG__)
+#define TORCH_GRADSTATS_GFNI 1
+// Counts the 16 fields [top - 15, top] among registers of packed fields (64 bytes each), one register at a time:
+// simd_block counts the previous block's registers this way while it reads the next block, so that the counting
+// overlaps the memory reads. Each byte's distance d below top, offset by 0x70 with unsigned saturation, indexes a
+// byte shuffle (bit 7 set, that is d >= 16 or a field above top, gives 0): two shuffles make one-hot bytes of the
+// distances 0-7 and 8-15, an 8x8 bit transpose of each qword (gf2p8affineqb with the identity's bytes as the
+// matrix operand) turns byte j into the set of the qword's 8 elements at distance j (+8), and a byte popcount
+// counts them: 16 fields for 9 instructions per 64 elements, where byte compares take 16.
+class WindowCounter {
+ public:
+  WindowCounter() = default;  // counts nothing
+  WindowCounter(const uint8_t* fields, int64_t regs, int top)
+      : fields_(fields), regs_(regs), top_(_mm512_set1_epi8(static_cast<char>(top))) {}
 
-// Whether count_window_gfni runs here: the CPU has both features, and TORCH_GRADSTATS_CPU_GFNI is not "0" (read once;
-// it lets the byte compares be tested and compared on such a CPU).
-inline bool has_gfni_bitalg() {
-#if defined(__GNUC__) || defined(__clang__)
-  static const bool has = [] {
-    const char* env = std::getenv("TORCH_GRADSTATS_CPU_GFNI");
-    if (env != nullptr && std::string_view(env) == "0") {
-      return false;
+  // Counts register r of the fields (nothing past the last one).
+  void step(int64_t r) {
+    if (r >= regs_) {
+      return;
     }
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("gfni") && __builtin_cpu_supports("avx512bitalg");
-  }();
-  return has;
-#else
-  return false;
+    const __m512i one_hot[2] = {  // indexed by d's low 4 bits: d < 8 -> 1 << d, 8 <= d < 16 -> 1 << (d - 8)
+        _mm512_set4_epi32(0, 0, static_cast<int>(0x80402010), 0x08040201),
+        _mm512_set4_epi32(static_cast<int>(0x80402010), 0x08040201, 0, 0)};
+    const __m512i unit_bytes = _mm512_set1_epi64(static_cast<long long>(0x8040201008040201ULL));
+    const __m512i v = _mm512_loadu_si512(fields_ + 64 * r);
+    const __m512i index = _mm512_adds_epu8(_mm512_sub_epi8(top_, v), _mm512_set1_epi8(0x70));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i by_distance = _mm512_gf2p8affine_epi64_epi8(unit_bytes, _mm512_shuffle_epi8(one_hot[h], index), 0);
+      acc_[h] = _mm512_add_epi8(acc_[h], _mm512_popcnt_epi8(by_distance));
+    }
+    if ((r & 15) == 15) {  // a byte adds at most 8 per register
+      widen();
+    }
+  }
+
+  // Counts the registers from `r` on.
+  void finish(int64_t r) {
+    for (; r < regs_; ++r) {
+      step(r);
+    }
+  }
+
+  // The counts as 16 32-bit lanes, lane j: how many fields equal top - 15 + j.
+  __m512i counts() {
+    widen();
+    __m128i by_distance[2];  // the four 128-bit lanes added: 8 words, word k the count at distance k (+8)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i half = _mm256_add_epi16(_mm512_castsi512_si256(wide_[h]), _mm512_extracti64x4_epi64(wide_[h], 1));
+      by_distance[h] = _mm_add_epi16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+    }
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_set_m128i(by_distance[1], by_distance[0]));
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), wide);
+  }
+
+ private:
+  // The byte counts into 16-bit sums (a block's at most 4,096 fields fit): in each 128-bit lane, qword 0's bytes
+  // become words by unpacklo, qword 1's by unpackhi, word k at distance k (+8) either way.
+  void widen() {
+    const __m512i zero = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      wide_[h] = _mm512_add_epi16(
+          wide_[h], _mm512_add_epi16(_mm512_unpacklo_epi8(acc_[h], zero), _mm512_unpackhi_epi8(acc_[h], zero)));
+      acc_[h] = zero;
+    }
+  }
+
+  const uint8_t* fields_ = nullptr;
+  int64_t regs_ = 0;
+  __m512i top_ = _mm512_setzero_si512();
+  __m512i acc_[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  __m512i wide_[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+};
 #endif
-}
 // Whether any of the 64-bit |bits| seen was 0: their minimum.
 struct ZeroTracker64 {
   VI m = set1_64(~uint64_t{0} >> 1);
@@ -430,7 +448,6 @@ inline __m128i narrow_max32(VI a) { return _mm_max_epi32(_mm256_castsi256_si128(
 inline __m128i narrow_min32(VI a) { return _mm_min_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
 inline __m128i narrow_max16(VI a) { return _mm_max_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
 inline __m128i narrow_min16(VI a) { return _mm_min_epi16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
-inline __m128i narrow_max_u8(VI a) { return _mm_max_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
 inline __m128i narrow_min_u8(VI a) { return _mm_min_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1)); }
 inline __m128 narrow_add(VF a) { return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); }
 using VD = __m256d;
@@ -456,7 +473,6 @@ inline VI srli16(VI a) { return _mm256_srli_epi16(a, kShift); }
 inline VI packus32(VI a, VI b) { return _mm256_packus_epi32(a, b); }
 inline VI packus16(VI a, VI b) { return _mm256_packus_epi16(a, b); }
 inline VI set1_8(uint8_t v) { return _mm256_set1_epi8(static_cast<char>(v)); }
-inline VI max_u8(VI a, VI b) { return _mm256_max_epu8(a, b); }
 inline VI min_u8(VI a, VI b) { return _mm256_min_epu8(a, b); }
 inline VI sub8(VI a, VI b) { return _mm256_sub_epi8(a, b); }
 inline void storei(void* p, VI a) { _mm256_storeu_si256(static_cast<__m256i*>(p), a); }
@@ -501,9 +517,6 @@ TORCH_GRADSTATS_HREDUCE(hmax16, _mm_max_epi16, m = _mm_max_epi16(m, _mm_srli_epi
                         return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffU)
 TORCH_GRADSTATS_HREDUCE(hmin16, _mm_min_epi16, m = _mm_min_epi16(m, _mm_srli_epi32(m, 16));
                         return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffffU)
-TORCH_GRADSTATS_HREDUCE(hmax_u8, _mm_max_epu8, m = _mm_max_epu8(m, _mm_srli_epi32(m, 16));
-                        m = _mm_max_epu8(m, _mm_srli_epi16(m, 8));
-                        return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffU)
 TORCH_GRADSTATS_HREDUCE(hmin_u8, _mm_min_epu8, m = _mm_min_epu8(m, _mm_srli_epi32(m, 16));
                         m = _mm_min_epu8(m, _mm_srli_epi16(m, 8));
                         return static_cast<uint32_t>(_mm_cvtsi128_si32(m)) & 0xffU)
@@ -521,16 +534,32 @@ float value_of_abs_bits(uint32_t a) {
   }
 }
 
-// The exponent fields of a block as bytes (the histogram's input), made from the |bits| registers the statistics'
-// loop already holds: one register of bytes per iteration of simd_block (kBytes elements), in any order within it
-// (a count does not depend on it), the last one zero-padded; and their smallest non-zero and largest values.
+// A block's exponent fields as bytes, kBytes per register (the last one zero-padded), and what counting them needs
+// from the block's statistics.
+struct PackedFields {
+  const uint8_t* bytes = nullptr;
+  int64_t regs = 0;   // registers of bytes
+  int64_t n = 0;      // elements (none: no block)
+  int64_t zeros = 0;  // elements that are zero
+  int highest = 0;    // the largest field
+};
+
+// Packs a block's exponent fields into bytes (the histogram's input) from the |bits| registers the statistics' loop
+// already holds: one register of bytes per iteration of simd_block (kBytes elements), in any order within it (a
+// count does not depend on it). With GFNI it also counts, one register per register packed, the previous block's
+// fields (`behind`).
 template <typename T>
 class FieldPacker {
  public:
   using E = Exponent<T>;
   static constexpr int64_t kBytes = sizeof(VI);
 
+#if defined(TORCH_GRADSTATS_GFNI)
+  explicit FieldPacker(uint8_t* out, WindowCounter behind = {}) : out_(out), behind_(behind) {}
+  WindowCounter& behind() { return behind_; }
+#else
   explicit FieldPacker(uint8_t* out) : out_(out) {}
+#endif
 
   // One iteration's registers of masked |bits|: 4 of float32, 2 of a 16-bit type, kBytes elements either way.
   template <int kRegs>
@@ -557,25 +586,37 @@ class FieldPacker {
     push(loadi(tail));
   }
 
-  const uint8_t* bytes() const { return out_; }
   int64_t regs() const { return regs_; }
-  // The largest field, and the smallest non-zero one (above hi() when every field is 0).
-  int hi() const { return static_cast<int>(hmax_u8(narrow_max_u8(top_))); }
-  int lo() const { return static_cast<int>(hmin_u8(narrow_min_u8(bottom_))) + 1; }
+  // The largest field, from the block's largest |bits| (set by accumulate_block_simd).
+  void set_highest(uint32_t max_bits) { highest_ = static_cast<int>(max_bits >> E::kShift); }
+  PackedFields packed(int64_t n, int64_t zeros) const { return {out_, regs_, n, zeros, highest_}; }
 
  private:
   void push(VI b) {
     storei(out_ + regs_ * kBytes, b);
+#if defined(TORCH_GRADSTATS_GFNI)
+    behind_.step(regs_);
+#endif
     ++regs_;
-    top_ = max_u8(top_, b);
-    bottom_ = min_u8(bottom_, sub8(b, set1_8(1)));  // of field - 1, so that a 0 field (0xff) never lowers it
   }
 
   uint8_t* out_;
   int64_t regs_ = 0;
-  VI top_ = zero_i();
-  VI bottom_ = set1_8(0xff);
+  int highest_ = 0;
+#if defined(TORCH_GRADSTATS_GFNI)
+  WindowCounter behind_;
+#endif
 };
+
+// The smallest non-zero field of a block (256 when every field is 0): a pass over its bytes, of field - 1 so that a
+// 0 field (0xff) never lowers the minimum.
+inline int lowest_nonzero_field(const PackedFields& f) {
+  VI m = set1_8(0xff);
+  for (int64_t r = 0; r < f.regs; ++r) {
+    m = min_u8(m, sub8(loadi(f.bytes + r * static_cast<int64_t>(sizeof(VI))), set1_8(1)));
+  }
+  return static_cast<int>(hmin_u8(narrow_min_u8(m))) + 1;
+}
 
 struct SimdBlock {
   float sumsq;       // sum of squares (scaled by kTinyScale^2 with kScaled), meaningless if max_bits >= Inf bits
@@ -593,6 +634,9 @@ SimdBlock simd_block(const T* x, int64_t n, FieldPacker<T>* pack = nullptr) {
   const VF scale = set1_f(kTinyScale);
   VF sq[4] = {zero_f(), zero_f(), zero_f(), zero_f()};
   VI mx[2] = {zero_i(), zero_i()}, mn[2] = {mask, mask};  // the mask is above every |bits|
+  // A local copy of the packer, written back at the end: its position then stays in a register (through *pack, the
+  // byte stores, which may alias anything, made every iteration reload and store it).
+  [[maybe_unused]] FieldPacker<T> packer = kPack ? *pack : FieldPacker<T>(nullptr);
   const auto square = [&](VF f, int k) {
     if constexpr (kScaled) {
       f = mul(f, scale);
@@ -626,11 +670,12 @@ SimdBlock simd_block(const T* x, int64_t n, FieldPacker<T>* pack = nullptr) {
       }
     }
     if constexpr (kPack) {
-      pack->add(masked);
+      packer.add(masked);
     }
   }
   if constexpr (kPack) {
-    pack->add_tail(x + i, n - i);
+    packer.add_tail(x + i, n - i);
+    *pack = packer;
   }
   SimdBlock b;
   b.sumsq = hsum(add(add(sq[0], sq[1]), add(sq[2], sq[3])));
@@ -655,6 +700,9 @@ SimdBlock simd_block(const T* x, int64_t n, FieldPacker<T>* pack = nullptr) {
 template <typename T>
 void accumulate_block_simd(const T* x, int64_t n, Partial& p, FieldPacker<T>* pack = nullptr) {
   const SimdBlock b = pack != nullptr ? simd_block<T, false, true>(x, n, pack) : simd_block<T, false>(x, n);
+  if (pack != nullptr) {
+    pack->set_highest(b.max_bits);
+  }
   if (b.max_bits >= Bits<T>::kInf || !std::isfinite(b.sumsq)) {  // a NaN or an Inf, or float overflow
     accumulate_exact(x, n, p);
     return;
@@ -733,6 +781,7 @@ class ExponentCounts {
 
   // Counts the fields of x[0, n) one by one (the baseline build, and float64's 2,048 fields).
   void add(const T* x, int64_t n) {
+    touch(0, E::kFields - 1);
     int64_t i = 0;
     for (; i + kWays <= n; i += kWays) {
       for (int w = 0; w < kWays; ++w) {
@@ -754,7 +803,8 @@ class ExponentCounts {
         out.row[bucket] += count;
       }
     };
-    for (int f = 1; f < E::kFields - 1; ++f) {  // normal values; the last field is NaN and Inf
+    // Normal values, in the fields counted; the last field is NaN and Inf.
+    for (int f = std::max(1, low_); f <= std::min(high_, E::kFields - 2); ++f) {
       const int64_t count = total(f);
       if (count != 0) {
         add_to(bucket_of(f - E::kBias), count);
@@ -785,57 +835,89 @@ class ExponentCounts {
 
   static uint32_t field(const T* x) { return static_cast<uint32_t>(abs_bits(x) >> E::kShift); }
 
-#if defined(TORCH_GRADSTATS_SIMD)
-  // Counts a block's n fields packed by simd_block: for each field from the smallest non-zero one to the largest, over
-  // 64 bytes at a time, 8 fields at once where the CPU has GFNI and AVX512-BITALG (count_window_gfni), else one byte
-  // compare per field: a block of 4,096 gradients typically spans ~15 fields, so ~15 compares per 64 elements
-  // instead of 64 dependent increments of a table.
-  void add_packed(const FieldPacker<T>& packed, int64_t n) {
-    const uint8_t* fields = packed.bytes();
-    const int64_t regs = packed.regs();
-    const int lo = packed.lo();
-    const int hi = packed.hi();
+#if defined(TORCH_GRADSTATS_GFNI)
+  // Adds a block's fields, given the counts of the 16 fields below its largest (`window`, which has counted all of
+  // its registers). A block of 4,096 gradients typically spans ~15 fields, so the window usually holds every non-zero
+  // one; the others, if any (the block's uncounted elements are not all zeros), are found and counted one by one.
+  void add_packed(const PackedFields& f, WindowCounter& window) {
+    constexpr int kWindow = 16;
+    const __m512i counts = window.counts();
+    const int lowest = f.highest - kWindow + 1;  // the field of the counts' lane 0
+    int64_t counted = 0;                          // elements of a field >= 1
+    if (lowest >= 1) {
+      uint32_t* fields = &table_[0][lowest];
+      _mm512_storeu_si512(fields, _mm512_add_epi32(_mm512_loadu_si512(fields), counts));
+      counted = _mm512_reduce_add_epi32(counts);
+    } else {  // field 0 (zeros, subnormals) is not counted here
+      alignas(64) uint32_t lanes[kWindow];
+      _mm512_store_si512(lanes, counts);
+      for (int j = 1 - lowest; j < kWindow; ++j) {
+        table_[0][lowest + j] += lanes[j];
+        counted += lanes[j];
+      }
+    }
+    touch(std::max(1, lowest), f.highest);
+    if (lowest > 1 && f.n - counted > f.zeros) {  // fields below the window (or subnormals)
+      counted += count_below(f, lowest, f.n - counted - f.zeros);
+    }
+    table_[0][0] += static_cast<uint32_t>(f.n - counted);
+  }
+
+  // Counts one by one the elements whose field is in [1, below), found 64 at a time: the few that a window below the
+  // largest field leaves out (in a block of Gaussian-like gradients, those 16 binades below its largest value). It
+  // stops once it has found `most` of them, all there are unless the block holds subnormals.
+  int64_t count_below(const PackedFields& f, int below, int64_t most) {
+    const VI one = set1_8(1);
+    const VI limit = set1_8(static_cast<uint8_t>(below - 1));
     int64_t counted = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-    if (has_gfni_bitalg()) {
-      for (int top = hi; top >= lo; top -= 8) {  // field 0 (zeros, subnormals) is never counted here
-        int64_t counts[8];
-        count_window_gfni(fields, regs, top, counts);
-        for (int d = 0; d < 8 && top - d >= lo; ++d) {
-          table_[0][top - d] += static_cast<uint32_t>(counts[d]);
-          counted += counts[d];
-        }
+    for (int64_t r = 0; r < f.regs && counted < most; ++r) {
+      const uint8_t* reg = f.bytes + r * kBytes;
+      // field - 1 < below - 1, unsigned: a 0 field (zero, subnormal, padding) wraps to 255
+      for (uint64_t m = _mm512_cmplt_epu8_mask(sub8(loadi(reg), one), limit); m != 0; m &= m - 1) {
+        const int field = reg[std::countr_zero(m)];
+        ++table_[0][field];
+        low_ = std::min(low_, field);
+        ++counted;
       }
-      table_[0][0] += static_cast<uint32_t>(n - counted);
-      return;
     }
-#endif
+    return counted;
+  }
+#elif defined(TORCH_GRADSTATS_SIMD)
+  // Adds a block's fields: for each field from the smallest non-zero one to the largest, one byte compare per 64
+  // elements (a block of 4,096 gradients typically spans ~15 fields: ~15 compares per 64 elements instead of 64
+  // dependent increments of a table).
+  void add_packed(const PackedFields& f) {
+    const int lo = lowest_nonzero_field(f);
+    const int hi = f.highest;
     if (hi - lo + 1 > kMaxCompareFields) {
-      for (int64_t i = 0; i < n; ++i) {  // the first n bytes are the elements' fields
-        ++table_[i % kWays][fields[i]];
+      touch(0, E::kFields - 1);
+      for (int64_t i = 0; i < f.n; ++i) {  // the first n bytes are the elements' fields
+        ++table_[i % kWays][f.bytes[i]];
       }
       return;
     }
+    touch(lo, hi);
+    int64_t counted = 0;
     // kFieldsPerPass fields per pass over the block: independent accumulators, one load per register.
-    for (int f = lo; f <= hi; f += kFieldsPerPass) {
+    for (int first = lo; first <= hi; first += kFieldsPerPass) {
       VI want[kFieldsPerPass];
       ByteMatches matches[kFieldsPerPass];  // regs <= 64 registers each
       for (int k = 0; k < kFieldsPerPass; ++k) {
-        want[k] = set1_8(static_cast<uint8_t>(f + k));  // past hi (even wrapped past 255): counted, not used
+        want[k] = set1_8(static_cast<uint8_t>(first + k));  // past hi (even wrapped past 255): counted, not used
       }
-      for (int64_t r = 0; r < regs; ++r) {
-        const VI v = loadi(fields + r * kBytes);
+      for (int64_t r = 0; r < f.regs; ++r) {
+        const VI v = loadi(f.bytes + r * kBytes);
         for (int k = 0; k < kFieldsPerPass; ++k) {
           matches[k].add(v, want[k]);
         }
       }
-      for (int k = 0; k < kFieldsPerPass && f + k <= hi; ++k) {
+      for (int k = 0; k < kFieldsPerPass && first + k <= hi; ++k) {
         const int64_t count = matches[k].total();
-        table_[0][f + k] += static_cast<uint32_t>(count);
+        table_[0][first + k] += static_cast<uint32_t>(count);
         counted += count;
       }
     }
-    table_[0][0] += static_cast<uint32_t>(n - counted);  // zeros and subnormals: every other field is in [lo, hi]
+    table_[0][0] += static_cast<uint32_t>(f.n - counted);  // zeros and subnormals: every other field is in [lo, hi]
   }
 #endif
 
@@ -847,6 +929,12 @@ class ExponentCounts {
   static constexpr int64_t kBytes = sizeof(VI);
 #endif
 
+  // Fields outside [low_, high_] have not been counted (flush() reads that range only).
+  void touch(int low, int high) {
+    low_ = std::min(low_, low);
+    high_ = std::max(high_, high);
+  }
+
   int64_t total(int f) const {
     int64_t sum = 0;
     for (int w = 0; w < kWays; ++w) {
@@ -856,6 +944,8 @@ class ExponentCounts {
   }
 
   uint32_t table_[kWays][E::kFields];
+  int low_ = E::kFields;
+  int high_ = 0;
 };
 
 template <typename T>
@@ -877,17 +967,46 @@ Partial accumulate_span(const T* x, int64_t n, HistogramRow histogram) {
     return p;
   }
   ExponentCounts<T> exponents;
+#if defined(TORCH_GRADSTATS_SIMD)
+  if constexpr (Exponent<T>::kFields <= 256) {
+    // Each block's fields are packed by the statistics' own loop and counted while they are in L1: with GFNI, inside
+    // the next block's loop (so that the counting overlaps its memory reads), else right after it.
+    alignas(64) uint8_t fields[2][kBlockElems];
+    PackedFields previous;
+    for (int64_t b = 0, k = 0; b < n; b += kBlockElems, ++k) {
+      const int64_t len = std::min(kBlockElems, n - b);
+#if defined(TORCH_GRADSTATS_GFNI)
+      FieldPacker<T> packer(fields[k & 1], WindowCounter(previous.bytes, previous.regs, previous.highest));
+#else
+      FieldPacker<T> packer(fields[k & 1]);
+#endif
+      const int64_t zeros_before = p.zeros;
+      accumulate_block_simd(x + b, len, p, &packer);
+      if (previous.n != 0) {
+#if defined(TORCH_GRADSTATS_GFNI)
+        packer.behind().finish(packer.regs());  // this block may have fewer registers
+        exponents.add_packed(previous, packer.behind());
+#else
+        exponents.add_packed(previous);
+#endif
+      }
+      previous = packer.packed(len, p.zeros - zeros_before);
+    }
+    if (previous.n != 0) {
+#if defined(TORCH_GRADSTATS_GFNI)
+      WindowCounter last(previous.bytes, previous.regs, previous.highest);
+      last.finish(0);
+      exponents.add_packed(previous, last);
+#else
+      exponents.add_packed(previous);
+#endif
+    }
+    exponents.flush(x, n, p.zeros, histogram);
+    return p;
+  }
+#endif
   for (int64_t b = 0; b < n; b += kBlockElems) {
     const int64_t len = std::min(kBlockElems, n - b);
-#if defined(TORCH_GRADSTATS_SIMD)
-    if constexpr (Exponent<T>::kFields <= 256) {  // packed by the statistics' own loop, counted while in L1
-      alignas(64) uint8_t fields[kBlockElems];
-      FieldPacker<T> packer(fields);
-      accumulate_block_simd(x + b, len, p, &packer);
-      exponents.add_packed(packer, len);
-      continue;
-    }
-#endif
     accumulate_block(x + b, len, p);
     exponents.add(x + b, len);  // the block is still in L1
   }
