@@ -587,6 +587,8 @@ class FieldPacker {
   }
 
   int64_t regs() const { return regs_; }
+  // The smallest field packed (0 for a zero, a subnormal, or the last register's padding).
+  uint32_t lowest() const { return hmin_u8(narrow_min_u8(lowest_)); }
   // The largest field, from the block's largest |bits| (set by accumulate_block_simd).
   void set_highest(uint32_t max_bits) { highest_ = static_cast<int>(max_bits >> E::kShift); }
   PackedFields packed(int64_t n, int64_t zeros) const { return {out_, regs_, n, zeros, highest_}; }
@@ -594,6 +596,7 @@ class FieldPacker {
  private:
   void push(VI b) {
     storei(out_ + regs_ * kBytes, b);
+    lowest_ = min_u8(lowest_, b);
 #if defined(TORCH_GRADSTATS_GFNI)
     behind_.step(regs_);
 #endif
@@ -603,6 +606,7 @@ class FieldPacker {
   uint8_t* out_;
   int64_t regs_ = 0;
   int highest_ = 0;
+  VI lowest_ = set1_8(0xff);
 #if defined(TORCH_GRADSTATS_GFNI)
   WindowCounter behind_;
 #endif
@@ -621,7 +625,7 @@ inline int lowest_nonzero_field(const PackedFields& f) {
 struct SimdBlock {
   float sumsq;       // sum of squares (scaled by kTinyScale^2 with kScaled), meaningless if max_bits >= Inf bits
   uint32_t max_bits;  // largest |bits|: the largest |x|, or a NaN/Inf when >= the dtype's Inf bits
-  uint32_t min_bits;  // smallest |bits|: 0 when the block holds a zero
+  uint32_t min_bits;  // smallest |bits|: 0 when the block holds a zero (with kPack, 0 when it may: a field is 0)
 };
 
 // One block of float32, float16 or bfloat16: |bits| extrema on the integer registers, squares in float.
@@ -654,10 +658,14 @@ SimdBlock simd_block(const T* x, int64_t n, FieldPacker<T>* pack = nullptr) {
       }
       if constexpr (k16) {
         mx[r & 1] = max16(mx[r & 1], a);
-        mn[r & 1] = min16(mn[r & 1], a);
+        if constexpr (!kPack) {  // packing: the packer's smallest field tells (one instruction per register)
+          mn[r & 1] = min16(mn[r & 1], a);
+        }
       } else {
         mx[r & 1] = max32(mx[r & 1], a);
-        mn[r & 1] = min32(mn[r & 1], a);
+        if constexpr (!kPack) {
+          mn[r & 1] = min32(mn[r & 1], a);
+        }
       }
       if constexpr (std::is_same_v<T, float>) {
         square(as_float(a), r);
@@ -681,10 +689,10 @@ SimdBlock simd_block(const T* x, int64_t n, FieldPacker<T>* pack = nullptr) {
   b.sumsq = hsum(add(add(sq[0], sq[1]), add(sq[2], sq[3])));
   if constexpr (k16) {
     b.max_bits = hmax16(narrow_max16(max16(mx[0], mx[1])));
-    b.min_bits = hmin16(narrow_min16(min16(mn[0], mn[1])));
+    b.min_bits = kPack ? packer.lowest() : hmin16(narrow_min16(min16(mn[0], mn[1])));
   } else {
     b.max_bits = hmax32(narrow_max32(max32(mx[0], mx[1])));
-    b.min_bits = hmin32(narrow_min32(min32(mn[0], mn[1])));
+    b.min_bits = kPack ? packer.lowest() : hmin32(narrow_min32(min32(mn[0], mn[1])));
   }
   for (; i < n; ++i) {
     const uint32_t a = abs_bits(x + i);
