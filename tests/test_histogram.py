@@ -53,6 +53,19 @@ def histogram_inputs() -> list[torch.Tensor]:
         if dtype in (torch.float16, torch.bfloat16):
             out.append(torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(dtype))
     out.append(torch.randn(300_001, generator=g))  # split between tasks: atomic adds into one row
+    # Blocks of different scales whose fields reach 0 to 40 binades below their largest, with zeros: the GFNI
+    # kernel counts the 16 fields below a block's largest at once (while reading the next block) and the rest one
+    # by one; float16 flushes the lowest to zero.
+    k = torch.arange(3 * 4096 + 77, dtype=torch.float64)
+    edges = torch.exp2(-(k % 41)) * torch.exp2(torch.div(k, 4096, rounding_mode="floor") * 5)
+    edges[::97] = 0.0
+    out += [edges.to(dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32)]
+    # Gaussian-like blocks with subnormals, alone or with a value 20 binades down (found one by one)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2 * 4096 + 5, generator=g).to(dtype)
+        x[7], x[4096 + 11] = torch.finfo(dtype).tiny / 4, torch.finfo(dtype).tiny / 2
+        x[4096 + 3000] = 2.0**-20
+        out.append(x)
     return out
 
 
