@@ -31,7 +31,9 @@ def step_or_skip(
     Args:
         optimizer: any ``torch.optim.Optimizer``; those with a device-side ``found_inf`` (``fused=True``) skip
             without a host sync.
-        factor: one-element tensor, 1.0 to take the step and 0.0 to skip it (:meth:`SpikeGuard.observe`).
+        factor: one-element tensor, 1.0 to take the step and 0.0 to skip it (:meth:`SpikeGuard.observe`). Only
+            zero skips: any other value (0.5, NaN) takes the whole step, unscaled. Its value is not checked, which
+            would take a host read on every call.
         scaler: a ``torch.amp.GradScaler`` whose ``scale(loss).backward()`` made the gradients: it steps the
             optimizer (skipping steps with inf/NaN gradients itself) and is updated here.
     """
