@@ -201,6 +201,23 @@ def test_module_entry_point_runs_in_a_subprocess(tmp_path):
     assert (tmp_path / "gradstats.png").exists() and (tmp_path / "log.jsonl").exists()
 
 
+def test_demo_into_a_closed_pipe_stops_quietly(tmp_path):
+    # `python -m torch_gradstats demo | head -1`: the reader leaves after one line; the demo stops without a
+    # traceback or an error about --out (a broken pipe once read as an unwritable output directory).
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch_gradstats", "demo", "--steps", "200", "--no-plot", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert first.startswith(b"torch_gradstats demo:")
+    assert err == "", err
+
+
 # ------------------------------------------------------------------------- errors: status 2, one line, no traceback
 def _run_cli(args: list[str], cwd: Path, prelude: str = "") -> subprocess.CompletedProcess:
     """``python -m torch_gradstats ARGS`` in a child process (``prelude``: Python run first in the child)."""

@@ -184,6 +184,8 @@ def _bench(argv: Sequence[str]) -> int:
         return int(bench.main(list(argv)) or 0)
     except SystemExit as exc:  # its argparse exits on --help and on bad arguments
         return _exit_code(exc)
+    except BrokenPipeError:
+        raise
     except (RuntimeError, ValueError, OSError) as exc:  # e.g. --threads -3, an --out it cannot write
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
@@ -258,6 +260,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m torch_gradstats``; returns the exit status."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here rather than at exit, where a broken pipe could no longer be handled
+        return status
+    except BrokenPipeError:
+        # Standard output was closed early (`python -m torch_gradstats demo | head`): stop quietly, as Unix tools
+        # do. Standard output goes to /dev/null so that Python's flush at exit does not fail again.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a standard output without a file descriptor
+            pass
+        return 1  # what Python itself returns after a broken pipe
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after `bench`, --help included, belongs to the benchmark
         return _bench(argv[1:])

@@ -462,6 +462,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # standard output closed (`demo | head`): not an --out problem, the CLI ends quietly
+        raise
     except OSError as exc:  # --out not writable, disk full...
         print(f"demo: error: cannot write the outputs to {args.out!r}: {exc.strerror or exc}; pass a writable --out",
               file=sys.stderr)  # fmt: skip
