@@ -122,5 +122,7 @@ void set_cuda_kernel(Kernel kernel);
 // The instruction set the CPU kernel runs with on this machine: "AVX512", "AVX2" or "DEFAULT" (the baseline).
 // Follows ATen's choice, so ATEN_CPU_CAPABILITY=default (set before torch is loaded) forces the baseline.
 const char* cpu_kernel_capability();
+// How that kernel counts the exponent histogram (the AVX512 kernel with or without GFNI, see cpu/stats_kernel_impl.h).
+const char* cpu_histogram_counting();
 
 }  // namespace torch_gradstats

@@ -1,6 +1,7 @@
 // The Python module torch_gradstats._C. The kernels register themselves with the dispatcher from static
 // initialisers (TORCH_LIBRARY_IMPL), and importing this module is what loads them. Its functions:
 //   cpu_capability()    the instruction set the CPU kernel runs with ("AVX512", "AVX2" or "DEFAULT");
+//   cpu_histogram_counting()  how that kernel counts the exponent histogram, in words;
 //   direct_stats(list)  the CPU or CUDA kernel called on a list of plain tensors without the dispatcher, or None;
 //   direct_histogram_stats(list)  the same for the histogram overload (a plain 4-tuple), or None;
 //   set_stats_type(t)   the NamedTuple direct_stats returns (torch_gradstats.TensorStats);
@@ -27,6 +28,10 @@ namespace {
 
 PyObject* cpu_capability(PyObject* /*self*/, PyObject* /*args*/) {
   return PyUnicode_FromString(torch_gradstats::cpu_kernel_capability());
+}
+
+PyObject* cpu_histogram_counting(PyObject* /*self*/, PyObject* /*args*/) {
+  return PyUnicode_FromString(torch_gradstats::cpu_histogram_counting());
 }
 
 // A tensor that the dispatcher would send to the kernel of its device type as it is: a plain torch.Tensor (no
@@ -268,6 +273,9 @@ PyMethodDef methods[] = {
     {"cpu_capability", cpu_capability, METH_NOARGS,
      "Instruction set of the CPU kernel on this machine: 'AVX512', 'AVX2' or 'DEFAULT' (follows ATen's choice, so "
      "ATEN_CPU_CAPABILITY=default forces the baseline)."},
+    {"cpu_histogram_counting", cpu_histogram_counting, METH_NOARGS,
+     "How the CPU kernel counts the exponent histogram, in words: 16 fields at once where the CPU has GFNI and "
+     "AVX512-BITALG (unless TORCH_GRADSTATS_CPU_GFNI=0), else byte compares, or a table in the baseline kernel."},
     {"direct_stats", direct_stats<false>, METH_O,
      "(sumsq, amax, counts) of a list of plain CPU or CUDA tensors from the compiled kernel of their device type, "
      "called without the dispatcher; None when the list needs the dispatcher (use torch.ops then)."},

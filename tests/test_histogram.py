@@ -105,11 +105,16 @@ def test_cpu_kernel_variant_exact(variant, monkeypatch):
         pytest.skip(f"this CPU cannot run the {capability} kernel")
     if variant.endswith("-compares"):
         monkeypatch.setenv("TORCH_GRADSTATS_CPU_GFNI", "0")
+    counting = {"default": "table", "avx2": "byte compare", "avx512-compares": "byte compare"}.get(variant)
+    if variant == "avx512":  # GFNI where the CPU has it (known where /proc/cpuinfo is)
+        counting = {True: "GFNI", False: "byte compare"}.get(cpu_has_gfni_bitalg(), "")
     out = run_with_capability(
         capability,
         f"""
         from tests.test_histogram import assert_histogram_call_exact, histogram_inputs
+        import torch_gradstats._C as ext
         assert cpu_capability() == {capability.upper()!r}, cpu_capability()
+        assert {counting!r} in ext.cpu_histogram_counting(), ext.cpu_histogram_counting()
         assert_histogram_call_exact(histogram_inputs())
         torch.set_num_threads(1)
         assert_histogram_call_exact(histogram_inputs()[-40:])
@@ -117,6 +122,17 @@ def test_cpu_kernel_variant_exact(variant, monkeypatch):
         """,
     )
     assert out.strip() == "ok"
+
+
+def cpu_has_gfni_bitalg() -> bool | None:
+    """Whether this CPU has GFNI and AVX512-BITALG (the AVX512 kernel then counts 16 fields at once), or None where
+    /proc/cpuinfo cannot tell."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else {"gfni", "avx512_bitalg"} <= set(flags)
 
 
 def test_in_process_exact():  # the compiled kernel where it is loaded, else the fallback

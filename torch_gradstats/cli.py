@@ -130,6 +130,14 @@ def _cpu_capability(ext: object) -> str:
     return f"{query()} (ATEN_CPU_CAPABILITY=default|avx2|avx512 before importing torch to force one)"
 
 
+def _cpu_histogram_counting(ext: object) -> str:
+    """How the compiled CPU kernel counts the exponent histogram (GFNI where the CPU has it)."""
+    query = getattr(ext, "cpu_histogram_counting", None)
+    if query is None:
+        return "n/a (no compiled CPU kernel)"
+    return str(query())
+
+
 def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bool]:
     """The ``info`` report and whether every check in it passed (the exit status of ``info``)."""
     import torch_gradstats
@@ -151,6 +159,7 @@ def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bo
            if torch.cuda.is_available() else ""),
         f"extension        {ext_line}",
         f"instruction set  {_cpu_capability(ext)}",
+        f"CPU histogram    {_cpu_histogram_counting(ext)}",
         f"{_extension.FORCE_FALLBACK_ENV} "
         + (f"set to {forced!r}" + (" (forces the fallback)" if _extension._fallback_forced() else " (ignored)")
            if forced is not None else "not set"),

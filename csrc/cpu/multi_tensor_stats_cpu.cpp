@@ -57,6 +57,7 @@ constexpr unsigned kInlineTensors = 8;              // lists up to this long nee
 struct Kernel {
   cpu::AccumulateFn fn;
   const char* name;
+  const char* histogram_counting;
 };
 
 // The running CPU's features, checked directly as well: ATen trusts ATEN_CPU_CAPABILITY as given.
@@ -86,15 +87,15 @@ Kernel choose_kernel() {
     // plain AVX512 kernel on a CPU with GFNI (to test or compare its byte compares there).
     const char* gfni = std::getenv("TORCH_GRADSTATS_CPU_GFNI");
     if (cpu_has("GFNI") && !(gfni != nullptr && std::string_view(gfni) == "0")) {
-      return {&cpu::AVX512_GFNI::accumulate, "AVX512"};
+      return {&cpu::AVX512_GFNI::accumulate, "AVX512", cpu::AVX512_GFNI::histogram_counting()};
     }
-    return {&cpu::AVX512::accumulate, "AVX512"};
+    return {&cpu::AVX512::accumulate, "AVX512", cpu::AVX512::histogram_counting()};
   }
   if ((aten == "AVX512" || aten == "AVX2") && cpu_has("AVX2")) {
-    return {&cpu::AVX2::accumulate, "AVX2"};
+    return {&cpu::AVX2::accumulate, "AVX2", cpu::AVX2::histogram_counting()};
   }
 #endif
-  return {&cpu::DEFAULT::accumulate, "DEFAULT"};
+  return {&cpu::DEFAULT::accumulate, "DEFAULT", cpu::DEFAULT::histogram_counting()};
 }
 
 const Kernel& kernel() {
@@ -232,6 +233,8 @@ Stats multi_tensor_stats_cpu(const TensorRefs& tensors, at::Tensor* histogram) {
 }
 
 const char* cpu_kernel_capability() { return kernel().name; }
+
+const char* cpu_histogram_counting() { return kernel().histogram_counting; }
 
 TORCH_LIBRARY_IMPL(torch_gradstats, CPU, m) {
   m.impl("multi_tensor_stats",

@@ -44,19 +44,25 @@ struct HistogramRow {
 // the caller runs it with FTZ/DAZ cleared so that the sums do not either.
 using AccumulateFn = Partial (*)(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
 
+// Each instruction-set variant: accumulate(), and how it counts the exponent histogram (histogram_counting(), for
+// `python -m torch_gradstats info`).
 namespace DEFAULT {
 Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
+const char* histogram_counting();
 }
 #if defined(__x86_64__) || defined(_M_X64)
 #define TORCH_GRADSTATS_X86_KERNELS 1
 namespace AVX2 {
 Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
+const char* histogram_counting();
 }
 namespace AVX512 {
 Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
+const char* histogram_counting();
 }
 namespace AVX512_GFNI {  // AVX512 with GFNI and AVX512-BITALG: the histogram counted 16 fields per register
 Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, HistogramRow histogram);
+const char* histogram_counting();
 }
 #endif
 

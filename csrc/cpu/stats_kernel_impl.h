@@ -1039,4 +1039,14 @@ Partial accumulate(c10::ScalarType dtype, const void* data, int64_t n, Histogram
   }
 }
 
+const char* histogram_counting() {
+#if defined(TORCH_GRADSTATS_GFNI)
+  return "16 exponent fields at once (GFNI, AVX512-BITALG), during the next block's read";
+#elif defined(TORCH_GRADSTATS_SIMD)
+  return "one byte compare per exponent field present in a block";
+#else
+  return "one table increment per element";
+#endif
+}
+
 }  // namespace torch_gradstats::cpu::CPU_CAPABILITY
