@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +30,12 @@ def _tool(args: list[str], cwd: Path | None = None) -> str:
 def kernel_description(device: torch.device) -> str:
     key = "CUDA" if device.type == "cuda" else "CPU"
     if torch._C._dispatch_has_kernel_for_dispatch_key(OP_QUALNAME, key):
+        ext: object = sys.modules.get("torch_gradstats._C")
+        capability = getattr(ext, "cpu_capability", None)
+        counting = getattr(ext, "cpu_histogram_counting", None)
+        if key == "CPU" and capability is not None and counting is not None:
+            # which instruction set, and which way of counting the exponent histogram (GFNI or not), ran
+            return f"compiled CPU kernel ({capability()}; histogram: {counting()})"
         return f"compiled {key} kernel"
     return "pure-PyTorch fallback (not the fused kernel)"
 
