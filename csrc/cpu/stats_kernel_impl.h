@@ -351,7 +351,7 @@ class ByteMatches {
 // byte shuffle (bit 7 set, that is d >= 16 or a field above top, gives 0): two shuffles make one-hot bytes of the
 // distances 0-7 and 8-15, an 8x8 bit transpose of each qword (gf2p8affineqb with the identity's bytes as the
 // matrix operand) turns byte j into the set of the qword's 8 elements at distance j (+8), and a byte popcount
-// counts them: 16 fields for 9 instructions per 64 elements, where byte compares take 16.
+// counts them: 16 fields for 10 instructions per 64 elements, where byte compares take a compare and an add each.
 class WindowCounter {
  public:
   WindowCounter() = default;  // counts nothing
