@@ -159,7 +159,7 @@ def info_report(cpp_check_command: Sequence[str] | None = None) -> tuple[str, bo
            if torch.cuda.is_available() else ""),
         f"extension        {ext_line}",
         f"instruction set  {_cpu_capability(ext)}",
-        f"CPU histogram    {_cpu_histogram_counting(ext)}",
+        f"histogram on CPU {_cpu_histogram_counting(ext)}",
         f"{_extension.FORCE_FALLBACK_ENV} "
         + (f"set to {forced!r}" + (" (forces the fallback)" if _extension._fallback_forced() else " (ignored)")
            if forced is not None else "not set"),
