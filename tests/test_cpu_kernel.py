@@ -107,15 +107,25 @@ def test_capability_follows_aten():
     assert cpu_capability() == {"AVX512": "AVX512", "AVX2": "AVX2"}.get(best, "DEFAULT")
 
 
-@pytest.mark.parametrize("variant", ["default", "avx2", "avx512", "avx512-without-gfni"])
-def test_variant_matches_reference(variant, monkeypatch):
-    # "avx512-without-gfni": on a CPU with GFNI and AVX512-BITALG the op runs a second build of the AVX512 kernel
-    # (stats_kernel_avx512_gfni.cpp); TORCH_GRADSTATS_CPU_GFNI=0 runs the other one, which older AVX512 CPUs get.
+#: The kernel variants a test runs in subprocesses. "avx512-without-gfni": on a CPU with GFNI and AVX512-BITALG the
+#: op runs a second build of the AVX512 kernel (stats_kernel_avx512_gfni.cpp); TORCH_GRADSTATS_CPU_GFNI=0 runs the
+#: other one, which older AVX512 CPUs get.
+VARIANTS = ["default", "avx2", "avx512", "avx512-without-gfni"]
+
+
+def variant_capability(variant: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The ATEN_CPU_CAPABILITY of a VARIANTS entry, with its environment set (skips where the CPU cannot run it)."""
     capability = variant.split("-")[0]
     if capability not in supported_variants():
         pytest.skip(f"this CPU cannot run the {capability} kernel")
     if variant.endswith("-without-gfni"):
         monkeypatch.setenv("TORCH_GRADSTATS_CPU_GFNI", "0")
+    return capability
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_reference(variant, monkeypatch):
+    capability = variant_capability(variant, monkeypatch)
     out = run_with_capability(
         capability,
         f"""

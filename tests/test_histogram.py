@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_gradstats
-from tests.test_cpu_kernel import run_with_capability, special_inputs, supported_variants
+from tests.test_cpu_kernel import VARIANTS, run_with_capability, special_inputs, variant_capability
 from torch_gradstats.fallback_histogram import fallback_multi_tensor_stats_histogram
 from torch_gradstats.ops import (
     HISTOGRAM_BUCKETS,
@@ -96,16 +96,11 @@ def test_reference_matches_numpy():
 
 
 @pytest.mark.skipif(not torch_gradstats.HAS_EXTENSION, reason="compiled extension not loaded")
-@pytest.mark.parametrize("variant", ["default", "avx2", "avx512", "avx512-compares"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_cpu_kernel_variant_exact(variant, monkeypatch):
-    # "avx512-compares": the AVX512 kernel with its GFNI/BITALG counting turned off (TORCH_GRADSTATS_CPU_GFNI=0), so
-    # that on a CPU with those features both ways of counting are checked.
-    capability = variant.split("-")[0]
-    if capability not in supported_variants():
-        pytest.skip(f"this CPU cannot run the {capability} kernel")
-    if variant.endswith("-compares"):
-        monkeypatch.setenv("TORCH_GRADSTATS_CPU_GFNI", "0")
-    counting = {"default": "table", "avx2": "byte compare", "avx512-compares": "byte compare"}.get(variant)
+    # On a CPU with GFNI and AVX512-BITALG, "avx512-without-gfni" checks the AVX512 kernel's byte compares too.
+    capability = variant_capability(variant, monkeypatch)
+    counting = {"default": "table", "avx2": "byte compare", "avx512-without-gfni": "byte compare"}.get(variant)
     if variant == "avx512":  # GFNI where the CPU has it (known where /proc/cpuinfo is)
         counting = {True: "GFNI", False: "byte compare"}.get(cpu_has_gfni_bitalg(), "")
     out = run_with_capability(
