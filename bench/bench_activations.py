@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 import torch_gradstats
-from torch_gradstats.activations import ActivationWatch
 from torch_gradstats.bench import machine_description
+from torch_gradstats.monitors.activations import ActivationWatch
 
 VOCAB, D_MODEL, N_LAYER, N_HEAD, SEQ, BATCH = 2048, 128, 4, 4, 64, 16
 

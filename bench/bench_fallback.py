@@ -3,9 +3,9 @@
 Three contenders on the same inputs, timed in interleaved rounds (median of the rounds):
 
 * ``compiled``: the fused CPU kernel (``torch.ops.torch_gradstats.multi_tensor_stats``; needs the extension);
-* ``fallback``: :func:`torch_gradstats.fallback.fallback_multi_tensor_stats`, what every device without a compiled
+* ``fallback``: :func:`torch_gradstats.ops.fallback.fallback_multi_tensor_stats`, what every device without a compiled
   kernel runs;
-* ``old fallback``: :func:`torch_gradstats.ops.reference_multi_tensor_stats`, the float64 reference, which is
+* ``old fallback``: :func:`torch_gradstats.ops.op.reference_multi_tensor_stats`, the float64 reference, which is
   what the fallback was before (a whole float64 copy of each tensor, a dozen ops per tensor).
 
 Workloads: 1,000 float32 tensors of 65,536 elements (256 MiB), 200,000 tiny float32 tensors of 1 to 16 elements,
@@ -35,8 +35,8 @@ import torch
 
 import torch_gradstats
 from torch_gradstats.bench.timing import peak_allocated_bytes
-from torch_gradstats.fallback import fallback_multi_tensor_stats, release_workspace
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.ops.fallback import fallback_multi_tensor_stats, release_workspace
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 Kernel = Callable[[list[torch.Tensor]], object]
 

@@ -50,7 +50,7 @@ from torch import nn
 
 import torch_gradstats
 from torch_gradstats.bench import machine_description, original_collector
-from torch_gradstats.stats import grad_stats
+from torch_gradstats.stats.gradients import grad_stats
 
 #: vocab, d_model, layers, heads, sequence, batch, bf16 autocast, output layer bias
 MODELS: dict[str, dict] = {

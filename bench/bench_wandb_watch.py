@@ -48,8 +48,8 @@ import torch
 
 import torch_gradstats
 from torch_gradstats.bench import machine_description, spread
-from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations.wandb import WandbSink, exponent_histogram
+from torch_gradstats.stats.exponents import ExponentHistogram
 
 WANDB_WATCH, GRAD_STATS, SINK = "wandb_watch", "grad_stats", "grad_stats_sink"
 

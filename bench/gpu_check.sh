@@ -246,7 +246,7 @@ CASE="$STEPS/sanitizer_case.py"
 cat >"$CASE" <<'EOF_CASE'
 import os
 import torch, torch_gradstats
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 dts = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 base = [torch.randn(70_001, device="cuda").to(dt) for dt in dts]
 ts = [b[1:] for b in base] + [b[3:10] for b in base] + [torch.empty(0, device="cuda"), torch.randn(5, 7, device="cuda").t()]

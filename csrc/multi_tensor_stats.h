@@ -1,7 +1,7 @@
 // The op every layer relies on: torch_gradstats::multi_tensor_stats(Tensor[] tensors)
 //   -> (Tensor sumsq, Tensor amax, Tensor counts)
 // and its overload multi_tensor_stats.histogram, which returns exponent_histogram as well, from the same read.
-// The schema is defined in Python (torch_gradstats/ops.py); each backend registers its kernel with
+// The schema is defined in Python (torch_gradstats/ops/op.py); each backend registers its kernel with
 // TORCH_LIBRARY_IMPL in its own source file. See docs/design.md for the contract.
 #pragma once
 

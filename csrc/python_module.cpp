@@ -83,7 +83,7 @@ class ListItems {
   c10::SmallVector<PyObject*, 8> items_;
 };
 
-// The type direct_stats returns: torch_gradstats.TensorStats once set_stats_type has been called (ops.py does, on
+// The type direct_stats returns: torch_gradstats.TensorStats once set_stats_type has been called (ops/op.py does, on
 // import), a plain tuple before. Built here rather than from a returned tuple in Python: that costs as much host time
 // as a call's whole kernel on a short list.
 PyTypeObject* g_stats_type = &PyTuple_Type;

@@ -80,8 +80,8 @@ print("[check_cuda_build]   negative control ok: fallback only -> no CUDA kernel
 EOF
 "$PY" - <<'EOF'
 import torch, torch_gradstats
-from torch_gradstats.ops import reference_multi_tensor_stats
-from torch_gradstats._extension import EXTENSION_ERROR
+from torch_gradstats.ops.op import reference_multi_tensor_stats
+from torch_gradstats.ops._extension import EXTENSION_ERROR
 assert torch_gradstats.HAS_EXTENSION, f"extension did not load: {EXTENSION_ERROR}"
 op = "torch_gradstats::multi_tensor_stats"
 assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), "no CUDA kernel registered"

@@ -109,7 +109,7 @@ if [ "$pip_status" != 0 ]; then
 fi
 "$PY" -I -c "
 import torch_gradstats as tg
-from torch_gradstats._extension import EXTENSION_ERROR
+from torch_gradstats.ops._extension import EXTENSION_ERROR
 assert tg.HAS_EXTENSION, f'built, but the extension does not load: {EXTENSION_ERROR}'
 " || die "see above (build log: $VENV/build.log)"
 echo "$KEY" >"$STAMP"

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
 from torch_gradstats.compat import deepspeed, megatron, torchtitan
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 NORMS = (2.0, 1.0, math.inf, 3.0)
 

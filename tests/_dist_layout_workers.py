@@ -15,10 +15,10 @@ import torch.distributed as dist
 from _dist_workers import _check_report_equal, _params_with_grads, _seq
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
-from torch_gradstats.stats import grad_stats
+from torch_gradstats.stats.gradients import grad_stats
 
 try:
-    from torch_gradstats.distributed import is_logging_rank
+    from torch_gradstats.distributed.reduce import is_logging_rank
 except ImportError:  # the logging rank is not there yet
     is_logging_rank = None  # type: ignore[assignment]
 
@@ -111,8 +111,8 @@ def rank_without_gradients(rank: int, world: int) -> None:
 def irreconcilable_layouts(rank: int, world: int) -> None:
     """The same name with different dtypes raises the same ValueError on every rank, naming it; no hang, and the
     group works afterwards. Unnamed gradients (reduce_across_ranks without names) must match exactly."""
-    from torch_gradstats.distributed import reduce_across_ranks
-    from torch_gradstats.ops import multi_tensor_stats
+    from torch_gradstats.distributed.reduce import reduce_across_ranks
+    from torch_gradstats.ops.op import multi_tensor_stats
 
     pg = dist.group.WORLD
     full = _full(3, ["ok", "w"])

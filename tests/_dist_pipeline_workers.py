@@ -22,15 +22,15 @@ from _dist_layout_workers import _full, _params, _reference, _shard_flat
 from _dist_workers import RTOL, _seq
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
-from torch_gradstats.clip import clip_grad_norm_
-from torch_gradstats.distributed import reduce_across_ranks
+from torch_gradstats.distributed.reduce import reduce_across_ranks
 from torch_gradstats.integrations import CSVSink, JSONLSink
 from torch_gradstats.integrations._common import logs_here
 from torch_gradstats.integrations.mlflow import MLflowSink
 from torch_gradstats.integrations.tensorboard import TensorBoardSink
 from torch_gradstats.integrations.wandb import WandbSink
-from torch_gradstats.ops import multi_tensor_stats
-from torch_gradstats.stats import grad_stats
+from torch_gradstats.ops.op import multi_tensor_stats
+from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.stats.gradients import grad_stats
 
 _HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None  # the integrations extra
 _HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None

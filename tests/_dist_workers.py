@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 
-from torch_gradstats.distributed import reduce_across_ranks
-from torch_gradstats.ops import INF, NAN, multi_tensor_stats
+from torch_gradstats.distributed.reduce import reduce_across_ranks
+from torch_gradstats.ops.op import INF, NAN, multi_tensor_stats
 
 try:
-    from torch_gradstats.stats import grad_stats
+    from torch_gradstats.stats.gradients import grad_stats
 except ImportError:  # the Python layer is not there yet
     grad_stats = None  # type: ignore[assignment]
 
@@ -155,7 +155,7 @@ def plain_uneven_shards(rank: int, world: int) -> None:
 def plain_uneven_grad_stats(rank: int, world: int) -> str | None:
     """The same, end to end through grad_stats(group=...): the report equals the single-process one."""
     if grad_stats is None:
-        return "skip: torch_gradstats.stats.grad_stats not available"
+        return "skip: torch_gradstats.stats.gradients.grad_stats not available"
     full = _test_tensors(torch.Generator().manual_seed(2))
     names = ["a", "b", "c"]
     local = [_shard_flat(t, rank, world) for t in full]
@@ -173,7 +173,7 @@ def plain_uneven_grad_stats(rank: int, world: int) -> str | None:
 def plain_group_numel(rank: int, world: int) -> str | None:
     """grad_stats(group=...) reports the logical numel of plain sharded tensors (it travels in the SUM collective)."""
     if grad_stats is None:
-        return "skip: torch_gradstats.stats.grad_stats not available"
+        return "skip: torch_gradstats.stats.gradients.grad_stats not available"
     full = _test_tensors(torch.Generator().manual_seed(3))
     local = [_shard_flat(t, rank, world) for t in full]
     stats = grad_stats(_params_with_grads(list(zip("abc", local))), group=dist.group.WORLD)
@@ -347,7 +347,7 @@ def nan_on_one_rank(rank: int, world: int) -> None:
 def ddp_no_collective(rank: int, world: int) -> str | None:
     """DDP-wrapped model: grad_stats without a group equals the single-process report and issues no collective."""
     if grad_stats is None:
-        return "skip: torch_gradstats.stats.grad_stats not available"
+        return "skip: torch_gradstats.stats.gradients.grad_stats not available"
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(8)
@@ -392,9 +392,9 @@ def ddp_no_collective(rank: int, world: int) -> str | None:
 def clip_dtensor(rank: int, world: int) -> str | None:
     """clip_grad_norm_ on DTensor gradients clips by the global norm, like torch.nn.utils.clip_grad_norm_."""
     try:
-        from torch_gradstats.clip import clip_grad_norm_
+        from torch_gradstats.policies.clip import clip_grad_norm_
     except ImportError:
-        return "skip: torch_gradstats.clip not available"
+        return "skip: torch_gradstats.policies.clip not available"
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(11)
     full = [torch.randn(world + 1, 3, generator=gen), torch.randn(4, generator=gen)]
@@ -423,7 +423,7 @@ def clip_dtensor(rank: int, world: int) -> str | None:
 def fsdp2_model(rank: int, world: int) -> str | None:
     """FSDP2 (fully_shard) on CPU: grad_stats of the sharded model equals the single-process full-batch report."""
     if grad_stats is None:
-        return "skip: torch_gradstats.stats.grad_stats not available"
+        return "skip: torch_gradstats.stats.gradients.grad_stats not available"
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:

@@ -14,11 +14,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from torch_gradstats.distributed import reduce_across_ranks
-from torch_gradstats.groups import group_stats
-from torch_gradstats.ops import multi_tensor_stats
-from torch_gradstats.stats import grad_stats
-from torch_gradstats.updates import grad_and_weight_stats
+from torch_gradstats.distributed.reduce import reduce_across_ranks
+from torch_gradstats.monitors.updates import grad_and_weight_stats
+from torch_gradstats.ops.op import multi_tensor_stats
+from torch_gradstats.stats.gradients import grad_stats
+from torch_gradstats.stats.groups import group_stats
 
 NAMES = ["embed.weight", "layers.0.mlp.0.weight", "layers.0.mlp.2.bias", "layers.1.attn.weight", "lm_head.weight"]
 SHAPES = [(7, 3), (5, 4), (6,), (4, 4), (3, 7)]

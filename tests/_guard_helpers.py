@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-import torch_gradstats.fallback
+import torch_gradstats.ops.fallback
 
 KINDS = ["noise", "trend", "rising", "spikes", "plateaus", "nonfinite", "mixed"]
 
@@ -56,7 +56,7 @@ def forbid_host_reads() -> Iterator[None]:
     ``cpu``, ...) raises inside this context. The pure-PyTorch kernel is told it is on another device: on the CPU it
     reads a batch's min/max |x| (no sync there), elsewhere it reads nothing."""
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-    branches = torch_gradstats.fallback._branches_on_host
+    branches = torch_gradstats.ops.fallback._branches_on_host
 
     def raiser(name: str):  # type: ignore[no-untyped-def]
         def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -67,9 +67,9 @@ def forbid_host_reads() -> Iterator[None]:
     try:
         for name in HOST_READS:
             setattr(torch.Tensor, name, raiser(name))
-        torch_gradstats.fallback._branches_on_host = lambda device: False
+        torch_gradstats.ops.fallback._branches_on_host = lambda device: False
         yield
     finally:
-        torch_gradstats.fallback._branches_on_host = branches
+        torch_gradstats.ops.fallback._branches_on_host = branches
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)

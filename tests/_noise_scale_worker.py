@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torch_gradstats.noise_scale import NoiseScale, noise_scale_hook
+from torch_gradstats.monitors.noise_scale import NoiseScale, noise_scale_hook
 
 PIECES = 4  # parameters, hence buckets with a tiny bucket_cap_mb
 PIECE = 256
@@ -164,7 +164,7 @@ def refusing_host_reads(calls: list[str]) -> Iterator[None]:
     def refuse(name: str) -> Any:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1).f_globals.get("__name__")
-            if caller == "torch_gradstats.fallback" and self.device.type == "cpu":
+            if caller == "torch_gradstats.ops.fallback" and self.device.type == "cpu":
                 return saved[name](self, *args, **kwargs)
             calls.append(f"Tensor.{name}() from {caller}")
             raise RuntimeError(f"host read: Tensor.{name}() from {caller}")

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_gradstats import fallback
-from torch_gradstats.activations import ActivationReport, ActivationWatch
+from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.ops import fallback
 
 # PyTorch's note when a watched module's inputs need no gradient (the first layer): its backward hook sees grad_output.
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
@@ -650,7 +650,7 @@ def test_a_tensor_is_read_once_per_step_unless_changed_in_place():
 
 
 def test_report_is_one_transfer(monkeypatch):
-    from torch_gradstats import _transfer
+    from torch_gradstats.ops import _transfer
 
     calls = []
     real = _transfer.fetch

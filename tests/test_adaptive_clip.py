@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import torch_gradstats.adaptive_clip as adaptive_clip_mod
-import torch_gradstats.clip as clip_mod
+import torch_gradstats.policies.adaptive_clip as adaptive_clip_mod
+import torch_gradstats.policies.clip as clip_mod
 from torch_gradstats import AdaptiveClip, clip_grad_norm_, grad_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

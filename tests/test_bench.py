@@ -20,8 +20,8 @@ import torch
 from torch_gradstats import bench
 from torch_gradstats.bench.contenders import COMPILED, check_contender
 from torch_gradstats.bench.main import COUNT_CONTENDERS
-from torch_gradstats.cli import main as cli_main
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.cli.main import main as cli_main
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN = float("nan")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import torch_gradstats
-from torch_gradstats.cli import main
-from torch_gradstats.demo import make_model
+from torch_gradstats.cli.demo import make_model
+from torch_gradstats.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_bench_bad_threads_is_one_line_on_stderr(capsys):
 
 
 def test_info_checks_the_cpp_error_path():
-    from torch_gradstats.cli import check_cpp_errors, info_report
+    from torch_gradstats.cli.main import check_cpp_errors, info_report
 
     text, ok = info_report()
     assert ok
@@ -153,7 +153,7 @@ def test_info_checks_the_cpp_error_path():
 def test_info_reports_a_child_killed_by_a_signal():
     """The crash branch, with a child that really dies by SIGSEGV (a stand-in for an extension whose C++
     exceptions crash), passed through the check's command parameter."""
-    from torch_gradstats.cli import check_cpp_errors, info_report
+    from torch_gradstats.cli.main import check_cpp_errors, info_report
 
     dies = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
     ok, msg = check_cpp_errors(dies)

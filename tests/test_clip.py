@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_gradstats.clip import clip_grad_norm_
-from torch_gradstats.stats import GradStats, grad_stats
+from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.stats.gradients import GradStats, grad_stats
 
 try:
     from test_stats import count_host_reads

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import torch_gradstats._params as params_mod
-from torch_gradstats import collector as C
+import torch_gradstats.stats._params as params_mod
+from torch_gradstats.compat import collector as C
 
 try:
     from test_stats import count_host_reads

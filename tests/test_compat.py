@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import torch_gradstats.compat.shards as shards_module
-import torch_gradstats.fallback
+import torch_gradstats.ops.fallback
 from torch_gradstats.compat import deepspeed, megatron, torchtitan
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _compat_dist_worker
@@ -59,7 +59,7 @@ def _ref_norm(params: list[nn.Parameter], p: float) -> float:
 def no_host_sync(monkeypatch):
     """Every way of reading a tensor into Python raises inside the test body. The pure-PyTorch kernel reads a CPU
     batch's min/max |x| (no sync on the CPU); it is told it is elsewhere, so it runs its sync-free path."""
-    monkeypatch.setattr(torch_gradstats.fallback, "_branches_on_host", lambda device: False)
+    monkeypatch.setattr(torch_gradstats.ops.fallback, "_branches_on_host", lambda device: False)
 
     def forbid(name):
         def raiser(*args, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_gradstats
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 OP = torch.ops.torch_gradstats.multi_tensor_stats.default
 

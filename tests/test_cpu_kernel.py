@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import torch_gradstats
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 pytestmark = pytest.mark.skipif(not torch_gradstats.HAS_EXTENSION, reason="compiled extension not loaded")
 op = torch.ops.torch_gradstats.multi_tensor_stats.default

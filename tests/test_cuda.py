@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torch_gradstats
-from torch_gradstats.ops import INF, NAN, ZERO, reference_multi_tensor_stats
+from torch_gradstats.ops.op import INF, NAN, ZERO, reference_multi_tensor_stats
 
 pytestmark = [
     pytest.mark.cuda,

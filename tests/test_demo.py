@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from torch_gradstats import demo
+from torch_gradstats.cli import demo
 from torch_gradstats.training import format_epoch_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,7 +273,7 @@ def test_layer_figure_is_written_and_draws_each_layers_norm(tmp_path: Path) -> N
     import numpy as np
     from matplotlib.image import imread
 
-    from torch_gradstats._demo_figure import layer_figure
+    from torch_gradstats.cli._demo_figure import layer_figure
 
     result = demo.run(steps=30, inject_nan=20, out=tmp_path, progress=False, plot=True)
     assert result.layer_plot == tmp_path / "layers.png"
@@ -306,8 +306,8 @@ def test_exponent_figure_is_written_from_each_steps_histogram(tmp_path: Path) ->
     pytest.importorskip("matplotlib")
     import numpy as np
 
-    from torch_gradstats._demo_figure import exponent_figure
-    from torch_gradstats.ops import HISTOGRAM_BUCKETS
+    from torch_gradstats.cli._demo_figure import exponent_figure
+    from torch_gradstats.ops.op import HISTOGRAM_BUCKETS
 
     result = demo.run(steps=12, inject_nan=5, out=tmp_path, progress=False, plot=True)
     assert result.exponent_plot == tmp_path / "exponents.png"

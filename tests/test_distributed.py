@@ -1,4 +1,4 @@
-"""Global gradient statistics across ranks (torch_gradstats.distributed), on CPU with gloo, 2 and 4 ranks.
+"""Global gradient statistics across ranks (torch_gradstats.distributed.reduce), on CPU with gloo, 2 and 4 ranks.
 
 One spawn per world size runs every scenario of tests/_dist_workers.py (process start-up dominates the cost, so the
 checks are grouped); each scenario is then reported by its own test. Children start from a forkserver that has
@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from torch_gradstats.distributed import ReducedStats, reduce_across_ranks
-from torch_gradstats.ops import multi_tensor_stats
+from torch_gradstats.distributed.reduce import ReducedStats, reduce_across_ranks
+from torch_gradstats.ops.op import multi_tensor_stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dist_workers

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import torch_gradstats as tg
-from torch_gradstats import collector as C
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.compat import collector as C
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 from torch_gradstats.training import Trainer
 
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import torch_gradstats as tg
-from torch_gradstats import stats as stats_module
-from torch_gradstats.exponents import FORMATS, ExponentHistogram
-from torch_gradstats.ops import HISTOGRAM_BUCKETS, HISTOGRAM_MIN_EXPONENT
+from torch_gradstats.ops.op import HISTOGRAM_BUCKETS, HISTOGRAM_MIN_EXPONENT
+from torch_gradstats.stats import gradients as stats_module
+from torch_gradstats.stats.exponents import FORMATS, ExponentHistogram
 
 
 def _model_with_grads(seed: int = 0) -> nn.Module:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import torch_gradstats as tg
-from torch_gradstats.fallback import fallback_multi_tensor_stats
-from torch_gradstats.ops import TensorStats, reference_multi_tensor_stats
+from torch_gradstats.ops.fallback import fallback_multi_tensor_stats
+from torch_gradstats.ops.op import TensorStats, reference_multi_tensor_stats
 
 RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -139,7 +139,7 @@ def test_eight_threads_at_once_each_get_their_own_results():
 
 _RSS_CHILD = r"""
 import gc, sys, torch
-from torch_gradstats.fallback import fallback_multi_tensor_stats, release_workspace
+from torch_gradstats.ops.fallback import fallback_multi_tensor_stats, release_workspace
 
 def status():
     out = {}

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_gradstats as tg
-from torch_gradstats.groups import GroupStats, group_names, group_stats
-from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
+from torch_gradstats.monitors.updates import UpdateRatio, grad_and_weight_stats
+from torch_gradstats.stats.groups import GroupStats, group_names, group_stats
 
 
 class Tiny(nn.Module):
@@ -272,7 +272,7 @@ def test_two_ranks_group_the_reduced_figures_without_a_collective(tmp_path) -> N
 
 # ------------------------------------------------------------------------------------ in the report's transfer
 def _count_fetches(monkeypatch) -> list[int]:
-    from torch_gradstats import _transfer
+    from torch_gradstats.ops import _transfer
 
     calls: list[int] = []
     real = _transfer.fetch

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_gradstats.health import HealthPolicy
+from torch_gradstats.stats.health import HealthPolicy
 
 INF, NAN = math.inf, math.nan
 
@@ -194,7 +194,7 @@ def test_infinite_thresholds_are_accepted_with_plain_comparison_semantics(inf):
 
 def test_infinite_threshold_through_the_collector_as_in_the_original():
     """The original collector accepted inf thresholds; the drop-in replacement does too."""
-    from torch_gradstats.collector import SeedGradientCollector, materialize_grad_stats
+    from torch_gradstats.compat.collector import SeedGradientCollector, materialize_grad_stats
 
     model = torch.nn.Linear(4, 4)
     (model(torch.randn(8, 4)) * 1e6).sum().backward()  # norms far above the default exploding threshold

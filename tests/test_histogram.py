@@ -10,8 +10,8 @@ import torch
 
 import torch_gradstats
 from tests.test_cpu_kernel import VARIANTS, run_with_capability, special_inputs, variant_capability
-from torch_gradstats.fallback_histogram import fallback_multi_tensor_stats_histogram
-from torch_gradstats.ops import (
+from torch_gradstats.ops.fallback_histogram import fallback_multi_tensor_stats_histogram
+from torch_gradstats.ops.op import (
     HISTOGRAM_BUCKETS,
     HISTOGRAM_MIN_EXPONENT,
     HistogramStats,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import torch_gradstats as tg
-from torch_gradstats.exponents import FORMATS, ExponentHistogram, FloatFormat
-from torch_gradstats.fallback import fallback_multi_tensor_stats
-from torch_gradstats.fallback_histogram import fallback_multi_tensor_stats_histogram
-from torch_gradstats.ops import HISTOGRAM_BUCKETS, HISTOGRAM_MIN_EXPONENT
+from torch_gradstats.ops.fallback import fallback_multi_tensor_stats
+from torch_gradstats.ops.fallback_histogram import fallback_multi_tensor_stats_histogram
+from torch_gradstats.ops.op import HISTOGRAM_BUCKETS, HISTOGRAM_MIN_EXPONENT
+from torch_gradstats.stats.exponents import FORMATS, ExponentHistogram, FloatFormat
 
 _INT_DTYPES = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 _MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}

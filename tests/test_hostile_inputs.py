@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import torch_gradstats as tg
-from torch_gradstats import collector
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.compat import collector
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 warnings.filterwarnings("ignore", message=".*nested tensors is in prototype.*")
 warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
@@ -252,7 +252,7 @@ def test_a_non_tensor_grad_is_named():
 # ---------------------------------------------------------------------------------------------- crashes, in a child
 _FREED_CHILD = """
 import math, torch, torch_gradstats as tg
-from torch_gradstats import collector
+from torch_gradstats.compat import collector
 def bad_param(kept):
     p = torch.nn.Parameter(torch.zeros(1000))
     g = torch.ones(1000)

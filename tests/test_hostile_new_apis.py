@@ -223,7 +223,7 @@ def test_torchtitan_clip_still_takes_a_tensor_max_norm_and_inf() -> None:
 # ------------------------------------------------------------------------------------------- meta tensors
 def test_activation_watch_report_of_a_meta_model_is_a_value_error() -> None:
     # It used to fail inside the host transfer with NotImplementedError("Cannot copy out of meta tensor").
-    from torch_gradstats.activations import ActivationWatch
+    from torch_gradstats.monitors.activations import ActivationWatch
 
     model = torch.nn.Linear(2, 2, device="meta")
     with ActivationWatch(model) as watch:
@@ -309,7 +309,7 @@ def test_is_logging_rank_rank_argument() -> None:
     # A negative rank used to answer True (torch.distributed not initialized); a numpy int was a TypeError.
     import numpy as np
 
-    from torch_gradstats.distributed import is_logging_rank
+    from torch_gradstats.distributed.reduce import is_logging_rank
 
     with pytest.raises(ValueError, match="rank must be a global rank >= 0"):
         is_logging_rank(rank=-1)

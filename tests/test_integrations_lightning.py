@@ -187,7 +187,7 @@ def test_host_syncs_only_when_logging_or_checking(tmp_path: Path, on_nonfinite: 
     if on_nonfinite is None:
         assert counts["check"] == 0 and counts["reads"] == 0  # nothing else reads the device
     else:
-        # One check on each non-logging step, a one-value transfer through torch_gradstats._transfer (no .item()).
+        # One check on each non-logging step, a one-value transfer through torch_gradstats.ops._transfer (no .item()).
         assert counts["check"] == 4 and counts["reads"] == 0
 
 

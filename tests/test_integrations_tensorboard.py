@@ -16,7 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 import torch_gradstats as tg
 from torch_gradstats.integrations import GradSink, metrics
 from torch_gradstats.integrations.tensorboard import TensorBoardSink
-from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
+from torch_gradstats.monitors.updates import UpdateRatio, grad_and_weight_stats
 
 
 def _events(logdir: Path) -> EventAccumulator:
@@ -91,7 +91,7 @@ def test_sink_with_update_report(tmp_path: Path) -> None:
 
 
 def test_demo_writes_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from torch_gradstats import demo
+    from torch_gradstats.cli import demo
 
     tb = tmp_path / "tb"
     code = demo.main(["--steps", "6", "--inject-nan", "3", "--out", str(tmp_path / "out"), "--no-plot",

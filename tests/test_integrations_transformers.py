@@ -174,7 +174,7 @@ def test_host_syncs_only_on_logging_steps(tmp_path: Path, on_nonfinite: str | No
     if on_nonfinite is None:
         assert counts["check"] == 0 and counts["reads"] == 0
     else:
-        # One check per optimizer step, each a one-value transfer through torch_gradstats._transfer (no .item()).
+        # One check per optimizer step, each a one-value transfer through torch_gradstats.ops._transfer (no .item()).
         assert counts["check"] == 6 and counts["reads"] == 0
 
 

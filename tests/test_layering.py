@@ -1,11 +1,14 @@
-"""The package's import structure: no import cycles, each module imports only layers below it, no private names
-imported across modules. Read from the source with ``ast`` (imports inside functions count too), nothing is run.
+"""The package's import structure, read from the source with ``ast`` (imports inside functions and under
+``TYPE_CHECKING`` count too); nothing is run.
 
-The layers (docs/design.md), bottom up: the input checks, the transfer module and the library loader; the
-pure-PyTorch fallback; the op; health and the cross-rank reduction; the host-side report; the device-side
-statistics; their users (clip, collector, updates); the Trainer; the integrations; and at the top the entry points
-(cli, demo, bench, the package's ``__init__``). A module not listed here counts as an entry point: it may
-import anything, and nothing listed may import it.
+Each folder of ``torch_gradstats/`` is a floor (docs/design.md), bottom up: ``ops`` (the op, its kernels' loader,
+the fallback, the checks, the one host transfer), ``distributed`` (figures across ranks), ``stats`` (statistics with
+names, reports, groups, health), ``policies`` (clipping, the spike guard, adaptive clipping), ``monitors`` and
+``compat`` (beside each other: activations, update ratios, noise scale; drop-ins for other frameworks),
+``training``, ``integrations``, ``cli``; then the package's own modules (its ``__init__``, which only re-exports, and
+the documented module paths kept at the top); ``bench`` last. A module imports only floors below its own, or modules
+of its own folder; importing ``a.b.c`` runs the ``__init__`` of ``a.b`` too, so that counts as an import of it, and
+there is no import cycle, not even through an ``__init__``.
 """
 
 from __future__ import annotations
@@ -20,56 +23,36 @@ _SPEC = importlib.util.find_spec(PACKAGE)
 assert _SPEC is not None and _SPEC.submodule_search_locations, f"{PACKAGE} is not importable"
 ROOT = Path(next(iter(_SPEC.submodule_search_locations)))
 
-LAYERS = {
-    "torch_gradstats._extension": 0,
-    "torch_gradstats._transfer": 0,
-    "torch_gradstats._checks": 0,
-    "torch_gradstats._pieces": 0,  # how the pure-PyTorch kernels cut tensors into pieces
-    "torch_gradstats._fallback_workspace": 0.5,  # the fallback's per-thread buffers
-    "torch_gradstats.fallback": 1,
-    "torch_gradstats.fallback_histogram": 1.5,  # the histogram overload's fallback, built on the pieces of fallback
-    "torch_gradstats.ops": 2,
-    "torch_gradstats.health": 3,
-    "torch_gradstats._layout": 0,
-    "torch_gradstats._reduce_plan": 2.5,  # what distributed reduces over which group (DTensor planning)
-    "torch_gradstats.distributed": 3,
-    "torch_gradstats._scalars": 3,
-    "torch_gradstats.exponents": 3,  # the host-side exponent histogram that reports hold
-    "torch_gradstats.report": 4,
-    "torch_gradstats.groups": 4.5,  # per-group figures from per-parameter ones; GradStats.grouped delegates here
-    "torch_gradstats._params": 4.8,  # the walk over parameters that stats and its users share
-    "torch_gradstats.stats": 5,
-    "torch_gradstats.activations": 5,  # and every module of the activations package
-    "torch_gradstats.clip": 6,
-    "torch_gradstats.compat": 6.5,  # drop-ins that read like stats.py and scale through clip.py
-    "torch_gradstats.collector": 6,
-    "torch_gradstats.updates": 6,
-    "torch_gradstats.noise_scale": 6,
-    "torch_gradstats.guard": 6,
-    "torch_gradstats.adaptive_clip": 6.5,  # a policy like guard, that clips through clip
-    "torch_gradstats.training": 7,  # and every module of the training package
-    "torch_gradstats.integrations": 8,  # and every module of the integrations package
+#: The floor of each folder; "" is the package's own top-level modules.
+FLOORS = {
+    "ops": 0,
+    "distributed": 1,
+    "stats": 2,
+    "policies": 3,
+    "monitors": 4,
+    "compat": 4,
+    "training": 5,
+    "integrations": 6,
+    "cli": 7,
+    "": 8,
+    "bench": 9,
 }
-TOP = 100  # entry points: anything not listed
-#: Modules of one package may import each other (cycles are still forbidden).
-SAME_LAYER_OK = {
-    "torch_gradstats.training",
-    "torch_gradstats.integrations",
-    "torch_gradstats.activations",
-    "torch_gradstats.compat",
-}
+MAX_TOP_LEVEL_FILES = 8
+MAX_MODULE_LINES = 600
 
 #: Private names one module may import from another, with the reason. None today: what several modules share is
-#: public in the module that owns it (the walk over parameters is torch_gradstats._params's).
+#: public in the module that owns it (the walk over parameters is torch_gradstats.stats._params's).
 ALLOWED_PRIVATE: set[tuple[str, str]] = set()
 
-#: Host reads outside torch_gradstats._transfer, with the reason they are not on a per-step path.
+#: Host reads outside torch_gradstats.ops._transfer, with the reason they are not on a per-step path.
 ALLOWED_HOST_READS = {
     # A HealthPolicy field given as a one-element tensor is read once, when the policy is built.
-    ("torch_gradstats.health", "item"),
+    ("torch_gradstats.stats.health", "item"),
     # The fallback reads a batch's min/max |x| only where the batch is on the CPU: no transfer, no sync.
-    ("torch_gradstats.fallback", "tolist"),
+    ("torch_gradstats.ops.fallback", "tolist"),
 }
+#: Floors whose modules may read the host freely: the entry points, not a per-step path.
+HOST_READ_FREE_FLOORS = {"cli", "", "bench"}
 
 
 def _modules() -> dict[str, Path]:
@@ -79,7 +62,7 @@ def _modules() -> dict[str, Path]:
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
-    assert f"{PACKAGE}.ops" in out, f"no package sources under {ROOT}"  # never check an empty tree
+    assert f"{PACKAGE}.ops.op" in out, f"no package sources under {ROOT}"  # never check an empty tree
     return out
 
 
@@ -113,24 +96,39 @@ def _imports(name: str, modules: dict[str, Path]) -> list[tuple[str, str | None,
     return found
 
 
-def _layer(name: str) -> int:
-    for prefix, layer in LAYERS.items():
-        if name == prefix or name.startswith(prefix + "."):
-            return layer
-    return TOP
+def _folder(name: str) -> str:
+    """The top-level folder a module lives in ("" for the package's own modules)."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return ""
+    return parts[1] if (ROOT / parts[1]).is_dir() else ""
 
 
-def _group(name: str) -> str | None:
-    return next((g for g in SAME_LAYER_OK if name == g or name.startswith(g + ".")), None)
+def _floor(name: str) -> int:
+    folder = _folder(name)
+    assert folder in FLOORS, f"the folder torch_gradstats/{folder}/ has no floor: add it to FLOORS and docs/design.md"
+    return FLOORS[folder]
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _graph() -> dict[str, set[str]]:
+    """Module -> the modules importing it runs: what it names, and the ``__init__`` of every package on the way
+    that is not already its own ancestor (an ancestor is running already when the module runs)."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for m in modules:
-        for target, _, _ in _imports(m, modules):
-            if target != m and not m.startswith(target + "."):  # a parent package is not an import of its child
-                graph[m].add(target)
+        own = set(_ancestors(m))
+        for target, attr, _ in _imports(m, modules):
+            if target == m:
+                continue
+            if target in own and attr is None:
+                continue  # `import torch_gradstats.x` inside torch_gradstats: the parent runs already
+            graph[m].add(target)  # names taken from an ancestor's __init__ are an import of it
+            graph[m].update(a for a in _ancestors(target) if a not in own)
     return graph
 
 
@@ -175,26 +173,69 @@ def test_the_checker_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_checker_reads_imports_inside_functions():
+def test_the_checker_reads_imports_inside_functions_and_through_init():
     graph = _graph()
-    assert "torch_gradstats.distributed" in graph["torch_gradstats.stats"]  # imported inside grad_stats()
-    assert "torch_gradstats._transfer" in graph["torch_gradstats.stats"]
+    deps = graph["torch_gradstats.stats.gradients"]
+    assert "torch_gradstats.distributed.reduce" in deps  # imported inside grad_stats()
+    assert "torch_gradstats.distributed" in deps  # ... which runs distributed/__init__.py
+    assert "torch_gradstats.ops._transfer" in deps
+    assert "torch_gradstats.stats" not in deps  # its own package runs already
+
+
+def test_the_checker_sees_a_cycle_through_an_init():
+    """A module that takes a name from its own package's ``__init__``, which imports it back, is a cycle."""
+    graph = {
+        "torch_gradstats.integrations": {"torch_gradstats.integrations.files"},
+        "torch_gradstats.integrations.files": {"torch_gradstats.integrations"},
+    }
+    assert _cycles(graph) == [["torch_gradstats.integrations", "torch_gradstats.integrations.files"]]
 
 
 # ------------------------------------------------------------------------------------------------- the package
+def test_every_folder_has_a_floor():
+    folders = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(FLOORS) - {""}
+
+
+def test_the_top_level_keeps_few_modules():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_FILES, top
+
+
 def test_no_import_cycles():
     assert _cycles(_graph()) == []
 
 
-def test_each_module_imports_only_layers_below_it():
+def test_each_module_imports_only_floors_below_or_its_own_folder():
     bad = []
     for m, targets in _graph().items():
         for t in targets:
-            same_group = _group(m) is not None and _group(m) == _group(t)
-            if _layer(t) < _layer(m) or same_group or (_layer(m) == TOP and _layer(t) == TOP):
+            if _floor(t) < _floor(m) or _folder(t) == _folder(m):
                 continue
-            bad.append(f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})")
+            bad.append(f"{m} (floor {_floor(m)}) imports {t} (floor {_floor(t)})")
     assert bad == []
+
+
+def test_package_inits_only_re_export():
+    """An ``__init__.py`` holds a docstring, imports and ``__all__``: no definitions, no logic."""
+    bad = []
+    for path in _modules().values():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Expr) and isinstance(getattr(node.value, "value", None), str):
+                continue  # the docstring
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
+                continue
+            bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {type(node).__name__}")
+    assert bad == []
+
+
+def test_no_module_is_too_long():
+    long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
 
 
 def test_no_private_names_imported_across_modules():
@@ -210,11 +251,11 @@ def test_no_private_names_imported_across_modules():
 
 
 def test_only_transfer_moves_values_to_the_host():
-    """Library modules below the entry points leave device-to-host copies to torch_gradstats._transfer."""
+    """Library modules below the entry points leave device-to-host copies to torch_gradstats.ops._transfer."""
     calls = {"cpu", "item", "tolist", "numpy"}
     bad = []
     for m, path in _modules().items():
-        if _layer(m) == TOP or m == "torch_gradstats._transfer":
+        if _folder(m) in HOST_READ_FREE_FLOORS or m == "torch_gradstats.ops._transfer":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (

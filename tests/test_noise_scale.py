@@ -1,4 +1,4 @@
-"""The gradient noise scale (torch_gradstats.noise_scale): the formulas against a float64 reimplementation, the
+"""The gradient noise scale (torch_gradstats.monitors.noise_scale): the formulas against a float64 reimplementation, the
 accumulation path in one process, and DDP's communication hook on 2 and 4 gloo ranks (tests/_noise_scale_worker.py).
 """
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import torch_gradstats
-from torch_gradstats import noise_scale
-from torch_gradstats.noise_scale import NoiseScale
+from torch_gradstats.monitors import noise_scale
+from torch_gradstats.monitors.noise_scale import NoiseScale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _noise_scale_worker as worker

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_gradstats as tg
-from torch_gradstats import _fallback_workspace as fallback_workspace
-from torch_gradstats import fallback as fallback_module
 from torch_gradstats.bench.timing import peak_allocated_bytes
-from torch_gradstats.ops import (
+from torch_gradstats.ops import _fallback_workspace as fallback_workspace
+from torch_gradstats.ops import fallback as fallback_module
+from torch_gradstats.ops.op import (
     INF,
     NAN,
     OP_QUALNAME,
@@ -339,7 +339,7 @@ def test_extension_state_is_reported():
 def test_direct_entry_point_gives_the_ops_bits_and_names_errors():
     """multi_tensor_stats on plain CPU tensors calls the compiled kernel without the dispatcher (test_cuda.py does the
     same on CUDA): the op's bits, the op's name in the profiler, the kernel's errors naming the tensor."""
-    import torch_gradstats.ops as ops_mod
+    import torch_gradstats.ops.op as ops_mod
     from torch_gradstats import _C
 
     assert ops_mod._direct_stats is _C.direct_stats

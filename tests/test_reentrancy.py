@@ -9,7 +9,7 @@ import sys
 
 _CHILD = r"""
 import gc, sys, torch
-from torch_gradstats import _transfer
+from torch_gradstats.ops import _transfer
 
 meta = torch.device("meta")  # any device but the CPU takes the kept-tensor path (and its lock)
 inner = []

@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-import torch_gradstats._transfer as transfer
-from torch_gradstats import AdaptiveClip, SpikeGuard, Trainer, grad_stats, updates
+import torch_gradstats.ops._transfer as transfer
+from torch_gradstats import AdaptiveClip, SpikeGuard, Trainer, grad_stats
 from torch_gradstats.integrations import metrics
 from torch_gradstats.integrations.files import JSONLSink
-from torch_gradstats.stats import ExtraFigures
-from torch_gradstats.updates import grad_and_weight_stats
+from torch_gradstats.monitors import updates
+from torch_gradstats.monitors.updates import grad_and_weight_stats
+from torch_gradstats.stats.gradients import ExtraFigures
 
 POLICY_KEYS = {"guard/skipped", "guard/consecutive", "guard/grad_norm_z", "guard/loss_z", "clip/threshold",
                "clip/coef"}

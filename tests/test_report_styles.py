@@ -96,7 +96,7 @@ def test_megatron_and_composer_styles() -> None:
 
 
 def test_update_report_styles_are_the_gradient_keys() -> None:
-    from torch_gradstats.updates import grad_and_weight_stats
+    from torch_gradstats.monitors.updates import grad_and_weight_stats
 
     report = grad_and_weight_stats(_model().named_parameters()).report()
     assert report.to_dict(style="megatron") == report.grads.to_dict(style="megatron")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import torch_gradstats._params as params_mod
-import torch_gradstats.fallback
-import torch_gradstats.stats as stats_mod
-from torch_gradstats.health import HealthPolicy
-from torch_gradstats.ops import reference_multi_tensor_stats
-from torch_gradstats.stats import GradReport, GradStats, grad_stats
+import torch_gradstats.ops.fallback
+import torch_gradstats.stats._params as params_mod
+import torch_gradstats.stats.gradients as stats_mod
+from torch_gradstats.ops.op import reference_multi_tensor_stats
+from torch_gradstats.stats.gradients import GradReport, GradStats, grad_stats
+from torch_gradstats.stats.health import HealthPolicy
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -214,7 +214,7 @@ def count_host_reads():
     counting, it is told it is on another device, so it runs the sync-free ops it runs there and only the layers
     above it are counted."""
     counts = {}
-    fallback_branches = torch_gradstats.fallback._branches_on_host
+    fallback_branches = torch_gradstats.ops.fallback._branches_on_host
     names = ["cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"]
     originals = {n: getattr(torch.Tensor, n) for n in names}
     orig_to = torch.Tensor.to
@@ -236,13 +236,13 @@ def count_host_reads():
         for n in names:
             setattr(torch.Tensor, n, wrap(n))
         torch.Tensor.to = to
-        torch_gradstats.fallback._branches_on_host = lambda device: False
+        torch_gradstats.ops.fallback._branches_on_host = lambda device: False
         yield counts
     finally:
         for n, f in originals.items():
             setattr(torch.Tensor, n, f)
         torch.Tensor.to = orig_to
-        torch_gradstats.fallback._branches_on_host = fallback_branches
+        torch_gradstats.ops.fallback._branches_on_host = fallback_branches
 
 
 def test_grad_stats_properties_and_health_never_read_on_host():
@@ -297,16 +297,16 @@ def test_one_op_call_per_device(monkeypatch):
 
 # ------------------------------------------------------------------ distributed hook wiring (no real communication)
 def test_no_group_no_dtensor_no_distributed_import(monkeypatch):
-    monkeypatch.delitem(sys.modules, "torch_gradstats.distributed", raising=False)
+    monkeypatch.delitem(sys.modules, "torch_gradstats.distributed.reduce", raising=False)
     grad_stats(mlp().named_parameters()).report()
-    assert "torch_gradstats.distributed" not in sys.modules
+    assert "torch_gradstats.distributed.reduce" not in sys.modules
 
 
 def test_group_calls_reduce_across_ranks(monkeypatch):
     seen = {}
-    fake = types.ModuleType("torch_gradstats.distributed")
+    fake = types.ModuleType("torch_gradstats.distributed.reduce")
 
-    from torch_gradstats.distributed import ReducedStats
+    from torch_gradstats.distributed.reduce import ReducedStats
 
     def reduce_across_ranks(grads, sumsq, amax, counts, group, **options):
         seen.update(grads=grads, group=group, names=options.get("names"))
@@ -316,7 +316,7 @@ def test_group_calls_reduce_across_ranks(monkeypatch):
         return ReducedStats(sumsq * world, amax, counts * world, rank_nf, numel)
 
     fake.reduce_across_ranks = reduce_across_ranks
-    monkeypatch.setitem(sys.modules, "torch_gradstats.distributed", fake)
+    monkeypatch.setitem(sys.modules, "torch_gradstats.distributed.reduce", fake)
     m = mlp()
     m[2].weight.grad[0, 0] = float("inf")
     local = grad_stats(m.named_parameters())

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import torch_gradstats.fallback
-from torch_gradstats.health import HealthPolicy
+import torch_gradstats.ops.fallback
+from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.training import (
     Trainer,
     _compile,
@@ -75,7 +75,7 @@ class _SyncCounter:
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
         for owner, label in ((torch.cuda, "cuda.synchronize"), (torch.cuda.Event, "Event.synchronize")):
             monkeypatch.setattr(owner, "synchronize", self._wrap(label, owner.synchronize))
-        monkeypatch.setattr(torch_gradstats.fallback, "_branches_on_host", lambda device: False)
+        monkeypatch.setattr(torch_gradstats.ops.fallback, "_branches_on_host", lambda device: False)
 
     def _wrap(self, name, orig):
         def wrapper(*args, **kwargs):
@@ -87,7 +87,7 @@ class _SyncCounter:
         return wrapper
 
 
-#: What one transfer of torch_gradstats._transfer costs on the CPU: a .cpu() (a no-op there), one numpy() read.
+#: What one transfer of torch_gradstats.ops._transfer costs on the CPU: a .cpu() (a no-op there), one numpy() read.
 ONE_TRANSFER = ["cpu", "numpy"]
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import torch_gradstats._transfer as transfer
+import torch_gradstats.ops._transfer as transfer
 from torch_gradstats import GradReport
 from torch_gradstats.training import Trainer
 

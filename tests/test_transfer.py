@@ -1,4 +1,4 @@
-"""torch_gradstats._transfer: packing, the one device-to-host transfer, and the sync-free small copies."""
+"""torch_gradstats.ops._transfer: packing, the one device-to-host transfer, and the sync-free small copies."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import torch_gradstats._transfer as transfer
-from torch_gradstats._transfer import (
+import torch_gradstats.ops._transfer as transfer
+from torch_gradstats.ops._transfer import (
     PinnedBuffer,
     fetch,
     host_int64,

@@ -7,7 +7,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_gradstats._params import unique_names
+from torch_gradstats.stats._params import unique_names
 
 
 def quadratic_unique_names(names: list[str]) -> list[str]:

@@ -10,10 +10,10 @@ from _host_reads import HostReads
 from torch import nn
 
 import torch_gradstats as tg
-import torch_gradstats._params as params_mod
-import torch_gradstats.ops as ops_mod
-from torch_gradstats import updates
-from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
+import torch_gradstats.ops.op as ops_mod
+import torch_gradstats.stats._params as params_mod
+from torch_gradstats.monitors import updates
+from torch_gradstats.monitors.updates import UpdateRatio, grad_and_weight_stats
 
 
 def _model(seed: int = 0) -> nn.Module:

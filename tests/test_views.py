@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import torch_gradstats as tg
-from torch_gradstats.ops import reference_multi_tensor_stats
+from torch_gradstats.ops.op import reference_multi_tensor_stats
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-5, torch.float64: 1e-12}

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats.fallback import fallback_multi_tensor_stats
-from torch_gradstats.ops import multi_tensor_stats, reference_multi_tensor_stats
-from torch_gradstats.stats import grad_stats
+from torch_gradstats.ops.fallback import fallback_multi_tensor_stats
+from torch_gradstats.ops.op import multi_tensor_stats, reference_multi_tensor_stats
+from torch_gradstats.stats.gradients import grad_stats
 
 from .workloads import GradsAsModule, Sample
 

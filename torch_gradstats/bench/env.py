@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import torch_gradstats
-from torch_gradstats.ops import OP_QUALNAME
+from torch_gradstats.ops.op import OP_QUALNAME
 
 from .workloads import GiB, fmt_bytes, last_level_cache_bytes
 

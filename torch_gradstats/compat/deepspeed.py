@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats._transfer import host_int64
-from torch_gradstats.ops import NAN, TensorStats, multi_tensor_stats
-from torch_gradstats.stats import GradStats
+from torch_gradstats.ops._transfer import host_int64
+from torch_gradstats.ops.op import NAN, TensorStats, multi_tensor_stats
+from torch_gradstats.stats.gradients import GradStats
 
 __all__ = ["Piece", "engine_grad_stats", "partition_pieces", "partition_stats"]
 

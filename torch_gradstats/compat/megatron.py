@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats._transfer import to_host
 from torch_gradstats.compat.shards import Shards, local_shards, max_over_meshes, read, sum_counted
-from torch_gradstats.ops import ZERO, TensorStats
+from torch_gradstats.ops._transfer import to_host
+from torch_gradstats.ops.op import ZERO, TensorStats
 
 __all__ = ["clear_cache", "count_zeros_fp32", "get_grad_norm_fp32"]
 

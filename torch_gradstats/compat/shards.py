@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats._transfer import host_int64, to_device
-from torch_gradstats.ops import TensorStats, multi_tensor_stats
+from torch_gradstats.ops._transfer import host_int64, to_device
+from torch_gradstats.ops.op import TensorStats, multi_tensor_stats
 
 __all__ = ["Shards", "local_shards", "max_over_meshes", "read", "reduce_over_mesh", "sum_counted"]
 

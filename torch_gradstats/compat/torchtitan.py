@@ -13,7 +13,7 @@ them, over every rank, as a plain (never DTensor) 0-d tensor in the gradients' d
 
 What differs, on purpose: the gradients are read once by the fused op (for ``norm_type`` 2 and inf; another p reads
 them a second time for the p-th powers), sums are taken in float64 and the result is cast to the gradients' dtype
-at the end, so a norm whose float32 squares would overflow stays finite (see :mod:`torch_gradstats.clip`).
+at the end, so a norm whose float32 squares would overflow stays finite (see :mod:`torch_gradstats.policies.clip`).
 Collectives: one SUM (MAX for inf) all-reduce per dimension of each DTensor mesh and one over ``pp_mesh``, the
 same count as torchtitan's. Every rank must pass gradients on the same meshes, in the same order.
 
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats._transfer import to_host
-from torch_gradstats.clip import scale_grads_
 from torch_gradstats.compat.shards import local_shards, max_over_meshes, read, sum_counted
+from torch_gradstats.ops._transfer import to_host
+from torch_gradstats.policies.clip import scale_grads_
 
 __all__ = ["clip_grad_norm_"]
 

@@ -14,7 +14,7 @@ imports any of them:
 
 The sink protocol, for plain training loops (and for a trainer's ``log_to=[...]``): anything with a
 ``log(report, step)`` method, where ``report`` is a :class:`~torch_gradstats.GradReport` or an
-:class:`~torch_gradstats.updates.UpdateReport` (host-side numbers, already transferred) and ``step`` the global
+:class:`~torch_gradstats.monitors.updates.UpdateReport` (host-side numbers, already transferred) and ``step`` the global
 optimizer step. A sink never touches the device, so it never adds a host sync::
 
     report = tg.grad_stats(model.named_parameters()).report()     # the one transfer
@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 from typing import Protocol, runtime_checkable
 
-from torch_gradstats.stats import GradReport
-from torch_gradstats.updates import UpdateReport
+from torch_gradstats.monitors.updates import UpdateReport
+from torch_gradstats.stats.gradients import GradReport
 
 __all__ = ["AnyReport", "GradSink", "log_to", "metrics", "nonfinite_index"]
 

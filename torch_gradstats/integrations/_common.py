@@ -12,19 +12,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torch_gradstats._checks import check_bool
-from torch_gradstats._transfer import to_host
-from torch_gradstats.activations import ActivationReport, ActivationWatch
-from torch_gradstats.adaptive_clip import AdaptiveClip
-from torch_gradstats.clip import clip_grad_norm_
-from torch_gradstats.groups import GroupBy, group_names
-from torch_gradstats.guard import SpikeGuard
-from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.report import STYLES
-from torch_gradstats.stats import ExtraFigures, GradStats, grad_stats
-from torch_gradstats.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats
+from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.monitors.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats
+from torch_gradstats.ops._checks import check_bool
+from torch_gradstats.ops._transfer import to_host
+from torch_gradstats.policies.adaptive_clip import AdaptiveClip
+from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.policies.guard import SpikeGuard
+from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
+from torch_gradstats.stats.groups import GroupBy, group_names
+from torch_gradstats.stats.health import HealthPolicy
+from torch_gradstats.stats.report import STYLES
 
 logger = logging.getLogger("torch_gradstats")
 

@@ -2,7 +2,7 @@
 
 Under pipeline parallelism every rank holds the figures of the whole model (``grad_stats(..., stage_group=)``
 gathers every stage's rows on every rank), so one rank is enough to write them: by default the last stage's, where
-the loss is, as torchtitan and Megatron log (:func:`torch_gradstats.distributed.is_logging_rank`). Deciding costs
+the loss is, as torchtitan and Megatron log (:func:`torch_gradstats.distributed.reduce.is_logging_rank`). Deciding costs
 no communication; it is decided once, when the sink is made.
 """
 
@@ -21,7 +21,7 @@ def writes_here(who: str, stage_group: Any, group: Any, log_rank: Any) -> bool:
         raise TypeError(f"{who}: log_rank must be an int (a global rank) or None, got a {type(log_rank).__name__}")
     if stage_group is None and group is None and log_rank is None:
         return True
-    from torch_gradstats.distributed import is_logging_rank  # only with a group or a rank: torch.distributed
+    from torch_gradstats.distributed.reduce import is_logging_rank  # only with a group or a rank: torch.distributed
 
     try:
         return is_logging_rank(stage_group, group=group, rank=None if log_rank is None else int(log_rank))

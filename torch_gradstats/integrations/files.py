@@ -19,7 +19,7 @@ change. Each sink opens its file (truncating it) when made, flushes after every 
 otherwise, and :meth:`close` flushes and closes it (also as a context manager).
 
 Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
-(:func:`torch_gradstats.distributed.is_logging_rank`: the last stage's first rank of ``group``, or global rank
+(:func:`torch_gradstats.distributed.reduce.is_logging_rank`: the last stage's first rank of ``group``, or global rank
 ``log_rank``) opens the file and writes; on every other rank the sink opens nothing and ``log`` does nothing
 (``writes`` is False), so every rank can make and call it alike.
 """
@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from torch_gradstats.integrations import AnyReport
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.report import STYLES
+from torch_gradstats.stats.report import STYLES
 
 __all__ = ["CSVSink", "JSONLSink"]
 

@@ -29,7 +29,7 @@ by another callback after this hook has run is seen by Lightning but too late fo
   ``grad_stats/lr_update_ratio/<parameter>`` (``lr * ||g|| / ||w||`` from the optimizer's param groups), read in the
   same op call as the gradients;
 * with ``log_update_ratio=True``: also ``grad_stats/update_ratio/<parameter>``, the measured ``||Δw|| / ||w||`` of
-  the step (see :class:`torch_gradstats.updates.UpdateRatio`: one copy of the weights is kept in memory); the report
+  the step (see :class:`torch_gradstats.monitors.UpdateRatio`: one copy of the weights is kept in memory); the report
   is then made after the optimizer step, in ``on_train_batch_end``.
 
 Host syncs: none on steps that neither log nor check; on a logging step exactly one device-to-host transfer (one
@@ -99,11 +99,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats.activations import ActivationReport, ActivationWatch
-from torch_gradstats.adaptive_clip import AdaptiveClip
-from torch_gradstats.groups import GroupBy
-from torch_gradstats.guard import SpikeGuard
-from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
     ActivationReporting,
@@ -118,9 +113,14 @@ from torch_gradstats.integrations._common import (
     logs_here,
     styled_keys,
 )
-from torch_gradstats.stats import GradStats
+from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.monitors.updates import GradWeightStats
+from torch_gradstats.policies.adaptive_clip import AdaptiveClip
+from torch_gradstats.policies.guard import SpikeGuard
+from torch_gradstats.stats.gradients import GradStats
+from torch_gradstats.stats.groups import GroupBy
+from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
-from torch_gradstats.updates import GradWeightStats
 
 try:
     from lightning.pytorch import Callback as _Callback

@@ -27,7 +27,7 @@ What it writes at each step (``prefix`` defaults to ``"grad/"``):
 The writer is not closed by the sink; call ``writer.flush()`` or ``close()`` as usual.
 
 Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
-(:func:`torch_gradstats.distributed.is_logging_rank`: the last stage's first rank of ``group``, or global rank
+(:func:`torch_gradstats.distributed.reduce.is_logging_rank`: the last stage's first rank of ``group``, or global rank
 ``log_rank``) writes; elsewhere ``log`` does nothing and a log directory given as ``writer`` is not created.
 """
 
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_gradstats._checks import check_bool
-from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.updates import UpdateReport
+from torch_gradstats.monitors.updates import UpdateReport
+from torch_gradstats.ops._checks import check_bool
+from torch_gradstats.stats.exponents import ExponentHistogram
 
 __all__ = ["TensorBoardSink", "log_step_records"]
 

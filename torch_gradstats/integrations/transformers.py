@@ -89,11 +89,6 @@ import torch
 from torch import Tensor
 from transformers import TrainerCallback
 
-from torch_gradstats.activations import ActivationReport, ActivationWatch
-from torch_gradstats.adaptive_clip import AdaptiveClip
-from torch_gradstats.groups import GroupBy
-from torch_gradstats.guard import SpikeGuard
-from torch_gradstats.health import HealthPolicy
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
     ActivationReporting,
@@ -108,9 +103,14 @@ from torch_gradstats.integrations._common import (
     logs_here,
     styled_keys,
 )
-from torch_gradstats.stats import GradStats
+from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.monitors.updates import GradWeightStats
+from torch_gradstats.policies.adaptive_clip import AdaptiveClip
+from torch_gradstats.policies.guard import SpikeGuard
+from torch_gradstats.stats.gradients import GradStats
+from torch_gradstats.stats.groups import GroupBy
+from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.training._skip import step_or_skip
-from torch_gradstats.updates import GradWeightStats
 
 __all__ = ["GradStatsCallback", "add_to_trainer"]
 

@@ -25,7 +25,7 @@ one read, at the steps you choose, and, for reports read with ``histogram=True``
 x axis is log2 |g|), from the same read. The fp16/bf16/fp8 underflow and overflow fractions come with the figures.
 
 Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
-(:func:`torch_gradstats.distributed.is_logging_rank`: the last stage's first rank of ``group``, or global rank
+(:func:`torch_gradstats.distributed.reduce.is_logging_rank`: the last stage's first rank of ``group``, or global rank
 ``log_rank``) logs; elsewhere ``log`` does nothing and needs no run, so ``wandb.init`` can be called on that
 rank alone.
 """
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_gradstats.exponents import ExponentHistogram
 from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.ops import HISTOGRAM_MIN_EXPONENT
+from torch_gradstats.ops.op import HISTOGRAM_MIN_EXPONENT
+from torch_gradstats.stats.exponents import ExponentHistogram
 
 __all__ = ["WandbSink", "exponent_histogram"]
 

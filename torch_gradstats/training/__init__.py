@@ -5,7 +5,7 @@ reads the gradients once with the fused op (:func:`torch_gradstats.grad_stats`).
 device** and is folded into running epoch aggregates: max and mean global norm, worst health, total NaN/Inf counts,
 the first step and parameter that went non-finite, skipped steps, and (optionally) one small row per step for plots.
 All of it reaches the host in **one** transfer per epoch (or per ``sync_every`` steps), through
-:func:`torch_gradstats._transfer.to_host`. Nothing in the loop calls ``.item()``.
+:func:`torch_gradstats.ops._transfer.to_host`. Nothing in the loop calls ``.item()``.
 
 What it gets right:
 
@@ -37,6 +37,7 @@ Modules: ``_trainer`` (the loop), ``_step`` (how one optimizer step is taken, sk
 
 from torch_gradstats.training._compile import clear_compile_cache
 from torch_gradstats.training._device import validate_device
+from torch_gradstats.training._skip import step_or_skip
 from torch_gradstats.training._summary import EpochSummary, StepRecord, format_epoch_table
 from torch_gradstats.training._trainer import Trainer
 
@@ -46,5 +47,6 @@ __all__ = [
     "Trainer",
     "clear_compile_cache",
     "format_epoch_table",
+    "step_or_skip",
     "validate_device",
 ]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats._transfer import to_device, to_host
+from torch_gradstats.ops._transfer import to_device, to_host
 
 __all__ = ["OptimizerStepper", "device_skip_step", "host_skips", "momentum_pending", "scaler_step"]
 

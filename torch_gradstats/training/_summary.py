@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats.stats import GradStats
+from torch_gradstats.stats.gradients import GradStats
 
 __all__ = ["EpochState", "EpochSummary", "StepRecord", "format_epoch_table"]
 

@@ -12,15 +12,15 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from torch_gradstats._checks import check_bool
-from torch_gradstats._transfer import PinnedBuffer, to_host
-from torch_gradstats.activations import ActivationReport, ActivationWatch
-from torch_gradstats.adaptive_clip import AdaptiveClip
-from torch_gradstats.clip import clip_grad_norm_
-from torch_gradstats.guard import SpikeGuard
-from torch_gradstats.health import HealthPolicy
-from torch_gradstats.report import GradReport
-from torch_gradstats.stats import ExtraFigures, GradStats, grad_stats
+from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.ops._checks import check_bool
+from torch_gradstats.ops._transfer import PinnedBuffer, to_host
+from torch_gradstats.policies.adaptive_clip import AdaptiveClip
+from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.policies.guard import SpikeGuard
+from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
+from torch_gradstats.stats.health import HealthPolicy
+from torch_gradstats.stats.report import GradReport
 from torch_gradstats.training._args import check_int, check_positive_number
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device

@@ -1,0 +1,150 @@
+"""What :func:`~torch_gradstats.distributed.reduce_across_ranks` reduces over which process group, from the gradients.
+
+Read from the gradients' metadata before any buffer is packed: torch's DTensor class (:func:`dtensor_class`), Partial
+DTensor gradients materialized and their rows recomputed (:func:`materialize_partials`), each row's description for
+the layout the ranks agree on (:func:`row_descs`, see ``_layout``), and the reduction steps, each
+process group with the rows reduced over it (:func:`plan_steps`). The module docstring of
+:mod:`torch_gradstats.distributed.reduce` says what is reduced over which group and why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_gradstats.distributed._layout import Desc
+from torch_gradstats.ops._transfer import host_int64, to_device
+from torch_gradstats.ops.op import multi_tensor_stats
+
+__all__ = ["dtensor_class", "materialize_partials", "plan_steps", "row_descs"]
+
+#: float64 holds every integer below this exactly; counts travel in float64 buffers.
+_EXACT_F64_INT = 2**53
+
+
+def dtensor_class() -> type[Any] | None:
+    """torch's DTensor class, or None if this torch has none."""
+    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # new name, then torch < 2.5
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        cls = getattr(mod, "DTensor", None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def materialize_partials(
+    grads: Sequence[Any], dtensor_cls: type[Any] | None, sumsq: Tensor, amax: Tensor, counts: Tensor,
+    histogram: Tensor | None,
+) -> tuple[list[Any], Tensor, Tensor, Tensor, Tensor | None]:
+    """Replace Partial DTensor gradients by their reduced redistribution and recompute their rows.
+
+    Returns the gradients to plan with (materialized where Partial) and the updated statistics. The caller's
+    tensors are not modified.
+    """
+    if dtensor_cls is None:
+        return list(grads), sumsq, amax, counts, histogram
+    rows = [
+        i
+        for i, g in enumerate(grads)
+        if isinstance(g, dtensor_cls) and any(pl.is_partial() for pl in g.placements)
+    ]
+    if not rows:
+        return list(grads), sumsq, amax, counts, histogram
+    from torch.distributed.tensor import Replicate, Shard
+
+    planned = list(grads)
+    for i in rows:
+        g = grads[i]
+        # Partial -> Shard(0) (a reduce-scatter): the dimension is then reduced like any sharded one, so the
+        # per-rank non-finite counts of the addends reach every rank. A 0-d tensor cannot be sharded: Replicate.
+        target = Shard(0) if g.ndim > 0 else Replicate()
+        # A new DTensor: the gradient itself is left as it is.
+        planned[i] = g.redistribute(g.device_mesh, [target if pl.is_partial() else pl for pl in g.placements])
+    local = [planned[i].to_local() for i in rows]
+    device = sumsq.device
+    idx = host_int64(rows, device)
+    if histogram is not None:
+        s, a, c, h = multi_tensor_stats(local, histogram=True)
+        histogram = histogram.index_copy(0, idx, to_device(h, device))
+    else:
+        s, a, c = multi_tensor_stats(local)
+    sumsq = sumsq.index_copy(0, idx, to_device(s, device))
+    amax = amax.index_copy(0, idx, to_device(a, device))
+    counts = counts.index_copy(0, idx, to_device(c, device))
+    return planned, sumsq, amax, counts, histogram
+
+
+def row_descs(
+    grads: Sequence[Any], names: Sequence[str], dtensor_cls: type[Any] | None, has_dtensor: bool
+) -> list[Desc]:
+    if dtensor_cls is None or not has_dtensor:  # the per-step cost of the layout check: one tuple per row
+        return list(map(Desc._make, zip(names, [g.dtype for g in grads], itertools.repeat(None))))
+    return [
+        Desc(n, g.dtype, (tuple(g.shape), repr(tuple(g.placements))) if isinstance(g, dtensor_cls) else None)
+        for g, n in zip(grads, names)
+    ]
+
+
+def plan_steps(
+    grads: Sequence[Any],
+    names: Sequence[str],
+    dtensor_cls: type[Any] | None,
+    explicit: Sequence[tuple[Any, Callable[[str], bool] | None]],
+) -> tuple[list[tuple[Any, list[int]]], list[int]]:
+    """The reduction steps: each process group (the explicit ones first, always, so that a rank holding none of
+    their rows still takes part; then each mesh dimension group in first-use order) with the rows reduced over it.
+
+    ``explicit`` lists (group, which plain rows it reduces: None for all). Also returns each row's local element
+    count.
+    """
+    steps: dict[int, tuple[Any, list[int]]] = {}
+    sizes: dict[int, int] = {}  # dist.get_world_size costs microseconds: once per group, not once per row
+
+    def size(pg: Any) -> int:
+        n = sizes.get(id(pg))
+        if n is None:
+            n = sizes[id(pg)] = dist.get_world_size(pg)
+        return n
+
+    for pg, _ in explicit:
+        if pg is not None and size(pg) > 1:
+            steps.setdefault(id(pg), (pg, []))
+    only = explicit[0][0] if len(explicit) == 1 and explicit[0][1] is None else None  # it takes every plain row
+    local_numel: list[int] = []
+    for i, (g, name) in enumerate(zip(grads, names)):
+        row_groups: list[Any] = []
+        if dtensor_cls is not None and isinstance(g, dtensor_cls):
+            mesh = g.device_mesh
+            local_numel.append(g.to_local().numel())
+            if mesh.get_coordinate() is not None:  # ranks outside the mesh hold nothing and reduce nothing
+                row_groups = [mesh.get_group(d) for d, pl in enumerate(g.placements) if pl.is_shard()]
+            logical = g.numel()
+        else:
+            local_numel.append(g.numel())
+            pg = only
+            if pg is None:
+                pg = next((pg for pg, takes in explicit if takes is None or takes(name)), None)
+            logical = g.numel()
+            if pg is not None:
+                row_groups = [pg]
+                logical *= size(pg)  # an upper bound: every shard as large
+        if logical >= _EXACT_F64_INT:
+            raise ValueError(
+                f"reduce_across_ranks: grads[{i}] has about {logical} elements across ranks; counts travel as "
+                "float64 and are exact only below 2**53"
+            )
+        seen: set[int] = set()
+        for pg in row_groups:
+            if id(pg) in seen or size(pg) == 1:
+                continue
+            seen.add(id(pg))
+            steps.setdefault(id(pg), (pg, []))[1].append(i)
+    return list(steps.values()), local_numel

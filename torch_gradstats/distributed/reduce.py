@@ -1,0 +1,446 @@
+"""Global gradient statistics across ranks: :func:`reduce_across_ranks`.
+
+:func:`torch_gradstats.grad_stats` computes per-parameter statistics of what each rank holds locally (a DTensor's
+local shard, or a plain tensor) and, when a ``group`` is given or a gradient is a DTensor, calls
+:func:`reduce_across_ranks` to turn them into statistics of the whole logical parameter.
+
+What is reduced, per parameter:
+
+* **DTensor** gradient: over each mesh dimension whose placement is ``Shard`` (FSDP2 leaves ``Shard(0)`` gradients,
+  tensor parallelism ``Shard(d)``), never over a ``Replicate`` dimension (DDP/HSDP replicas hold the same numbers;
+  summing them would over-report the norm by sqrt(replicas)). A ``Partial`` placement means the local tensors are
+  *addends* of the gradient: the sum of squares of the addends is not the square of their sum, so each Partial
+  gradient is first materialized (``redistribute`` of its Partial dimensions to ``Shard(0)``, a reduce-scatter, one
+  collective per such gradient; ``Replicate`` for a 0-d one; neither FSDP2 nor DDP leaves Partial gradients), its
+  local statistics recomputed from the result, and the dimension then reduced like any sharded one.
+* **plain tensor** with an explicit ``group``: the tensors of every rank in ``group`` are shards of one logical set
+  (FSDP1 flat parameters, ZeRO partitions), so sums of squares and counts are summed, max |x| is maxed.
+* **plain tensor** without a ``group``: nothing is reduced (DDP: every rank holds the same, already averaged
+  gradient). :func:`~torch_gradstats.grad_stats` does not call this module at all when no gradient is a DTensor and
+  no group is given.
+
+Communication: for each distinct process group (the explicit ``group`` and ``expert_group``, each mesh dimension
+group a gradient is sharded over, then ``stage_group``), exactly one SUM and one MAX ``all_reduce`` in steady state,
+each on one packed buffer holding every parameter that needs that group, never one per parameter. Parameters
+sharded over several mesh dimensions are reduced over each dimension's group in turn (sum and max compose). Groups
+of one rank are skipped; an explicit group is reduced over even when this rank holds none of its parameters.
+
+Ranks need not hold the same parameters: the rows of each group's buffers follow a layout the group's ranks agree
+on (``_layout``): full layouts are exchanged (``all_gather_object``) on the first call on a group
+and when a rank's own layout changed; otherwise a fingerprint row in the SUM/MAX buffers confirms that every rank
+packed by the same layout, which costs one small device-to-host read per group (on an accelerator, it waits for the
+reduction). A rank without a parameter's gradient adds an empty shard to it. A rank learns of a parameter it does
+not hold only from the groups it shares with a holder: a DTensor sharded over several mesh dimensions must have a
+gradient on all ranks of its mesh or on none.
+
+The SUM buffer is float64 ``[K, 5 + world]``: sum of squares, the three counts, the per-rank non-finite counts and
+the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata); with
+an exponent histogram, its 277 counts per row follow, in the same collective.
+Counts travel as float64 because it holds every integer below 2**53 exactly and one buffer means one collective; a
+logical parameter would need 2**53 (9e15) elements to break that, which is checked on metadata. NaN and Inf are
+carried as counts: a MAX all-reduce need not propagate NaN (gloo does not guarantee it), so after the reduction
+every parameter whose reduced NaN count is positive gets NaN for its max |x| and its sum of squares, on every rank.
+
+``rank_nonfinite[p, r]`` is the number of NaN/Inf elements parameter ``p`` had on global rank ``r`` in what that rank
+held (its shard; for a Partial gradient, its addend before materialization, so the rank that produced the bad value
+is named). A rank sees the columns of the ranks it reduces with; replicas (Replicate dimensions, DDP) are not
+communicated with, so each replica reports its own copy (and a 0-d Partial gradient, materialized as Replicate,
+names only the rank itself if its own addend was bad).
+
+Buffers are built and unpacked on the statistics' device; row indices are copied host-to-device from pinned memory
+without blocking. The buffers keep a last row for the check, so a rank that holds every row in the agreed order (the
+common case) reduces the buffer it packed as it is; the rows are packed again from the inputs only when the check
+fails. The one host read is the layout check above, and it stays: whether the group exchanges layouts (an
+``all_gather_object``, then buffers of another size) must be decided on the host, identically on every rank, before
+the next collective on the group, and only the reduced check row tells a rank that another rank's layout changed.
+Checking one call late (reading the previous call's check row, long finished) would avoid the wait, but the call
+on which a rank first holds a parameter the agreed layout lacks would then return figures without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_gradstats.distributed import _layout
+from torch_gradstats.distributed._layout import Desc
+from torch_gradstats.distributed._reduce_plan import dtensor_class, materialize_partials, plan_steps, row_descs
+from torch_gradstats.ops._transfer import host_int64, to_device, to_host
+from torch_gradstats.ops.op import HISTOGRAM_BUCKETS, INF, NAN
+
+__all__ = ["ReducedStats", "is_logging_rank", "reduce_across_ranks"]
+
+logger = logging.getLogger("torch_gradstats")
+
+# Columns of the packed SUM buffer.
+_SUMSQ_COL = 0
+_COUNTS_COLS = slice(1, 4)
+_RANKS_START = 4  # then one column per global rank, then the local numel
+
+
+class ReducedStats(NamedTuple):
+    """What :func:`reduce_across_ranks` returns: statistics of the whole logical parameters, one row each."""
+
+    sumsq: Tensor  #: float64 ``[P]``
+    amax: Tensor  #: float64 ``[P]``
+    counts: Tensor  #: int64 ``[P, 3]``: zeros, NaNs, Infs
+    rank_nonfinite: Tensor | None  #: int64 ``[P, world]``, or None when there was nothing to reduce
+    numel: Tensor  #: int64 ``[P]``: logical element count of each parameter
+    names: list[str] | None = None  #: the row names (see :func:`reduce_across_ranks`), or None without names
+    #: whether each row counts in the figures of the whole model (False: a tied parameter's copy on a later
+    #: stage), or None when every row does
+    counted: list[bool] | None = None
+    #: int64 ``[P, 277]``: each row's exponent histogram, summed like the counts, when one was given
+    histogram: Tensor | None = None
+
+
+def _resolve_group(group: Any, arg: str) -> Any:
+    """A process group (or None) from what the caller passed: a ProcessGroup, None, or a 1-D DeviceMesh."""
+    if group is None:
+        return None
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without DeviceMesh
+        DeviceMesh = None  # type: ignore[assignment,misc]
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"reduce_across_ranks: {arg} is a {group.ndim}-D DeviceMesh; pass the process group of the dimension "
+                "the plain gradients are sharded over, e.g. mesh.get_group('dp_shard')"
+            )
+        group = group.get_group()
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"reduce_across_ranks: global rank {dist.get_rank()} is not a member of the {arg} it was given; call it "
+            "with a group this rank belongs to (each rank passes its own shard group)"
+        )
+    return group
+
+
+def _check_inputs(grads: Sequence[Any], sumsq: Tensor, amax: Tensor, counts: Tensor) -> None:
+    p = len(grads)
+    for name, t, shape, dtype in (
+        ("sumsq", sumsq, (p,), torch.float64),
+        ("amax", amax, (p,), torch.float64),
+        ("counts", counts, (p, 3), torch.int64),
+    ):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"reduce_across_ranks: {name} is a {type(t).__name__}, expected a tensor")
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"reduce_across_ranks: {name} must be {dtype} of shape {list(shape)} for {p} gradients, "
+                f"got {t.dtype} of shape {list(t.shape)}"
+            )
+    if not (sumsq.device == amax.device == counts.device):
+        raise ValueError(
+            f"reduce_across_ranks: sumsq ({sumsq.device}), amax ({amax.device}) and counts ({counts.device}) "
+            "must be on one device"
+        )
+    for i, g in enumerate(grads):
+        if not isinstance(g, Tensor):
+            raise TypeError(f"reduce_across_ranks: grads[{i}] is a {type(g).__name__}, expected a tensor")
+
+
+class _Table(NamedTuple):
+    """The rows a rank holds while reducing: packed SUM and MAX buffers, with a name and description per row.
+
+    The buffers have one more row than ``descs``, the last: the slot of the layout check row, so that a table
+    that needs no repacking is reduced as it is, without a copy to append the check row."""
+
+    sum_buf: Tensor  # float64 [R + 1, 5 + world]
+    max_buf: Tensor  # float64 [R + 1]
+    descs: list[Desc]
+    counted: list[bool]  # False: a tied parameter's copy, reported but not counted in the whole model's figures
+
+
+def _reduce_step(
+    table: _Table, pg: Any, mode: str, rows: list[int], tied: Collection[str], strict: bool,
+    remake: Callable[[], _Table] | None = None,
+) -> _Table:
+    """Reduce ``rows`` of ``table`` over ``pg`` in the group's agreed layout; one SUM and one MAX in steady state.
+
+    ``remake``: makes ``table`` again (from the caller's inputs). With it, a table that needs no repacking is
+    reduced in place, and made again if the layout check fails (the rows must then be packed anew); without it,
+    such a table is copied first.
+
+    Returns the new table: the agreed rows (in the agreed order, including rows other ranks hold and this one does
+    not), then the rows not reduced over ``pg``.
+    """
+    device = table.sum_buf.device
+    local = [table.descs[i] for i in rows]
+    agreed, dirty = _layout.cached(pg, mode, local, tied)
+    group_size = dist.get_world_size(pg)
+    fresh = agreed is None
+    while True:
+        if agreed is None:
+            agreed = _layout.exchange(pg, mode, local, tied, "reduce_across_ranks", strict)
+            dirty = False
+        n = len(agreed.names)
+        identity = not dirty and n == len(table.descs) and rows == agreed.positions == list(range(n))
+        if identity:  # the common case: this rank holds every row, in the agreed order; the last row is the slot
+            in_place = remake is not None
+            sub_sum = table.sum_buf if in_place else table.sum_buf.clone()
+            sub_max = table.max_buf if in_place else table.max_buf.clone()
+        else:
+            sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
+            sub_max = torch.zeros(n + 1, dtype=torch.float64, device=device)
+        if not dirty and not identity:
+            placed = [(r, pos) for r, pos in zip(rows, agreed.positions) if pos is not None]
+            if placed:
+                src = host_int64([r for r, _ in placed], device)
+                dst = host_int64([pos for _, pos in placed], device)
+                sub_sum.index_copy_(0, dst, table.sum_buf.index_select(0, src))
+                sub_max.index_copy_(0, dst, table.max_buf.index_select(0, src))
+        # The check row: the fingerprint of the layout packed by (summed and maxed) and whether this rank is dirty.
+        # Scaled so that its sum over the group stays below 2**52: exact in float64 at any group size.
+        fp = agreed.fingerprint % (2**52 // group_size)
+        sub_sum[n, 0] = float(fp)
+        sub_sum[n, 1] = float(dirty)
+        sub_max[n] = float(fp)
+        dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
+        dist.all_reduce(sub_max, op=dist.ReduceOp.MAX, group=pg)
+        if fresh:
+            break  # every rank of the group has just agreed on this layout
+        (fp_sum, dirty_sum, fp_max), _ = to_host([sub_sum[n, :2], sub_max[n : n + 1]], [])
+        if dirty_sum == 0 and fp_sum == fp_max * group_size:
+            break
+        logger.debug("reduce_across_ranks: a rank's parameter layout changed; exchanging layouts again")
+        agreed, fresh = None, True
+        if identity and remake is not None:  # the reduction overwrote this rank's rows: pack them anew
+            table = remake()
+    held = set(rows)
+    rest = [i for i in range(len(table.descs)) if i not in held]
+    if rest:
+        keep = host_int64(rest, device)
+        sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep), sub_sum[n:]])
+        max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep), sub_max[n:]])
+    else:
+        sum_buf, max_buf = sub_sum, sub_max
+    descs = list(agreed.descs) + [table.descs[i] for i in rest]
+    return _Table(sum_buf, max_buf, descs, list(agreed.counted) + [table.counted[i] for i in rest])
+
+
+def _reorder(table: _Table, row_names: list[str]) -> _Table:
+    if len(table.descs) == len(row_names) and all(d.name == n for d, n in zip(table.descs, row_names)):
+        return table
+    where = {d.name: i for i, d in enumerate(table.descs)}
+    order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
+    if order == list(range(len(order))):
+        return table
+    idx = host_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot
+    descs = [table.descs[i] for i in order]
+    counted = [table.counted[i] for i in order]
+    return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs, counted)
+
+
+def _check_names(names: Any, p: int) -> list[str] | None:
+    if names is None:
+        return None
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(f"reduce_across_ranks: names must be a sequence of str, got a {type(names).__name__}")
+    if len(names) != p or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"reduce_across_ranks: names must be {p} strings, one per gradient")
+    if len(set(names)) != p:
+        raise ValueError("reduce_across_ranks: names must be unique (two parameters would share one row)")
+    return list(names)
+
+
+@torch.no_grad()
+def reduce_across_ranks(
+    grads: Sequence[Tensor],
+    sumsq: Tensor,
+    amax: Tensor,
+    counts: Tensor,
+    group: Any = None,
+    *,
+    names: Sequence[str] | None = None,
+    expert_group: Any = None,
+    is_expert: Callable[[str], bool] | None = None,
+    stage_group: Any = None,
+    tied: Collection[str] = (),
+    histogram: Tensor | None = None,
+) -> ReducedStats:
+    """Turn per-rank statistics of local gradients into statistics of the whole logical parameters.
+
+    Args:
+        grads: the gradients as the user holds them (plain tensors or DTensors), one per row; only their metadata
+            is read, except for Partial DTensors (materialized, see the module docstring). Never modified.
+        sumsq: float64 ``[P]``, local sum of squares of each gradient (of a DTensor: of its local tensor).
+        amax: float64 ``[P]``, local max |x|.
+        counts: int64 ``[P, 3]``, local zero/NaN/Inf counts (columns ``ops.ZERO, ops.NAN, ops.INF``).
+        group: process group (or 1-D DeviceMesh) the plain-tensor gradients are sharded over (their statistics are
+            summed / maxed over it), or None: plain tensors are then not reduced. DTensors always use their own
+            mesh.
+        names: one unique name per gradient. With names, ranks may hold different gradients: rows are matched by
+            name and a gradient missing on a rank counts as an empty shard. Without, every rank of a group must
+            hold the same gradients in the same order (checked; a difference is a ValueError on every rank).
+        expert_group: process group the plain gradients named by ``is_expert`` are sharded over instead of
+            ``group`` (expert parallelism). Needs ``names`` and ``is_expert``.
+        is_expert: ``name -> bool``, which gradients are expert parameters.
+        stage_group: process group whose ranks hold disjoint parts of the model (pipeline stages): after the
+            other reductions, the rows of all its ranks are gathered on each (one SUM and one MAX). A name held
+            by several ranks becomes ``name@stage<k>`` (k: rank in ``stage_group``), one row each. Needs
+            ``names``.
+        tied: names of parameters tied across stages (e.g. a shared embedding): each stage's row is still
+            reported, but only the lowest stage's is counted in the figures of the whole model (``counted``).
+        histogram: int64 ``[P, 277]``, each gradient's local exponent histogram (the op's histogram overload):
+            summed like the counts, as more columns of the same SUM collective.
+
+    Returns:
+        A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel, names, counted)`` of tensors on
+        ``sumsq``'s device, identical on every rank that reduced together. ``names`` gives the rows: the agreed
+        union of what the ranks hold (with stage suffixes), or ``names`` as given (None if not given) when nothing
+        was gathered. ``counted`` says which rows count in the whole model's figures (None: all).
+        ``numel`` is each parameter's logical element count: the local counts summed over the same groups as
+        everything else. ``rank_nonfinite`` is int64 ``[P, world]`` (world and columns: global ranks), or None
+        when torch.distributed is not initialized and no gradient is a DTensor (nothing to reduce: the same
+        sumsq/amax/counts tensors come back).
+
+    Raises:
+        ValueError / TypeError: inconsistent shapes, dtypes or devices (naming the argument), a gradient too
+            large for exact float64 counts, a group this rank is not in, a multi-dimensional DeviceMesh, or
+            layouts that cannot be reconciled across ranks (the same error on every rank, naming the parameter).
+        RuntimeError: a group is given but torch.distributed is not initialized.
+    """
+    _check_inputs(grads, sumsq, amax, counts)
+    p = len(grads)
+    if histogram is not None and (histogram.dtype != torch.int64 or histogram.shape != (p, HISTOGRAM_BUCKETS)
+                                  or histogram.device != sumsq.device):  # fmt: skip
+        raise ValueError(f"reduce_across_ranks: histogram must be int64 of shape [{p}, {HISTOGRAM_BUCKETS}] on "
+                         f"{sumsq.device}, got {histogram.dtype} of shape {list(histogram.shape)} on "
+                         f"{histogram.device}")
+    given_names = _check_names(names, p)
+    tied = _check_options(given_names, expert_group, is_expert, stage_group, tied)
+    dtensor_cls = dtensor_class() if dist.is_available() else None
+    has_dtensor = dtensor_cls is not None and any(isinstance(g, dtensor_cls) for g in grads)
+    initialized = dist.is_available() and dist.is_initialized()
+    if any(g is not None for g in (group, expert_group, stage_group)) and not initialized:
+        raise RuntimeError(
+            "reduce_across_ranks: a process group was given but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() first, or pass no group"
+        )
+    if not initialized and not has_dtensor:
+        numel = host_int64([g.numel() for g in grads], sumsq.device)
+        return ReducedStats(sumsq, amax, counts, None, numel, given_names, histogram=histogram)
+
+    group = _resolve_group(group, "group")
+    expert_group = _resolve_group(expert_group, "expert_group")
+    stage_group = _resolve_group(stage_group, "stage_group")
+    device = sumsq.device
+    world, rank = dist.get_world_size(), dist.get_rank()
+    strict = given_names is None
+    row_names = given_names if given_names is not None else [f"grads[{i}]" for i in range(p)]
+
+    # The rank that produced a NaN/Inf is named from what it held before any materialization.
+    local_nonfinite = counts[:, NAN] + counts[:, INF]
+    planned, sumsq, amax, counts, histogram = materialize_partials(grads, dtensor_cls, sumsq, amax, counts, histogram)
+    explicit: list[tuple[Any, Callable[[str], bool] | None]] = []
+    if expert_group is not None and is_expert is not None:
+        explicit.append((expert_group, is_expert))
+    if group is not None:
+        explicit.append((group, None))
+    steps, local_numel = plan_steps(planned, row_names, dtensor_cls, explicit)
+
+    # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer, each with a last row
+    # for the layout check.
+    numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device)
+    descs = row_descs(planned, row_names, dtensor_cls, has_dtensor)
+
+    hist_cols = 0 if histogram is None else HISTOGRAM_BUCKETS  # after the numel column
+
+    def first_table() -> _Table:
+        sum_buf = torch.zeros(p + 1, _RANKS_START + world + 1 + hist_cols, dtype=torch.float64, device=device)
+        sum_buf[:p, _SUMSQ_COL] = sumsq
+        sum_buf[:p, _COUNTS_COLS] = counts
+        sum_buf[:p, _RANKS_START + rank] = local_nonfinite
+        sum_buf[:p, _RANKS_START + world] = numel_col
+        if histogram is not None:
+            sum_buf[:p, _RANKS_START + world + 1 :] = histogram
+        return _Table(sum_buf, torch.cat([amax, amax.new_zeros(1)]), descs, [True] * p)
+
+    table = first_table()
+    remake: Callable[[], _Table] | None = first_table  # only the first step reduces the caller's rows
+    for pg, rows in steps:
+        # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
+        where = {d.name: i for i, d in enumerate(table.descs)}
+        table = _reduce_step(table, pg, "shard", [where[row_names[r]] for r in rows], (), strict, remake)
+        remake = None
+    staged = stage_group is not None and dist.get_world_size(stage_group) > 1
+    if staged:  # its agreed order (stage by stage) is the same on every rank
+        table = _reduce_step(table, stage_group, "stage", list(range(len(table.descs))), tied, strict, remake)
+    elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
+        table = _reorder(table, row_names)
+    gathered = bool(steps) or staged
+    if gathered:
+        logger.debug("reduce_across_ranks: %d local parameters, %d rows, %d step(s)", p, len(table.descs), len(steps))
+
+    sum_buf, max_buf = table.sum_buf[: len(table.descs)], table.max_buf[: len(table.descs)]
+    counts_out = sum_buf[:, _COUNTS_COLS].to(torch.int64)
+    has_nan = counts_out[:, NAN] > 0
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
+    sumsq_out = torch.where(has_nan, nan, sum_buf[:, _SUMSQ_COL])
+    amax_out = torch.where(has_nan, nan, max_buf)  # NaN need not survive a MAX all-reduce; the count does
+    rank_nonfinite = sum_buf[:, _RANKS_START : _RANKS_START + world].to(torch.int64)
+    numel_out = sum_buf[:, _RANKS_START + world].to(torch.int64)
+    hist_out = sum_buf[:, _RANKS_START + world + 1 :].to(torch.int64) if histogram is not None else None
+    out_names = [d.name for d in table.descs] if (gathered and given_names is not None) else given_names
+    counted = None if all(table.counted) else table.counted
+    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names, counted, hist_out)
+
+
+def _check_options(
+    names: list[str] | None, expert_group: Any, is_expert: Any, stage_group: Any, tied: Any
+) -> frozenset[str]:
+    if is_expert is not None and not callable(is_expert):
+        raise TypeError(
+            f"reduce_across_ranks: is_expert must be a callable name -> bool, got a {type(is_expert).__name__}"
+        )
+    if (expert_group is None) != (is_expert is None):
+        raise ValueError("reduce_across_ranks: expert_group and is_expert go together: pass both or neither")
+    if isinstance(tied, str) or not isinstance(tied, Collection) or not all(isinstance(t, str) for t in tied):
+        raise TypeError("reduce_across_ranks: tied must be a collection of parameter names (str)")
+    if tied and stage_group is None:
+        raise ValueError("reduce_across_ranks: tied names parameters shared by pipeline stages; pass stage_group too")
+    if names is None and (expert_group is not None or stage_group is not None):
+        raise ValueError("reduce_across_ranks: expert_group and stage_group match parameters by name; pass names=")
+    return frozenset(tied)
+
+
+def is_logging_rank(stage_group: Any = None, *, group: Any = None, rank: int | None = None) -> bool:
+    """Whether this process is the one that logs reports (one rank logs; the figures are the same on every rank).
+
+    Args:
+        stage_group: the pipeline-stage group passed to ``grad_stats``: the logging rank is then on the last stage
+            (where the loss is computed, as torchtitan and Megatron log).
+        group: the group the stage's parameters are sharded over (data/shard parallel): among the last stage's
+            ranks, its first rank logs.
+        rank: a global rank chosen by the user; overrides the rule above.
+
+    Returns:
+        True on exactly one rank of each pipeline (with ``stage_group`` and ``group`` covering every other
+        dimension, exactly one rank in all): ``rank`` if given; else, with a ``stage_group``, the last rank of
+        ``stage_group`` that is also the first of ``group`` (if given); else global rank 0. Always True when
+        torch.distributed is not initialized. No communication.
+    """
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)):
+        raise TypeError(f"is_logging_rank: rank must be an int (a global rank), got a {type(rank).__name__}")
+    if rank is not None and rank < 0:  # no world has it: refused with or without torch.distributed
+        raise ValueError(f"is_logging_rank: rank must be a global rank >= 0, got {rank}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    if rank is not None:
+        if not 0 <= rank < dist.get_world_size():
+            raise ValueError(f"is_logging_rank: rank must be in [0, {dist.get_world_size()}), got {rank}")
+        return dist.get_rank() == rank
+    if stage_group is None:
+        return dist.get_rank() == 0
+    stage_group = _resolve_group(stage_group, "stage_group")
+    group = _resolve_group(group, "group")
+    last_stage = dist.get_rank(stage_group) == dist.get_world_size(stage_group) - 1
+    return last_stage and (group is None or dist.get_rank(group) == 0)

@@ -1,0 +1,398 @@
+"""The gradient noise scale B_simple (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A).
+
+Two squared gradient norms measured on every step, one from a small batch (B_small samples) and one from a big
+batch (B_big samples) of the same step, give unbiased estimates of the true gradient's squared norm and of the
+per-sample gradient covariance's trace:
+
+    |G|^2     = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) = (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)
+
+Each is smoothed by its own bias-corrected EMA, and B_simple = tr(Sigma) / |G|^2 is the ratio of the two smoothed
+estimates (the per-step ratio would be dominated by its noisy denominator).
+
+Where the two norms come from:
+
+* data-parallel training: :func:`noise_scale_hook`, a DDP communication hook wrapping the default all-reduce. It
+  reads each bucket with the fused op before its all-reduce (this rank's gradient, B_small = ``local_batch_size``)
+  and after it (the averaged gradient, B_big = ``local_batch_size`` x the group's size), and folds the step in once
+  every bucket of the step has been reduced. No host sync, no extra collective.
+* gradient accumulation: :meth:`NoiseScale.micro_batch` around each micro-batch's backward reads that micro-batch's
+  gradient (B_small = ``local_batch_size``, the micro-batch size), and :meth:`NoiseScale.step` reads the
+  accumulated gradient (B_big = micro-batches x ``local_batch_size``) and folds the step in.
+
+Every figure stays on the device; ``to_dict()`` brings the three to the host in one transfer.
+"""
+
+import logging
+import numbers
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from torch_gradstats.ops._transfer import to_device, to_host
+from torch_gradstats.ops.op import multi_tensor_stats
+from torch_gradstats.stats._params import named_params, stats_on_home
+
+__all__ = ["NoiseScale", "noise_scale_hook"]
+
+logger = logging.getLogger(__name__)
+
+# This module deliberately has no `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
+# annotations with the real dist.GradBucket and Future[Tensor] objects, and string annotations fail that check.
+
+#: Micro-batch gradients are held until this many bytes are pending, then read by one op call: a bounded amount of
+#: extra memory, and one op call per this many bytes instead of one per parameter.
+_MICRO_FLUSH_BYTES = 32 * 2**20
+
+KEYS = ("noise/b_simple", "noise/grad_sq", "noise/trace_sigma")
+
+
+def _as_sq(value: Tensor | float, what: str) -> Tensor:
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or not value.dtype.is_floating_point:
+            raise ValueError(
+                f"NoiseScale.update: {what} must be a floating-point tensor of one element, got dtype "
+                f"{value.dtype} and shape {tuple(value.shape)}"
+            )
+        return value.detach().reshape(()).to(torch.float64)  # the EMAs must not chain every step's autograd graph
+    if isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float64)
+    raise TypeError(f"NoiseScale.update: {what} must be a tensor or a float, got a {type(value).__name__}")
+
+
+def _params_of(params: Any, caller: str) -> list[Tensor]:
+    """The distinct tensors of ``params`` (a module, or what grad_stats accepts), in order: a tied one once."""
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    return list({id(p): p for _, p in named_params(params, caller=caller)}.values())
+
+
+def _sumsq(tensors: list[Tensor]) -> Tensor:
+    """Sum of squares of every element of ``tensors`` (0-d float64): one op call per device."""
+    return stats_on_home(tensors, False)[0][0].sum()
+
+
+class NoiseScale:
+    """Smoothed estimates of |G|^2, tr(Sigma) and the simple noise scale B_simple = tr(Sigma) / |G|^2.
+
+    Args:
+        local_batch_size: samples in the small batch: one rank's batch per optimizer step (DDP hook) or one
+            micro-batch (:meth:`micro_batch`). A positive int.
+        ema: decay of the two EMAs, in [0, 1). Both start at zero and are divided by ``1 - ema**steps`` (bias
+            correction), so every step seen so far is weighted by ``ema**age``: 0.99 averages over about 200 steps,
+            enough to bring the noisy per-step estimates within a few percent (docs/noise_scale.md). A step whose
+            estimates are not finite (a NaN or Inf gradient) is left out, on the device: it changes nothing.
+        process_group: the group given to ``DistributedDataParallel`` (None: the default group). The hook
+            all-reduces over it in DDP's place, so it must be DDP's own. Used by :func:`noise_scale_hook` only.
+
+    Reading: :attr:`b_simple`, :attr:`grad_sq`, :attr:`trace_sigma` are 0-d float64 tensors on the gradients'
+    device (NaN before the first step); reading one as a number is the one host sync. :meth:`to_dict` gives all
+    three as floats in one transfer.
+    """
+
+    def __init__(self, local_batch_size: int, *, ema: float = 0.99, process_group: Any = None) -> None:
+        if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, (int, numbers.Integral)):
+            raise TypeError(f"NoiseScale: local_batch_size must be an int, got a {type(local_batch_size).__name__}")
+        if local_batch_size < 1:
+            raise ValueError(f"NoiseScale: local_batch_size must be >= 1, got {local_batch_size}")
+        if isinstance(ema, bool) or not isinstance(ema, (int, float, numbers.Real)):
+            raise TypeError(f"NoiseScale: ema must be a float, got a {type(ema).__name__}")
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"NoiseScale: ema must be in [0, 1), got {ema}")
+        self.local_batch_size: int = int(local_batch_size)
+        self.ema: float = float(ema)
+        self.process_group = process_group
+        self.steps: int = 0  # steps given to update (a host counter: no sync)
+        self._grad_sq_ema: Tensor | None = None
+        self._trace_ema: Tensor | None = None
+        # The EMA of ones over the same steps, 1 - ema**(steps folded in): the bias correction, on the device
+        # because a step with a non-finite estimate is left out there (no host read decides it).
+        self._weight: Tensor | None = None
+        self._lock = threading.Lock()  # bucket callbacks and autograd hooks can run on other threads
+        # One DDP step in flight: buckets launched / reduced, and their squared norms summed so far.
+        self._launched = 0
+        self._reduced = 0
+        self._last_launched = False
+        self._local_sq: Tensor | None = None
+        self._big_sq: Tensor | None = None
+        # The accumulation window: micro-batches finished since the last step(), and the sum of their squared norms.
+        self._micro_batches = 0
+        self._micro_sq: Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------- the estimates
+    def _smoothed(self, ema: Tensor | None) -> Tensor:
+        if ema is None or self._weight is None:
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        return ema / self._weight  # NaN while every step so far was left out
+
+    @property
+    def grad_sq(self) -> Tensor:
+        """The smoothed estimate of |G|^2, the true gradient's squared norm (0-d float64 tensor)."""
+        return self._smoothed(self._grad_sq_ema)
+
+    @property
+    def trace_sigma(self) -> Tensor:
+        """The smoothed estimate of tr(Sigma), the per-sample gradient covariance's trace (0-d float64 tensor)."""
+        return self._smoothed(self._trace_ema)
+
+    @property
+    def b_simple(self) -> Tensor:
+        """The simple noise scale tr(Sigma) / |G|^2 from the two smoothed estimates (0-d float64 tensor)."""
+        if self._grad_sq_ema is None or self._trace_ema is None:
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        return self._trace_ema / self._grad_sq_ema  # the bias corrections cancel
+
+    def to_dict(self) -> dict[str, float]:
+        """``{"noise/b_simple", "noise/grad_sq", "noise/trace_sigma"}`` as floats: one host transfer (NaN, and no
+        transfer, before the first step)."""
+        if self._grad_sq_ema is None:
+            return dict.fromkeys(KEYS, float("nan"))
+        values, _ = to_host([self.b_simple, self.grad_sq, self.trace_sigma], [])
+        return dict(zip(KEYS, values, strict=True))
+
+    # ------------------------------------------------------------------------------------------- folding a step
+    def update(self, small_sq: Tensor | float, big_sq: Tensor | float, *, big_batch_size: int) -> None:
+        """Fold one step's pair of squared norms into the EMAs (on their device, no host sync).
+
+        ``small_sq`` is |G_small|^2 over ``local_batch_size`` samples, ``big_sq`` is |G_big|^2 over
+        ``big_batch_size`` samples of the same step, both of mean (not summed) per-sample gradients. The hook and
+        :meth:`step` call this; call it directly where the two norms come from elsewhere.
+        """
+        if isinstance(big_batch_size, bool) or not isinstance(big_batch_size, (int, numbers.Integral)):
+            raise TypeError(f"NoiseScale.update: big_batch_size must be an int, got a {type(big_batch_size).__name__}")
+        if big_batch_size <= self.local_batch_size:
+            raise ValueError(
+                f"NoiseScale.update: big_batch_size must exceed local_batch_size ({self.local_batch_size}), "
+                f"got {big_batch_size}"
+            )
+        small = _as_sq(small_sq, "small_sq")
+        big = _as_sq(big_sq, "big_sq")
+        if isinstance(small_sq, Tensor) and isinstance(big_sq, Tensor) and small.device != big.device:
+            raise ValueError(f"NoiseScale.update: small_sq is on {small.device} but big_sq is on {big.device}")
+        device = big.device if isinstance(big_sq, Tensor) else small.device
+        small, big = to_device(small, device), to_device(big, device)  # a float's tensor joins the other
+        b_small, b_big = float(self.local_batch_size), float(int(big_batch_size))
+        grad_sq = (b_big * big - b_small * small) / (b_big - b_small)
+        trace = (small - big) / (1.0 / b_small - 1.0 / b_big)
+        with self._lock:
+            self._fold(grad_sq, trace)
+
+    def _fold(self, grad_sq: Tensor, trace: Tensor) -> None:
+        """One step into the EMAs, on the device. A step whose estimates are not finite (a NaN or Inf gradient) is
+        left out: one such step would otherwise make every later estimate NaN."""
+        device = grad_sq.device
+        if self._grad_sq_ema is None or self._trace_ema is None or self._weight is None:
+            self._grad_sq_ema = torch.zeros((), dtype=torch.float64, device=device)
+            self._trace_ema = torch.zeros((), dtype=torch.float64, device=device)
+            self._weight = torch.zeros((), dtype=torch.float64, device=device)
+        elif self._grad_sq_ema.device != device:  # a state loaded on another device: moved once
+            if device.type == "cpu":
+                self._grad_sq_ema, self._trace_ema = self._grad_sq_ema.to(device), self._trace_ema.to(device)
+                self._weight = self._weight.to(device)
+            else:
+                self._grad_sq_ema = to_device(self._grad_sq_ema, device)
+                self._trace_ema = to_device(self._trace_ema, device)
+                self._weight = to_device(self._weight, device)
+        ok = (torch.isfinite(grad_sq) & torch.isfinite(trace)).to(torch.float64)
+        decay = 1.0 - ok * (1.0 - self.ema)  # ema for a step folded in, 1 for one left out
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self._grad_sq_ema.mul_(decay).add_(torch.where(ok > 0, grad_sq, zero), alpha=1.0 - self.ema)
+        self._trace_ema.mul_(decay).add_(torch.where(ok > 0, trace, zero), alpha=1.0 - self.ema)
+        self._weight.mul_(decay).add_(ok, alpha=1.0 - self.ema)
+        self.steps += 1
+
+    # ------------------------------------------------------------------------------------------- DDP buckets
+    def _bucket_launched(self, local_sq: Tensor, is_last: bool) -> None:
+        with self._lock:
+            self._local_sq = local_sq if self._local_sq is None else self._local_sq + local_sq
+            self._launched += 1
+            self._last_launched = self._last_launched or is_last
+
+    def _bucket_reduced(self, big_sq: Tensor, world: int) -> None:
+        # Buckets' all-reduces may complete in any order (a process group can run several at once), so the step is
+        # folded by whichever callback completes the set, once the last bucket has been launched.
+        with self._lock:
+            self._big_sq = big_sq if self._big_sq is None else self._big_sq + big_sq
+            self._reduced += 1
+            if not (self._last_launched and self._reduced == self._launched):
+                return
+            local, big = self._local_sq, self._big_sq
+            self._launched = self._reduced = 0
+            self._last_launched = False
+            self._local_sq = self._big_sq = None
+        assert local is not None and big is not None
+        self.update(local, big, big_batch_size=self.local_batch_size * world)
+
+    # ------------------------------------------------------------------------------------------- accumulation
+    @contextmanager
+    def micro_batch(self, params: Any) -> Iterator[None]:
+        """Read the gradient of the backward pass run inside this block: one micro-batch of an accumulation window.
+
+        ``params``: a module or what :func:`~torch_gradstats.grad_stats` accepts. Gradient hooks on those
+        parameters see each micro-batch's contribution before it is added to ``.grad``; they hold it until
+        32 MiB are pending, then read them with one op call (the first micro-batch's gradients are copied into
+        ``.grad`` instead of moved, while held). Scale each micro-batch's loss by ``1 / micro-batches`` as usual
+        (``.grad`` is then the mean gradient of the window). The block counts as a micro-batch when it exits
+        without an exception.
+        """
+        tensors = [p for p in _params_of(params, "NoiseScale.micro_batch") if p.requires_grad]
+        if not tensors:
+            raise ValueError("NoiseScale.micro_batch: params holds no tensor that requires grad")
+        pending: list[Tensor] = []
+        pending_bytes = [0]
+        sums: list[Tensor] = []
+        lock = threading.Lock()
+
+        def flush() -> None:
+            if pending:
+                sums.append(_sumsq(pending))
+                pending.clear()
+                pending_bytes[0] = 0
+
+        def hook(grad: Tensor) -> None:
+            with lock:
+                pending.append(grad)
+                pending_bytes[0] += grad.numel() * grad.element_size()
+                if pending_bytes[0] >= _MICRO_FLUSH_BYTES:
+                    flush()
+
+        handles = [p.register_hook(hook) for p in tensors]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        flush()
+        if not sums:
+            logger.warning("NoiseScale.micro_batch: no gradient reached the parameters in this block")
+            return
+        total = torch.stack([to_device(t, sums[0].device) for t in sums]).sum() if len(sums) > 1 else sums[0]
+        with self._lock:
+            self._micro_sq = total if self._micro_sq is None else self._micro_sq + total
+            self._micro_batches += 1
+
+    def step(self, params: Any) -> None:
+        """Fold an accumulation window in: ``.grad`` of ``params`` is the big batch, the micro-batches read by
+        :meth:`micro_batch` since the last call are the small ones. Call it before ``optimizer.zero_grad()``.
+
+        With ``k`` micro-batches whose losses were scaled by ``1/k``, micro-batch ``j`` contributed ``g_j / k``, so
+        the mean of ``|g_j|^2`` is ``k`` times the sum of the contributions' squared norms, and B_big is
+        ``k * local_batch_size``. One op call on the accumulated gradients, no host sync.
+        """
+        grads = [p.grad for p in _params_of(params, "NoiseScale.step") if p.grad is not None]
+        with self._lock:
+            k, micro = self._micro_batches, self._micro_sq
+            self._micro_batches, self._micro_sq = 0, None
+        if k < 2 or micro is None:
+            raise ValueError(
+                f"NoiseScale.step: needs at least 2 micro-batches read by micro_batch() since the last step, got {k}"
+            )
+        if not grads:
+            raise ValueError("NoiseScale.step: no parameter in params has a gradient")
+        big = _sumsq(grads)
+        self.update(micro * k, big, big_batch_size=k * self.local_batch_size)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The EMAs, their bias correction (``weight``), the step count and the decay (the bias correction needs
+        the same decay on reload)."""
+        return {
+            "ema": self.ema,
+            "steps": self.steps,
+            "grad_sq_ema": None if self._grad_sq_ema is None else self._grad_sq_ema.clone(),
+            "trace_sigma_ema": None if self._trace_ema is None else self._trace_ema.clone(),
+            "weight": None if self._weight is None else self._weight.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; the decay must be this instance's."""
+        if not isinstance(state, dict):
+            raise TypeError(f"NoiseScale.load_state_dict: state must be a dict, got a {type(state).__name__}")
+        missing = {"ema", "steps", "grad_sq_ema", "trace_sigma_ema"} - state.keys()
+        if missing:
+            raise ValueError(f"NoiseScale.load_state_dict: state lacks {sorted(missing)}")
+        ema = state["ema"]
+        if isinstance(ema, bool) or not isinstance(ema, numbers.Real):  # a str such as "0.9" is not a saved state
+            raise TypeError(f"NoiseScale.load_state_dict: ema must be a float, got a {type(ema).__name__}")
+        if float(ema) != self.ema:
+            raise ValueError(
+                f"NoiseScale.load_state_dict: the state was saved with ema={state['ema']}, this instance has "
+                f"ema={self.ema} (the bias correction assumes one decay)"
+            )
+        steps, g, tr = state["steps"], state["grad_sq_ema"], state["trace_sigma_ema"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"NoiseScale.load_state_dict: steps must be an int >= 0, got {steps!r}")
+        if (g is None) != (tr is None) or (g is None) != (steps == 0):
+            raise ValueError("NoiseScale.load_state_dict: grad_sq_ema and trace_sigma_ema must be set iff steps > 0")
+        for name, t in (("grad_sq_ema", g), ("trace_sigma_ema", tr)):
+            if t is not None and (not isinstance(t, Tensor) or t.numel() != 1 or not t.dtype.is_floating_point
+                                  or t.device.type == "meta"):
+                raise ValueError(
+                    f"NoiseScale.load_state_dict: {name} must be a one-element floating-point tensor with a value, "
+                    f"got {t!r}"
+                )
+        weight = state.get("weight")  # absent from states saved before steps could be left out: every step counted
+        if weight is not None and (not isinstance(weight, Tensor) or weight.numel() != 1
+                                   or not weight.dtype.is_floating_point or weight.device.type == "meta"):
+            raise ValueError(f"NoiseScale.load_state_dict: weight must be a one-element floating-point tensor with "
+                             f"a value, got {weight!r}")
+        with self._lock:
+            self.steps = steps
+            self._grad_sq_ema = None if g is None else g.detach().reshape(()).to(torch.float64).clone()
+            self._trace_ema = None if tr is None else tr.detach().reshape(()).to(torch.float64).clone()
+            if g is None:
+                self._weight = None
+            elif weight is None:
+                self._weight = torch.full((), 1.0 - self.ema**steps, dtype=torch.float64, device=g.device)
+            else:
+                self._weight = weight.detach().reshape(()).to(device=g.device, dtype=torch.float64).clone()
+
+    def __repr__(self) -> str:
+        return f"NoiseScale(local_batch_size={self.local_batch_size}, ema={self.ema}, steps={self.steps})"
+
+
+def noise_scale_hook(state: NoiseScale, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the default all-reduce (``allreduce_hook``), plus the noise scale's two readings.
+
+    ``ddp_model.register_comm_hook(ns, noise_scale_hook)`` with ``ns = NoiseScale(local_batch_size)``. Each bucket
+    is read by the fused op before the all-reduce (this rank's gradient) and, in a ``.then`` callback, after it
+    (the average over ranks); when every bucket of the step is reduced, the step is folded into ``state``. The
+    gradients DDP produces are exactly those of the default hook. No host sync, no extra collective.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if not isinstance(state, NoiseScale):
+        raise TypeError(
+            f"noise_scale_hook: the hook's state must be a NoiseScale (register_comm_hook(ns, noise_scale_hook)), "
+            f"got a {type(state).__name__}"
+        )
+    world = dist.get_world_size(state.process_group)  # host-side, no collective
+    if world < 2:
+        raise ValueError(
+            "noise_scale_hook: the process group has 1 rank, so the big batch is the small one; the noise scale "
+            "needs 2 or more ranks (or, in one process, NoiseScale.micro_batch() and step())"
+        )
+    buffer = bucket.buffer()
+    # Read before the all-reduce: the default hook divides the buffer in place.
+    state._bucket_launched(multi_tensor_stats(buffer).sumsq.sum(), bucket.is_last())
+    # A CUDA future runs its callbacks on streams of its own; the readings after the all-reduce go back to the
+    # backward's stream (after a wait for the callback's), so the sums and the EMAs only ever see one stream.
+    stream = torch.cuda.current_stream(buffer.device) if buffer.device.type == "cuda" else None
+    fut = allreduce_hook(state.process_group, bucket)
+
+    def after(f: torch.futures.Future[torch.Tensor]) -> Tensor:
+        reduced = f.value()
+        if stream is None:
+            state._bucket_reduced(multi_tensor_stats(reduced).sumsq.sum(), world)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(reduced.device))
+            with torch.cuda.stream(stream):
+                state._bucket_reduced(multi_tensor_stats(reduced).sumsq.sum(), world)
+        return reduced
+
+    return fut.then(after)

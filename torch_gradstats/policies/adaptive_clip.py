@@ -1,0 +1,289 @@
+"""AdaptiveClip: ZClip's adaptive gradient clipping (z-score mode), computed on the device with no host sync.
+
+The rule, per step, given the step's total gradient norm ``g`` (ZClip's ``zclip.py``, z-score mode):
+
+* warm-up: the first ``warmup`` finite norms are collected and the threshold is ``max_norm`` (``inf`` without one);
+  when the last of them arrives, ``mean`` becomes their average and ``var`` their population variance;
+* afterwards ``std = sqrt(var)`` and ``z = (g - mean) / (std + 1e-6)``. When ``z > z_thresh`` a clip value is
+  computed: ``(mean + z_thresh * std / (z / z_thresh)) * clip_factor`` (``"adaptive_scaling"``) or ``mean``
+  (``"mean"``), and the threshold is the clip value capped by ``max_norm``; otherwise the threshold is ``max_norm``
+  (or ``inf``);
+* then, unless ``skip_update_on_spike`` and a clip value was computed, with ``v`` the clip value if one was computed,
+  else ``g`` (never the ``max_norm``-capped value): ``mean <- alpha * mean + (1 - alpha) * v``, then
+  ``var <- alpha * var + (1 - alpha) * (v - mean)**2`` with the new mean.
+
+One difference, on purpose: a non-finite norm never enters the statistics (nor the warm-up). ZClip folds it into
+its EMA, and a single NaN then disables its clipping for the rest of the run.
+
+ZClip reads the norm with ``.item()`` (a host sync) every step. Here every branch is a ``torch.where`` over state
+kept in tensors of one or more elements, so :meth:`AdaptiveClip.threshold` runs the same kernels every step, never
+syncs, and runs inside ``torch.compile(fullgraph=True)`` and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.ops._transfer import fetch, to_host
+from torch_gradstats.policies._scalars import (
+    MAX_HISTORY,
+    as_figure,
+    check_device,
+    check_int,
+    check_real,
+    load_state,
+    moved,
+)
+from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.stats._params import ParamsLike, named_params
+from torch_gradstats.stats.gradients import GradStats, grad_stats
+
+__all__ = ["AdaptiveClip"]
+
+_EPS = 1e-6  # ZClip's eps in the z-score, and the eps of the clipping coefficient
+_CLIP_OPTIONS = ("adaptive_scaling", "mean")
+# Columns of _last: the threshold, the coefficient clipping to it applies, the z-score.
+_THRESHOLD, _COEF, _Z = range(3)
+
+
+class AdaptiveClip:
+    """The clipping threshold of each step from the history of gradient norms (see the module docstring).
+
+    Args:
+        alpha: EMA smoothing factor of the norms' mean and variance (in [0, 1)).
+        z_thresh: z-score above which a norm is a spike (> 0).
+        warmup: finite norms collected before the first z-score (int >= 1).
+        clip_option: ``"adaptive_scaling"`` (clip harder the larger the spike) or ``"mean"`` (clip to the mean).
+        clip_factor: multiplier of the adaptive clip value (> 0).
+        max_norm: fixed cap of every threshold (> 0), or None.
+        skip_update_on_spike: keep a spike's (clipped) norm out of the statistics.
+        device: where the state lives at first; it moves to the device of the first norm seen on an accelerator.
+    """
+
+    def __init__(
+        self,
+        alpha: float = 0.97,
+        z_thresh: float = 2.5,
+        warmup: int = 25,
+        *,
+        clip_option: str = "adaptive_scaling",
+        clip_factor: float = 1.0,
+        max_norm: float | None = None,
+        skip_update_on_spike: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.alpha = check_real("AdaptiveClip: alpha", alpha, low=0.0)
+        if self.alpha >= 1.0:
+            raise ValueError(f"AdaptiveClip: alpha must be in [0, 1), got {alpha!r}")
+        self.z_thresh = check_real("AdaptiveClip: z_thresh", z_thresh, low=0.0, low_open=True)
+        self.warmup = check_int("AdaptiveClip: warmup", warmup, low=1, high=MAX_HISTORY,
+                                why=" (the warm-up norms are a buffer of that many float64 values on the device)")
+        if clip_option not in _CLIP_OPTIONS:
+            raise ValueError(f"AdaptiveClip: clip_option must be one of {_CLIP_OPTIONS}, got {clip_option!r}")
+        self.clip_option = clip_option
+        self.clip_factor = check_real("AdaptiveClip: clip_factor", clip_factor, low=0.0, low_open=True)
+        self.max_norm = (
+            None if max_norm is None else check_real("AdaptiveClip: max_norm", max_norm, low=0.0, low_open=True)
+        )
+        if not isinstance(skip_update_on_spike, bool):
+            raise TypeError(f"AdaptiveClip: skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
+        self.skip_update_on_spike = skip_update_on_spike
+        dev = torch.device("cpu") if device is None else check_device("AdaptiveClip: device", device)
+        self._warm = torch.zeros(self.warmup, dtype=torch.float64, device=dev)  # the warm-up norms
+        self._slots = torch.arange(self.warmup, dtype=torch.int64, device=dev)
+        self._count = torch.zeros(1, dtype=torch.int64, device=dev)  # finite norms collected (<= warmup)
+        self._ema = torch.zeros(2, dtype=torch.float64, device=dev)  # mean, var
+        self._last = torch.full((3,), math.nan, dtype=torch.float64, device=dev)
+
+    _STATE = ("_warm", "_slots", "_count", "_ema", "_last")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives."""
+        return self._ema.device
+
+    def to(self, device: torch.device | str) -> AdaptiveClip:
+        """Move the state to ``device`` (not needed per step: :meth:`threshold` moves it once); returns self."""
+        device = check_device("AdaptiveClip.to: device", device)
+        for name in self._STATE:
+            setattr(self, name, moved(getattr(self, name), device))
+        return self
+
+    # ------------------------------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def threshold(self, grad_norm: Tensor | float) -> Tensor:
+        """The norm to clip this step's gradients to, as a float64 0-d tensor on ``grad_norm``'s device (``max_norm``,
+        or ``inf`` without one, when no z-score clip applies), and the state updated in place. No host sync, the
+        same launches every step.
+
+        Args:
+            grad_norm: the step's total gradient norm, a one-element tensor (or a number).
+        """
+        g = as_figure("AdaptiveClip.threshold: grad_norm", grad_norm, self.device)
+        if g.device != self.device:
+            if g.device.type == "cpu":
+                raise ValueError(
+                    f"AdaptiveClip.threshold: grad_norm is on the CPU but the state is on {self.device}; moving it "
+                    "back every step would sync. Pass the norm on the state's device."
+                )
+            self.to(g.device)
+        cap = math.inf if self.max_norm is None else self.max_norm
+        finite = torch.isfinite(g)
+        n = self._count[0]
+        ready = n >= self.warmup  # the statistics were initialised before this step
+
+        # Warm-up: collect finite norms; the step that brings the last one initialises mean and var.
+        collect = finite & ~ready
+        self._warm.copy_(torch.where((self._slots == n) & collect, g, self._warm))
+        n_new = torch.where(collect, n + 1, n)
+        init_now = collect & (n_new == self.warmup)
+        warm_mean = self._warm.mean()
+        warm_var = (self._warm - warm_mean).square().mean()
+
+        mean, var = self._ema[0], self._ema[1]
+        std = var.sqrt()
+        z = (g - mean) / (std + _EPS)
+        spike = ready & (z > self.z_thresh)
+        if self.clip_option == "adaptive_scaling":
+            clip_value = (mean + self.z_thresh * std / (z / self.z_thresh)) * self.clip_factor
+        else:
+            clip_value = mean
+        threshold = torch.where(spike, clip_value.clamp(max=cap), cap)
+
+        update = ready & finite
+        if self.skip_update_on_spike:
+            update = update & ~spike
+        v = torch.where(spike, clip_value, g)
+        new_mean = self.alpha * mean + (1 - self.alpha) * v
+        new_var = self.alpha * var + (1 - self.alpha) * (v - new_mean).square()
+        mean_out = torch.where(init_now, warm_mean, torch.where(update, new_mean, mean))
+        var_out = torch.where(init_now, warm_var, torch.where(update, new_var, var))
+        self._ema.copy_(torch.stack([mean_out, var_out]))
+        self._count.copy_(n_new.reshape(1))
+
+        coef = (threshold / (g + _EPS)).clamp(max=1.0)
+        self._last.copy_(torch.stack([threshold, coef, torch.where(ready, z, math.nan)]))
+        return threshold
+
+    @torch.no_grad()
+    def clip_(self, params: ParamsLike, group: Any = None, *, stats: GradStats | None = None) -> GradStats:
+        """Clip gradients in place to this step's :meth:`threshold`: one read of the gradients gives the statistics
+        and the norm, then the fused :func:`~torch_gradstats.clip_grad_norm_` scales them (no host sync).
+
+        Args:
+            params: what :func:`~torch_gradstats.grad_stats` accepts.
+            group: process group over which plain-tensor gradients are shards of one set (see ``clip_grad_norm_``).
+            stats: the :func:`~torch_gradstats.grad_stats` of these gradients, already read (e.g. with
+                ``histogram=True``): used instead of reading them again, as ``clip_grad_norm_(stats=)``.
+
+        Returns:
+            The statistics before clipping, with ``clip_norm`` and ``clip_coef`` set (as ``clip_grad_norm_``).
+        """
+        named, seen = [], set()
+        for name, p in named_params(params, "AdaptiveClip.clip_"):  # a tensor given twice (tied) is clipped once
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+        if stats is None:
+            stats = grad_stats(named, group=group)
+        if not len(stats):
+            return clip_grad_norm_(named, math.inf, stats=stats)
+        return clip_grad_norm_(named, self.threshold(stats.total_norm), stats=stats)
+
+    # ------------------------------------------------------------------------------------------- figures
+    @property
+    def last_threshold(self) -> Tensor:
+        """The last threshold (NaN before any): float64 0-d, on the device (a copy)."""
+        return self._last[_THRESHOLD].clone()
+
+    @property
+    def last_coef(self) -> Tensor:
+        """The coefficient clipping the last norm to the last threshold applies, ``min(threshold / (norm + 1e-6),
+        1)``: float64 0-d, on the device (a copy)."""
+        return self._last[_COEF].clone()
+
+    def check_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The device tensors of :meth:`figures`, as ``(floats, ints)`` for a caller's own single transfer."""
+        return [self._last], []
+
+    def check_values(self, floats: list[float], ints: list[int]) -> dict[str, float]:
+        """``clip/threshold`` and ``clip/coef`` from the host values of :meth:`check_tensors`."""
+        return {"clip/threshold": floats[_THRESHOLD], "clip/coef": floats[_COEF]}
+
+    def figures(self) -> dict[str, float]:
+        """``clip/threshold`` and ``clip/coef`` of the last step on the host (ONE transfer, which waits)."""
+        floats, ints = self.check_tensors()
+        return self.check_values(*to_host(floats, ints))
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Settings (Python scalars) and state (tensor copies): loads with ``torch.load(weights_only=True)``."""
+        return {
+            "alpha": self.alpha,
+            "z_thresh": self.z_thresh,
+            "warmup": self.warmup,
+            "clip_option": self.clip_option,
+            "clip_factor": self.clip_factor,
+            "max_norm": self.max_norm,
+            "skip_update_on_spike": self.skip_update_on_spike,
+            "warmup_norms": self._warm.clone(),
+            "count": self._count.clone(),
+            "ema": self._ema.clone(),
+            "last": self._last.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (its settings replace this clipper's; state copied to this device)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"AdaptiveClip.load_state_dict: expected a dict, got {type(state).__name__}")
+        missing = [k for k in self.state_dict() if k not in state]
+        if missing:
+            raise ValueError(f"AdaptiveClip.load_state_dict: the state has no {', '.join(missing)}")
+        fresh = AdaptiveClip(
+            state["alpha"],
+            state["z_thresh"],
+            state["warmup"],
+            clip_option=state["clip_option"],
+            clip_factor=state["clip_factor"],
+            max_norm=state["max_norm"],
+            skip_update_on_spike=state["skip_update_on_spike"],
+            device=self.device,
+        )
+        shapes = {
+            "warmup_norms": ((fresh.warmup,), torch.float64),
+            "count": ((1,), torch.int64),
+            "ema": ((2,), torch.float64),
+            "last": ((3,), torch.float64),
+        }
+        for key, (shape, dtype) in shapes.items():
+            t = state[key]
+            if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(
+                    f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
+                )
+        # Values no save produces would silently stop the clipping (a negative count never ends the warm-up).
+        count, ema = int(fetch(state["count"])[0]), fetch(state["ema"])
+        if not 0 <= count <= fresh.warmup:
+            raise ValueError(f"AdaptiveClip.load_state_dict: 'count' must be in [0, {fresh.warmup}], got {count}")
+        if not bool(ema.isfinite().all()) or float(ema[1]) < 0:
+            raise ValueError(
+                f"AdaptiveClip.load_state_dict: 'ema' (mean, variance) must be finite with variance >= 0, got "
+                f"{[float(v) for v in ema]}"
+            )
+        current = {name: getattr(self, name) for name in self._STATE}
+        self.__dict__.update(fresh.__dict__)
+        for name, key in (("_warm", "warmup_norms"), ("_count", "count"), ("_ema", "ema"), ("_last", "last")):
+            setattr(self, name, load_state(current[name], state[key]))
+        self._slots = load_state(current["_slots"], self._slots)
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveClip(alpha={self.alpha}, z_thresh={self.z_thresh}, warmup={self.warmup}, "
+            f"clip_option={self.clip_option!r}, clip_factor={self.clip_factor}, max_norm={self.max_norm}, "
+            f"skip_update_on_spike={self.skip_update_on_spike}, device={self.device})"
+        )

@@ -1,0 +1,193 @@
+"""Fused gradient clipping: ``torch.nn.utils.clip_grad_norm_`` that also returns the telemetry it computed.
+
+One read of the gradients gives both the clipping norm and the full :class:`~torch_gradstats.stats.gradients.GradStats`
+(per-parameter norms, zero/NaN/Inf counts), instead of ``clip_grad_norm_`` plus a second pass for telemetry.
+
+Same clipping rule as PyTorch: ``coef = min(max_norm / (total_norm + 1e-6), 1.0)``, applied in place with
+``torch._foreach_mul_`` per (device, dtype) group, with no host sync. A NaN/Inf total norm gives a NaN/0 coefficient
+and therefore NaN gradients, exactly as in PyTorch (use ``error_if_nonfinite=True`` or skip the step instead).
+
+Where it differs from PyTorch, on purpose: for ``norm_type`` 2 and inf the total norm comes from the fused op,
+which squares and sums in float64, while PyTorch computes it in the gradients' dtype. So:
+
+* float32/float64 gradients whose norm PyTorch can represent: the same total norm and clipped gradients to a few
+  ulps (the rounding of PyTorch's float32 sum) for norm_type 2;
+* float32 gradients whose squares overflow float32 (some |g| above about 1.8e19, or a sum of squares above
+  3.4e38, e.g. ``torch.full((4,), 1e20)``): PyTorch's total norm is inf, so it multiplies every gradient by 0
+  (``error_if_nonfinite=True`` raises instead). Here the total norm is the true, finite one (2e20 in that example),
+  ``error_if_nonfinite`` does not raise, and the gradients are scaled to ``max_norm`` (each 1e20 becomes 0.5);
+* float16 gradients whose norm exceeds 65504: the same, PyTorch's float16 norm is inf;
+* bfloat16 gradients: PyTorch's norm is rounded to bfloat16 (3 significant digits), ours is not, so the
+  coefficients can differ by that rounding (up to 0.2%);
+* ``norm_type=inf``: max |g| is exact in every dtype, so both agree.
+
+A NaN or Inf *element* gives a non-finite norm in both, with the same effect (NaN gradients, or the error).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.ops._transfer import fetch, to_device, to_host
+from torch_gradstats.stats._params import ParamsLike, named_params
+from torch_gradstats.stats.gradients import GradStats, grad_stats
+
+__all__ = ["clip_grad_norm_"]
+
+try:  # private PyTorch helpers that decide foreach support exactly like clip_grad_norm_ does
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+except ImportError:  # pragma: no cover - older/newer torch without them
+
+    def _device_has_foreach_support(device: torch.device) -> bool:
+        return device.type in ("cpu", "cuda")
+
+    def _has_foreach_support(tensors: list[Tensor], device: torch.device) -> bool:
+        return _device_has_foreach_support(device) and all(type(t) is Tensor for t in tensors)
+
+
+def _coef_on(coef: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> Tensor:
+    if device not in cache:
+        if device.type == "cpu" and coef.device.type != "cpu":
+            # CPU gradients next to accelerator ones: the CPU multiply needs the value now (a host sync).
+            cache[device] = fetch(coef)
+        else:
+            cache[device] = to_device(coef, device)
+    return cache[device]
+
+
+def scale_grads_(grads: Sequence[Tensor], coef: Tensor, foreach: bool | None) -> None:
+    """Multiply every gradient by the 0-d ``coef`` in place, grouped by (device, dtype) on metadata only, like
+    PyTorch, so each ``_foreach_mul_`` gets a uniform list; ``foreach`` as in ``torch.nn.utils.clip_grad_norm_``."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    cache: dict[torch.device, Tensor] = {}
+    for (device, _), device_grads in groups.items():
+        c = _coef_on(coef, device, cache)
+        if (foreach is None and _has_foreach_support(device_grads, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            torch._foreach_mul_(device_grads, c)
+        elif foreach:
+            raise RuntimeError(f"clip_grad_norm_: foreach=True was passed, but {device.type} has no foreach support")
+        else:
+            for g in device_grads:
+                g.mul_(c)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: ParamsLike,
+    max_norm: float | Tensor,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    group: Any = None,
+    *,
+    stats: GradStats | None = None,
+    stage_group: Any = None,
+    tied: Collection[str] = (),
+) -> GradStats:
+    """Clip gradients in place like ``torch.nn.utils.clip_grad_norm_`` and return the statistics read on the way.
+
+    Args:
+        params: what :func:`~torch_gradstats.grad_stats` accepts (tensors, ``model.parameters()``,
+            ``model.named_parameters()``, (name, tensor) pairs; a generator is consumed once).
+        max_norm: max total norm of the gradients: a number, or a one-element tensor (e.g. a threshold computed on
+            the device, such as :meth:`~torch_gradstats.AdaptiveClip.threshold`'s), used where it is, never read.
+        norm_type: p of the p-norm; ``2.0`` and ``inf`` use the fused statistics, any other value falls back to
+            ``torch.nn.utils.get_total_norm`` (computed in the gradients' dtype, one extra read).
+        error_if_nonfinite: raise if the total norm is NaN or Inf, naming the first non-finite parameter. This
+            needs the value on the host: it costs ONE host sync (PyTorch's option costs one too). Default: no sync.
+        foreach: as in PyTorch: None uses ``torch._foreach_mul_`` where supported, True requires it, False
+            multiplies tensor by tensor.
+        group: process group over which plain-tensor gradients are shards of one set (FSDP1 flat parameters,
+            ZeRO): the clip uses their global norm. DTensor gradients need no group. Only norm types 2 and inf.
+        stats: the :func:`~torch_gradstats.grad_stats` of exactly these parameters' gradients, already read (with
+            the same ``group``, ``stage_group`` and ``tied``): the clip then uses them instead of reading the
+            gradients again.
+        stage_group, tied: pipeline parallelism, as in :func:`~torch_gradstats.grad_stats`: the clip uses the norm
+            of the whole model, every stage's parameters, a tied one counted once. Only norm types 2 and inf.
+
+    Returns:
+        The :class:`~torch_gradstats.GradStats` of the gradients *before* clipping, with ``clip_norm`` (the
+        total norm used, float64 0-d), ``clip_coef`` (the clamped coefficient applied) and ``clipped_norm`` (the
+        total norm after clipping, ``clip_coef * clip_norm``) set, all device tensors; its report carries
+        ``clip_coef`` and ``clipped_norm``. ``clip_norm``
+        equals what ``torch.nn.utils.clip_grad_norm_`` returns (as float64), except where PyTorch's norm, computed
+        in the gradients' dtype, overflows or rounds (see the module docstring): there ``clip_norm`` is the true
+        finite norm, and gradients PyTorch would zero are scaled to ``max_norm`` instead.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the total norm is not finite, which happens only when a gradient
+            holds a NaN or Inf (gradients are left untouched), or
+            ``foreach=True`` on a device without foreach support.
+    """
+    if isinstance(max_norm, Tensor):
+        if not max_norm.is_floating_point():
+            raise TypeError(f"clip_grad_norm_: max_norm as a tensor must be floating point, got {max_norm.dtype}")
+        if max_norm.numel() != 1:
+            raise ValueError(f"clip_grad_norm_: max_norm must have one element, got shape {tuple(max_norm.shape)}")
+    else:
+        max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    named = named_params(params)
+    if (group is not None or stage_group is not None) and norm_type not in (2.0, math.inf):
+        arg = "group" if group is not None else "stage_group"
+        raise ValueError(f"clip_grad_norm_: with {arg}=, norm_type must be 2 or inf, got {norm_type}")
+    grads = [p.grad for _, p in named if p.grad is not None]
+    if stats is None:
+        stats = grad_stats(named, group=group, stage_group=stage_group, tied=tied)
+    elif not isinstance(stats, GradStats):
+        raise TypeError(f"clip_grad_norm_: stats must be a GradStats or None, got a {type(stats).__name__}")
+    elif stage_group is None and len(stats) != len(grads):  # gathered over stages, it has every stage's rows
+        raise ValueError(
+            f"clip_grad_norm_: stats must be the GradStats of the {len(grads)} gradients of params, got the "
+            f"statistics of {len(stats)}"
+        )
+    home = stats.device
+    if not grads:
+        stats.clip_norm = torch.zeros((), dtype=torch.float64, device=home)
+        stats.clip_coef = torch.ones((), dtype=torch.float64, device=home)
+        stats.clipped_norm = stats.clip_norm
+        return stats
+
+    if norm_type == 2.0:
+        total = stats.total_norm
+    elif norm_type == math.inf:
+        total = stats.inf_norm
+    else:
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+        total = to_device(total.to(torch.float64), home) if total.device != home else total.to(torch.float64)
+
+    if error_if_nonfinite:
+        # The one host sync of this option: the total norm and the per-parameter flags in one transfer.
+        host, _ = to_host([total.reshape(1), stats.nonfinite_mask], [])
+        if not math.isfinite(host[0]):
+            bad = [n for n, f in zip(stats.names, host[1:]) if f]
+            where = f"; first non-finite gradient: {bad[0]!r} ({len(bad)} in all)" if bad else ""
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite "
+                f"({host[0]}){where}, so it cannot be clipped. Set error_if_nonfinite=False to scale by "
+                "the non-finite norm anyway, or skip this step."
+            )
+
+    if isinstance(max_norm, Tensor):  # used where it is: moved to the statistics' device without a sync
+        if max_norm.device != home and home.type == "cpu":
+            raise ValueError(
+                f"clip_grad_norm_: max_norm is on {max_norm.device} but the gradients' statistics are on the CPU; "
+                "reading it back would sync: pass a number or a tensor on the CPU"
+            )
+        max_norm = to_device(max_norm.detach().reshape(()), home)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+    scale_grads_(grads, coef, foreach)
+    stats.clip_norm = total
+    stats.clip_coef = coef
+    stats.clipped_norm = total * coef  # the norm the gradients have now (pre-clip is clip_norm, or total_norm)
+    return stats

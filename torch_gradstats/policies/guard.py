@@ -1,0 +1,379 @@
+"""SpikeGuard: skip the optimizer step whose gradient norm (or loss) spikes, decided on the device with no host sync.
+
+The rule, for the gradient norm and (when given and ``watch_loss``) the loss alike: the *history* is the last
+``window`` finite values recorded before this step. While the history holds fewer than ``min_history`` values the
+step is taken. Otherwise the step is skipped when the value is non-finite or ``value - mean > sigma * std`` over the
+history (``std`` with Bessel's correction, as ``torch.std_mean``); a step is skipped when either watched value says
+so. After the decision the step's finite values enter the history when the step is taken, or always with
+``count_skipped=True``; non-finite values never enter it.
+
+How it runs: each history is a fixed ring buffer on the device. Mean and std are recomputed over the buffer every
+step (running sums drift), shifted by one of the buffer's own values so that a history of equal values has a mean
+equal to that value and a std of exactly 0. :meth:`SpikeGuard.observe` launches the same kernels every step and never
+reads a value on the host, so it runs inside ``torch.compile(fullgraph=True)`` and CUDA graphs. Every piece of state
+is a tensor of one or more elements (torch 2.13 loses a compiled in-place update of a 0-d float64 attribute).
+
+With ``count_skipped=True``, finite values and ``window >= 6`` its decisions are those of OLMo-core's
+``SkipStepOptimizer`` (warm-up ``max(2, window // 2)`` values counting the current one, hence the default
+``min_history``), without restacking a list every step, with compilation, and with a NaN kept out of the window.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.ops._transfer import fetch, to_device, to_host
+from torch_gradstats.policies._scalars import (
+    MAX_HISTORY,
+    as_figure,
+    check_device,
+    check_int,
+    check_real,
+    load_state,
+    moved,
+)
+
+__all__ = ["SpikeGuard", "SpikeStreakError"]
+
+# Series: row 0 of every per-series buffer is the gradient norm, row 1 the loss.
+_SERIES = ("grad_norm", "loss")
+# Columns of _counters (int64).
+_STEPS, _SKIPPED, _CONSECUTIVE, _TRIPPED, _TRIP_STEP = range(5)
+# Columns of _last and _trip (float64, one row per series): the value, the history's mean and std, the z-score.
+_VALUE, _MEAN, _STD, _Z = range(4)
+
+
+class SpikeStreakError(RuntimeError):
+    """``max_consecutive`` steps in a row were skipped. Raised where the host reads the guard (:meth:`SpikeGuard.check`,
+    a Trainer log step), so it arrives at that read, possibly some steps after the streak reached the limit.
+
+    Attributes:
+        step: the (1-based) observed step of the last skip that was part of the streak, as of the read.
+        consecutive: the streak's length at that step.
+        values: the watched values at that step (``grad_norm``, and ``loss`` when watched).
+        bands: per watched value, ``(mean, mean + sigma * std)`` of its history at that step: a value above the
+            upper bound, or a non-finite one, was skipped.
+    """
+
+    def __init__(
+        self, message: str, step: int, consecutive: int, values: dict[str, float], bands: dict[str, tuple[float, float]]
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.consecutive = consecutive
+        self.values = values
+        self.bands = bands
+
+
+class SpikeGuard:
+    """Decides, on the device, whether each optimizer step is taken (1.0) or skipped (0.0); see the module docstring.
+
+    Args:
+        window: number of finite values each history keeps (int >= 1).
+        sigma: a value more than ``sigma`` standard deviations above the history's mean is a spike (real >= 0).
+        min_history: steps are taken until the history holds this many values; ``None`` means
+            ``max(2, window // 2) - 1`` (int >= 0 and <= ``window``).
+        watch_loss: judge the loss too when :meth:`observe` is given one.
+        count_skipped: a skipped step's finite values enter the history too (OLMo-core's behaviour; the default
+            keeps a spike out of the band that judges the next steps).
+        max_consecutive: this many skips in a row raise :class:`SpikeStreakError` at the next host read of the guard
+            (:meth:`check`, a Trainer log step); None never raises.
+        device: where the state lives at first; it moves to the device of the first gradient norm observed on an
+            accelerator (one copy, no sync).
+    """
+
+    def __init__(
+        self,
+        window: int = 128,
+        sigma: float = 6.0,
+        *,
+        min_history: int | None = None,
+        watch_loss: bool = True,
+        count_skipped: bool = False,
+        max_consecutive: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.window = check_int("SpikeGuard: window", window, low=1, high=MAX_HISTORY,
+                                why=" (each history is a buffer of that many float64 values on the device)")
+        self.sigma = check_real("SpikeGuard: sigma", sigma, low=0.0)
+        default_min = max(2, self.window // 2) - 1
+        self.min_history = (
+            default_min if min_history is None else check_int("SpikeGuard: min_history", min_history, low=0)
+        )
+        if self.min_history > self.window:
+            raise ValueError(
+                f"SpikeGuard: min_history must be <= window ({self.window}), got {self.min_history}: the history "
+                "never holds more than window values"
+            )
+        for name, flag in (("watch_loss", watch_loss), ("count_skipped", count_skipped)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"SpikeGuard: {name} must be a bool, got {flag!r} ({type(flag).__name__})")
+        self.watch_loss = watch_loss
+        self.count_skipped = count_skipped
+        self.max_consecutive = (
+            None if max_consecutive is None else check_int("SpikeGuard: max_consecutive", max_consecutive, low=1)
+        )
+        self._allocate(torch.device("cpu") if device is None else check_device("SpikeGuard: device", device))
+
+    def _allocate(self, device: torch.device) -> None:
+        w, s = self.window, len(_SERIES)
+        self._hist = torch.zeros(s, w, dtype=torch.float64, device=device)
+        self._count = torch.zeros(s, dtype=torch.int64, device=device)  # values in each history (<= window)
+        self._pos = torch.zeros(s, dtype=torch.int64, device=device)  # next slot to write in each ring
+        self._slots = torch.arange(w, dtype=torch.int64, device=device)
+        self._counters = torch.zeros(5, dtype=torch.int64, device=device)
+        self._last = torch.full((s, 4), math.nan, dtype=torch.float64, device=device)
+        self._trip = torch.full((s, 4), math.nan, dtype=torch.float64, device=device)
+
+    _STATE = ("_hist", "_count", "_pos", "_slots", "_counters", "_last", "_trip")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the guard's state lives."""
+        return self._hist.device
+
+    def to(self, device: torch.device | str) -> SpikeGuard:
+        """Move the state to ``device`` (not needed per step: :meth:`observe` moves it once); returns self."""
+        device = check_device("SpikeGuard.to: device", device)
+        for name in self._STATE:
+            setattr(self, name, moved(getattr(self, name), device))
+        return self
+
+    # ------------------------------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def observe(self, grad_norm: Tensor | float, loss: Tensor | float | None = None) -> Tensor:
+        """Judge this step and record it: a float32 0-d tensor on ``grad_norm``'s device, 1.0 to take the step, 0.0 to
+        skip it. No host sync, the same launches every step (one set more when a loss is watched).
+
+        Args:
+            grad_norm: the step's total gradient norm (e.g. ``grad_stats(...).total_norm``), a one-element tensor
+                (or a number).
+            loss: the step's loss (judged when ``watch_loss``), a one-element tensor (or a number) on the same device
+                or on the CPU; detached here.
+        """
+        gn = as_figure("SpikeGuard.observe: grad_norm", grad_norm, self.device)
+        device = gn.device
+        if device != self.device:
+            if device.type == "cpu":
+                raise ValueError(
+                    f"SpikeGuard.observe: grad_norm is on the CPU but the guard's state is on {self.device}; moving "
+                    "it back every step would sync. Pass the norm on the guard's device."
+                )
+            self.to(device)
+        if loss is not None and self.watch_loss:
+            lv = as_figure("SpikeGuard.observe: loss", loss, device)
+            if lv.device != device:
+                if device.type == "cpu":
+                    raise ValueError(
+                        f"SpikeGuard.observe: loss is on {lv.device} but grad_norm is on the CPU; pass both on one "
+                        "device (reading the loss back would sync)"
+                    )
+                lv = to_device(lv, device)
+            values = torch.stack([gn, lv])
+        else:
+            values = gn.reshape(1)
+        return self._observe(values)
+
+    def _observe(self, values: Tensor) -> Tensor:
+        k = values.shape[0]  # series judged this step: the first k rows of every per-series buffer
+        hist, count, pos = self._hist[:k], self._count[:k], self._pos[:k]
+        valid = self._slots < count[:, None]
+        # Mean and std of each history, shifted by its slot 0 (a recorded value whenever the history is not empty):
+        # equal values give differences of exactly 0, so the mean is that value and the std exactly 0.
+        pivot = hist[:, 0]
+        diff = torch.where(valid, hist - pivot[:, None], 0.0)
+        n = count.to(torch.float64)
+        mean_diff = diff.sum(dim=1) / n
+        dev = torch.where(valid, diff - mean_diff[:, None], 0.0)
+        std = (dev.square().sum(dim=1) / (n - 1)).sqrt()  # NaN for fewer than 2 values, as torch.std_mean
+        mean = pivot + mean_diff
+
+        finite = torch.isfinite(values)
+        spike = (values - mean) > self.sigma * std
+        judged = count >= self.min_history
+        skip = (judged & (spike | ~finite)).any()
+        take = ~skip
+
+        enter = finite if self.count_skipped else finite & take
+        write = (self._slots == pos[:, None]) & enter[:, None]
+        hist.copy_(torch.where(write, values[:, None], hist))
+        pos.copy_(torch.where(enter, (pos + 1) % self.window, pos))
+        count.copy_(torch.where(enter, (count + 1).clamp(max=self.window), count))
+
+        # The z-score of each value against its history (0 for a value equal to the mean, std 0 included).
+        z = torch.where(values == mean, 0.0, (values - mean) / std)
+        last = torch.stack([values, mean, std, z], dim=1)
+        self._last[:k].copy_(last)
+
+        c = self._counters
+        skip_i = skip.to(torch.int64)
+        steps = c[_STEPS] + 1
+        consecutive = (c[_CONSECUTIVE] + 1) * skip_i
+        tripped, trip_step = c[_TRIPPED], c[_TRIP_STEP]
+        if self.max_consecutive is not None:
+            trip = skip & (consecutive >= self.max_consecutive)
+            tripped = torch.where(trip, 1, tripped)
+            trip_step = torch.where(trip, steps, trip_step)
+            self._trip[:k].copy_(torch.where(trip, last, self._trip[:k]))
+            self._trip[k:].copy_(torch.where(trip, math.nan, self._trip[k:]))
+        c.copy_(torch.stack([steps, c[_SKIPPED] + skip_i, consecutive, tripped, trip_step]))
+        return take.to(torch.float32)
+
+    # ------------------------------------------------------------------------------------------- device figures
+    @property
+    def skipped(self) -> Tensor:
+        """Steps skipped so far: an int64 0-d tensor on the guard's device (a copy: it does not change later)."""
+        return self._counters[_SKIPPED].clone()
+
+    @property
+    def consecutive(self) -> Tensor:
+        """Skips in a row up to the last observed step (0 after a taken step): int64 0-d, on the device (a copy)."""
+        return self._counters[_CONSECUTIVE].clone()
+
+    @property
+    def steps(self) -> Tensor:
+        """Steps observed so far: int64 0-d, on the device (a copy)."""
+        return self._counters[_STEPS].clone()
+
+    @property
+    def grad_norm_z(self) -> Tensor:
+        """The last gradient norm's z-score against its history (NaN before two values; 0 for a value equal to the
+        mean): float64 0-d, on the device (a copy)."""
+        return self._last[0, _Z].clone()
+
+    @property
+    def loss_z(self) -> Tensor:
+        """As :attr:`grad_norm_z`, for the last loss judged (NaN before any)."""
+        return self._last[1, _Z].clone()
+
+    # ------------------------------------------------------------------------------------------- host reads
+    def check_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The device tensors :meth:`check` reads, as ``(floats, ints)`` to add to a caller's own single transfer
+        (``_transfer.pack``); give their host values to :meth:`check_values`."""
+        return [self._last[:, _Z], self._trip.reshape(-1)], [self._counters]
+
+    def check_values(self, floats: list[float], ints: list[int]) -> dict[str, float]:
+        """The host values of :meth:`check_tensors` as figures ``guard/skipped``, ``guard/consecutive``,
+        ``guard/grad_norm_z``, ``guard/loss_z``; raises :class:`SpikeStreakError` if a streak reached
+        ``max_consecutive`` since the last raise (the flag is then cleared on the device, without a sync)."""
+        z, trip = floats[:2], floats[2:]
+        figures = {
+            "guard/skipped": float(ints[_SKIPPED]),
+            "guard/consecutive": float(ints[_CONSECUTIVE]),
+            "guard/grad_norm_z": z[0],
+            "guard/loss_z": z[1],
+        }
+        if ints[_TRIPPED]:
+            self._counters[_TRIPPED].zero_()
+            values = {}
+            bands = {}
+            for s, name in enumerate(_SERIES):
+                row = trip[4 * s : 4 * s + 4]
+                if not math.isnan(row[_VALUE]) or s == 0:
+                    values[name] = row[_VALUE]
+                    bands[name] = (row[_MEAN], row[_MEAN] + self.sigma * row[_STD])
+            where = ", ".join(
+                f"{n} {values[n]:.6g} (band mean {bands[n][0]:.6g}, max {bands[n][1]:.6g})" for n in values
+            )
+            raise SpikeStreakError(
+                f"SpikeGuard: {self.max_consecutive} steps in a row were skipped (max_consecutive); at step "
+                f"{ints[_TRIP_STEP]}: {where}. The training is likely diverging: lower the learning rate, roll back "
+                "to a checkpoint, or raise sigma / max_consecutive.",
+                step=ints[_TRIP_STEP],
+                consecutive=ints[_CONSECUTIVE],
+                values=values,
+                bands=bands,
+            )
+        return figures
+
+    def check(self) -> dict[str, float]:
+        """Read the guard on the host (ONE device-to-host transfer, which waits for the device): the figures of
+        :meth:`check_values`; raises :class:`SpikeStreakError` if a streak reached ``max_consecutive``."""
+        floats, ints = self.check_tensors()
+        host_floats, host_ints = to_host(floats, ints)
+        return self.check_values(host_floats, host_ints)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Settings (Python scalars) and state (tensors, copies on the guard's device): loads with
+        ``torch.load(weights_only=True)``."""
+        return {
+            "window": self.window,
+            "sigma": self.sigma,
+            "min_history": self.min_history,
+            "watch_loss": self.watch_loss,
+            "count_skipped": self.count_skipped,
+            "max_consecutive": self.max_consecutive,
+            "history": self._hist.clone(),
+            "count": self._count.clone(),
+            "position": self._pos.clone(),
+            "counters": self._counters.clone(),
+            "last": self._last.clone(),
+            "trip": self._trip.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: its settings replace this guard's (so a resumed run decides as the one that
+        saved it), its state is copied to this guard's device. Any guard can load it, one that never observed a
+        step included."""
+        if not isinstance(state, dict):
+            raise TypeError(f"SpikeGuard.load_state_dict: expected a dict, got {type(state).__name__}")
+        missing = [k for k in self.state_dict() if k not in state]
+        if missing:
+            raise ValueError(f"SpikeGuard.load_state_dict: the state has no {', '.join(missing)}")
+        fresh = SpikeGuard(
+            state["window"],
+            state["sigma"],
+            min_history=state["min_history"],
+            watch_loss=state["watch_loss"],
+            count_skipped=state["count_skipped"],
+            max_consecutive=state["max_consecutive"],
+            device=self.device,
+        )
+        w, s = fresh.window, len(_SERIES)
+        shapes = {
+            "history": ((s, w), torch.float64),
+            "count": ((s,), torch.int64),
+            "position": ((s,), torch.int64),
+            "counters": ((5,), torch.int64),
+            "last": ((s, 4), torch.float64),
+            "trip": ((s, 4), torch.float64),
+        }
+        for key, (shape, dtype) in shapes.items():
+            t = state[key]
+            if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(
+                    f"SpikeGuard.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
+                )
+        # Values no save produces would silently decide every later step (a count above the window skips them all).
+        count, pos, counters = fetch(state["count"]), fetch(state["position"]), fetch(state["counters"])
+        if bool(((count < 0) | (count > w)).any()):
+            raise ValueError(f"SpikeGuard.load_state_dict: 'count' must be in [0, {w}], got {[int(v) for v in count]}")
+        if bool(((pos < 0) | (pos >= w) | ((count < w) & (pos != count))).any()):
+            raise ValueError(
+                f"SpikeGuard.load_state_dict: 'position' must be in [0, {w}) and equal 'count' while the history is "
+                f"not full, got {[int(v) for v in pos]} (count {[int(v) for v in count]})"
+            )
+        if bool((counters < 0).any()):
+            raise ValueError(f"SpikeGuard.load_state_dict: 'counters' must be >= 0, got {[int(v) for v in counters]}")
+        recorded = torch.arange(w)[None, :] < count[:, None]
+        if not bool(fetch(state["history"])[recorded].isfinite().all()):
+            raise ValueError("SpikeGuard.load_state_dict: 'history' holds a non-finite recorded value")
+        current = {name: getattr(self, name) for name in self._STATE}
+        self.__dict__.update(fresh.__dict__)
+        for name, key in (("_hist", "history"), ("_count", "count"), ("_pos", "position"), ("_counters", "counters"),
+                          ("_last", "last"), ("_trip", "trip")):
+            setattr(self, name, load_state(current[name], state[key]))
+        self._slots = load_state(current["_slots"], self._slots)
+
+    def __repr__(self) -> str:
+        return (
+            f"SpikeGuard(window={self.window}, sigma={self.sigma}, min_history={self.min_history}, "
+            f"watch_loss={self.watch_loss}, count_skipped={self.count_skipped}, "
+            f"max_consecutive={self.max_consecutive}, device={self.device})"
+        )

@@ -1,0 +1,175 @@
+"""The walk over parameters that :func:`torch_gradstats.grad_stats` and its users share, and its checks.
+
+Every public function that takes a ``params`` argument like :func:`~torch_gradstats.grad_stats` (clip, collector,
+updates, noise scale, the adaptive clip) reads it through :func:`named_params` (generators are read once, unnamed
+items named by position); :func:`unique_names` keeps two parameters from sharing a row; :func:`check_grads` names
+the parameter whose gradient the op cannot read; :func:`stats_on_home` makes one op call per device and gathers
+the results on the home device.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.ops._transfer import host_int64, to_device
+from torch_gradstats.ops.op import OP_NAME, SUPPORTED_DTYPES, check_inputs, multi_tensor_stats
+
+__all__ = ["ParamsLike", "check_grads", "dtensor_types", "named_params", "stats_on_home", "unique_names"]
+
+#: What :func:`~torch_gradstats.grad_stats` accepts: a tensor, or an iterable of tensors or of ``(name, tensor)`` pairs.
+ParamsLike = Tensor | Iterable[Tensor | tuple[str, Tensor]]
+
+
+def dtensor_types() -> tuple[type, ...]:
+    """DTensor classes, only if torch's DTensor module is already imported.
+
+    A gradient can only be a DTensor if someone imported the module that defines it, so looking in ``sys.modules``
+    (instead of importing) keeps the plain single-process path free of any torch.distributed import.
+    """
+    types = []
+    for mod_name in ("torch.distributed.tensor", "torch.distributed._tensor"):  # new name, then torch < 2.5
+        mod = sys.modules.get(mod_name)
+        cls = getattr(mod, "DTensor", None) if mod is not None else None
+        if isinstance(cls, type) and cls not in types:
+            types.append(cls)
+    return tuple(types)
+
+
+def named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:
+    """Normalise the accepted inputs to ``[(name, param)]``; unnamed items are named by their position. Errors
+    start with ``caller``, the public function that was given ``params``."""
+    if isinstance(params, Tensor):
+        items: Iterable[Any] = [params]
+    elif isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"{caller}: expected parameters (model.parameters(), model.named_parameters(), a list of tensors or "
+            f"of (name, tensor) pairs), got a {type(params).__name__}"
+        )
+    else:
+        items = params
+    out: list[tuple[str, Tensor]] = []
+    for i, item in enumerate(items):
+        if type(item) is tuple and len(item) == 2 and type(item[0]) is str and isinstance(item[1], Tensor):
+            out.append(item)  # named_parameters(): the common case first, the pair kept as is
+        elif isinstance(item, Tensor):
+            out.append((str(i), item))
+        elif (
+            isinstance(item, (tuple, list))
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], Tensor)
+        ):
+            out.append((item[0], item[1]))
+        else:
+            raise TypeError(
+                f"{caller}: item {i} is a {type(item).__name__} ({_short_repr(item)}); expected a parameter "
+                "tensor or a (name, tensor) pair"
+            )
+    return out
+
+
+def _short_repr(obj: Any, limit: int = 60) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """Names as given, a repeat made unique as ``name#1``, ``name#2``... (e.g. ``chain(enc.named_parameters(),
+    dec.named_parameters())`` yields ``weight`` twice), so that per-parameter reports never merge two parameters.
+    A suffixed name is never one that is given or already taken: ``["a", "a#1", "a"]`` gives ``a#2`` last.
+
+    Linear: each name resumes its suffix count where its last repeat stopped. A candidate passed over was taken
+    or given, and stays so, so no candidate is tried twice (``name#k`` belongs to one name: the part before its
+    last ``#``)."""
+    if len(set(names)) == len(names):
+        return names
+    given = set(names)
+    taken: set[str] = set()
+    last_suffix: dict[str, int] = {}
+    out = []
+    for name in names:
+        if name in taken:
+            k = last_suffix.get(name, 0) + 1
+            while (unique := f"{name}#{k}") in taken or unique in given:
+                k += 1
+            last_suffix[name] = k
+            name = unique
+        taken.add(name)
+        out.append(name)
+    return out
+
+
+def check_grads(names: Sequence[str], grads: Sequence[Any]) -> None:
+    """Raise a clear error naming the first parameter whose gradient the op cannot read (metadata only, no sync).
+
+    Run only after a failure, so the hot path pays no per-parameter Python check.
+    """
+    for name, grad in zip(names, grads):
+        _check_grad(name, grad)
+
+
+def _check_grad(name: str, grad: Any) -> None:
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"grad_stats: parameter {name!r} has a .grad of type {type(grad).__name__}, not a tensor")
+    if grad.layout != torch.strided:
+        raise ValueError(
+            f"grad_stats: parameter {name!r} has a {grad.layout} gradient; only dense (strided) gradients are "
+            "supported (for nn.Embedding(sparse=True), convert with .to_dense() or use sparse=False)"
+        )
+    if grad.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"grad_stats: parameter {name!r} has a {grad.dtype} gradient; expected float16, bfloat16, float32 "
+            "or float64"
+        )
+    try:  # the op's own checks (nested tensor, freed storage), reworded to name the parameter
+        check_inputs([grad])
+    except (TypeError, ValueError) as exc:
+        detail = str(exc).replace(f"{OP_NAME}: tensors[0] ", "", 1)
+        raise type(exc)(f"grad_stats: parameter {name!r} has a gradient that {detail}") from None
+
+
+def _home_device(devices: Iterable[torch.device]) -> torch.device:
+    """First accelerator device in order, else the CPU (see :mod:`torch_gradstats.stats.gradients` for why)."""
+    first = None
+    for d in devices:
+        if first is None:
+            first = d
+        if d.type != "cpu":
+            return d
+    return first if first is not None else torch.device("cpu")
+
+
+def stats_on_home(local: list[Tensor], histogram: bool) -> tuple[list[Tensor], torch.device]:
+    """One op call per device; its outputs (three, or four with ``histogram``) gathered on the home device (see
+    :mod:`torch_gradstats.stats.gradients`) in the order of ``local``, and that device."""
+    op: Callable[[list[Tensor]], Sequence[Tensor]] = (
+        (lambda ts: multi_tensor_stats(ts, histogram=True)) if histogram else multi_tensor_stats
+    )
+    if not torch.compiler.is_compiling():
+        try:  # one device, the common case: no per-tensor Python at all
+            out = list(op(local))
+            return out, out[0].device
+        except ValueError:
+            pass  # several devices (grouped below), or a bad input: the grouped call raises it again
+    by_device: dict[torch.device, list[int]] = {}  # metadata only, model order inside each group
+    for i, t in enumerate(local):
+        by_device.setdefault(t.device, []).append(i)
+    home = _home_device(by_device)
+    if len(by_device) == 1:
+        return list(op(local)), home
+    parts: list[list[Tensor]] = []
+    order: list[int] = []
+    for idx in by_device.values():
+        parts.append([to_device(o, home) for o in op([local[i] for i in idx])])
+        order.extend(idx)
+    # Scatter the per-device results back into model order.
+    inverse = [0] * len(order)
+    for pos, i in enumerate(order):
+        inverse[i] = pos
+    inv = host_int64(inverse, home)
+    return [torch.cat(outputs).index_select(0, inv) for outputs in zip(*parts)], home
