@@ -3,7 +3,7 @@ of the compiled kernels (``_extension``), the pure-PyTorch fallback (``fallback`
 pieces), the argument checks (``_checks``) and the one place that reads the device from the host (``_transfer``).
 """
 
-from torch_gradstats.ops._extension import HAS_EXTENSION
+# op first: it defines the op's schema, then loads the compiled kernels that register against it.
 from torch_gradstats.ops.op import (
     HISTOGRAM_BUCKETS,
     HISTOGRAM_MIN_EXPONENT,
@@ -13,6 +13,9 @@ from torch_gradstats.ops.op import (
     multi_tensor_stats,
     reference_multi_tensor_stats,
 )
+
+# isort: split
+from torch_gradstats.ops._extension import HAS_EXTENSION
 
 __all__ = [
     "HAS_EXTENSION",

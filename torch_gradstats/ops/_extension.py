@@ -14,6 +14,8 @@ import logging
 import os
 from typing import Any
 
+import torch  # noqa: F401  (loads torch's shared libraries, which the compiled library links against)
+
 logger = logging.getLogger("torch_gradstats")
 
 FORCE_FALLBACK_ENV = "TORCH_GRADSTATS_FORCE_FALLBACK"
