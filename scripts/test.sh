@@ -39,10 +39,17 @@ else
   ctest --test-dir build-cmake --output-on-failure
 fi
 
-say "== pytest, compiled extension"
+say "== pytest, compiled extension: every test but the slow and distributed ones"
 "$PY" -c "import torch_gradstats as tg, sys; sys.exit(0 if tg.HAS_EXTENSION else 'extension failed to load')"
-"$PY" -m pytest -q -p no:cacheprovider "$@"  # exits non-zero on a failure and on no test collected (5)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}")
+"${PYTEST[@]}" -m "not slow and not distributed" "$@"  # exits non-zero on a failure and on no test collected (5)
 
-say "== pytest, pure-PyTorch fallback"
-TORCH_GRADSTATS_FORCE_FALLBACK=1 "$PY" -m pytest -q -p no:cacheprovider "$@"
-say "all tests passed"
+say "== pytest, pure-PyTorch fallback: the quick tests that depend on the kernel"
+rc=0
+TORCH_GRADSTATS_FORCE_FALLBACK=1 "${PYTEST[@]}" -m "kernel and not slow and not distributed" "$@" || rc=$?
+if [ "$rc" = 5 ] && [ $# -gt 0 ]; then
+  say "   (no quick kernel test among the arguments)"  # pytest's 5: nothing collected
+elif [ "$rc" != 0 ]; then
+  exit "$rc"
+fi
+say "quick tests passed (the rest of the matrix: bash scripts/test_rest.sh)"
