@@ -138,7 +138,6 @@ def megatron_group(rank: int, world: int) -> None:
     explicit = dist.new_group(list(range(world)))
     for p in NORMS:
         for group in (explicit, None):  # an explicit group, and None: the default group, as in Megatron
-            megatron.clear_cache()
             mine = [i for i in range(len(full)) if i % world == rank]
             params = [nn.Parameter(torch.zeros_like(full[i])) for i in mine]
             for q, i in zip(params, mine):
@@ -156,7 +155,6 @@ def megatron_dtensor(rank: int, world: int) -> None:
     singles = [dist.new_group([r]) for r in range(world)]
     full = _full(4)
     for p in NORMS:
-        megatron.clear_cache()
         params = []
         for g in full:
             q = nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, [Shard(0)]))

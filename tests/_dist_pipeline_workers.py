@@ -366,7 +366,6 @@ def megatron_two_stages_two_replicas(rank: int, world: int) -> str | None:
     once = full  # the embedding once, every layer
     zeros = sum(int((g == 0).sum()) for g in once)
     for p in NORMS:
-        megatron.clear_cache()
         grads = [q.grad for _, q in params if not getattr(q, "shared", False)]
         norm = megatron.get_grad_norm_fp32(grads, p, pp)
         _close(f"megatron 2x2 norm {p}", norm, _ref_norm(once, p))
@@ -397,7 +396,6 @@ def megatron_tensor_and_expert_groups(rank: int, world: int) -> str | None:
     b = torch.nn.Parameter(torch.zeros_like(replicated))
     b.grad = replicated.clone()
     for p in NORMS:
-        megatron.clear_cache()
         # Megatron's caller leaves tensor-parallel duplicates out of the norm: the replicated one on tp rank 0.
         grads = [w.grad] + ([b.grad] if tp_rank == 0 else [])
         _close(f"tp x pp norm {p}", megatron.get_grad_norm_fp32(grads, p, dist.group.WORLD), _ref_norm(full, p))
@@ -409,7 +407,6 @@ def megatron_tensor_and_expert_groups(rank: int, world: int) -> str | None:
     mine = [experts[i] for i in range(4) if i % 2 == rank % 2]
     eparams = _params([(f"experts.{i}", t.clone()) for i, t in enumerate(mine)])
     for p in NORMS:
-        megatron.clear_cache()
         norm = megatron.get_grad_norm_fp32([q.grad for _, q in eparams], p, ep)
         _close(f"experts norm {p}", norm, _ref_norm(experts, p))
         count = megatron.count_zeros_fp32([q for _, q in eparams], ep)

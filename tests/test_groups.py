@@ -334,3 +334,23 @@ def test_cuda_grouping_never_syncs_and_keeps_nan() -> None:
     report = grouped.report()
     assert math.isnan(report.max_abs["model.layers.0"]) and report.nan_counts["model.layers.0"] == 1
     assert math.isfinite(report.max_abs["model.layers.1"])
+
+
+def test_a_call_in_inference_mode_leaves_every_cache_usable() -> None:
+    from torch_gradstats.ops._transfer import repeated_int64
+
+    model = _trained()
+    by = r"^(model\.layers\.\d+)"  # a `by` no other test uses: the first call makes its index
+    want = _direct(model, lambda n: (re.match(by, n) or [None, None])[1])
+    with torch.inference_mode():
+        first = tg.grad_stats(model.named_parameters()).grouped(by).report()
+        coef = tg.clip_grad_norm_(model.named_parameters(), 1e9).report().clip_coef
+        kept = repeated_int64([5, 7, 11], torch.device("meta"))  # off the CPU values are kept on the device
+    for inference in (False, True, False):
+        with torch.inference_mode(inference):
+            again = tg.grad_stats(model.named_parameters()).grouped(by).report()
+            assert again.norms == first.norms
+            assert tg.clip_grad_norm_(model.named_parameters(), 1e9).report().clip_coef == coef == 1.0
+            assert repeated_int64([5, 7, 11], torch.device("meta")) is kept
+    assert {f"group/{g}/norm": v for g, v in first.norms.items()} == pytest.approx(
+        {k: v for k, v in want.items() if k.endswith("/norm")}, rel=1e-6)

@@ -311,7 +311,7 @@ def test_group_calls_reduce_across_ranks(monkeypatch):
     def reduce_across_ranks(grads, sumsq, amax, counts, group, **options):
         seen.update(grads=grads, group=group, names=options.get("names"))
         world = 2
-        rank_nf = torch.stack([counts[:, 1] + counts[:, 2], torch.zeros_like(counts[:, 1])], dim=1)
+        rank_nf = torch.where(counts[:, 1] + counts[:, 2] > 0, 0, -1)  # the lowest rank with a NaN/Inf: 0
         numel = torch.tensor([g.numel() for g in grads], device=sumsq.device) * world
         return ReducedStats(sumsq * world, amax, counts * world, rank_nf, numel)
 
@@ -324,7 +324,7 @@ def test_group_calls_reduce_across_ranks(monkeypatch):
     assert seen["group"] == "g" and len(seen["grads"]) == len(local) and seen["names"] == local.names
     assert seen["grads"][0] is m[0].weight.grad
     assert torch.equal(s.numel, local.numel * 2)
-    assert torch.equal(s.sumsq, local.sumsq * 2) and s.rank_nonfinite.shape == (len(local), 2)
+    assert torch.equal(s.sumsq, local.sumsq * 2) and s.rank_nonfinite.shape == (len(local),)
     r = s.report()
     assert r.nonfinite_ranks == {"2.weight": [0]}
     assert r.inf_count == 2

@@ -4,14 +4,10 @@ fused op.
 Same signatures and return types: both return Python floats, as Megatron documents, so each costs ONE host sync
 (Megatron's cost too). What they add:
 
-* **One read for both.** Megatron's optimizer calls ``get_grad_norm_fp32(grads_for_norm, ...)`` and then
-  ``count_zeros_fp32(params, ...)`` on the gradients of the same parameters. The fused op gives the sums of squares,
-  the maxima and the zero counts in one pass, and ``get_grad_norm_fp32`` keeps the result for that step, keyed on the
-  gradients' identities and version counters (any in-place change, ``zero_()`` included, bumps the version and
-  drops the entry). For a finite ``norm_type`` it also reduces the zero count in the same SUM all-reduce and fetches
-  it with the norm, so a following ``count_zeros_fp32`` on the same gradients and group costs no read, no
-  collective and no sync. Otherwise ``count_zeros_fp32`` reuses the per-tensor counts if it can, or reads.
-  :func:`clear_cache` drops the entry (e.g. after writing gradients through ``.data``, which bumps no version).
+* **Always the gradients as they are now.** Nothing is kept between calls: Megatron rewrites gradients in ways no
+  version counter sees (its clip scales them with ``multi_tensor_scale``, and writes through ``.data``,
+  ``torch._foreach_mul_`` or an in-place collective bump no ``Tensor._version``), so a kept result could be the one
+  from before the clip. Each call makes one fused read of the sums of squares, maxima and zero counts.
 * **Accuracy.** Sums are taken in float64 (Megatron accumulates in float32).
 * **Graph safety.** Until the final host read, nothing syncs.
 
@@ -29,9 +25,6 @@ parallelism here (Megatron would ask its global parallel state instead).
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,43 +33,14 @@ from torch import Tensor
 
 from torch_gradstats.compat.shards import Shards, local_shards, max_over_meshes, read, sum_counted
 from torch_gradstats.ops._transfer import to_host
-from torch_gradstats.ops.op import ZERO, TensorStats
+from torch_gradstats.ops.op import ZERO
 
 __all__ = ["clear_cache", "count_zeros_fp32", "get_grad_norm_fp32"]
 
 
-@dataclass
-class _Entry:
-    """The last read: which tensors (weak references and versions), their statistics, and the reduced zero count
-    with the group it was reduced over, when known."""
-
-    refs: list[weakref.ref[Tensor]]
-    versions: list[int]
-    stats: TensorStats
-    zeros: dict[Any, float] = field(default_factory=dict)
-
-    def matches(self, grads: Sequence[Tensor], local: Sequence[Tensor]) -> bool:
-        # A DTensor's to_local() is a new view each time: identity is the gradient's, the version its shard's
-        # (a view shares the version counter of what it views).
-        return len(grads) == len(self.refs) and all(
-            r() is g and v == t._version for r, v, g, t in zip(self.refs, self.versions, grads, local)
-        )
-
-
-_cache: list[_Entry] = []  # at most one entry: the last step's
-
-
 def clear_cache() -> None:
-    """Forget the statistics kept by the last :func:`get_grad_norm_fp32` (the next call of either function reads)."""
-    _cache.clear()
-
-
-def _stats(grads: list[Tensor], local: list[Tensor], home: torch.device) -> _Entry:
-    if _cache and _cache[0].matches(grads, local):
-        return _cache[0]
-    entry = _Entry([weakref.ref(g) for g in grads], [t._version for t in local], read(local, home))
-    _cache[:] = [entry]
-    return entry
+    """Does nothing: nothing is kept between calls (each reads the gradients). Kept so that callers of earlier
+    versions, which kept the last read, still run."""
 
 
 def _group(group: Any) -> Any:
@@ -108,7 +72,7 @@ def get_grad_norm_fp32(
     ``grad_stats_parallel_group`` (and of each DTensor's mesh).
 
     One fused read for norm types 2 and inf (another p reads again for the p-th powers), one all-reduce, one host
-    sync. The statistics stay cached for a :func:`count_zeros_fp32` on the same gradients (see the module notes).
+    sync.
 
     Returns:
         The norm as a Python float (NaN or inf if a gradient holds one).
@@ -122,29 +86,23 @@ def get_grad_norm_fp32(
     group = _group(grad_stats_parallel_group)
     shards = local_shards(grads, "grads_for_norm")
     home = _home(shards)
-    entry = _stats(grads, shards.local, home)
+    stats = read(shards.local, home)
     if math.isinf(p):
-        total = max_over_meshes(entry.stats.amax, shards)
+        total = max_over_meshes(stats.amax, shards)
         if group is not None:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return to_host([total.reshape(1)], [])[0][0]
     if p == 2.0:
-        powers = entry.stats.sumsq
+        powers = stats.sumsq
     elif shards.local:
         powers = torch.stack([torch.linalg.vector_norm(t, p, dtype=torch.float64).to(home) ** p for t in shards.local])
     else:
         powers = torch.zeros(0, dtype=torch.float64, device=home)
-    zeros = entry.stats.counts[:, ZERO].to(torch.float64)  # exact below 2**53
-    both = sum_counted(torch.stack([powers, zeros], dim=1), shards)
+    total = sum_counted(powers, shards)
     if group is not None:
-        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
-    (power_sum, zero_count), _ = to_host([both], [])
-    entry.zeros[_group_key(group)] = zero_count
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    power_sum = to_host([total.reshape(1)], [])[0][0]
     return power_sum ** (1.0 / p)
-
-
-def _group_key(group: Any) -> Any:
-    return None if group is None else id(group)
 
 
 def _is_tp_replica(param: Tensor, tp_group: Any, expert_tp_group: Any) -> bool:
@@ -172,8 +130,7 @@ def count_zeros_fp32(
         tp_group, expert_tp_group: the tensor-parallel groups whose rank-0 copy of a replicated parameter counts.
 
     Returns:
-        The count as a Python float. Free right after :func:`get_grad_norm_fp32` (finite norm type) on the same
-        gradients and group; otherwise one read at most, one SUM all-reduce and one host sync.
+        The count as a Python float: one fused read, one SUM all-reduce and one host sync.
     """
     if isinstance(parameters, (str, bytes)):  # iterated, its characters would be skipped as gradient-less: 0 zeros
         raise TypeError(
@@ -193,12 +150,8 @@ def count_zeros_fp32(
     ]
     group = _group(grad_stats_parallel_group)
     shards = local_shards(grads, "gradients of parameters")
-    if _cache and _cache[0].matches(grads, shards.local) and _group_key(group) in _cache[0].zeros:
-        return _cache[0].zeros[_group_key(group)]
-    entry = _stats(grads, shards.local, _home(shards))
-    total = sum_counted(entry.stats.counts[:, ZERO].to(torch.float64), shards)
+    stats = read(shards.local, _home(shards))
+    total = sum_counted(stats.counts[:, ZERO].to(torch.float64), shards)  # exact below 2**53
     if group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    count = to_host([total.reshape(1)], [])[0][0]
-    entry.zeros[_group_key(group)] = count
-    return count
+    return to_host([total.reshape(1)], [])[0][0]

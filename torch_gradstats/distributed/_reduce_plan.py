@@ -93,14 +93,31 @@ def row_descs(
     ]
 
 
+#: id(mesh) -> (the mesh, its key): a mesh's rank list is a tensor, read once per mesh (a host read each time else)
+_MESH_KEYS: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+
+
+def mesh_key(mesh: Any) -> tuple[Any, ...]:
+    """What every rank of ``mesh`` agrees on about it: its shape and global ranks (read once, then kept)."""
+    kept = _MESH_KEYS.get(id(mesh))
+    if kept is not None and kept[0] is mesh:
+        return kept[1]
+    key = (tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+    _MESH_KEYS[id(mesh)] = (mesh, key)
+    return key
+
+
 def plan_steps(
     grads: Sequence[Any],
     names: Sequence[str],
     dtensor_cls: type[Any] | None,
     explicit: Sequence[tuple[Any, Callable[[str], bool] | None]],
 ) -> tuple[list[tuple[Any, list[int]]], list[int]]:
-    """The reduction steps: each process group (the explicit ones first, always, so that a rank holding none of
-    their rows still takes part; then each mesh dimension group in first-use order) with the rows reduced over it.
+    """The reduction steps, each process group with the rows reduced over it, in an order every rank agrees on
+    whatever it holds: the explicit groups first (always, so that a rank holding none of their rows still takes
+    part), then every dimension of every mesh a DTensor gradient lives on (a dimension none of this rank's rows is
+    sharded over included), meshes ordered by their ranks and dimensions in mesh order. Rows sharded over several
+    groups are reduced over each in that order on every rank, so the sums compose.
 
     ``explicit`` lists (group, which plain rows it reduces: None for all). Also returns each row's local element
     count.
@@ -117,14 +134,17 @@ def plan_steps(
     for pg, _ in explicit:
         if pg is not None and size(pg) > 1:
             steps.setdefault(id(pg), (pg, []))
+    meshes: dict[int, Any] = {}
     only = explicit[0][0] if len(explicit) == 1 and explicit[0][1] is None else None  # it takes every plain row
     local_numel: list[int] = []
+    rows: dict[int, list[int]] = {}
     for i, (g, name) in enumerate(zip(grads, names)):
         row_groups: list[Any] = []
         if dtensor_cls is not None and isinstance(g, dtensor_cls):
             mesh = g.device_mesh
             local_numel.append(g.to_local().numel())
             if mesh.get_coordinate() is not None:  # ranks outside the mesh hold nothing and reduce nothing
+                meshes.setdefault(id(mesh), mesh)
                 row_groups = [mesh.get_group(d) for d, pl in enumerate(g.placements) if pl.is_shard()]
             logical = g.numel()
         else:
@@ -141,10 +161,14 @@ def plan_steps(
                 f"reduce_across_ranks: grads[{i}] has about {logical} elements across ranks; counts travel as "
                 "float64 and are exact only below 2**53"
             )
-        seen: set[int] = set()
-        for pg in row_groups:
-            if id(pg) in seen or size(pg) == 1:
-                continue
-            seen.add(id(pg))
-            steps.setdefault(id(pg), (pg, []))[1].append(i)
+        for pg in dict.fromkeys(row_groups):  # a group once per row
+            if size(pg) > 1:
+                rows.setdefault(id(pg), []).append(i)
+    for mesh in sorted(meshes.values(), key=mesh_key):
+        for d in range(mesh.ndim):
+            pg = mesh.get_group(d)
+            if size(pg) > 1:
+                steps.setdefault(id(pg), (pg, []))
+    for key, (pg, step_rows) in steps.items():
+        step_rows.extend(rows.get(key, []))
     return list(steps.values()), local_numel

@@ -19,8 +19,9 @@ What is reduced, per parameter:
   gradient). :func:`~torch_gradstats.grad_stats` does not call this module at all when no gradient is a DTensor and
   no group is given.
 
-Communication: for each distinct process group (the explicit ``group`` and ``expert_group``, each mesh dimension
-group a gradient is sharded over, then ``stage_group``), exactly one SUM and one MAX ``all_reduce`` in steady state,
+Communication: for each distinct process group (the explicit ``expert_group`` and ``group``, then every dimension of
+every mesh a DTensor gradient lives on, meshes ordered by their ranks, then ``stage_group``: an order every rank
+agrees on whatever it holds), exactly one SUM and one MAX ``torch.distributed.all_reduce`` in steady state,
 each on one packed buffer holding every parameter that needs that group, never one per parameter. Parameters
 sharded over several mesh dimensions are reduced over each dimension's group in turn (sum and max compose). Groups
 of one rank are skipped; an explicit group is reduced over even when this rank holds none of its parameters.
@@ -33,19 +34,21 @@ reduction). A rank without a parameter's gradient adds an empty shard to it. A r
 not hold only from the groups it shares with a holder: a DTensor sharded over several mesh dimensions must have a
 gradient on all ranks of its mesh or on none.
 
-The SUM buffer is float64 ``[K, 5 + world]``: sum of squares, the three counts, the per-rank non-finite counts and
-the local element count (summed, it is the logical numel, which for plain shards no rank knows from metadata); with
-an exponent histogram, its 277 counts per row follow, in the same collective.
+The SUM buffer is float64 ``[K, 5]``: sum of squares, the three counts and the local element count (summed, it is
+the logical numel, which for plain shards no rank knows from metadata); with an exponent histogram, its 277 counts
+per row follow, in the same collective. The MAX buffer is float64 ``[K, 2]``: max |x| and the encoded rank
+(``world - rank`` where this rank held a NaN/Inf, else 0), whose maximum names the lowest such rank. Neither grows
+with the world size.
 Counts travel as float64 because it holds every integer below 2**53 exactly and one buffer means one collective; a
 logical parameter would need 2**53 (9e15) elements to break that, which is checked on metadata. NaN and Inf are
 carried as counts: a MAX all-reduce need not propagate NaN (gloo does not guarantee it), so after the reduction
 every parameter whose reduced NaN count is positive gets NaN for its max |x| and its sum of squares, on every rank.
 
-``rank_nonfinite[p, r]`` is the number of NaN/Inf elements parameter ``p`` had on global rank ``r`` in what that rank
-held (its shard; for a Partial gradient, its addend before materialization, so the rank that produced the bad value
-is named). A rank sees the columns of the ranks it reduces with; replicas (Replicate dimensions, DDP) are not
-communicated with, so each replica reports its own copy (and a 0-d Partial gradient, materialized as Replicate,
-names only the rank itself if its own addend was bad).
+``rank_nonfinite[p]`` is the lowest global rank whose held part of parameter ``p`` had a NaN/Inf (its shard; for a
+Partial gradient, its addend before materialization, so the rank that produced the bad value is named), -1 if none.
+A rank sees the ranks it reduces with; replicas (Replicate dimensions, DDP) are not communicated with, so each
+replica names itself for its own copy (and a 0-d Partial gradient, materialized as Replicate, names only the rank
+itself if its own addend was bad).
 
 Buffers are built and unpacked on the statistics' device; row indices are copied host-to-device from pinned memory
 without blocking. The buffers keep a last row for the check, so a rank that holds every row in the agreed order (the
@@ -78,10 +81,15 @@ __all__ = ["ReducedStats", "is_logging_rank", "reduce_across_ranks"]
 
 logger = logging.getLogger("torch_gradstats")
 
-# Columns of the packed SUM buffer.
+# Columns of the packed SUM buffer: the sum of squares, the three counts, the local numel, then any histogram.
 _SUMSQ_COL = 0
 _COUNTS_COLS = slice(1, 4)
-_RANKS_START = 4  # then one column per global rank, then the local numel
+_NUMEL_COL = 4
+_HIST_START = 5
+# Columns of the packed MAX buffer: max |x|, then the encoded rank (world - rank where this rank held a NaN/Inf,
+# else 0): its MAX names the lowest such rank, in a column whose size does not depend on the world.
+_AMAX_COL = 0
+_RANK_COL = 1
 
 
 class ReducedStats(NamedTuple):
@@ -90,7 +98,9 @@ class ReducedStats(NamedTuple):
     sumsq: Tensor  #: float64 ``[P]``
     amax: Tensor  #: float64 ``[P]``
     counts: Tensor  #: int64 ``[P, 3]``: zeros, NaNs, Infs
-    rank_nonfinite: Tensor | None  #: int64 ``[P, world]``, or None when there was nothing to reduce
+    #: int64 ``[P]``: the lowest global rank that held a NaN/Inf of each row (-1: none), or None when there was
+    #: nothing to reduce
+    rank_nonfinite: Tensor | None
     numel: Tensor  #: int64 ``[P]``: logical element count of each parameter
     names: list[str] | None = None  #: the row names (see :func:`reduce_across_ranks`), or None without names
     #: whether each row counts in the figures of the whole model (False: a tied parameter's copy on a later
@@ -153,8 +163,8 @@ class _Table(NamedTuple):
     The buffers have one more row than ``descs``, the last: the slot of the layout check row, so that a table
     that needs no repacking is reduced as it is, without a copy to append the check row."""
 
-    sum_buf: Tensor  # float64 [R + 1, 5 + world]
-    max_buf: Tensor  # float64 [R + 1]
+    sum_buf: Tensor  # float64 [R + 1, 5 (+ 277 with a histogram)]
+    max_buf: Tensor  # float64 [R + 1, 2]
     descs: list[Desc]
     counted: list[bool]  # False: a tied parameter's copy, reported but not counted in the whole model's figures
 
@@ -189,7 +199,7 @@ def _reduce_step(
             sub_max = table.max_buf if in_place else table.max_buf.clone()
         else:
             sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
-            sub_max = torch.zeros(n + 1, dtype=torch.float64, device=device)
+            sub_max = torch.zeros(n + 1, table.max_buf.shape[1], dtype=torch.float64, device=device)
         if not dirty and not identity:
             placed = [(r, pos) for r, pos in zip(rows, agreed.positions) if pos is not None]
             if placed:
@@ -202,12 +212,12 @@ def _reduce_step(
         fp = agreed.fingerprint % (2**52 // group_size)
         sub_sum[n, 0] = float(fp)
         sub_sum[n, 1] = float(dirty)
-        sub_max[n] = float(fp)
+        sub_max[n, _AMAX_COL] = float(fp)
         dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
         dist.all_reduce(sub_max, op=dist.ReduceOp.MAX, group=pg)
         if fresh:
             break  # every rank of the group has just agreed on this layout
-        (fp_sum, dirty_sum, fp_max), _ = to_host([sub_sum[n, :2], sub_max[n : n + 1]], [])
+        (fp_sum, dirty_sum, fp_max), _ = to_host([sub_sum[n, :2], sub_max[n, :1]], [])
         if dirty_sum == 0 and fp_sum == fp_max * group_size:
             break
         logger.debug("reduce_across_ranks: a rank's parameter layout changed; exchanging layouts again")
@@ -352,17 +362,19 @@ def reduce_across_ranks(
     numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device)
     descs = row_descs(planned, row_names, dtensor_cls, has_dtensor)
 
-    hist_cols = 0 if histogram is None else HISTOGRAM_BUCKETS  # after the numel column
+    hist_cols = 0 if histogram is None else HISTOGRAM_BUCKETS
 
     def first_table() -> _Table:
-        sum_buf = torch.zeros(p + 1, _RANKS_START + world + 1 + hist_cols, dtype=torch.float64, device=device)
+        sum_buf = torch.zeros(p + 1, _HIST_START + hist_cols, dtype=torch.float64, device=device)
         sum_buf[:p, _SUMSQ_COL] = sumsq
         sum_buf[:p, _COUNTS_COLS] = counts
-        sum_buf[:p, _RANKS_START + rank] = local_nonfinite
-        sum_buf[:p, _RANKS_START + world] = numel_col
+        sum_buf[:p, _NUMEL_COL] = numel_col
         if histogram is not None:
-            sum_buf[:p, _RANKS_START + world + 1 :] = histogram
-        return _Table(sum_buf, torch.cat([amax, amax.new_zeros(1)]), descs, [True] * p)
+            sum_buf[:p, _HIST_START:] = histogram
+        max_buf = torch.zeros(p + 1, 2, dtype=torch.float64, device=device)
+        max_buf[:p, _AMAX_COL] = amax
+        max_buf[:p, _RANK_COL] = (local_nonfinite > 0).to(torch.float64) * (world - rank)
+        return _Table(sum_buf, max_buf, descs, [True] * p)
 
     table = first_table()
     remake: Callable[[], _Table] | None = first_table  # only the first step reduces the caller's rows
@@ -385,10 +397,11 @@ def reduce_across_ranks(
     has_nan = counts_out[:, NAN] > 0
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
     sumsq_out = torch.where(has_nan, nan, sum_buf[:, _SUMSQ_COL])
-    amax_out = torch.where(has_nan, nan, max_buf)  # NaN need not survive a MAX all-reduce; the count does
-    rank_nonfinite = sum_buf[:, _RANKS_START : _RANKS_START + world].to(torch.int64)
-    numel_out = sum_buf[:, _RANKS_START + world].to(torch.int64)
-    hist_out = sum_buf[:, _RANKS_START + world + 1 :].to(torch.int64) if histogram is not None else None
+    amax_out = torch.where(has_nan, nan, max_buf[:, _AMAX_COL])  # NaN need not survive a MAX; the count does
+    encoded = max_buf[:, _RANK_COL].to(torch.int64)
+    rank_nonfinite = torch.where(encoded > 0, world - encoded, -1)
+    numel_out = sum_buf[:, _NUMEL_COL].to(torch.int64)
+    hist_out = sum_buf[:, _HIST_START:].to(torch.int64) if histogram is not None else None
     out_names = [d.name for d in table.descs] if (gathered and given_names is not None) else given_names
     counted = None if all(table.counted) else table.counted
     return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names, counted, hist_out)

@@ -348,7 +348,7 @@ class GradWeightStats:
         if upd is not None:
             floats += [upd.delta_sumsq, upd.weight_sumsq]
         ints: list[Tensor] = [g.counts, g.numel, self.weight_counts]
-        world = 0 if g.rank_nonfinite is None else int(g.rank_nonfinite.shape[1])
+        world = 0 if g.rank_nonfinite is None else 1  # one rank named per row
         if g.rank_nonfinite is not None:
             ints.append(g.rank_nonfinite)
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
@@ -376,7 +376,7 @@ class GradWeightStats:
             amax=torch.tensor(amax, dtype=torch.float64),
             counts=torch.tensor(counts, dtype=torch.int64).reshape(p, 3),
             numel=torch.tensor(numel, dtype=torch.int64),
-            rank_nonfinite=torch.tensor(rank_nf, dtype=torch.int64).reshape(p, world) if world else None,
+            rank_nonfinite=torch.tensor(rank_nf, dtype=torch.int64) if world else None,
             device=torch.device("cpu"),
         )
         grads_report = host.report(k, policy=policy)

@@ -81,7 +81,9 @@ def repeated_int64(values: Sequence[int], device: torch.device) -> Tensor:
     Off the CPU the last few such tensors stay on the device, so the steady state copies nothing: each copy needs a
     pinned buffer, and while the device runs behind the host the pinned buffers of earlier copies are still in
     flight, so every step would pin new memory (about 0.2 ms on an H100 host). A kept tensor changed in place
-    (``_version``) is made again. While compiling or capturing a CUDA graph it falls back to :func:`host_int64`.
+    (``_version``) is made again. Kept tensors are made outside inference mode, so a call under
+    ``torch.inference_mode()`` leaves them usable in and out of it. While compiling or capturing a CUDA graph it
+    falls back to :func:`host_int64`.
     """
     if device.type == "cpu" or torch.compiler.is_compiling():
         return host_int64(values, device)
@@ -93,7 +95,8 @@ def repeated_int64(values: Sequence[int], device: torch.device) -> Tensor:
         if kept is not None and kept._version == 0:
             _REPEATED.move_to_end(key)
             return kept
-        made = host_int64(key[1], device)
+        with torch.inference_mode(False):  # a kept inference tensor has no _version: every later call would fail
+            made = host_int64(key[1], device)
         _REPEATED[key] = made
         _REPEATED.move_to_end(key)
         while len(_REPEATED) > _REPEATED_MAX:

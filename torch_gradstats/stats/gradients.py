@@ -108,8 +108,8 @@ class GradStats:
         amax: float64 ``[P]``, max |g| of each gradient (NaN if it has a NaN).
         counts: int64 ``[P, 3]``, number of zeros, NaNs and Infs of each gradient.
         numel: int64 ``[P]``, logical number of elements (for a DTensor, the full parameter's).
-        rank_nonfinite: int64 ``[P, world]`` non-finite element count of parameter p on rank r, or None outside
-            the distributed path.
+        rank_nonfinite: int64 ``[P]``: the lowest global rank whose gradient of parameter p held a NaN/Inf (-1:
+            none), or None outside the distributed path.
         device: where all the tensors above live.
         clip_norm: set by :func:`torch_gradstats.clip_grad_norm_`: the total norm (of its ``norm_type``) it
             clipped with, float64 0-d; None otherwise.
@@ -234,7 +234,7 @@ class GradStats:
                             f"{type(groups).__name__}")
         k = int(k)
         p = len(self.names)
-        world = 0 if self.rank_nonfinite is None else int(self.rank_nonfinite.shape[1])
+        world = 0 if self.rank_nonfinite is None else 1  # one rank named per row
         ints_in = [self.counts, self.numel] + ([self.rank_nonfinite] if self.rank_nonfinite is not None else [])
         clip = [] if self.clip_coef is None or self.clipped_norm is None else [self.clip_coef, self.clipped_norm]
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
@@ -248,7 +248,7 @@ class GradStats:
         sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
         counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
         numel = ints[3 * p : 4 * p]
-        rank_nf = [ints[4 * p + world * i : 4 * p + world * (i + 1)] for i in range(p)] if world else None
+        rank_nf = ints[4 * p : 5 * p] if world else None
         out = GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy,
                                 self.counted)
         if clip:

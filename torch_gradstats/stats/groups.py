@@ -167,7 +167,8 @@ def _index(names: Sequence[str], by: GroupBy, device: torch.device) -> _Index:
     groups, index = group_names(names, by)
     spare = len(groups)
     members = {n: groups[i] for n, i in zip(names, index) if i >= 0}
-    made = (groups, host_int64([i if i >= 0 else spare for i in index], device), members)
+    with torch.inference_mode(False):  # kept: an inference tensor has no _version, and later calls read it
+        made = (groups, host_int64([i if i >= 0 else spare for i in index], device), members)
     if key is not None:
         with _INDEX_LOCK:
             _INDEX[key] = made

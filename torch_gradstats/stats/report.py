@@ -53,7 +53,8 @@ class GradReport:
         vanishing, exploding: names of the parameters the policy calls vanishing / exploding.
         min_norm, max_norm: smallest and largest per-parameter norm (NaN if any is NaN; 0.0 when empty).
         top_norms: the k largest ``(name, norm)``, largest first; NaN norms sort first.
-        nonfinite_ranks: parameter name -> ranks where its local gradient had a NaN/Inf (distributed path only).
+        nonfinite_ranks: parameter name -> [the lowest global rank whose local gradient had a NaN/Inf]
+            (distributed path only).
         clip_coef: the coefficient :func:`~torch_gradstats.clip_grad_norm_` multiplied the gradients by (at most
             1.0), or None for statistics that were not clipped.
         clipped_norm: the total norm after that clip (``clip_coef`` times the norm it clipped with), or None.
@@ -99,7 +100,7 @@ class GradReport:
         total_sumsq: float,
         counts: list[list[int]],
         numel: list[int],
-        rank_nonfinite: list[list[int]] | None,
+        rank_nonfinite: list[int] | None,
         k: int,
         policy: HealthPolicy | None,
         counted: list[bool] | None = None,
@@ -123,10 +124,7 @@ class GradReport:
         )
         ranks: dict[str, list[int]] = {}
         if rank_nonfinite is not None:
-            for n, row in zip(names, rank_nonfinite):
-                bad = [r for r, c in enumerate(row) if c > 0]
-                if bad:
-                    ranks[n] = bad
+            ranks = {n: [r] for n, r in zip(names, rank_nonfinite) if r >= 0}
         return cls(
             total_norm=math.sqrt(total_sumsq) if not math.isnan(total_sumsq) else math.nan,
             inf_norm=_nan_max(whole_amax) if whole_amax else 0.0,
