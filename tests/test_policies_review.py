@@ -238,3 +238,29 @@ def test_hf_names_the_first_nonfinite_parameter_of_a_skipped_step(tmp_path: Path
         _hf_train(trainer)
     said = _nan_messages(caplog)
     assert len(said) == 1 and "optimizer step 6" in said[0] and "'transformer.wte.weight'" in said[0], said
+
+
+# ---------------------------------------------------------------------------------------------- with a GradScaler
+def test_the_plain_loop_with_a_grad_scaler_judges_unscaled_norms():
+    """docs/guard.md's recipe: unscale_ before the policies, so a scale that doubles every few steps is no spike."""
+
+    def run(scaled: bool) -> tuple[list[float], float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=3, enabled=scaled)
+        guard, clipper = SpikeGuard(window=8, sigma=3.0), AdaptiveClip(warmup=4)
+        x, y = torch.randn(256, 8), torch.randn(256, 1)
+        norms = []
+        for step in range(30):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x[8 * step : 8 * step + 8]), y[8 * step : 8 * step + 8])
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            stats = clipper.clip_(model.parameters())
+            tg.step_or_skip(optimizer, guard.observe(stats.total_norm, loss), scaler)
+            norms.append(stats.total_norm.item())
+        return norms, guard.check()["guard/skipped"]
+
+    plain, scaled = run(False), run(True)
+    assert scaled[0] == pytest.approx(plain[0], rel=1e-5) and scaled[1] == plain[1]  # the same norms and decisions
