@@ -15,6 +15,7 @@ from torch import nn
 import torch_gradstats.policies.adaptive_clip as adaptive_clip_mod
 import torch_gradstats.policies.clip as clip_mod
 from torch_gradstats import AdaptiveClip, clip_grad_norm_, grad_stats
+from torch_gradstats.policies.clip import clip_with_threshold_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _guard_helpers import forbid_host_reads, sequence
@@ -160,9 +161,14 @@ def _model(seed: int) -> nn.Module:
 def test_clip_grad_norm_takes_a_tensor_max_norm_like_a_number():
     a, b = _model(0), _model(0)
     want = clip_grad_norm_(a.parameters(), 0.5)
-    with forbid_host_reads(), HostReads() as mode:
+    with HostReads() as mode:  # a CPU tensor is checked (>= 0): its one read is no sync, its memory is the host's
         got = clip_grad_norm_(b.parameters(), torch.tensor(0.5, dtype=torch.float32))
+    assert mode.count == 1
+    c = _model(0)
+    with forbid_host_reads(), HostReads() as mode:  # the policies' own thresholds are never read
+        unread = clip_with_threshold_(c.parameters(), torch.tensor(0.5, dtype=torch.float32))
     assert mode.count == 0
+    torch.testing.assert_close(unread.clip_coef, got.clip_coef, rtol=0, atol=0)
     # (bit-equal with the compiled kernel; the pure-PyTorch one takes another path when it may not read the host)
     torch.testing.assert_close(got.clip_coef, want.clip_coef, rtol=1e-6, atol=0)
     assert got.clip_coef.item() < 1

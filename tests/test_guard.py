@@ -25,10 +25,13 @@ NAN, INF = math.nan, math.inf
 class ReferenceRule:
     """The rule as specified, on Python lists, with exact (rational) mean and Bessel std from ``statistics``."""
 
-    def __init__(self, window: int, sigma: float, min_history: int, count_skipped: bool) -> None:
+    def __init__(
+        self, window: int, sigma: float, min_history: int, count_skipped: bool, adopt_after: int = 4
+    ) -> None:
         self.window, self.sigma, self.min_history, self.count_skipped = window, sigma, min_history, count_skipped
+        self.adopt_after = adopt_after
         self.hist: dict[str, list[float]] = {"g": [], "l": []}
-        self.skipped = self.consecutive = 0
+        self.skipped = self.consecutive = self.streak = 0
 
     def _skips(self, series: str, value: float) -> bool:
         h = self.hist[series]
@@ -42,8 +45,14 @@ class ReferenceRule:
 
     def step(self, values: dict[str, float]) -> bool:
         take = not any(self._skips(s, v) for s, v in values.items())
+        all_finite = all(math.isfinite(v) for v in values.values())
+        if take:
+            self.streak = 0
+        elif all_finite:  # a step with a non-finite value neither ends nor extends the streak
+            self.streak += 1
+        adopt = not take and all_finite and self.streak >= self.adopt_after
         for s, v in values.items():
-            if math.isfinite(v) and (take or self.count_skipped):
+            if math.isfinite(v) and (take or adopt or self.count_skipped):
                 self.hist[s] = (self.hist[s] + [v])[-self.window :]
         self.skipped += not take
         self.consecutive = 0 if take else self.consecutive + 1
@@ -182,7 +191,7 @@ def test_resume_from_state_dict_equals_uninterrupted(kind):
 def _check(guard: SpikeGuard) -> object:
     try:
         return guard.check()
-    except SpikeStreakError as err:  # a level shift (plateaus) locks a guard that keeps skipped values out
+    except SpikeStreakError as err:  # a streak of skips (plateaus: a level shift is skipped until adopted)
         return err.step, err.consecutive, err.values, err.bands
 
 
@@ -195,7 +204,7 @@ def test_load_state_dict_rejects_bad_states():
         guard.load_state_dict({k: v for k, v in state.items() if k != "history"})
     with pytest.raises(ValueError, match="'history' must be a torch.float64 tensor of shape \\(2, 4\\)"):
         guard.load_state_dict({**state, "history": torch.zeros(2, 5, dtype=torch.float64)})
-    with pytest.raises(ValueError, match="window must be >= 1"):
+    with pytest.raises(ValueError, match="window must be >= 2"):
         guard.load_state_dict({**state, "window": 0})
 
 
@@ -229,7 +238,7 @@ def test_no_streak_error_without_max_consecutive():
 def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match="window must be an int"):
         SpikeGuard(window=2.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="window must be >= 1"):
+    with pytest.raises(ValueError, match="window must be >= 2"):
         SpikeGuard(window=0)
     with pytest.raises(ValueError, match="window must be <= 1,048,576 .each history is a buffer"):
         SpikeGuard(window=10**12)  # before: torch's allocator failing on 16 TB

@@ -19,7 +19,7 @@ from torch_gradstats.monitors.updates import GradWeightStats, UpdateRatio, grad_
 from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.ops._transfer import to_host
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
-from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.policies.clip import clip_with_threshold_
 from torch_gradstats.policies.guard import SpikeGuard
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.stats.groups import GroupBy, group_names
@@ -176,6 +176,10 @@ class StatsTaker:
         self.adaptive_clip = adaptive_clip
         #: the guard's and the clip's figures read with the last report (``guard/...``, ``clip/...``)
         self.policy_figures: dict[str, float] = {}
+        # Steps skipped on the device with non-finite gradients since the last report: (count, first step, index of
+        # its first non-finite parameter), named at the next report; the names of those parameters.
+        self._skipped_nonfinite: Tensor | None = None
+        self._skipped_names: list[str] = []
 
     @property
     def every_step(self) -> bool:
@@ -194,8 +198,8 @@ class StatsTaker:
             if self.spike_guard is not None:
                 factor = self.spike_guard.observe(g.total_norm, mean_over_ranks(loss))
             if self.adaptive_clip is not None:
-                clip_grad_norm_(self.trainable(module), self.adaptive_clip.threshold(g.total_norm), stats=g,
-                                group=self.group, stage_group=self.stage_group, tied=self.tied)
+                clip_with_threshold_(self.trainable(module), self.adaptive_clip.threshold(g.total_norm), stats=g,
+                                     group=self.group, stage_group=self.stage_group, tied=self.tied)
         return factor
 
     @staticmethod
@@ -228,9 +232,46 @@ class StatsTaker:
         groups = stats.grouped(self.group_by) if self.group_by is not None else None
         policies: list[SpikeGuard | AdaptiveClip] = [
             p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
-        report = stats.report(self.k, policy=self.policy, groups=groups, extra=policy_extra(policies))
+        extra = policy_extra(policies)
+        record = self._skipped_nonfinite
+        if record is not None:
+            extra.insert(0, ExtraFigures([], [record], self._name_skipped_nonfinite))  # said before a streak error
+        report = stats.report(self.k, policy=self.policy, groups=groups, extra=extra)
         self.policy_figures = dict(grad_report(report).extra)
         return report
+
+    def record_skipped_nonfinite(self, stats: GradStats | GradWeightStats, factor: Tensor, step: int) -> None:
+        """Where the step is skipped on the device: note it on the device when its gradients are non-finite (no
+        host sync); the next :meth:`report` names its first non-finite parameter in a warning."""
+        g = stats.grads if isinstance(stats, GradWeightStats) else stats
+        if not len(g.names):
+            return
+        mask = g.nonfinite_mask
+        if self._skipped_nonfinite is None or self._skipped_nonfinite.device != mask.device:
+            self._skipped_nonfinite = torch.zeros(3, dtype=torch.int64, device=mask.device)
+        record = self._skipped_nonfinite
+        bad = (mask.any() & (factor.reshape(()) == 0).to(mask.device)).to(torch.int64)
+        first = bad.bool() & (record[0] == 0)
+        record.copy_(torch.stack([record[0] + bad, torch.where(first, step, record[1]),
+                                  torch.where(first, mask.to(torch.int32).argmax().to(torch.int64), record[2])]))
+        self._skipped_names = g.names
+
+    def _name_skipped_nonfinite(self, floats: list[float], ints: list[int]) -> dict[str, float]:
+        count, step, index = ints
+        if count:
+            assert self._skipped_nonfinite is not None
+            self._skipped_nonfinite.zero_()  # on the device, no sync
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: first non-finite parameter "
+                           "%r; step skipped by the spike guard (%d such steps since the last report)",
+                           step, self._skipped_names[index], count)
+        return {}
+
+    def warn_skipped_nonfinite(self, stats: GradStats | GradWeightStats, step: int) -> None:
+        """Where a step was just skipped from the host: name its first non-finite parameter now, if any (one small
+        transfer, on a skipped step only)."""
+        if self.nonfinite(stats):
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: %s; step skipped by the spike "
+                           "guard", step, self.describe_nonfinite(stats))
 
     @staticmethod
     def nonfinite(stats: GradStats | GradWeightStats) -> bool:

@@ -265,7 +265,12 @@ class _GradStatsMixin(ActivationReporting):
             loss, self._loss = self._loss, None
             factor = self.taker.apply_policies(pl_module, stats, loss)
             if factor is not None:
-                self._apply_factor(trainer, optimizer, factor)
+                host_skipped = self._apply_factor(trainer, optimizer, factor)
+                if self.on_nonfinite is None:  # else on_nonfinite's own check names it below
+                    if host_skipped is None:
+                        self.taker.record_skipped_nonfinite(stats, factor, step)
+                    elif host_skipped:
+                        self.taker.warn_skipped_nonfinite(stats, step)
         report: AnyReport | None = None
         if log_now and self._logs_here(trainer) and not self.taker.log_update_ratio:
             report = self.taker.report(stats)  # the one transfer of this step
@@ -294,9 +299,10 @@ class _GradStatsMixin(ActivationReporting):
             self._log(trainer, self.taker.report(stats), logger_step)
 
     # ----------------------------------------------------------------------------------------------- internals
-    def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> None:
+    def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> bool | None:
         """Skip this step where the guard's ``factor`` is 0: on the device through a fused optimizer's
-        ``found_inf`` (read by its ``step()`` after this hook), else from the host by dropping the gradients."""
+        ``found_inf`` (read by its ``step()`` after this hook; returns None), else from the host by dropping the
+        gradients (returns whether it skipped)."""
         skip = (factor == 0).to(torch.float32)
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
         if (scaler is None and isinstance(optimizer, torch.optim.Optimizer)
@@ -309,7 +315,7 @@ class _GradStatsMixin(ActivationReporting):
                 self._hooked.add(id(optimizer))
             optimizer.found_inf = skip  # type: ignore[attr-defined]
             self._found_inf_set.add(id(optimizer))
-            return
+            return None
         if not self._warned_host_skip:
             self._warned_host_skip = True
             logger.warning("torch_gradstats: spike_guard with %s%s decides each step on the host (one sync per "
@@ -317,6 +323,8 @@ class _GradStatsMixin(ActivationReporting):
                            type(optimizer).__name__, " and a GradScaler" if scaler is not None else "")
         if host_skips(skip):
             optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter untouched
+            return True
+        return False
 
     def _clear_found_inf(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if id(optimizer) in self._found_inf_set:

@@ -111,6 +111,7 @@ from torch_gradstats.stats.gradients import GradStats
 from torch_gradstats.stats.groups import GroupBy
 from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.training._skip import step_or_skip
+from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
 
 __all__ = ["GradStatsCallback", "add_to_trainer"]
 
@@ -219,6 +220,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         self.last_activation_report: ActivationReport | None = None  #: the watch's last report
         self._activation_at = -2  # the watch's step when that report was made
         self._factor: Tensor | None = None  # the guard's decision for the coming optimizer.step()
+        self._judged: tuple[int, GradStats | GradWeightStats] | None = None  # its step number and statistics
         self._loss_sum: Tensor | None = None  # the micro-batches' losses of this step, on the device
         self._loss_n = 0
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
@@ -278,8 +280,11 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             nonlocal inside
             factor, self._factor = self._factor, None
+            judged, self._judged = self._judged, None
             if factor is None or inside:  # no decision for this step, or step_or_skip's own call below
                 return real_step(*args, **kwargs)
+            if self.on_nonfinite is not None:
+                judged = None  # on_nonfinite's own check names a non-finite step
             if any(a is not None for a in args) or any(v is not None for v in kwargs.values()):
                 raise ValueError("wrap_optimizer: a step with a closure cannot be skipped by the spike guard")
             found = getattr(opt, "found_inf", None)
@@ -287,7 +292,17 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
                 # A GradScaler is stepping a fused optimizer (fp16): add the guard's skip to the scaler's found_inf,
                 # on the device, and let the scaler's own step run (it takes found_inf away afterwards).
                 opt.found_inf = torch.clamp(found + (factor == 0).to(found), max=1.0)  # type: ignore[attr-defined]
+                if judged is not None:
+                    self.taker.record_skipped_nonfinite(judged[1], factor, judged[0])
                 return real_step(*args, **kwargs)
+            if judged is not None and (device_skip_step(opt) is None or momentum_pending(opt)):
+                # Decided on the host (step_or_skip's one read, made here): a non-finite step is named at once.
+                if host_skips((factor == 0).to(torch.float32)):
+                    self.taker.warn_skipped_nonfinite(judged[1], judged[0])
+                    return None
+                return real_step(*args, **kwargs)
+            if judged is not None:
+                self.taker.record_skipped_nonfinite(judged[1], factor, judged[0])
             inside = True
             try:
                 step_or_skip(opt, factor)
@@ -406,6 +421,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         if self.taker.every_step:
             # Clipping the still loss-scaled gradients by the coefficient of the unscaled norm is the same clip.
             self._factor = self.taker.apply_policies(self._model, stats, loss)
+            self._judged = (next_step - 1, stats)
         if self.on_nonfinite is not None and self.taker.nonfinite(stats):
             self._handle_nonfinite(next_step - 1, scale is not None,
                                    self.taker.describe_nonfinite(stats) + self._activation_words())

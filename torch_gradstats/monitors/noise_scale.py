@@ -24,6 +24,7 @@ Every figure stays on the device; ``to_dict()`` brings the three to the host in 
 """
 
 import logging
+import math
 import numbers
 import threading
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torch_gradstats.ops._transfer import to_device, to_host
+from torch_gradstats.ops._transfer import fetch, to_device, to_host
 from torch_gradstats.ops.op import multi_tensor_stats
 from torch_gradstats.stats._params import named_params, stats_on_home
 
@@ -45,8 +46,7 @@ logger = logging.getLogger(__name__)
 # This module deliberately has no `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
 # annotations with the real dist.GradBucket and Future[Tensor] objects, and string annotations fail that check.
 
-#: Micro-batch gradients are held until this many bytes are pending, then read by one op call: a bounded amount of
-#: extra memory, and one op call per this many bytes instead of one per parameter.
+#: A micro-batch's gradient is read by one op call per this many bytes, instead of one per parameter.
 _MICRO_FLUSH_BYTES = 32 * 2**20
 
 KEYS = ("noise/b_simple", "noise/grad_sq", "noise/trace_sigma")
@@ -234,43 +234,46 @@ class NoiseScale:
         """Read the gradient of the backward pass run inside this block: one micro-batch of an accumulation window.
 
         ``params``: a module or what :func:`~torch_gradstats.grad_stats` accepts. Gradient hooks on those
-        parameters see each micro-batch's contribution before it is added to ``.grad``; they hold it until
-        32 MiB are pending, then read them with one op call (the first micro-batch's gradients are copied into
-        ``.grad`` instead of moved, while held). Scale each micro-batch's loss by ``1 / micro-batches`` as usual
-        (``.grad`` is then the mean gradient of the window). The block counts as a micro-batch when it exits
-        without an exception.
+        parameters see each backward's contribution before it is added to ``.grad``; the contributions of one
+        parameter within the block are summed (a block may run several ``backward()`` calls: its gradient is their
+        sum), and the block's gradient is read when it exits, by one op call per 32 MiB. So the block holds one
+        gradient's worth of memory until it exits (the first micro-batch's gradients are copied into ``.grad``
+        instead of moved, while held). Scale each micro-batch's loss by ``1 / micro-batches`` as usual (``.grad`` is
+        then the mean gradient of the window). The block counts as a micro-batch when it exits without an exception.
         """
         tensors = [p for p in _params_of(params, "NoiseScale.micro_batch") if p.requires_grad]
         if not tensors:
             raise ValueError("NoiseScale.micro_batch: params holds no tensor that requires grad")
-        pending: list[Tensor] = []
-        pending_bytes = [0]
-        sums: list[Tensor] = []
+        held: dict[int, Tensor] = {}  # parameter index -> the sum of its contributions in this block
         lock = threading.Lock()
 
-        def flush() -> None:
-            if pending:
-                sums.append(_sumsq(pending))
-                pending.clear()
-                pending_bytes[0] = 0
+        def hook_of(index: int) -> Any:
+            def hook(grad: Tensor) -> None:
+                with lock:
+                    held[index] = grad if index not in held else held[index] + grad
 
-        def hook(grad: Tensor) -> None:
-            with lock:
-                pending.append(grad)
-                pending_bytes[0] += grad.numel() * grad.element_size()
-                if pending_bytes[0] >= _MICRO_FLUSH_BYTES:
-                    flush()
+            return hook
 
-        handles = [p.register_hook(hook) for p in tensors]
+        handles = [p.register_hook(hook_of(i)) for i, p in enumerate(tensors)]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
-        flush()
-        if not sums:
+        if not held:
             logger.warning("NoiseScale.micro_batch: no gradient reached the parameters in this block")
             return
+        sums, chunk, chunk_bytes = [], [], 0
+        for index in sorted(held):
+            grad = held[index]
+            chunk.append(grad)
+            chunk_bytes += grad.numel() * grad.element_size()
+            if chunk_bytes >= _MICRO_FLUSH_BYTES:
+                sums.append(_sumsq(chunk))
+                chunk, chunk_bytes = [], 0
+        if chunk:
+            sums.append(_sumsq(chunk))
+        held.clear()
         total = torch.stack([to_device(t, sums[0].device) for t in sums]).sum() if len(sums) > 1 else sums[0]
         with self._lock:
             self._micro_sq = total if self._micro_sq is None else self._micro_sq + total
@@ -341,6 +344,16 @@ class NoiseScale:
                                    or not weight.dtype.is_floating_point or weight.device.type == "meta"):
             raise ValueError(f"NoiseScale.load_state_dict: weight must be a one-element floating-point tensor with "
                              f"a value, got {weight!r}")
+        # A NaN or inf EMA, or a weight outside [0, 1], would make every later estimate NaN or wrong.
+        for name, t in (("grad_sq_ema (the EMA of |G|^2)", g), ("trace_sigma_ema (the EMA of tr(Sigma))", tr),
+                        ("weight (the EMAs' bias correction)", weight)):
+            if t is not None and not math.isfinite(float(fetch(t).reshape(()))):
+                raise ValueError(f"NoiseScale.load_state_dict: {name} must be finite, got {float(fetch(t))}")
+        if weight is not None and not 0.0 <= float(fetch(weight)) <= 1.0 - self.ema**steps + 1e-12:
+            raise ValueError(
+                f"NoiseScale.load_state_dict: weight (the EMAs' bias correction, 1 - ema**steps folded in) must be in "
+                f"[0, {1.0 - self.ema**steps:.6g}] after {steps} steps, got {float(fetch(weight))}"
+            )
         with self._lock:
             self.steps = steps
             self._grad_sq_ema = None if g is None else g.detach().reshape(()).to(torch.float64).clone()

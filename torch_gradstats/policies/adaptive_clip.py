@@ -38,7 +38,7 @@ from torch_gradstats.policies._scalars import (
     load_state,
     moved,
 )
-from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.policies.clip import clip_grad_norm_, clip_with_threshold_
 from torch_gradstats.stats._params import ParamsLike, named_params
 from torch_gradstats.stats.gradients import GradStats, grad_stats
 
@@ -192,7 +192,7 @@ class AdaptiveClip:
             stats = grad_stats(named, group=group)
         if not len(stats):
             return clip_grad_norm_(named, math.inf, stats=stats)
-        return clip_grad_norm_(named, self.threshold(stats.total_norm), stats=stats)
+        return clip_with_threshold_(named, self.threshold(stats.total_norm), stats=stats)
 
     # ------------------------------------------------------------------------------------------- figures
     @property
@@ -267,13 +267,25 @@ class AdaptiveClip:
                     f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
         # Values no save produces would silently stop the clipping (a negative count never ends the warm-up).
+        # A NaN mean, or an inf warm-up norm, would give a NaN or inf threshold for the rest of the run.
         count, ema = int(fetch(state["count"])[0]), fetch(state["ema"])
         if not 0 <= count <= fresh.warmup:
-            raise ValueError(f"AdaptiveClip.load_state_dict: 'count' must be in [0, {fresh.warmup}], got {count}")
-        if not bool(ema.isfinite().all()) or float(ema[1]) < 0:
             raise ValueError(
-                f"AdaptiveClip.load_state_dict: 'ema' (mean, variance) must be finite with variance >= 0, got "
-                f"{[float(v) for v in ema]}"
+                f"AdaptiveClip.load_state_dict: 'count' (the warm-up norms collected) must be in "
+                f"[0, {fresh.warmup}], got {count}"
+            )
+        mean, var = float(ema[0]), float(ema[1])
+        if not math.isfinite(mean):
+            raise ValueError(f"AdaptiveClip.load_state_dict: the EMA mean of the norms ('ema'[0]) must be finite, "
+                             f"got {mean}")
+        if not math.isfinite(var) or var < 0:
+            raise ValueError(f"AdaptiveClip.load_state_dict: the EMA variance of the norms ('ema'[1]) must be "
+                             f"finite and >= 0, got {var}")
+        warm = fetch(state["warmup_norms"])[:count]
+        if not bool(warm.isfinite().all()) or bool((warm < 0).any()):
+            raise ValueError(
+                f"AdaptiveClip.load_state_dict: the {count} warm-up norms collected ('warmup_norms') must be finite "
+                f"and >= 0, got {[float(v) for v in warm]}"
             )
         current = {name: getattr(self, name) for name in self._STATE}
         self.__dict__.update(fresh.__dict__)

@@ -133,8 +133,39 @@ def clip_grad_norm_(
             raise TypeError(f"clip_grad_norm_: max_norm as a tensor must be floating point, got {max_norm.dtype}")
         if max_norm.numel() != 1:
             raise ValueError(f"clip_grad_norm_: max_norm must have one element, got shape {tuple(max_norm.shape)}")
+        # Read where that costs no sync (a CPU tensor, outside a compiled graph); an accelerator's is never read.
+        if max_norm.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_max_norm(float(max_norm.detach().reshape(())))
     else:
-        max_norm = float(max_norm)
+        max_norm = _check_max_norm(float(max_norm))
+    return clip_with_threshold_(params, max_norm, norm_type, error_if_nonfinite, foreach, group, stats=stats,
+                                stage_group=stage_group, tied=tied)
+
+
+def _check_max_norm(value: float) -> float:
+    if not value >= 0.0:  # NaN included
+        raise ValueError(
+            f"clip_grad_norm_: max_norm must be >= 0, got {value}: a negative one would flip the sign of every "
+            "gradient"
+        )
+    return value
+
+
+@torch.no_grad()
+def clip_with_threshold_(
+    params: ParamsLike,
+    max_norm: float | Tensor,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    group: Any = None,
+    *,
+    stats: GradStats | None = None,
+    stage_group: Any = None,
+    tied: Collection[str] = (),
+) -> GradStats:
+    """:func:`clip_grad_norm_` without reading a tensor ``max_norm``: for the policies' own thresholds, which are
+    never negative and stay unread on the device (a one-element floating-point tensor, or a checked float)."""
     norm_type = float(norm_type)
     named = named_params(params)
     if (group is not None or stage_group is not None) and norm_type not in (2.0, math.inf):

@@ -7,6 +7,13 @@ history (``std`` with Bessel's correction, as ``torch.std_mean``); a step is ski
 so. After the decision the step's finite values enter the history when the step is taken, or always with
 ``count_skipped=True``; non-finite values never enter it.
 
+A lasting change of level is adopted, so the guard never skips forever: once ``adopt_after`` steps in a row were
+skipped with every watched value finite, the finite values of each further skipped step of that streak enter the
+history as well, until a step is taken. A few such values widen the band enough to take the new level (about
+``window / (1 + sigma**2)`` of them), and the history then fills with it. Steps with a non-finite value neither
+enter nor count toward ``adopt_after``; a taken step ends the streak. So a spike of fewer than ``adopt_after``
+steps never enters the history, and one of ``adopt_after`` or more steps is skipped until it looks like a level.
+
 How it runs: each history is a fixed ring buffer on the device. Mean and std are recomputed over the buffer every
 step (running sums drift), shifted by one of the buffer's own values so that a history of equal values has a mean
 equal to that value and a std of exactly 0. :meth:`SpikeGuard.observe` launches the same kernels every step and never
@@ -41,8 +48,10 @@ __all__ = ["SpikeGuard", "SpikeStreakError"]
 
 # Series: row 0 of every per-series buffer is the gradient norm, row 1 the loss.
 _SERIES = ("grad_norm", "loss")
-# Columns of _counters (int64).
-_STEPS, _SKIPPED, _CONSECUTIVE, _TRIPPED, _TRIP_STEP = range(5)
+# Columns of _counters (int64): ..., the streak of skipped all-finite steps, and the series judged at the trip step.
+_STEPS, _SKIPPED, _CONSECUTIVE, _TRIPPED, _TRIP_STEP, _STREAK, _TRIP_SERIES = range(7)
+_N_COUNTERS = 7
+_OLD_COUNTERS = 5  # state_dicts saved before the level adoption and the trip's series
 # Columns of _last and _trip (float64, one row per series): the value, the history's mean and std, the z-score.
 _VALUE, _MEAN, _STD, _Z = range(4)
 
@@ -73,13 +82,16 @@ class SpikeGuard:
     """Decides, on the device, whether each optimizer step is taken (1.0) or skipped (0.0); see the module docstring.
 
     Args:
-        window: number of finite values each history keeps (int >= 1).
+        window: number of finite values each history keeps (int >= 2: the band needs a std).
         sigma: a value more than ``sigma`` standard deviations above the history's mean is a spike (real >= 0).
         min_history: steps are taken until the history holds this many values; ``None`` means
             ``max(2, window // 2) - 1`` (int >= 0 and <= ``window``).
         watch_loss: judge the loss too when :meth:`observe` is given one.
         count_skipped: a skipped step's finite values enter the history too (OLMo-core's behaviour; the default
             keeps a spike out of the band that judges the next steps).
+        adopt_after: after this many skipped all-finite steps in a row, the values of the streak's further skipped
+            steps enter the history, so a lasting change of level is adopted (int >= 1; spikes shorter than
+            this are kept out of the history).
         max_consecutive: this many skips in a row raise :class:`SpikeStreakError` at the next host read of the guard
             (:meth:`check`, a Trainer log step); None never raises.
         device: where the state lives at first; it moves to the device of the first gradient norm observed on an
@@ -94,10 +106,11 @@ class SpikeGuard:
         min_history: int | None = None,
         watch_loss: bool = True,
         count_skipped: bool = False,
+        adopt_after: int = 4,
         max_consecutive: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        self.window = check_int("SpikeGuard: window", window, low=1, high=MAX_HISTORY,
+        self.window = check_int("SpikeGuard: window", window, low=2, high=MAX_HISTORY,
                                 why=" (each history is a buffer of that many float64 values on the device)")
         self.sigma = check_real("SpikeGuard: sigma", sigma, low=0.0)
         default_min = max(2, self.window // 2) - 1
@@ -114,6 +127,7 @@ class SpikeGuard:
                 raise TypeError(f"SpikeGuard: {name} must be a bool, got {flag!r} ({type(flag).__name__})")
         self.watch_loss = watch_loss
         self.count_skipped = count_skipped
+        self.adopt_after = check_int("SpikeGuard: adopt_after", adopt_after, low=1)
         self.max_consecutive = (
             None if max_consecutive is None else check_int("SpikeGuard: max_consecutive", max_consecutive, low=1)
         )
@@ -125,7 +139,7 @@ class SpikeGuard:
         self._count = torch.zeros(s, dtype=torch.int64, device=device)  # values in each history (<= window)
         self._pos = torch.zeros(s, dtype=torch.int64, device=device)  # next slot to write in each ring
         self._slots = torch.arange(w, dtype=torch.int64, device=device)
-        self._counters = torch.zeros(5, dtype=torch.int64, device=device)
+        self._counters = torch.zeros(_N_COUNTERS, dtype=torch.int64, device=device)
         self._last = torch.full((s, 4), math.nan, dtype=torch.float64, device=device)
         self._trip = torch.full((s, 4), math.nan, dtype=torch.float64, device=device)
 
@@ -198,7 +212,12 @@ class SpikeGuard:
         skip = (judged & (spike | ~finite)).any()
         take = ~skip
 
-        enter = finite if self.count_skipped else finite & take
+        # A streak of skipped all-finite steps long enough is a new level: its further values enter the history.
+        c = self._counters
+        all_finite = finite.all()
+        streak = torch.where(take, 0, torch.where(all_finite, c[_STREAK] + 1, c[_STREAK]))
+        adopt = skip & all_finite & (streak >= self.adopt_after)
+        enter = finite if self.count_skipped else finite & (take | adopt)
         write = (self._slots == pos[:, None]) & enter[:, None]
         hist.copy_(torch.where(write, values[:, None], hist))
         pos.copy_(torch.where(enter, (pos + 1) % self.window, pos))
@@ -209,18 +228,18 @@ class SpikeGuard:
         last = torch.stack([values, mean, std, z], dim=1)
         self._last[:k].copy_(last)
 
-        c = self._counters
         skip_i = skip.to(torch.int64)
         steps = c[_STEPS] + 1
         consecutive = (c[_CONSECUTIVE] + 1) * skip_i
-        tripped, trip_step = c[_TRIPPED], c[_TRIP_STEP]
+        tripped, trip_step, trip_series = c[_TRIPPED], c[_TRIP_STEP], c[_TRIP_SERIES]
         if self.max_consecutive is not None:
             trip = skip & (consecutive >= self.max_consecutive)
             tripped = torch.where(trip, 1, tripped)
             trip_step = torch.where(trip, steps, trip_step)
+            trip_series = torch.where(trip, k, trip_series)
             self._trip[:k].copy_(torch.where(trip, last, self._trip[:k]))
             self._trip[k:].copy_(torch.where(trip, math.nan, self._trip[k:]))
-        c.copy_(torch.stack([steps, c[_SKIPPED] + skip_i, consecutive, tripped, trip_step]))
+        c.copy_(torch.stack([steps, c[_SKIPPED] + skip_i, consecutive, tripped, trip_step, streak, trip_series]))
         return take.to(torch.float32)
 
     # ------------------------------------------------------------------------------------------- device figures
@@ -271,11 +290,10 @@ class SpikeGuard:
             self._counters[_TRIPPED].zero_()
             values = {}
             bands = {}
-            for s, name in enumerate(_SERIES):
+            for s, name in enumerate(_SERIES[: max(1, ints[_TRIP_SERIES])]):  # every value judged, NaN included
                 row = trip[4 * s : 4 * s + 4]
-                if not math.isnan(row[_VALUE]) or s == 0:
-                    values[name] = row[_VALUE]
-                    bands[name] = (row[_MEAN], row[_MEAN] + self.sigma * row[_STD])
+                values[name] = row[_VALUE]
+                bands[name] = (row[_MEAN], row[_MEAN] + self.sigma * row[_STD])
             where = ", ".join(
                 f"{n} {values[n]:.6g} (band mean {bands[n][0]:.6g}, max {bands[n][1]:.6g})" for n in values
             )
@@ -307,6 +325,7 @@ class SpikeGuard:
             "min_history": self.min_history,
             "watch_loss": self.watch_loss,
             "count_skipped": self.count_skipped,
+            "adopt_after": self.adopt_after,
             "max_consecutive": self.max_consecutive,
             "history": self._hist.clone(),
             "count": self._count.clone(),
@@ -322,15 +341,17 @@ class SpikeGuard:
         step included."""
         if not isinstance(state, dict):
             raise TypeError(f"SpikeGuard.load_state_dict: expected a dict, got {type(state).__name__}")
-        missing = [k for k in self.state_dict() if k not in state]
+        missing = [k for k in self.state_dict() if k not in state and k != "adopt_after"]
         if missing:
             raise ValueError(f"SpikeGuard.load_state_dict: the state has no {', '.join(missing)}")
+        state = _upgraded(state)
         fresh = SpikeGuard(
             state["window"],
             state["sigma"],
             min_history=state["min_history"],
             watch_loss=state["watch_loss"],
             count_skipped=state["count_skipped"],
+            adopt_after=state["adopt_after"],
             max_consecutive=state["max_consecutive"],
             device=self.device,
         )
@@ -339,7 +360,7 @@ class SpikeGuard:
             "history": ((s, w), torch.float64),
             "count": ((s,), torch.int64),
             "position": ((s,), torch.int64),
-            "counters": ((5,), torch.int64),
+            "counters": ((_N_COUNTERS,), torch.int64),
             "last": ((s, 4), torch.float64),
             "trip": ((s, 4), torch.float64),
         }
@@ -359,8 +380,11 @@ class SpikeGuard:
                 f"SpikeGuard.load_state_dict: 'position' must be in [0, {w}) and equal 'count' while the history is "
                 f"not full, got {[int(v) for v in pos]} (count {[int(v) for v in count]})"
             )
-        if bool((counters < 0).any()):
-            raise ValueError(f"SpikeGuard.load_state_dict: 'counters' must be >= 0, got {[int(v) for v in counters]}")
+        if bool((counters < 0).any()) or int(counters[_TRIP_SERIES]) > s:
+            raise ValueError(
+                f"SpikeGuard.load_state_dict: 'counters' must be >= 0 (the series judged at a trip <= {s}), got "
+                f"{[int(v) for v in counters]}"
+            )
         recorded = torch.arange(w)[None, :] < count[:, None]
         if not bool(fetch(state["history"])[recorded].isfinite().all()):
             raise ValueError("SpikeGuard.load_state_dict: 'history' holds a non-finite recorded value")
@@ -374,6 +398,18 @@ class SpikeGuard:
     def __repr__(self) -> str:
         return (
             f"SpikeGuard(window={self.window}, sigma={self.sigma}, min_history={self.min_history}, "
-            f"watch_loss={self.watch_loss}, count_skipped={self.count_skipped}, "
+            f"watch_loss={self.watch_loss}, count_skipped={self.count_skipped}, adopt_after={self.adopt_after}, "
             f"max_consecutive={self.max_consecutive}, device={self.device})"
         )
+
+
+def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
+    """A state saved before the level adoption as a current one: the default ``adopt_after``, no streak under way,
+    and the series judged at a recorded trip read from its values (a series not judged was recorded as NaN)."""
+    state = {"adopt_after": 4, **state}
+    counters, trip = state["counters"], state["trip"]
+    old = isinstance(counters, Tensor) and tuple(counters.shape) == (_OLD_COUNTERS,) and counters.dtype == torch.int64
+    if old and isinstance(trip, Tensor) and trip.dim() == 2 and trip.shape[0] == len(_SERIES):
+        judged = 1 if bool(fetch(trip[1]).isnan().all()) else 2
+        state["counters"] = torch.cat([counters, torch.tensor([0, judged], dtype=torch.int64, device=counters.device)])
+    return state

@@ -75,7 +75,7 @@ class OptimizerStepper:
         """The optimizer can skip a non-finite step on the device (no host sync)."""
         return self._device_skip is not None
 
-    def step(self, nonfinite: Tensor | None, skip: Tensor | None = None) -> None:
+    def step(self, nonfinite: Tensor | None, skip: Tensor | None = None) -> bool | None:
         """Take (or skip) one optimizer step.
 
         Args:
@@ -83,20 +83,24 @@ class OptimizerStepper:
                 (the step is then taken as it is).
             skip: a policy's decision (a spike guard's), float 0-d device tensor, 1.0 to skip the step whatever
                 ``skip_nonfinite`` says; with a scaler, merged with the scaler's own skip.
+
+        Returns:
+            Whether the step was skipped, where that was decided on the host; None where it was decided on the
+            device (or nothing could skip it).
         """
         if self.scaler is not None:
             self._scaler_step(self.scaler, skip)
-            return
+            return None
         flag = nonfinite if self.skip_nonfinite else None
         if skip is not None:
             flag = skip.to(torch.float64) if flag is None else torch.maximum(flag, skip.to(torch.float64))
         if flag is not None:
             if self._device_skip is not None and not self._state_pending():
                 self._device_skipping_step(self._device_skip, flag)
-            else:
-                self._host_skipping_step(flag)
-        else:
-            self._plain_step()
+                return None
+            return self._host_skipping_step(flag)
+        self._plain_step()
+        return None
 
     # ------------------------------------------------------------------------------------------- the four ways
     def _plain_step(self) -> None:
@@ -115,11 +119,12 @@ class OptimizerStepper:
         with self._counted():
             step(nonfinite.to(torch.float32))
 
-    def _host_skipping_step(self, nonfinite: Tensor) -> None:
+    def _host_skipping_step(self, nonfinite: Tensor) -> bool:
         if bool(nonfinite):  # the documented host sync: a non-fused optimizer can only be skipped from Python
             self.count += 1  # skipped: counted here, where it is decided
-        else:
-            self._plain_step()
+            return True
+        self._plain_step()
+        return False
 
     # ------------------------------------------------------------------------------------------- counting
     @contextlib.contextmanager

@@ -153,6 +153,7 @@ class Trainer:
         self.spike_guard = spike_guard
         self.adaptive_clip = adaptive_clip
         self.policy_figures: dict[str, float] = {}  #: the guard's and the clip's figures at the last read
+        self._nonfinite_named: int | None = None  # the last skipped non-finite step named in a warning
 
         self.model = model
         self.optimizer = optimizer
@@ -280,7 +281,9 @@ class Trainer:
         flagged = None
         if self.spike_guard is not None and stats is not None:
             flagged = (self.spike_guard.observe(stats.total_norm, loss_sum / samples) == 0).to(torch.float64)
-        self._stepper.step(nonfinite, flagged)
+        host_skipped = self._stepper.step(nonfinite, flagged)
+        if host_skipped and nonfinite is not None and stats is not None:  # decided on the host: said at once
+            self._warn_nonfinite_now(stats, step)
         skipped = nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.float64, device=self.device)
         if flagged is not None:
             skipped = torch.maximum(skipped, flagged)
@@ -337,7 +340,7 @@ class Trainer:
 
     def _nonfinite_flag(self, stats: GradStats | None) -> Tensor | None:
         """float64 0-d, 1.0 when a gradient is non-finite, where the step policy needs it; else None."""
-        if stats is None or not (self.skip_nonfinite or self.scaler is not None or self.spike_guard is not None):
+        if stats is None or not self._nonfinite_flag_needed():
             return None
         return (stats.nonfinite_count > 0).to(torch.float64)
 
@@ -366,9 +369,33 @@ class Trainer:
         for policy, (nf, ni) in zip(policies, spans):
             self.policy_figures.update(policy.check_values(values[at_f : at_f + nf], host_ints[at_i : at_i + ni]))
             at_f, at_i = at_f + nf, at_i + ni
+        self._warn_nonfinite(summary)
         if self.activation_watch is not None:
             self._report_activations(summary)
         return summary
+
+    def _warn_nonfinite(self, summary: EpochSummary) -> None:
+        """At a sync: name the epoch's first non-finite step, skipped on the device, unless already named."""
+        step = summary.first_nonfinite_step
+        if step is None or step == self._nonfinite_named or not self._nonfinite_flag_needed():
+            return
+        self._nonfinite_named = step
+        logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: first non-finite parameter %r; "
+                       "step skipped (%d steps skipped in epoch %d so far)", step, summary.first_nonfinite_param,
+                       summary.skipped_steps, summary.epoch)  # fmt: skip
+
+    def _warn_nonfinite_now(self, stats: GradStats, step: int) -> None:
+        """A step skipped on the host: if its gradients are non-finite, name the first such parameter now (one more
+        small transfer, on a skipped step only)."""
+        mask = stats.nonfinite_mask
+        _, (n_bad, first) = to_host([], [mask.sum(), mask.to(torch.int32).argmax()])
+        if n_bad:
+            self._nonfinite_named = step
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: first non-finite parameter %r "
+                           "(%d non-finite in all); step skipped", step, stats.names[first], n_bad)
+
+    def _nonfinite_flag_needed(self) -> bool:
+        return self.skip_nonfinite or self.scaler is not None or self.spike_guard is not None
 
     def _report_activations(self, summary: EpochSummary) -> None:
         """Keep the watch's report (its own one transfer) and warn, naming the origin, when something was non-finite."""
