@@ -20,8 +20,8 @@ from torch_gradstats.clip import clip_grad_norm_
 from torch_gradstats.groups import GroupBy, group_names
 from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
-from torch_gradstats.integrations import AnyReport, grad_report
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport, grad_report
 from torch_gradstats.report import STYLES
 from torch_gradstats.stats import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats

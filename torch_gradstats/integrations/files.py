@@ -32,8 +32,8 @@ import numbers
 import os
 from typing import IO, Any
 
-from torch_gradstats.integrations import AnyReport
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport
 from torch_gradstats.report import STYLES
 
 __all__ = ["CSVSink", "JSONLSink"]

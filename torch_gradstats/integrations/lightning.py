@@ -104,7 +104,6 @@ from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.groups import GroupBy
 from torch_gradstats.guard import SpikeGuard
 from torch_gradstats.health import HealthPolicy
-from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
     ActivationReporting,
     OnNonfinite,
@@ -118,6 +117,7 @@ from torch_gradstats.integrations._common import (
     logs_here,
     styled_keys,
 )
+from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.stats import GradStats
 from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
 from torch_gradstats.updates import GradWeightStats

@@ -37,8 +37,8 @@ from typing import Any
 
 from torch_gradstats._checks import check_bool
 from torch_gradstats.exponents import ExponentHistogram
-from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.updates import UpdateReport
 
 __all__ = ["TensorBoardSink", "log_step_records"]

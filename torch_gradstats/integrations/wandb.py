@@ -35,8 +35,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch_gradstats.exponents import ExponentHistogram
-from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.ops import HISTOGRAM_MIN_EXPONENT
 
 __all__ = ["WandbSink", "exponent_histogram"]
