@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats._demo_figure import exponent_figure, figure, layer_figure, save
-from torch_gradstats._demo_output import json_number, progress_bar, write_log
+from torch_gradstats._demo_output import progress_bar, write_log
 from torch_gradstats.activations import ActivationReport
 from torch_gradstats.adaptive_clip import AdaptiveClip
 from torch_gradstats.guard import SpikeGuard
@@ -376,7 +376,7 @@ def run(
         "spike_guard": guard is not None,
         "guard_skipped_steps": [r.step for r in guard_skips] if guard is not None else None,
         "adaptive_clip": clip is not None,
-        "policy_figures": {k: json_number(v) for k, v in trainer.policy_figures.items()},
+        "policy_figures": dict(trainer.policy_figures),
         "watch_activations": watch_activations,
         "activation_origin": first_report.origin if first_report is not None else None,
         "activation_step": first_report.step if first_report is not None else None,
