@@ -198,6 +198,15 @@ def test_bad_mode_is_refused_before_the_file_is_touched(tmp_path: Path, cls: typ
     assert path.read_text() == "precious\n"
 
 
+def test_appending_to_a_file_that_is_no_csv_names_it_and_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\x80\x81\xfe\xff" * 8)
+    with pytest.raises(ValueError, match=f"CSVSink: cannot append to {path}: its first line is no CSV header"):
+        CSVSink(path)
+    assert path.read_bytes() == b"\x80\x81\xfe\xff" * 8
+    CSVSink(path, mode="w").close()  # the path was not kept by the refused sink
+
+
 # --- the path -----------------------------------------------------------------------------------------------------
 
 

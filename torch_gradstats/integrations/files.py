@@ -40,6 +40,7 @@ Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_r
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -135,6 +136,10 @@ class _FileSink:
             if resumed and not _ends_with_newline(self.path):
                 self._file.write("\n")  # a line cut short (a crash mid-write) stays a line of its own
         except BaseException:
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
             self._release()
             raise
 
@@ -227,8 +232,14 @@ class CSVSink(_FileSink):
         super().__init__(path, prefix, per_param, style, flush_every, mode, stage_group, group, log_rank)
 
     def _resume(self) -> None:
-        with open(self.path, newline="", encoding="utf-8") as f:
-            header = next(csv.reader(f), [])
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), [])
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise ValueError(
+                f"CSVSink: cannot append to {self.path}: its first line is no CSV header ({exc}); give mode='w' to "
+                "overwrite it, or another path"
+            ) from None
         self.columns = list(header)
         self._known = set(header)
         self._has_header = True
