@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import select
 import subprocess
 import sys
@@ -22,8 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def _strict(line: str) -> dict:
+    """One line of log.jsonl, parsed as strict JSON: a NaN or Infinity token raises."""
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"log.jsonl is not strict JSON: {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
 def _steps(log: Path) -> list[dict]:
-    return [r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "step"]
+    return [r for r in map(_strict, log.read_text().splitlines()) if r["type"] == "step"]
 
 
 # ------------------------------------------------------------------------------------------------- the table
@@ -176,7 +186,7 @@ def test_default_run_figure_says_nothing_went_non_finite(tmp_path: Path) -> None
 
 # ------------------------------------------------------------------------------------- spike guard, clip, watch
 def _run_record(log: Path) -> dict:
-    return next(r for r in map(json.loads, log.read_text().splitlines()) if r["type"] == "run")
+    return next(r for r in map(_strict, log.read_text().splitlines()) if r["type"] == "run")
 
 
 def _labelled(ax: Any, label: str) -> Any:
@@ -328,3 +338,162 @@ def test_exponent_figure_is_written_from_each_steps_histogram(tmp_path: Path) ->
     shares = np.asarray(result.exponents, dtype=float)[:, used[0]:used[-1] + 1]
     shares /= shares.sum(1, keepdims=True)
     assert np.allclose(np.nan_to_num(np.asarray(image.filled(np.nan))), shares.T)
+
+
+# ------------------------------------------------------------------------ the figures as saved: marks and legends
+@pytest.fixture
+def saved_figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The figures the demo saves, by file name (matplotlib's ``Figure.savefig`` wrapped to keep each one)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    figures: dict[str, Any] = {}
+    savefig = Figure.savefig
+
+    def keep(self: Any, fname: Any, *args: Any, **kwargs: Any) -> Any:
+        figures[Path(fname).name] = self
+        return savefig(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figures
+
+
+def _drawn(fig: Any) -> Any:
+    """``fig`` drawn (on a new Agg canvas: the saved figure was closed); returns the renderer that measures it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def _inside(inner: Any, outer: Any) -> bool:
+    tol = 0.5  # pixels: rounding
+    return (inner.x0 >= outer.x0 - tol and inner.x1 <= outer.x1 + tol
+            and inner.y0 >= outer.y0 - tol and inner.y1 <= outer.y1 + tol)  # fmt: skip
+
+
+def _assert_no_legend_covers_data(fig: Any, name: str) -> None:
+    renderer = _drawn(fig)
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    for legend in legends:
+        for ax in fig.axes:  # every panel, and the colour bar
+            box = legend.get_window_extent(renderer)
+            assert not box.overlaps(ax.get_window_extent(renderer)), (name, ax.get_ylabel())
+
+
+@pytest.mark.parametrize(("steps", "step"), [(200, 20), (30, 28)])  # the documented run; a step near the end
+def test_skipped_step_marker_is_inside_its_panel_and_clear_of_the_legend(
+    tmp_path: Path, saved_figures: dict[str, Any], steps: int, step: int
+) -> None:
+    demo.run(steps=steps, inject_spike=step, adaptive_clip=True, out=tmp_path, progress=False)
+    fig = saved_figures["gradstats.png"]
+    renderer = _drawn(fig)
+    ax = fig.axes[1]
+    marker = _labelled(ax, "skipped by SpikeGuard")
+    (label,) = ax.texts
+    assert list(marker.get_xdata()) == [step] and label.get_text() == f"step {step} skipped"
+    legend = ax.get_legend()
+    assert legend is not None
+    panel, key = ax.get_window_extent(renderer), legend.get_window_extent(renderer)
+    for artist in (marker, label):  # the whole cross (its size included) and its label: not clipped, not covered
+        box = artist.get_window_extent(renderer)
+        assert _inside(box, panel) and not box.overlaps(key), (artist, box, panel, key)
+    for name, saved in saved_figures.items():
+        _assert_no_legend_covers_data(saved, name)
+
+
+def _late_nan_label(tmp_path: Path, saved_figures: dict[str, Any], **kwargs: Any) -> str:
+    """The label of the first non-finite step (28 of 30: near the right edge) in the saved figure, checked to lie
+    inside its panel."""
+    demo.run(steps=30, inject_nan=28, out=tmp_path, progress=False, **kwargs)
+    fig = saved_figures["gradstats.png"]
+    renderer = _drawn(fig)
+    (label,) = fig.axes[3].texts
+    assert _inside(label.get_window_extent(renderer), fig.axes[3].get_window_extent(renderer))
+    assert sorted(saved_figures) == ["exponents.png", "gradstats.png", "layers.png"]
+    for name, saved in saved_figures.items():
+        _assert_no_legend_covers_data(saved, name)
+    return label.get_text()
+
+
+def test_figure_names_the_module_the_watch_found(tmp_path: Path, saved_figures: dict[str, Any]) -> None:
+    text = _late_nan_label(tmp_path, saved_figures, nan_module="hidden")
+    numel = sum(p.numel() for p in demo.make_model(0).parameters())  # every gradient is NaN after a forward NaN
+    assert text == f"step 28: {numel} NaN, origin hidden (ActivationWatch); step skipped"
+    # the first parameter gradient in model order says nothing about the cause: the figure does not name it
+    fig = saved_figures["gradstats.png"]
+    assert not any("embed" in t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+def test_gradient_nan_figure_names_the_parameter(tmp_path: Path, saved_figures: dict[str, Any]) -> None:
+    numel = dict(demo.make_model(0).named_parameters())["hidden.weight"].numel()
+    assert _late_nan_label(tmp_path, saved_figures) == f"step 28: {numel} NaN (first in hidden.weight); step skipped"
+
+
+# ------------------------------------------------------------------- what docs/training.md quotes of the demo
+TRAINING_MD = REPO / "docs" / "training.md"
+
+
+def _quoted_blocks(first: str) -> list[list[str]]:
+    """The fenced blocks of docs/training.md without a language whose first line starts with ``first``."""
+    blocks: list[tuple[str, list[str]]] = []  # (info string, lines)
+    fence: list[str] | None = None
+    for line in TRAINING_MD.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            if fence is None:  # an opening fence
+                blocks.append((line[3:].strip(), []))
+                fence = blocks[-1][1]
+            else:
+                fence = None
+        elif fence is not None:
+            fence.append(line)
+    return [lines for info, lines in blocks if not info and lines and lines[0].startswith(first)]
+
+
+def _line_pattern(quoted: str) -> re.Pattern[str]:
+    """``…`` stands for one machine-dependent token, runs of spaces for any (a table's columns)."""
+    parts = [p for p in re.split(r"(…|\s+)", quoted.strip()) if p]
+    body = "".join(r"\S+" if p == "…" else r"\s+" if p.isspace() else re.escape(p) for p in parts)
+    return re.compile(r"\s*" + body + r"\s*")
+
+
+def _unprinted(quoted: list[str], printed: list[str]) -> str | None:
+    """The first quoted line the demo did not print in that order (``  ...`` skips lines), or None."""
+    at, skip = 0, True
+    for line in quoted:
+        if line.strip() == "...":
+            skip = True
+            continue
+        pattern = _line_pattern(line)
+        ahead = range(at, len(printed)) if skip else range(at, min(at + 1, len(printed)))
+        found = next((j for j in ahead if pattern.fullmatch(printed[j])), None)
+        if found is None:
+            return line
+        at, skip = found + 1, False
+    return None
+
+
+def test_training_md_quotes_what_the_demo_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Every demo output the page quotes is printed, token for token, where it does not write ``…`` for a number
+    that depends on the machine (run with TORCH_GRADSTATS_FORCE_FALLBACK=1 too: other kernels, same text)."""
+    monkeypatch.chdir(tmp_path)  # the default --out, runs/demo, as quoted
+    runs = {
+        "torch_gradstats demo:": ["--inject-nan", "20"],
+        "Trainer warning:": ["--inject-nan", "20", "--nan-module", "hidden", "--steps", "30", "--no-plot"],
+        "SpikeGuard skipped": ["--inject-spike", "20", "--adaptive-clip", "--steps", "30", "--no-plot"],
+    }
+    text = TRAINING_MD.read_text(encoding="utf-8")
+    quoted = {
+        "torch_gradstats demo:": _quoted_blocks("torch_gradstats demo:"),
+        "Trainer warning:": _quoted_blocks("Trainer warning:"),
+        "SpikeGuard skipped": [[span] for span in re.findall(r"`(SpikeGuard skipped [^`]*)`", text)],
+    }
+    for first, args in runs.items():
+        assert quoted[first], f"docs/training.md quotes no output starting {first!r}"
+        assert demo.main([*args, "--device", "cpu", "--no-progress"]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        for block in quoted[first]:
+            assert _unprinted(block, printed) is None, (_unprinted(block, printed), printed)
+    assert not re.search(r"\b4[67]\d\.\d\b", text)  # no machine's global grad norm quoted as the spike's

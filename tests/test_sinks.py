@@ -1,4 +1,4 @@
-"""CSVSink and JSONLSink: files read back with the standard library, numbers as numbers, NaN/Inf round trips,
+"""CSVSink and JSONLSink: files read back with the standard library, numbers as numbers, NaN/Inf in CSV and JSON,
 columns that appear later, flushing, and the Trainer's log_to."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_csv_rows_numbers_nan_inf_and_a_column_added_later(tmp_path: Path) -> No
     assert float(rows[2]["clip_coef"]) == clipped.clip_coef and float(rows[2]["clipped_norm"]) == clipped.clipped_norm
 
 
-def test_jsonl_lines_tokens_and_key_order(tmp_path: Path) -> None:
+def test_jsonl_lines_null_for_non_finite_and_key_order(tmp_path: Path) -> None:
     plain, clipped, bad = _reports()
     path = tmp_path / "grads.jsonl"
     with JSONLSink(path, prefix="grad/") as sink:
@@ -71,12 +71,13 @@ def test_jsonl_lines_tokens_and_key_order(tmp_path: Path) -> None:
         sink.log(clipped, 1)
         sink.log(bad, 2)  # no clip keys here: null, in their place
     lines = path.read_text().splitlines()
-    assert "NaN" in lines[2] and "Infinity" in lines[2]
+    assert "NaN" not in lines[2] and "Infinity" not in lines[2]  # strict JSON: null, the counts say which
     rows = [json.loads(line) for line in lines]
     assert list(rows[0]) == ["step", *(f"grad/{k}" for k in plain.to_dict())]
     assert list(rows[1]) == list(rows[2]) == [*rows[0], "grad/clip_coef", "grad/clipped_norm"]
     assert rows[2]["grad/clip_coef"] is None and rows[1]["grad/clip_coef"] == clipped.clip_coef
-    assert math.isnan(rows[2]["grad/total_norm"]) and rows[2]["grad/norm/2.bias"] == math.inf
+    assert rows[2]["grad/total_norm"] is None and rows[2]["grad/norm/2.bias"] is None
+    assert rows[2]["grad/nan_count"] == 1 and rows[2]["grad/inf_count"] == 1
     assert isinstance(rows[0]["grad/numel"], int) and rows[0]["grad/total_norm"] == plain.total_norm
     assert rows[0]["grad/first_nonfinite"] is None and rows[2]["grad/first_nonfinite"] == "2.weight"
 

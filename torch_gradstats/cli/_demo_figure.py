@@ -1,6 +1,9 @@
 """The demo's figures: loss, global gradient norm (with the AdaptiveClip threshold and the steps the SpikeGuard
 skipped), health, and non-finite counts over the optimizer steps; and the gradient norm of each layer over the steps.
-Their own module: drawing is a job apart from running the demo."""
+Their own module: drawing is a job apart from running the demo.
+
+Every legend sits outside its axes (no legend covers data), and the marks of an event (a skipped step, the first
+non-finite step) stay inside their panel, their labels turned towards its middle."""
 
 from __future__ import annotations
 
@@ -13,15 +16,30 @@ from torch_gradstats.training import EpochSummary
 
 __all__ = ["figure", "layer_figure", "save"]
 
+#: Where a legend goes: right of its axes, top-aligned (constrained layout makes room for it).
+OUTSIDE: dict[str, Any] = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}
+
+
+def _label_offset(ax: Any, step: float, dy: float) -> dict[str, Any]:
+    """``annotate`` arguments that put a label beside ``step``, on the side towards the panel's middle, so that a
+    label for a late step does not run past the right edge."""
+    lo, hi = ax.get_xlim()
+    right = step <= (lo + hi) / 2
+    return {"xytext": (6 if right else -6, dy), "textcoords": "offset points", "ha": "left" if right else "right"}
+
 
 def figure(
     summaries: Sequence[EpochSummary],
     inject_step: int | None,
     thresholds: Sequence[float] | None = None,
     spike: str | None = None,
+    origin: str | None = None,
 ) -> Any:
     """The demo's matplotlib figure (four panels over the optimizer steps), from the per-step history; with
-    ``thresholds`` (one per step) the AdaptiveClip threshold is drawn over the gradient norm where it is finite."""
+    ``thresholds`` (one per step) the AdaptiveClip threshold is drawn over the gradient norm where it is finite.
+    ``origin``: the module an ActivationWatch found the first non-finite values in, named at the first non-finite
+    step instead of the first non-finite parameter gradient (which, after a forward NaN, is just the first in model
+    order)."""
     import matplotlib  # lazy: only the demo needs it
 
     matplotlib.use("Agg")
@@ -44,15 +62,16 @@ def figure(
                      ls="-.", marker=".", markersize=4, label="AdaptiveClip threshold")  # fmt: skip
     # A step the SpikeGuard skipped: finite gradients, step not taken.
     guard_rows = [r for r in rows if r.skipped and r.nan_count + r.inf_count == 0]
+    axes[1].set_yscale("log")
     if guard_rows:
         axes[1].plot([r.step for r in guard_rows], [r.total_norm for r in guard_rows], "X", color="tab:orange",
                      markersize=9, label="skipped by SpikeGuard")  # fmt: skip
+        _headroom(axes[1], max(r.total_norm for r in guard_rows))
         for r in guard_rows:
-            axes[1].annotate(f"step {r.step} skipped", xy=(r.step, r.total_norm), xytext=(6, -4),
-                             textcoords="offset points", color="tab:orange", fontsize=9)  # fmt: skip
+            axes[1].annotate(f"step {r.step} skipped", xy=(r.step, r.total_norm), color="tab:orange", fontsize=9,
+                             va="center", **_label_offset(axes[1], r.step, 0))  # fmt: skip
     if thresholds is not None or guard_rows:
-        axes[1].legend(loc="upper left")
-    axes[1].set_yscale("log")
+        axes[1].legend(**OUTSIDE)
     axes[1].set_ylabel("global grad norm")
     axes[2].plot(steps, [r.health for r in rows], color="tab:green", lw=1.2)
     axes[2].set_ylim(-0.05, 1.05)
@@ -69,7 +88,7 @@ def figure(
     axes[3].set_ylabel("non-finite grad elements")
     axes[3].set_xlabel("optimizer step")
     if bad:
-        axes[3].legend(loc="upper right")
+        axes[3].legend(**OUTSIDE)
     else:
         axes[3].text(0.5, 0.5, "no NaN or Inf gradient in this run (--inject-nan STEP makes one)",
                      transform=axes[3].transAxes, ha="center", va="center", color="tab:green", fontsize=10)
@@ -87,15 +106,15 @@ def figure(
     row = next((r for r in bad_rows if first is not None and r.step == first.first_nonfinite_step), None)
     if first is not None and row is not None:
         what = " and ".join(f"{n} {kind}" for n, kind in ((row.nan_count, "NaN"), (row.inf_count, "Inf")) if n)
+        where = (f", origin {origin} (ActivationWatch)" if origin is not None
+                 else f" (first in {first.first_nonfinite_param})")  # fmt: skip
         axes[3].annotate(
-            f"step {row.step}: {what} (first in {first.first_nonfinite_param})"
-            + ("; step skipped" if row.skipped else ""),
+            f"step {row.step}: {what}{where}" + ("; step skipped" if row.skipped else ""),
             xy=(row.step, 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(5, -14),
-            textcoords="offset points",
             color="tab:red",
             fontsize=9,
+            **_label_offset(axes[3], row.step, -14),
         )
     title = "torch_gradstats demo: gradient telemetry over training"
     if inject_step is not None:
@@ -104,6 +123,16 @@ def figure(
         title += f" ({spike})"
     fig.suptitle(title)
     return fig
+
+
+def _headroom(ax: Any, top: float) -> None:
+    """Raise a log axis' top so that a marker drawn at ``top`` and its label sit inside the panel: a tenth of the
+    axis' decades above it."""
+    lo, hi = ax.get_ylim()
+    if not (math.isfinite(top) and top > 0 and lo > 0):
+        return
+    decades = math.log10(max(hi, top)) - math.log10(lo)
+    ax.set_ylim(lo, max(hi, top * 10 ** (0.1 * decades)))
 
 
 def layer_figure(norms: Mapping[str, Sequence[float]], bad_steps: Sequence[int] = (), note: str | None = None) -> Any:
@@ -124,7 +153,7 @@ def layer_figure(norms: Mapping[str, Sequence[float]], bad_steps: Sequence[int] 
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("gradient norm (L2) of the layer")
     ax.grid(alpha=0.3)
-    ax.legend(title="layer", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the lines fill the axes
+    ax.legend(title="layer", **OUTSIDE)  # outside: the lines fill the axes
     ax.set_title("Gradient norm per layer" + (f" ({note})" if note else ""))
     return fig
 
@@ -147,11 +176,11 @@ def exponent_figure(histograms: Sequence[Sequence[int]], bad_steps: Sequence[int
     used = np.flatnonzero(counts.sum(0))
     lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 1)
     shares = counts[:, lo:hi] / np.maximum(counts.sum(1, keepdims=True), 1)
-    fig, ax = plt.subplots(figsize=(7.5, 3.4), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(7.5, 3.8), constrained_layout=True)
     extent = (-0.5, len(histograms) - 0.5, HISTOGRAM_MIN_EXPONENT + lo, HISTOGRAM_MIN_EXPONENT + hi)
     image = ax.imshow(np.where(shares > 0, shares, np.nan).T, origin="lower", aspect="auto", extent=extent,
                       cmap="viridis", norm=matplotlib.colors.LogNorm(vmin=1e-5, vmax=1.0))
-    fig.colorbar(image, ax=ax, label="share of the step's finite non-zero elements")
+    fig.colorbar(image, ax=ax, label="share of the step's finite\nnon-zero elements")
     for name, color in (("fp16", "white"), ("fp8_e4m3", "tab:orange")):
         e = FORMATS[name].min_exponent
         if extent[2] <= e <= extent[3]:
@@ -160,7 +189,8 @@ def exponent_figure(histograms: Sequence[Sequence[int]], bad_steps: Sequence[int
         ax.axvline(b, color="tab:red", alpha=0.6, lw=1)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("floor(log2 |gradient|)")
-    ax.legend(loc="lower right", fontsize=8, facecolor="0.75")
+    if ax.get_legend_handles_labels()[0]:  # below the figure: the image fills the axes, the colour bar is right
+        fig.legend(loc="outside lower center", ncol=2, fontsize=8, facecolor="0.75")  # grey: the fp16 line is white
     ax.set_title("Gradient values by binary exponent (exponent histogram, same read as the norms)")
     return fig
 

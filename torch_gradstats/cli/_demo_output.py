@@ -1,42 +1,40 @@
 """What the demo (:mod:`torch_gradstats.cli.demo`) writes besides its figures: the JSON-lines log and the progress bar.
 
 ``log.jsonl`` holds one JSON object for the run, one per step and one per epoch (:func:`write_log`; strict JSON, so
-non-finite numbers are written as ``null``: :func:`json_number`). The tqdm bar over the optimizer steps goes to
+non-finite numbers are written as ``null``, by the JSON Lines sink's
+:func:`~torch_gradstats.integrations.files.strict_json`). The tqdm bar over the optimizer steps goes to
 stderr when it is a terminal (:func:`progress_bar`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torch_gradstats.integrations.files import strict_json
 from torch_gradstats.training import EpochSummary
 
-__all__ = ["json_number", "progress_bar", "write_log"]
+__all__ = ["progress_bar", "write_log"]
 
 
-def json_number(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None  # strict JSON has no NaN/Infinity; the counts say what it was
-    return v
+def _line(record: dict[str, Any]) -> str:
+    # strict JSON has no NaN/Infinity: null, and the record's counts say what it was
+    return json.dumps(strict_json(record), allow_nan=False) + "\n"
 
 
 def write_log(
     path: Path, summaries: Sequence[EpochSummary], meta: dict[str, Any], extra: dict[int, dict[str, Any]]
 ) -> None:
     with path.open("w") as f:
-        f.write(json.dumps({"type": "run", **meta}, allow_nan=False) + "\n")
+        f.write(_line({"type": "run", **meta}))
         for s in summaries:
             for r in s.history:
-                rec = {k: json_number(v) for k, v in {**r.to_dict(), **extra.get(r.step, {})}.items()}
-                f.write(json.dumps({"type": "step", **rec}, allow_nan=False) + "\n")
-            rec = {k: json_number(v) for k, v in s.to_dict().items()}
-            f.write(json.dumps({"type": "epoch", **rec}, allow_nan=False) + "\n")
+                f.write(_line({"type": "step", **r.to_dict(), **extra.get(r.step, {})}))
+            f.write(_line({"type": "epoch", **s.to_dict()}))
 
 
 def _terminal_size(stream: Any) -> tuple[int, int]:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats.cli._demo_figure import exponent_figure, figure, layer_figure, save
-from torch_gradstats.cli._demo_output import json_number, progress_bar, write_log
+from torch_gradstats.cli._demo_output import progress_bar, write_log
 from torch_gradstats.monitors.activations import ActivationReport
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.guard import SpikeGuard
@@ -119,10 +119,12 @@ def _figure(
     inject_step: int | None,
     thresholds: Sequence[float] | None = None,
     spike_step: int | None = None,
+    origin: str | None = None,
 ) -> Any:
-    """The demo's matplotlib figure (see :mod:`torch_gradstats.cli._demo_figure`)."""
+    """The demo's matplotlib figure (see :mod:`torch_gradstats.cli._demo_figure`); ``origin``: where the
+    ActivationWatch found the first non-finite values."""
     spike = None if spike_step is None else f"gradients x{SPIKE_FACTOR:g} at step {spike_step}"
-    return figure(summaries, inject_step, thresholds, spike)
+    return figure(summaries, inject_step, thresholds, spike, origin)
 
 
 class _ActivationWarnings(logging.Filter):
@@ -376,7 +378,7 @@ def run(
         "spike_guard": guard is not None,
         "guard_skipped_steps": [r.step for r in guard_skips] if guard is not None else None,
         "adaptive_clip": clip is not None,
-        "policy_figures": {k: json_number(v) for k, v in trainer.policy_figures.items()},
+        "policy_figures": dict(trainer.policy_figures),
         "watch_activations": watch_activations,
         "activation_origin": first_report.origin if first_report is not None else None,
         "activation_step": first_report.step if first_report is not None else None,
@@ -393,7 +395,8 @@ def run(
         try:
             plot_path, layer_path = out_dir / "gradstats.png", out_dir / "layers.png"
             exponent_path = out_dir / "exponents.png"
-            save(_figure(summaries, inject_nan, threshold_values or None, inject_spike), plot_path)
+            origin = first_report.origin if first_report is not None else None
+            save(_figure(summaries, inject_nan, threshold_values or None, inject_spike, origin), plot_path)
             bad_steps = [r.step for r in rows if r.nan_count + r.inf_count]
             save(layer_figure(per_layer, bad_steps, "; ".join(injected) or None), layer_path)
             save(exponent_figure(exponent_rows, bad_steps), exponent_path)

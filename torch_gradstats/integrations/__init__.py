@@ -10,7 +10,8 @@ imports any of them:
 * :mod:`torch_gradstats.integrations.wandb`: ``WandbSink`` (a W&B run);
 * :mod:`torch_gradstats.integrations.mlflow`: ``MLflowSink`` (an MLflow run; exported here, imports ``mlflow`` at its
   first ``log``);
-* :mod:`torch_gradstats.integrations.files`: ``CSVSink`` and ``JSONLSink`` (standard library only; exported here).
+* :mod:`torch_gradstats.integrations.files`: ``CSVSink`` and ``JSONLSink`` (standard library only; exported here);
+* :mod:`torch_gradstats.integrations.sinks`: the sink protocol and the helpers every sink uses (exported here).
 
 The sink protocol, for plain training loops (and for a trainer's ``log_to=[...]``): anything with a
 ``log(report, step)`` method, where ``report`` is a :class:`~torch_gradstats.GradReport` or an
@@ -24,69 +25,8 @@ optimizer step. A sink never touches the device, so it never adds a host sync::
 :func:`metrics` turns either report into the flat ``{key: float}`` dict every sink writes.
 """
 
-from __future__ import annotations
+from torch_gradstats.integrations.files import CSVSink, JSONLSink
+from torch_gradstats.integrations.mlflow import MLflowSink
+from torch_gradstats.integrations.sinks import AnyReport, GradSink, log_to, metrics, nonfinite_index
 
-import math
-from typing import Protocol, runtime_checkable
-
-from torch_gradstats.monitors.updates import UpdateReport
-from torch_gradstats.stats.gradients import GradReport
-
-__all__ = ["AnyReport", "GradSink", "log_to", "metrics", "nonfinite_index"]
-
-#: What a sink accepts: the gradient report alone, or the gradient + weight + update report.
-AnyReport = GradReport | UpdateReport
-
-
-@runtime_checkable
-class GradSink(Protocol):
-    """Something that records a report at a step: ``TensorBoardSink``, ``WandbSink``, or your own."""
-
-    def log(self, report: AnyReport, step: int) -> None:  # pragma: no cover - protocol
-        ...
-
-
-def grad_report(report: AnyReport) -> GradReport:
-    """The gradient part of either kind of report."""
-    return report.grads if isinstance(report, UpdateReport) else report
-
-
-def nonfinite_index(report: AnyReport) -> int:
-    """Position (model order, among the parameters with a gradient) of the first parameter with a NaN/Inf gradient,
-    or -1: a number every scalar logger can plot, where the name itself is a string."""
-    g = grad_report(report)
-    if g.first_nonfinite is None:
-        return -1
-    return list(g.norms).index(g.first_nonfinite)
-
-
-def metrics(report: AnyReport, prefix: str = "grad/", per_param: bool = True,
-            style: str = "default") -> dict[str, float]:
-    """The report as ``{prefix + key: float}``: every number of ``to_dict`` (counts as floats, NaN/inf kept),
-    with ``first_nonfinite`` (a name) replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`); with a
-    framework ``style`` (``GradReport.to_dict``'s), that style's keys alone. The report's ``extra`` figures come
-    last under their own names, unprefixed, as ``to_dict`` writes them."""
-    values = report.to_dict(prefix, per_param=per_param, style=style)
-    out = {k: float(v) for k, v in values.items()
-           if k != prefix + "first_nonfinite" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if style == "default":
-        out[prefix + "first_nonfinite_index"] = float(nonfinite_index(report))
-    return out
-
-
-def log_to(sinks: list[GradSink], report: AnyReport, step: int) -> None:
-    """Send one report to every sink (what ``Trainer(log_to=[...])`` does at each logging step)."""
-    for sink in sinks:
-        sink.log(report, step)
-
-
-def finite_values(values: list[float]) -> list[float]:
-    return [v for v in values if math.isfinite(v)]
-
-
-# The file sinks use the protocol and helpers above (standard library only, so always importable); so does the MLflow
-# sink, which imports mlflow only when it logs.
-from torch_gradstats.integrations.files import CSVSink, JSONLSink  # noqa: E402
-from torch_gradstats.integrations.mlflow import MLflowSink  # noqa: E402
-
-__all__ += ["CSVSink", "JSONLSink", "MLflowSink"]
+__all__ = ["AnyReport", "CSVSink", "GradSink", "JSONLSink", "MLflowSink", "log_to", "metrics", "nonfinite_index"]

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torch_gradstats.integrations import AnyReport, grad_report
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport, grad_report
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats
 from torch_gradstats.ops._checks import check_bool

@@ -3,20 +3,34 @@ object per line).
 
 Both write ``step`` first, then the figures of ``report.to_dict(prefix, per_param, style)`` in the order the report
 gives them (``first_nonfinite`` is a parameter name, or empty / ``null``). Numbers stay numbers: counts are written
-as integers, norms as floats with every digit Python keeps (``repr``); the CSV file writes NaN and infinities as
-``nan``, ``inf`` and ``-inf`` (``float()`` reads them back), the JSON Lines file as the ``NaN``, ``Infinity`` and
-``-Infinity`` tokens Python's ``json`` module reads back.
+as integers, norms as floats with every digit Python keeps (``repr``). The CSV file writes NaN and infinities as
+``nan``, ``inf`` and ``-inf`` (``float()`` reads them back). The JSON Lines file is strict JSON, which has no NaN or
+infinity: a non-finite number is written as ``null`` (:func:`strict_json`), and the ``nan_count`` / ``inf_count`` of
+the same line say which it was.
 
 A key that first appears at a later step (a new parameter, ``clip_coef`` once clipping starts, a new group):
 
-* :class:`CSVSink` keeps one header for the whole file: the file is rewritten once with the wider header, earlier
-  rows getting empty cells in the new columns (a rare event: each column is added once, at the cost of one rewrite);
+* :class:`CSVSink` keeps one header for the whole file: the file is rewritten once with the new columns at the end
+  of its header, every earlier row kept, with empty cells in the new columns (a rare event: each column is added
+  once);
 * :class:`JSONLSink` never rewrites a line: the new key is added after the known ones, so every line has the keys of
   the lines before it, in the same order, then its new ones.
 
 A key missing at a later step is an empty cell (CSV) or ``null`` (JSON Lines), so columns and key order never
-change. Each sink opens its file (truncating it) when made, flushes after every step unless ``flush_every`` says
-otherwise, and :meth:`close` flushes and closes it (also as a context manager).
+change.
+
+The file, and what is already in it:
+
+* ``mode="a"`` (the default) appends: a run resumed with the same path keeps every earlier row. A CSV file that
+  already has a header (a non-empty regular file) keeps it and widens it when the new rows bring more columns; a
+  JSON Lines file continues the key order of its last line.
+* ``mode="w"`` overwrites the file when the sink is made.
+* The path is made absolute when the sink is made, so a later ``os.chdir`` changes nothing.
+* One file, one writer: making a sink for a file that an open sink of this process writes raises ``ValueError``
+  naming the path (close the first sink to free it).
+* Each sink flushes after every step unless ``flush_every`` says otherwise. :meth:`close` flushes and closes the
+  file (also as a context manager); when that last flush fails (a full disk), the file is closed all the same and
+  the error raised once; a second ``close`` does nothing.
 
 Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
 (:func:`torch_gradstats.distributed.reduce.is_logging_rank`: the last stage's first rank of ``group``, or global rank
@@ -26,48 +40,129 @@ Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_r
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import math
 import numbers
 import os
+import stat
+import threading
+import weakref
 from typing import IO, Any
 
-from torch_gradstats.integrations import AnyReport
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport
 from torch_gradstats.stats.report import STYLES
 
-__all__ = ["CSVSink", "JSONLSink"]
+__all__ = ["CSVSink", "JSONLSink", "strict_json"]
+
+MODES = ("a", "w")
+
+#: The files open sinks of this process write (by real path), and their sinks: a second writer is refused. Weak, so
+#: a sink dropped without close() frees its path along with its file.
+_WRITERS: weakref.WeakValueDictionary[str, _FileSink] = weakref.WeakValueDictionary()
+_WRITERS_LOCK = threading.Lock()
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float (in it, or in its dicts and lists) replaced by ``None``: what
+    ``json.dumps(..., allow_nan=False)`` accepts, written as ``null``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _has_content(path: str) -> bool:
+    """Whether ``path`` is a non-empty regular file: only such a file has rows (a device or a pipe is not read)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) in (b"\n", b"\r")
 
 
 class _FileSink:
     def __init__(self, path: str | os.PathLike[str], prefix: str, per_param: bool, style: str,
-                 flush_every: int, stage_group: Any, group: Any, log_rank: int | None) -> None:
+                 flush_every: int, mode: str, stage_group: Any, group: Any, log_rank: int | None) -> None:
+        who = type(self).__name__
         if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"{type(self).__name__}: path must be a str or path, got a {type(path).__name__}")
+            raise TypeError(f"{who}: path must be a str or path, got a {type(path).__name__}")
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
-            raise ValueError(f"{type(self).__name__}: flush_every must be a positive int, got {flush_every!r}")
-        # Checked here, before the file is truncated, rather than at the first log().
+            raise ValueError(f"{who}: flush_every must be a positive int, got {flush_every!r}")
+        # Checked here, before the file is opened, rather than at the first log().
         if not isinstance(prefix, str):
-            raise TypeError(f"{type(self).__name__}: prefix must be a str, got a {type(prefix).__name__}")
+            raise TypeError(f"{who}: prefix must be a str, got a {type(prefix).__name__}")
         if not isinstance(per_param, bool):
-            raise TypeError(f"{type(self).__name__}: per_param must be a bool, got a {type(per_param).__name__}")
+            raise TypeError(f"{who}: per_param must be a bool, got a {type(per_param).__name__}")
         if not isinstance(style, str):
-            raise TypeError(f"{type(self).__name__}: style must be a str, one of {', '.join(STYLES)}")
+            raise TypeError(f"{who}: style must be a str, one of {', '.join(STYLES)}")
         if style not in STYLES:
-            raise ValueError(f"{type(self).__name__}: style must be one of {', '.join(STYLES)}; got {style!r}")
-        self.path = os.fspath(path)
+            raise ValueError(f"{who}: style must be one of {', '.join(STYLES)}; got {style!r}")
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"{who}: mode must be 'a' (append, the default) or 'w' (overwrite); got {mode!r}")
+        #: the file, as an absolute path (fixed when the sink is made: a later os.chdir changes nothing)
+        self.path = os.path.abspath(os.fspath(path))
+        self.mode = mode
         self.prefix = prefix
         self.per_param = per_param
         self.style = style
         self.flush_every = flush_every
         self.columns: list[str] = ["step"]  #: every key written so far, in file order
         self._known: set[str] = {"step"}
-        #: whether this process writes (False on the ranks other than the logging rank; see the module docstring)
-        self.writes = writes_here(type(self).__name__, stage_group, group, log_rank)
-        self._file: IO[str] | None = (
-            open(self.path, "w", newline="", encoding="utf-8") if self.writes else None  # noqa: SIM115 (closed by close())
-        )
+        self._file: IO[str] | None = None
         self._since_flush = 0
+        self._key: str | None = None
+        #: whether this process writes (False on the ranks other than the logging rank; see the module docstring)
+        self.writes = writes_here(who, stage_group, group, log_rank)
+        if not self.writes:
+            return
+        self._claim()
+        try:
+            resumed = mode == "a" and _has_content(self.path)
+            if resumed:
+                self._resume()
+            self._file = open(self.path, mode, newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+            if resumed and not _ends_with_newline(self.path):
+                self._file.write("\n")  # a line cut short (a crash mid-write) stays a line of its own
+        except BaseException:
+            if self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+            self._release()
+            raise
+
+    def _claim(self) -> None:
+        key = os.path.realpath(self.path)
+        with _WRITERS_LOCK:
+            other = _WRITERS.get(key)
+            if other is not None:
+                raise ValueError(
+                    f"{type(self).__name__}: {self.path} is already written by an open {type(other).__name__} of this "
+                    "process; close that sink first, or give this one another path"
+                )
+            _WRITERS[key] = self
+        self._key = key
+
+    def _release(self) -> None:
+        with _WRITERS_LOCK:
+            if self._key is not None and _WRITERS.get(self._key) is self:
+                del _WRITERS[self._key]
+        self._key = None
+
+    def _resume(self) -> None:
+        """Read what the existing file says about its columns (appending to it)."""
 
     def _row(self, report: AnyReport, step: int) -> dict[str, Any]:
         if self._file is None:
@@ -101,11 +196,14 @@ class _FileSink:
             self._since_flush = 0
 
     def close(self) -> None:
-        """Flush and close the file (a second call does nothing)."""
-        if self._file is not None:
-            self._file.flush()
-            self._file.close()
-            self._file = None
+        """Flush and close the file. The file is closed (and its path freed) even when this last flush fails; that
+        error is raised, once: a second call does nothing."""
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                file.close()  # flushes; closes the descriptor even when the flush raises
+        finally:
+            self._release()
 
     def __enter__(self) -> Any:
         return self
@@ -118,67 +216,122 @@ class CSVSink(_FileSink):
     """Write each report as one CSV row: ``step``, then the report's figures (see the module docstring).
 
     Args:
-        path: the file to write (created or truncated).
+        path: the file to write (made absolute now).
         prefix: prepended to every figure's column name (default none: ``total_norm``, ``norm/<name>``...).
         per_param: one column per parameter (and per figure).
         style: the key names of ``GradReport.to_dict(style=...)``.
         flush_every: flush the file every this many rows (default 1: a crash loses nothing written).
+        mode: ``"a"`` (default) appends to an existing file, keeping its header and rows; ``"w"`` overwrites it.
         stage_group, group, log_rank: which process writes (see the module docstring); none given: this one.
     """
 
     def __init__(self, path: str | os.PathLike[str], prefix: str = "", per_param: bool = True,
-                 style: str = "default", flush_every: int = 1, *, stage_group: Any = None, group: Any = None,
-                 log_rank: int | None = None) -> None:
-        super().__init__(path, prefix, per_param, style, flush_every, stage_group, group, log_rank)
-        self._rows = 0
+                 style: str = "default", flush_every: int = 1, mode: str = "a", *, stage_group: Any = None,
+                 group: Any = None, log_rank: int | None = None) -> None:
+        self._has_header = False
+        super().__init__(path, prefix, per_param, style, flush_every, mode, stage_group, group, log_rank)
+
+    def _resume(self) -> None:
+        try:
+            with open(self.path, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), [])
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise ValueError(
+                f"CSVSink: cannot append to {self.path}: its first line is no CSV header ({exc}); give mode='w' to "
+                "overwrite it, or another path"
+            ) from None
+        self.columns = list(header)
+        self._known = set(header)
+        self._has_header = True
 
     def log(self, report: AnyReport, step: int) -> None:
         if not self.writes:
             return
         row = self._row(report, step)
         assert self._file is not None
-        if self._new_columns(row) and self._rows:
-            self._widen()
+        known = len(self.columns)
+        if self._new_columns(row) and self._has_header:
+            self._widen(known)
         writer = csv.DictWriter(self._file, self.columns, restval="")
-        if not self._rows:
+        if not self._has_header:
             writer.writeheader()
+            self._has_header = True
         writer.writerow(row)
-        self._rows += 1
         self._wrote()
 
-    def _widen(self) -> None:
-        """Rewrite the file under the wider header: earlier rows get empty cells in the new columns."""
+    def _widen(self, known: int) -> None:
+        """Rewrite the file with the new columns (those from ``known`` on) at the end of its header; every earlier
+        row keeps its cells and gets empty ones in the new columns."""
         assert self._file is not None
-        self._file.close()
-        with open(self.path, newline="", encoding="utf-8") as f:
-            old = list(csv.DictReader(f))  # cells as written: rewriting them changes no digit
+        self._file.flush()
         tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, self.columns, restval="")
-            writer.writeheader()
-            writer.writerows(old)
-        os.replace(tmp, self.path)
+        try:
+            with open(self.path, newline="", encoding="utf-8") as old, \
+                    open(tmp, "w", newline="", encoding="utf-8") as new:
+                rows, writer = csv.reader(old), csv.writer(new)
+                next(rows, None)  # the old header
+                writer.writerow(self.columns)
+                width = len(self.columns)
+                for row in rows:  # one at a time: the file may be large
+                    writer.writerow(row + [""] * (width - len(row)))
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            del self.columns[known:]  # the file keeps its old header: the next row tries again
+            self._known = set(self.columns)
+            raise
+        self._file.close()  # the replaced file's, already flushed
         self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self._since_flush = 0
 
 
+def _last_object(path: str) -> dict[str, Any] | None:
+    """The last line of a JSON Lines file that holds a JSON object, read from the end (a line cut short by a crash
+    is passed over)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        block = 1 << 16
+        while True:
+            start = max(0, size - block)
+            f.seek(start)
+            lines = f.read(size - start).splitlines()
+            for line in reversed(lines[1:] if start else lines):  # the block's first line may be cut
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    return obj
+            if not start:
+                return None
+            block *= 4
+
+
 class JSONLSink(_FileSink):
-    """Write each report as one JSON object per line: ``step``, then the report's figures (see the module
+    """Write each report as one strict JSON object per line: ``step``, then the report's figures (see the module
     docstring); the keys of every line come in the same order.
 
     Args:
-        path: the file to write (created or truncated).
+        path: the file to write (made absolute now).
         prefix: prepended to every figure's key (default none).
         per_param: one key per parameter (and per figure).
         style: the key names of ``GradReport.to_dict(style=...)``.
         flush_every: flush the file every this many lines (default 1).
+        mode: ``"a"`` (default) appends to an existing file, continuing its key order; ``"w"`` overwrites it.
         stage_group, group, log_rank: which process writes (see the module docstring); none given: this one.
     """
 
     def __init__(self, path: str | os.PathLike[str], prefix: str = "", per_param: bool = True,
-                 style: str = "default", flush_every: int = 1, *, stage_group: Any = None, group: Any = None,
-                 log_rank: int | None = None) -> None:
-        super().__init__(path, prefix, per_param, style, flush_every, stage_group, group, log_rank)
+                 style: str = "default", flush_every: int = 1, mode: str = "a", *, stage_group: Any = None,
+                 group: Any = None, log_rank: int | None = None) -> None:
+        super().__init__(path, prefix, per_param, style, flush_every, mode, stage_group, group, log_rank)
+
+    def _resume(self) -> None:
+        last = _last_object(self.path)
+        if last is not None:
+            self.columns = list(last)
+            self._known = set(self.columns)
 
     def log(self, report: AnyReport, step: int) -> None:
         if not self.writes:
@@ -186,6 +339,6 @@ class JSONLSink(_FileSink):
         row = self._row(report, step)
         assert self._file is not None
         self._new_columns(row)
-        line = {k: row.get(k) for k in self.columns}
-        self._file.write(json.dumps(line, allow_nan=True) + "\n")
+        line = strict_json({k: row.get(k) for k in self.columns})
+        self._file.write(json.dumps(line, allow_nan=False) + "\n")
         self._wrote()

@@ -99,7 +99,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
     ActivationReporting,
     OnNonfinite,
@@ -113,6 +112,7 @@ from torch_gradstats.integrations._common import (
     logs_here,
     styled_keys,
 )
+from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.updates import GradWeightStats
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip

@@ -48,8 +48,8 @@ import re
 import time
 from typing import Any
 
-from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.stats.report import STYLES
 
 __all__ = ["MLflowSink", "mlflow_key"]

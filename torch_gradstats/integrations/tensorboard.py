@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_gradstats.integrations import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport, finite_values, grad_report, metrics
 from torch_gradstats.monitors.updates import UpdateReport
 from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.stats.exponents import ExponentHistogram

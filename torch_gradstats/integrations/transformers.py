@@ -89,7 +89,6 @@ import torch
 from torch import Tensor
 from transformers import TrainerCallback
 
-from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._common import (
     ActivationReporting,
     OnNonfinite,
@@ -103,6 +102,7 @@ from torch_gradstats.integrations._common import (
     logs_here,
     styled_keys,
 )
+from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.updates import GradWeightStats
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip

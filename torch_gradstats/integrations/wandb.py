@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_gradstats.integrations import AnyReport, grad_report, metrics
 from torch_gradstats.integrations._logging_rank import writes_here
+from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.ops.op import HISTOGRAM_MIN_EXPONENT
 from torch_gradstats.stats.exponents import ExponentHistogram
 

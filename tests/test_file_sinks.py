@@ -1,0 +1,334 @@
+"""File sinks never lose a row: appending by default, widening a resumed CSV header, absolute paths, close() on a
+full disk, one writer per file, strict JSON Lines; and the integrations package's layout (the sink protocol in its
+own module, an ``__init__`` that only re-exports)."""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torch_gradstats as tg
+from torch_gradstats.integrations import CSVSink, JSONLSink
+
+SINKS = [CSVSink, JSONLSink]
+INTEGRATIONS = Path(tg.__file__).parent / "integrations"
+
+
+def _reports() -> tuple[tg.GradReport, tg.GradReport, tg.GradReport]:
+    """A plain report, a clipped one (two more keys: clip_coef, clipped_norm) and one with a NaN and an inf."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    m(torch.randn(5, 3)).sum().backward()
+    plain = tg.grad_stats(m.named_parameters()).report()
+    clipped = tg.clip_grad_norm_(m.named_parameters(), max_norm=0.1).report()
+    m[2].weight.grad[0, 0] = math.nan
+    m[2].bias.grad[0] = math.inf
+    bad = tg.grad_stats(m.named_parameters()).report()
+    return plain, clipped, bad
+
+
+def _csv_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    return list(reader.fieldnames or []), rows
+
+
+def _strict(line: str) -> dict:
+    def refuse(token: str) -> None:
+        raise ValueError(f"not strict JSON: {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --- appending ----------------------------------------------------------------------------------------------------
+
+
+def test_csv_appends_to_an_existing_file_by_default(tmp_path: Path) -> None:
+    plain, _, bad = _reports()
+    path = tmp_path / "grads.csv"
+    with CSVSink(path) as sink:
+        sink.log(plain, 0)
+        sink.log(plain, 1)
+    with CSVSink(path) as sink:  # a resumed run, same path
+        sink.log(bad, 2)
+    _, rows = _csv_rows(path)
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert path.read_text().count("step,") == 1  # one header
+    assert float(rows[0]["total_norm"]) == plain.total_norm and rows[2]["total_norm"] == "nan"
+
+
+def test_jsonl_appends_and_continues_the_key_order(tmp_path: Path) -> None:
+    plain, clipped, _ = _reports()
+    path = tmp_path / "grads.jsonl"
+    with JSONLSink(path, mode="a") as sink:
+        sink.log(clipped, 0)  # clip_coef and clipped_norm known from here
+    with JSONLSink(path) as sink:
+        sink.log(plain, 1)
+    lines = [_strict(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1]
+    assert list(lines[1]) == list(lines[0])  # the resumed sink writes the keys of the lines before it, in order
+    assert lines[1]["clip_coef"] is None and lines[0]["clip_coef"] == clipped.clip_coef
+
+
+def test_csv_append_widens_the_header_and_keeps_every_row(tmp_path: Path) -> None:
+    plain, clipped, _ = _reports()
+    path = tmp_path / "grads.csv"
+    with CSVSink(path) as sink:
+        sink.log(plain, 0)
+        sink.log(plain, 1)
+    before = path.read_text().splitlines()
+    with CSVSink(path) as sink:
+        sink.log(clipped, 2)  # two columns the file's header lacks
+    after = path.read_text().splitlines()
+    header, rows = _csv_rows(path)
+    assert header == before[0].split(",") + ["clip_coef", "clipped_norm"]
+    assert after[1:3] == [line + ",," for line in before[1:]]  # earlier rows, digit for digit, two empty cells
+    assert [r["step"] for r in rows] == ["0", "1", "2"] and rows[0]["clip_coef"] == ""
+    assert float(rows[2]["clip_coef"]) == clipped.clip_coef
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_csv_resumed_with_fewer_columns_leaves_their_cells_empty(tmp_path: Path) -> None:
+    plain, clipped, _ = _reports()
+    path = tmp_path / "grads.csv"
+    with CSVSink(path) as sink:
+        sink.log(clipped, 0)
+    with CSVSink(path) as sink:
+        sink.log(plain, 1)
+    header, rows = _csv_rows(path)
+    assert header == ["step", *clipped.to_dict()] and len(rows) == 2  # the header stays
+    assert rows[1]["clip_coef"] == "" and float(rows[1]["total_norm"]) == plain.total_norm
+
+
+def test_csv_row_cut_short_by_a_crash_stays_its_own_row(tmp_path: Path) -> None:
+    plain, _, _ = _reports()
+    path = tmp_path / "grads.csv"
+    path.write_text("step,total_norm\r\n0,1.5\r\n1,2.5", newline="")  # the last row has no line end
+    with CSVSink(path, per_param=False) as sink:
+        sink.log(plain, 2)
+    _, rows = _csv_rows(path)
+    assert [(r["step"], r["total_norm"]) for r in rows] == [("0", "1.5"), ("1", "2.5"), ("2", repr(plain.total_norm))]
+
+
+@pytest.mark.parametrize("cls", SINKS)
+def test_an_empty_existing_file_gets_a_header(tmp_path: Path, cls: type) -> None:
+    plain, _, _ = _reports()
+    path = tmp_path / "empty"
+    path.write_text("")
+    with cls(path, mode="a") as sink:
+        sink.log(plain, 0)
+    if cls is CSVSink:
+        header, rows = _csv_rows(path)
+        assert header == ["step", *plain.to_dict()] and [r["step"] for r in rows] == ["0"]
+    else:
+        assert _strict(path.read_text())["step"] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_is_written_and_never_read_for_a_header(tmp_path: Path) -> None:
+    """A path that is not a regular file (a named pipe here) is only written: reading a header from it would block
+    until another writer came, or read what the other end was never meant to give back."""
+    plain, _, _ = _reports()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[str] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        with open(fifo, newline="") as f:
+            received.append(f.read())
+
+    def write() -> None:
+        try:
+            with CSVSink(fifo, mode="a", per_param=False) as sink:
+                sink.log(plain, 0)
+        except (OSError, ValueError) as exc:  # reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, daemon=True), threading.Thread(target=write, daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    stuck = any(t.is_alive() for t in threads)
+    if stuck:  # unblock whoever waits in open() on the pipe
+        for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
+            try:
+                os.close(os.open(fifo, flags))
+            except OSError:
+                pass
+    assert not stuck, "the sink blocked on the pipe"
+    assert not errors, errors
+    assert received[0].splitlines()[0].startswith("step,") and received[0].splitlines()[1].startswith("0,")
+
+
+@pytest.mark.parametrize("cls", SINKS)
+def test_mode_w_overwrites(tmp_path: Path, cls: type) -> None:
+    plain, _, _ = _reports()
+    path = tmp_path / "f"
+    for step in (0, 1):
+        with cls(path, mode="w") as sink:
+            sink.log(plain, step)
+    lines = path.read_text().splitlines()
+    assert len(lines) == (2 if cls is CSVSink else 1)  # a header and one row, or one line
+    assert lines[-1].startswith(("1,", '{"step": 1,'))
+
+
+@pytest.mark.parametrize("cls", SINKS)
+def test_bad_mode_is_refused_before_the_file_is_touched(tmp_path: Path, cls: type) -> None:
+    path = tmp_path / "keep"
+    path.write_text("precious\n")
+    for mode in ("r", "x", "a+", 1):
+        with pytest.raises(ValueError, match=f"{cls.__name__}: mode must be 'a' .* or 'w'"):
+            cls(path, mode=mode)
+    assert path.read_text() == "precious\n"
+
+
+def test_appending_to_a_file_that_is_no_csv_names_it_and_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\x80\x81\xfe\xff" * 8)
+    with pytest.raises(ValueError, match=f"CSVSink: cannot append to {path}: its first line is no CSV header"):
+        CSVSink(path)
+    assert path.read_bytes() == b"\x80\x81\xfe\xff" * 8
+    CSVSink(path, mode="w").close()  # the path was not kept by the refused sink
+
+
+# --- the path -----------------------------------------------------------------------------------------------------
+
+
+def test_relative_path_is_made_absolute_when_the_sink_is_made(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    plain, clipped, _ = _reports()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    csv_sink, jsonl_sink = CSVSink("grads.csv"), JSONLSink("grads.jsonl")
+    assert csv_sink.path == str(tmp_path / "run" / "grads.csv")
+    assert jsonl_sink.path == str(tmp_path / "run" / "grads.jsonl")
+    csv_sink.log(plain, 0)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    csv_sink.log(clipped, 1)  # new columns: the file is rewritten, where it was made
+    csv_sink.close()
+    jsonl_sink.close()
+    header, rows = _csv_rows(tmp_path / "run" / "grads.csv")
+    assert [r["step"] for r in rows] == ["0", "1"] and "clipped_norm" in header
+    assert not os.listdir(tmp_path / "elsewhere")
+
+
+# --- close --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full") or not os.path.isdir("/proc/self/fd"),
+                    reason="needs Linux's /dev/full (every write fails: no space left on device)")
+@pytest.mark.parametrize("cls", SINKS)
+def test_close_on_a_full_disk_releases_the_file_and_raises_once(cls: type) -> None:
+    plain, _, _ = _reports()
+    before = _open_fds()
+    sink = cls("/dev/full", flush_every=100)  # the row stays in the buffer until close
+    sink.log(plain, 0)
+    assert _open_fds() == before + 1
+    with pytest.raises(OSError, match="No space left on device"):
+        sink.close()
+    assert _open_fds() == before  # the descriptor is released all the same
+    sink.close()  # a second close does nothing
+    with pytest.raises(ValueError, match="is closed"):
+        sink.log(plain, 1)
+    cls("/dev/full").close()  # and the path is free again
+
+
+# --- one writer per file --------------------------------------------------------------------------------------------
+
+
+def test_a_second_sink_on_an_open_sinks_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain, clipped, _ = _reports()
+    path = tmp_path / "grads.csv"
+    first = CSVSink(path)
+    first.log(plain, 0)
+    monkeypatch.chdir(tmp_path)
+    for other in (lambda: CSVSink(path), lambda: CSVSink("grads.csv", mode="w"),
+                  lambda: JSONLSink(tmp_path / "." / "grads.csv")):
+        with pytest.raises(ValueError, match=f"{path} is already written by an open CSVSink"):
+            other()
+    first.log(clipped, 1)  # widening still works: nobody else wrote
+    first.close()
+    with CSVSink(path) as second:  # closing the first frees the path
+        second.log(plain, 2)
+    _, rows = _csv_rows(path)
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_a_link_to_an_open_sinks_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "grads.jsonl"
+    with JSONLSink(target):
+        os.symlink(target, tmp_path / "link.jsonl")
+        with pytest.raises(ValueError, match="link.jsonl is already written by an open JSONLSink"):
+            JSONLSink(tmp_path / "link.jsonl")
+
+
+def test_a_refused_sink_leaves_the_first_one_writing(tmp_path: Path) -> None:
+    plain, _, _ = _reports()
+    path = tmp_path / "g.jsonl"
+    with JSONLSink(path) as first:
+        with pytest.raises(ValueError):
+            JSONLSink(path)
+        first.log(plain, 0)
+        with pytest.raises(ValueError):  # the refused sink did not free the path either
+            JSONLSink(path)
+    assert _strict(path.read_text())["step"] == 0
+
+
+# --- strict JSON Lines ----------------------------------------------------------------------------------------------
+
+
+def test_jsonl_is_strict_json_with_null_for_non_finite_numbers(tmp_path: Path) -> None:
+    plain, _, bad = _reports()
+    path = tmp_path / "grads.jsonl"
+    with JSONLSink(path, prefix="grad/") as sink:
+        sink.log(plain, 0)
+        sink.log(bad, 1)
+    rows = [_strict(line) for line in path.read_text().splitlines()]  # raises on NaN / Infinity tokens
+    assert rows[1]["grad/total_norm"] is None and rows[1]["grad/norm/2.bias"] is None  # NaN and inf: both null
+    assert rows[1]["grad/nan_count"] == 1 and rows[1]["grad/inf_count"] == 1  # the counts say which was which
+    assert rows[1]["grad/norm/0.weight"] == bad.norms["0.weight"]  # finite numbers unchanged
+    assert rows[0]["grad/total_norm"] == plain.total_norm
+
+
+# --- the integrations package ---------------------------------------------------------------------------------------
+
+
+def test_integrations_init_only_re_exports() -> None:
+    tree = ast.parse((INTEGRATIONS / "__init__.py").read_text())
+    body = tree.body[1:] if isinstance(tree.body[0], ast.Expr) else tree.body  # the docstring
+    for node in body:
+        is_all = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+        assert isinstance(node, (ast.Import, ast.ImportFrom)) or is_all, (
+            f"integrations/__init__.py line {node.lineno} is neither an import nor __all__")
+
+
+def test_no_integrations_module_imports_from_its_package_init() -> None:
+    defined_in_modules = {p.stem for p in INTEGRATIONS.glob("*.py")}
+    for path in INTEGRATIONS.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            package = (node.level == 1 and not node.module) or node.module == "torch_gradstats.integrations"
+            if package:
+                names = [a.name for a in node.names if a.name not in defined_in_modules]
+                assert not names, f"{path.name} line {node.lineno} imports {names} from the integrations package"
