@@ -111,14 +111,14 @@ def test_log_of_zero_is_the_forward_origin_and_the_layers_after_it_only_propagat
     assert isinstance(report, ActivationReport)
     assert report.step == 0
     assert report.forward_origin == "mid"
-    assert report.forward_propagators == ["fc2", "fc3"]
+    assert report.forward_propagators == ["fc2", "fc3", "<root>"]  # the root is read too, and finishes last
     assert "mid" not in report.forward_propagators
     assert not report.inputs_nonfinite
     assert report.modules["mid"].inf_count >= 4  # at least one -inf per row
     assert report.modules["fc1"].nan_count == report.modules["fc1"].inf_count == 0
     assert report.weight_max_abs is None  # Log owns no parameters
     assert report.input_max_abs == pytest.approx(report.modules["act"].max_abs)
-    assert report.forward_order == ["fc1", "act", "mid", "fc2", "fc3"]
+    assert report.forward_order == ["fc1", "act", "mid", "fc2", "fc3", "<root>"]
     assert report.backward_order == ["fc3", "fc2", "mid", "act", "fc1"]
     assert report.origin == "mid" and report.to_dict() == {"act/origin": "mid"}
     assert "forward origin mid" in report.summary()
@@ -134,7 +134,7 @@ def test_a_huge_weight_is_the_origin_with_its_weight_max_abs():
     report = watch.report()
     watch.remove()
     assert report.forward_origin == "fc2"
-    assert report.forward_propagators == ["fc3"]
+    assert report.forward_propagators == ["fc3", "<root>"]
     assert report.weight_max_abs == pytest.approx(3e38, rel=1e-6)
     assert math.isfinite(report.input_max_abs) and report.input_max_abs > 0
     assert report.modules["fc2"].weight_max_abs == pytest.approx(3e38, rel=1e-6)
@@ -158,7 +158,7 @@ def test_an_attention_logit_that_overflows_is_the_forward_origin(dtype):
     assert "block.attn.scores" not in props
     assert props[:2] == ["block.attn.softmax", "block.attn.v"] or props[0] == "block.attn.softmax"
     assert "block.attn.q" not in props and "block.attn.k" not in props  # their outputs were finite
-    assert props[-1] == "head"
+    assert props[-2:] == ["head", "<root>"]
     # "logits reached inf while the inputs were this large"
     assert math.isfinite(report.input_max_abs) and report.input_max_abs > 100
     assert report.modules["block.attn.scores"].inf_count > 0
@@ -187,7 +187,7 @@ def test_nn_multihead_attention_is_the_origin_when_its_logits_overflow():
         _step(model, torch.randn(2, 8, 16).half())
         report = watch.report()
     assert report.forward_origin == "attn"
-    assert report.forward_propagators == ["head"]
+    assert report.forward_propagators == ["head", "<root>"]
     assert report.weight_max_abs is not None and report.weight_max_abs > 100
 
 
@@ -200,13 +200,13 @@ def test_non_finite_model_inputs_name_no_module():
         report = watch.report()
     assert report.inputs_nonfinite
     assert report.forward_origin is None
-    assert report.forward_propagators == ["fc1", "act", "mid", "fc2", "fc3"]
+    assert report.forward_propagators == ["fc1", "act", "mid", "fc2", "fc3", "<root>"]
     assert report.origin == "<inputs>" and report.to_dict()["act/origin"] == "<inputs>"
     assert "inputs were non-finite" in report.summary()
     assert report.input_max_abs is None and report.weight_max_abs is None
 
 
-def test_a_value_made_outside_the_watched_modules_is_not_blamed_on_the_next_one():
+def test_a_value_made_outside_the_watched_modules_is_blamed_on_the_root_not_on_the_next_one():
     class Inject(nn.Module):  # a container: not selected by default
         def __init__(self) -> None:
             super().__init__()
@@ -219,9 +219,9 @@ def test_a_value_made_outside_the_watched_modules_is_not_blamed_on_the_next_one(
     with ActivationWatch(model) as watch:
         _step(model, torch.randn(2, 8))
         report = watch.report()
-    assert report.forward_origin is None
+    assert report.forward_origin == "<root>"  # the nearest watched module around the code that made it
     assert report.forward_first_nonfinite == "1"
-    assert "outside the watched modules" in report.summary()
+    assert "outside the watched modules" in report.summary() and "first seen by 1" in report.summary()
     # watching the containers too finds it
     with ActivationWatch(model, modules=lambda path, m: path != "") as watch:
         _step(model, torch.randn(2, 8))
@@ -295,7 +295,7 @@ def test_a_finite_step_reports_no_origin_and_sensible_figures():
     assert head.weight_max_abs == pytest.approx(model.head.weight.detach().abs().max().item())
     # default selection: leaves and direct parameter owners; no containers
     assert "block" not in report.modules and "block.attn" not in report.modules
-    assert report.forward_order[0] == "emb" and report.forward_order[-1] == "head"
+    assert report.forward_order[0] == "emb" and report.forward_order[-2:] == ["head", "<root>"]
     assert report.backward_order[0] == "head"
     assert report.to_dict(per_module=True)["act/head/max_abs"] == head.max_abs
     assert report.to_dict() == {"act/origin": None}
@@ -338,8 +338,9 @@ def test_remove_and_with_take_every_hook_away():
     watch.remove()  # idempotent
     watch = ActivationWatch(model, every_n_steps=2)
     _step(model, torch.randint(0, 32, (2, 8)))
-    _step(model, torch.randint(0, 32, (2, 8)))  # off step: only the step counter remains
-    assert hooks() == 1
+    _step(model, torch.randint(0, 32, (2, 8)))  # off step: one pre-hook per module (the step count) and the root's
+    assert hooks() == len(watch.module_names) + 1
+    assert not any(m._forward_hooks for m in model.modules() if m is not model)
     watch.remove()
     assert hooks() == 0
 
@@ -403,7 +404,7 @@ def test_a_module_called_twice_in_a_step_is_merged():
         report = watch.report()
     assert report.step == 1
     assert report.modules["lin"].calls == 2
-    assert report.forward_order == ["lin"]
+    assert report.forward_order == ["lin", "<root>"]
 
 
 def test_bad_arguments():
@@ -424,15 +425,38 @@ def test_bad_arguments():
         ActivationWatch(model, modules=(nn.Linear, "fc1"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="selected no module"):
         ActivationWatch(model, modules=nn.Conv2d)
-    assert ActivationWatch(model, modules=nn.Linear).module_names == ["fc1", "fc2", "fc3"]
-    assert ActivationWatch(model, modules=(nn.ReLU,)).module_names == ["act"]
-    assert ActivationWatch(model, modules=lambda path, m: path.startswith("fc")).module_names == ["fc1", "fc2", "fc3"]
+    assert ActivationWatch(model, modules=nn.Linear).module_names == ["<root>", "fc1", "fc2", "fc3"]
+    assert ActivationWatch(model, modules=(nn.ReLU,)).module_names == ["<root>", "act"]
+    by_path = ActivationWatch(model, modules=lambda path, m: path.startswith("fc"))
+    assert by_path.module_names == ["<root>", "fc1", "fc2", "fc3"]
 
 
-def test_in_place_modules_need_backward_false():
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"module 1 \(ReLU\) works in place.*backward=False"):
-        ActivationWatch(model)
+def test_in_place_modules_work_with_backward_and_leave_the_gradients_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2), nn.Dropout(0.0, inplace=True))
+    x = torch.randn(3, 4)
+    _step(model, x)
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with ActivationWatch(model) as watch:
+        _step(model, x)
+        report = watch.report()
+    assert not report.nonfinite and report.backward_order == ["3", "2", "1", "0"]
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    # the ReLU's grad_output is the gradient of its result; its grad_input masks the negative pre-activations
+    relu = report.modules["1"]
+    assert relu.grad_max_abs is not None and relu.grad_max_abs > 0 and relu.grad_input_nonfinite == 0
+
+
+def test_a_module_that_changes_its_input_in_place_and_returns_another_tensor_is_refused():
+    class Clobber(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2.0)
+            return x + 1.0  # the caller's x changed, but under an autograd history the watch cannot give it
+
+    model = nn.Sequential(nn.Linear(4, 4), Clobber())
+    with ActivationWatch(model) as watch, pytest.raises(RuntimeError, match=r"module 1 \(Clobber\).*backward=False"):
+        _step(model, torch.randn(2, 4))
     with ActivationWatch(model, backward=False) as watch:
         _step(model, torch.randn(2, 4))
         assert not watch.report().nonfinite
@@ -472,17 +496,24 @@ def test_no_host_sync_in_any_hook(monkeypatch):
     watch.remove()
 
 
-def test_buffers_are_reused_once_warm():
+def test_hooks_launch_no_copy_of_the_figures():
+    """Each hook call is one op call: its outputs are kept as they are, no copy into other buffers."""
+    from torch.profiler import ProfilerActivity, profile
+
     model = TinyTransformer()
-    watch = ActivationWatch(model)
     x = torch.randint(0, 32, (2, 8))
-    _step(model, x)
-    before = {id(s.sumsq) for s in watch._slots.values()} | {id(s.counts) for s in watch._slots.values()}
-    for _ in range(3):
+
+    def copies() -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(model, x)
+        return sum(e.count for e in prof.key_averages() if e.key in ("aten::_foreach_copy_", "aten::copy_"))
+
+    plain = copies()
+    with ActivationWatch(model, modules=lambda path, m: True) as watch:
         _step(model, x)
-    after = {id(s.sumsq) for s in watch._slots.values()} | {id(s.counts) for s in watch._slots.values()}
-    assert before == after
-    watch.remove()
+        watched = copies()
+        assert len(watch._fwd) == len(watch.module_names)
+    assert watched == plain
 
 
 # ------------------------------------------------------------------------------------------------- compile, wrappers
@@ -505,7 +536,7 @@ def test_a_compiled_submodule_is_watched_as_a_whole_from_outside():
         model.fc1.weight[3].zero_()
         model.fc1.bias[3] = 0.0
     with ActivationWatch(model) as watch:
-        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]  # no "_orig_mod"
+        assert watch.module_names == ["<root>", "fc1", "act", "mid", "fc2", "fc3"]  # no "_orig_mod"
         _step(model, torch.randn(4, 8))
         report = watch.report()
     assert report.forward_origin == "mid"
@@ -534,7 +565,7 @@ def test_ddp_wrapped_model_has_no_wrapper_prefix(gloo_group):
         inner.fc1.bias[3] = 0.0
     model = nn.parallel.DistributedDataParallel(inner)
     with ActivationWatch(model) as watch:
-        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]
+        assert watch.module_names == ["<root>", "fc1", "act", "mid", "fc2", "fc3"]
         _step(model, torch.randn(4, 8))
         report = watch.report()
     assert report.forward_origin == "mid" and report.step == 0
@@ -554,11 +585,11 @@ def test_fsdp2_sharded_model_has_no_wrapper_prefix(gloo_group):
     fsdp.fully_shard(model.fc2, mesh=mesh)
     fsdp.fully_shard(model, mesh=mesh)
     with ActivationWatch(model) as watch:
-        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]
+        assert watch.module_names == ["<root>", "fc1", "act", "mid", "fc2", "fc3"]
         _step(model, torch.randn(4, 8))
         report = watch.report()
     assert report.forward_origin == "mid"
-    assert report.forward_propagators == ["fc2", "fc3"]
+    assert report.forward_propagators == ["fc2", "fc3", "<root>"]
 
 
 # ------------------------------------------------------------------------------------------------- the Trainer
@@ -635,17 +666,17 @@ def test_a_tensor_is_read_once_per_step_unless_changed_in_place():
     model = Chain(poke=False)
     with ActivationWatch(model, backward=False) as watch:
         model(torch.randn(2, 4))
-        slots = {watch._names[s.index]: s for s in watch._fwd_order}
-        assert slots["b"].layout[0] == (slots["a"], 0)  # b's input is a's output, which a read first
-        assert slots["a"].layout[0] == (watch._root_slot, 0)  # a's input is the model's input
-        assert slots["b"].sumsq.numel() == 3  # b read its output, weight and bias only
+        calls = {watch._names[c.index]: c for c in watch._fwd}
+        assert calls["b"].refs[0] == calls["a"].refs[1]  # b's input is a's output, which a read first
+        assert calls["a"].refs[0] == calls["<root>"].refs[0]  # a's input is the model's input
+        assert calls["b"].refs[1][0].sumsq.numel() == 3  # b read its output, weight and bias only
         report = watch.report()
     assert report.modules["b"].input_max_abs == report.modules["a"].max_abs
     model.poke = True
     with ActivationWatch(model, backward=False) as watch:
         model(torch.randn(2, 4))
         report = watch.report()
-    assert report.forward_origin is None  # the NaN was made between the modules, in the root's own code
+    assert report.forward_origin == "<root>"  # the NaN was made between the modules, in the root's own code
     assert report.forward_first_nonfinite == "b" and report.modules["b"].input_nonfinite > 0
 
 
@@ -679,5 +710,7 @@ def test_the_root_itself_can_be_watched_with_every_n_steps():
         report = watch.report()
     assert report.step == 2
     assert report.forward_origin == "mid"
-    assert report.forward_propagators == ["fc2", "fc3", ""]  # the root finishes last
-    assert report.modules[""].calls == 1 and report.backward_order[0] == ""
+    assert report.forward_propagators == ["fc2", "fc3", "<root>"]  # the root finishes last
+    assert report.modules["<root>"].calls == 1 and report.backward_order[0] == "<root>"
+    assert "act/<root>/max_abs" in report.to_dict(per_module=True)
+    assert watch.module_names[0] == "<root>" and "" not in watch.module_names
