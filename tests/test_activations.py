@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import socket
 import sys
+import warnings
 
 import pytest
 import torch
@@ -14,10 +16,6 @@ from torch import nn
 
 from torch_gradstats import fallback
 from torch_gradstats.activations import ActivationReport, ActivationWatch
-
-# PyTorch's note when a watched module's inputs need no gradient (the first layer): its backward hook sees grad_output.
-pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
-
 
 # ------------------------------------------------------------------------------------------------- models
 class Log(nn.Module):
@@ -348,6 +346,7 @@ def test_remove_and_with_take_every_hook_away():
 def test_report_before_any_step():
     report = ActivationWatch(MLP()).report()
     assert report.step is None and not report.nonfinite and report.modules == {}
+    assert report.summary() == "no forward recorded yet"
 
 
 @dataclasses.dataclass
@@ -714,3 +713,192 @@ def test_the_root_itself_can_be_watched_with_every_n_steps():
     assert report.modules["<root>"].calls == 1 and report.backward_order[0] == "<root>"
     assert "act/<root>/max_abs" in report.to_dict(per_module=True)
     assert watch.module_names[0] == "<root>" and "" not in watch.module_names
+
+
+# ------------------------------------------------------------------------------------------------- evaluation, steps
+def _log_of_zero_model() -> MLP:
+    torch.manual_seed(0)
+    model = MLP(Log())
+    with torch.no_grad():  # one unit of fc1 is always 0 after the ReLU: log(0) = -inf there
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    return model
+
+
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad])
+def test_an_evaluation_forward_is_a_step_of_its_own_and_training_after_it_works(context):
+    model = _log_of_zero_model()
+    with ActivationWatch(model) as watch:
+        with context():
+            model(torch.randn(4, 8))
+        evaluation = watch.report()
+        _step(model, torch.randn(4, 8))
+        training = watch.report()
+    assert evaluation.step == 0 and evaluation.forward_origin == "mid" and not evaluation.backward_recorded
+    assert evaluation.modules["fc3"].grad_max_abs is None
+    assert training.step == 1 and training.forward_origin == "mid" and training.backward_recorded
+    assert training.modules["fc3"].grad_max_abs == pytest.approx(1.0)
+
+
+def test_the_backward_of_a_step_after_another_forward_is_dropped_with_a_warning(caplog):
+    model = MLP()
+    with ActivationWatch(model) as watch:
+        out = model(torch.randn(2, 8))
+        with torch.no_grad():
+            model(torch.randn(2, 8))  # a step of its own
+        with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+            out.sum().backward()
+        report = watch.report()
+    assert report.step == 1 and not report.backward_recorded
+    said = [r for r in caplog.records if r.name.startswith("torch_gradstats")]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "backward of step 0" in said[0].getMessage()
+
+
+def test_the_watch_raises_no_python_warning():
+    """The first layer's inputs need no gradient: PyTorch's full backward hooks warned there, the watch does not."""
+    model = MLP()
+    with ActivationWatch(model) as watch, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, torch.randn(2, 8))
+        assert watch.report().modules["fc1"].grad_max_abs is not None
+
+
+def test_a_removed_watch_entered_again_puts_its_hooks_back_and_counts_on():
+    model = _log_of_zero_model()
+    watch = ActivationWatch(model)
+    with watch:
+        _step(model, torch.randn(4, 8))
+    _step(model, torch.randn(4, 8))  # removed: not counted
+    with watch:
+        assert model.fc1._forward_pre_hooks
+        _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert watch.step == 1 and report.step == 1 and report.forward_origin == "mid" and report.backward_recorded
+
+
+def test_a_step_is_counted_when_the_roots_forward_is_not_called():
+    class Holder(nn.Module):  # like a LightningModule whose training_step calls self.net(x)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _log_of_zero_model()
+
+    holder = Holder()
+    with ActivationWatch(holder) as watch:
+        assert watch.report().summary() == "no forward recorded yet"
+        for _ in range(3):
+            _step(holder.net, torch.randn(4, 8))
+        report = watch.report()
+    assert watch.step == 2 and report.step == 2
+    assert report.forward_origin == "net.mid" and report.modules["net.fc1"].calls == 1
+
+
+# ------------------------------------------------------------------------------------------------- in place, complex, root
+def test_an_input_changed_in_place_is_read_before_the_module_runs():
+    class Blowup(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mul_(1e38)  # finite in, inf out, in the input's own memory
+
+    for backward in (False, True):
+        model = nn.Sequential(nn.Linear(4, 4), Blowup(), nn.Linear(4, 2))
+        with ActivationWatch(model, backward=backward) as watch:
+            out = model(torch.randn(3, 4) * 10)
+            if backward:
+                out.sum().backward()
+            report = watch.report()
+        assert report.forward_origin == "1", (backward, report.summary())
+        assert math.isfinite(report.input_max_abs) and report.modules["1"].input_nonfinite == 0
+
+
+def test_complex_activations_are_read():
+    class ToComplex(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.complex(x, 2 * x)
+
+    class Bad(nn.Module):
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return z * torch.complex(torch.ones(()), torch.full((), math.inf))  # inf in the imaginary parts
+
+    class Abs(nn.Module):
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return z.abs()
+
+    model = nn.Sequential(nn.Linear(4, 4), ToComplex(), Bad(), Abs(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with ActivationWatch(model, backward=False) as watch:
+        model(x)
+        report = watch.report()
+    assert report.forward_origin == "2", report.summary()  # not the consumer Abs
+    assert report.forward_propagators[:2] == ["3", "4"]
+    z = torch.complex(model[0](x), 2 * model[0](x)).detach()
+    assert report.modules["1"].max_abs == pytest.approx(z.abs().max().item(), rel=1e-6)
+    assert report.modules["1"].norm == pytest.approx(z.abs().square().sum().sqrt().item(), rel=1e-5)
+    assert report.modules["2"].nan_count + report.modules["2"].inf_count > 0
+
+
+def test_a_nan_made_in_the_roots_own_forward_names_the_root():
+    class WithLoss(nn.Module):  # computes its loss inside forward, as Hugging Face models do
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(self.fc(x) - 100.0).mean()  # log of a negative number: NaN
+
+    model = WithLoss()
+    with ActivationWatch(model) as watch:
+        model(torch.randn(2, 4)).backward()
+        report = watch.report()
+    assert report.forward_origin == "<root>" and report.origin == "<root>"
+    assert report.modules["<root>"].nan_count == 1 and report.modules["fc"].nan_count == 0
+    assert "forward origin <root>" in report.summary()
+    assert report.to_dict(per_module=True)["act/<root>/max_abs"] != report.to_dict(per_module=True)["act/fc/max_abs"]
+
+
+def test_a_backward_nan_from_outside_the_watched_modules_names_no_consumer():
+    class Normalized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc1(x)
+            h = h / (h.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6)  # the root's own code: sqrt'(0) = inf
+            return self.fc2(h)
+
+    model = Normalized()
+    with torch.no_grad():
+        model.fc1.weight.zero_()
+        model.fc1.bias.zero_()  # fc1 outputs zeros: the division's backward is 0 * inf
+    with ActivationWatch(model) as watch:
+        model(torch.randn(2, 4)).sum().backward()
+        report = watch.report()
+    assert report.nonfinite and report.forward_first_nonfinite is None
+    assert report.backward_origin is None and report.origin is None  # fc1 only received it
+    assert report.backward_first_nonfinite == "fc1"
+    summary = report.summary()
+    assert "first non-finite gradient in the backward of fc1, which received it" in summary
+    assert "outside the watched modules" in summary
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mixed_device_outputs_are_read_after_their_copy_lands():
+    class ToHost(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:1, :1].cpu() * 0.0 + 1.0  # a small CPU output of a large CUDA input
+
+    class Big(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = torch.full_like(x, 1.0 / x.shape[0])
+            for _ in range(30):  # keep the stream busy so that the result lands late; every value stays 1
+                x = x @ w
+            return x
+
+    model = nn.Sequential(Big(), ToHost())
+    x = torch.ones(4096, 4096, device="cuda")
+    with ActivationWatch(model, backward=False) as watch:
+        for _ in range(3):
+            model(x)
+            report = watch.report()
+            assert report.modules["1"].input_max_abs == pytest.approx(1.0, rel=1e-4)
+            assert report.modules["1"].max_abs == 1.0

@@ -222,6 +222,7 @@ class ActivationWatch:
         self._permanent: list[RemovableHandle] = []
         self._toggled: list[RemovableHandle] = []
         self._active = False
+        self._warned_late = False  # said once: a backward that came after another step began
         self._install()
 
     # ------------------------------------------------------------------------------------------ handle
@@ -376,7 +377,11 @@ class ActivationWatch:
 
     def _record_backward(self, i: int, step: int, grad_output: list[Tensor], grad_input: list[Tensor]) -> None:
         if step != self._recorded or not self._active:
-            return  # the backward of a step no longer reported
+            if self._active and not self._warned_late:
+                self._warned_late = True
+                logger.warning("ActivationWatch: the backward of step %d ran after step %d began (another forward in "
+                               "between, e.g. an evaluation): its gradients are not in any report", step, self._step)
+            return
         go = [g for g in grad_output if _floating(g)]
         gi = [g for g in grad_input if _floating(g)]
         if not go and not gi:
