@@ -17,6 +17,7 @@ from torch import nn
 from torch_gradstats import fallback
 from torch_gradstats.activations import ActivationReport, ActivationWatch
 
+
 # ------------------------------------------------------------------------------------------------- models
 class Log(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -793,7 +794,7 @@ def test_a_step_is_counted_when_the_roots_forward_is_not_called():
     assert report.forward_origin == "net.mid" and report.modules["net.fc1"].calls == 1
 
 
-# ------------------------------------------------------------------------------------------------- in place, complex, root
+# ---------------------------------------------------------------------------------------------- in place, complex, root
 def test_an_input_changed_in_place_is_read_before_the_module_runs():
     class Blowup(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

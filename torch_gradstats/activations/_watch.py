@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from torch_gradstats._transfer import to_device, to_host
-from torch_gradstats.activations._reads import Boundary, Call, Read, Reader, gather, rebuild, top_level
+from torch_gradstats.activations._reads import Boundary, Call, Reader, gather, rebuild, top_level
 from torch_gradstats.activations._report import ROOT, ActivationReport, HookFigures, TensorFigures, build_report
 from torch_gradstats.ops import INF, NAN, SUPPORTED_DTYPES
 
@@ -364,7 +364,7 @@ class ActivationWatch:
                 tensors: list[Tensor] = []
                 gather(result, tensors)
                 # DTensor shards are left out of the parameters
-                params = [p for p in module.parameters(recurse=False)
+                params: list[Tensor] = [p for p in module.parameters(recurse=False)
                           if _floating(p) and type(p) in (Tensor, nn.Parameter)]  # fmt: skip
                 if tensors or i == 0:
                     call.refs += self._reader.read(tensors + params) if tensors or params else []
@@ -380,7 +380,7 @@ class ActivationWatch:
             if self._active and not self._warned_late:
                 self._warned_late = True
                 logger.warning("ActivationWatch: the backward of step %d ran after step %d began (another forward in "
-                               "between, e.g. an evaluation): its gradients are not in any report", step, self._step)
+                               "between, e.g. an evaluation): its gradients are not in any report", step, self._step)  # fmt: skip
             return
         go = [g for g in grad_output if _floating(g)]
         gi = [g for g in grad_input if _floating(g)]
