@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
@@ -216,7 +217,8 @@ class ActivationWatch:
         self._fwd: list[Call] = []  # the recorded step's forward calls, in the order they finished
         self._bwd: list[Call] = []
         self._inputs: Call | None = None  # the call whose inputs are the step's inputs (the root's, or the lead's)
-        self._open: list[list[tuple[Call | None, _Pending | None, bool]]] = [[] for _ in self._modules]
+        # (module index, thread) -> the calls whose forward runs (DataParallel runs replicas on several threads)
+        self._open: dict[tuple[int, int], list[tuple[Call | None, _Pending | None, bool]]] = {}
         self._fwd_names: dict[str, None] = {}  # execution order over every recorded step
         self._bwd_names: dict[str, None] = {}
         self._permanent: list[RemovableHandle] = []
@@ -241,8 +243,7 @@ class ActivationWatch:
         self._permanent, self._toggled = [], []
         self._active = self._recording = False
         self._in_root = 0
-        for stack in self._open:
-            stack.clear()
+        self._open.clear()
 
     def __enter__(self) -> ActivationWatch:  # noqa: PYI034
         if not self._active:  # a removed watch entered again: hooks back, the step count goes on
@@ -284,8 +285,7 @@ class ActivationWatch:
             self._recorded = self._step
             self._fwd, self._bwd, self._inputs = [], [], None
             self._reader.seen.clear()
-            for stack in self._open:
-                stack.clear()
+            self._open.clear()
 
     # ------------------------------------------------------------------------------------------ hooks
     def _pre_hook(self, i: int) -> Callable[..., Any]:
@@ -307,7 +307,7 @@ class ActivationWatch:
                 self._begin_step()
             if not self._recording:
                 if i == 0:
-                    self._open[0].append((None, None, False))
+                    self._open.setdefault((0, threading.get_ident()), []).append((None, None, False))
                 return None
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILE_ERROR)
@@ -333,7 +333,7 @@ class ActivationWatch:
                     swap = {id(t): a for t, a in zip(wrap, aliases)}
                     args = rebuild(args, swap)
                     kwargs = {k: swap.get(id(v), v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-            self._open[i].append((call, pending, True))
+            self._open.setdefault((i, threading.get_ident()), []).append((call, pending, True))
             return (args, kwargs) if pending is not None else None
 
         return hook
@@ -344,7 +344,7 @@ class ActivationWatch:
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if i == 0:
                 self._in_root = max(0, self._in_root - 1)
-            stack = self._open[i]
+            stack = self._open.get((i, threading.get_ident()))
             if not stack:
                 return None
             call, pending, active = stack.pop()
@@ -379,8 +379,9 @@ class ActivationWatch:
         if step != self._recorded or not self._active:
             if self._active and not self._warned_late:
                 self._warned_late = True
-                logger.warning("ActivationWatch: the backward of step %d ran after step %d began (another forward in "
-                               "between, e.g. an evaluation): its gradients are not in any report", step, self._step)  # fmt: skip
+                logger.warning("ActivationWatch: the backward of step %d ran after step %d began (another forward "
+                               "in between, e.g. an evaluation): its gradients are not in any report",
+                               step, self._step)  # fmt: skip
             return
         go = [g for g in grad_output if _floating(g)]
         gi = [g for g in grad_input if _floating(g)]
