@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import socket
 import sys
+import warnings
 
 import pytest
 import torch
@@ -14,9 +16,6 @@ from torch import nn
 
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.ops import fallback
-
-# PyTorch's note when a watched module's inputs need no gradient (the first layer): its backward hook sees grad_output.
-pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
 
 
 # ------------------------------------------------------------------------------------------------- models
@@ -111,14 +110,14 @@ def test_log_of_zero_is_the_forward_origin_and_the_layers_after_it_only_propagat
     assert isinstance(report, ActivationReport)
     assert report.step == 0
     assert report.forward_origin == "mid"
-    assert report.forward_propagators == ["fc2", "fc3"]
+    assert report.forward_propagators == ["fc2", "fc3", "<root>"]  # the root is read too, and finishes last
     assert "mid" not in report.forward_propagators
     assert not report.inputs_nonfinite
     assert report.modules["mid"].inf_count >= 4  # at least one -inf per row
     assert report.modules["fc1"].nan_count == report.modules["fc1"].inf_count == 0
     assert report.weight_max_abs is None  # Log owns no parameters
     assert report.input_max_abs == pytest.approx(report.modules["act"].max_abs)
-    assert report.forward_order == ["fc1", "act", "mid", "fc2", "fc3"]
+    assert report.forward_order == ["fc1", "act", "mid", "fc2", "fc3", "<root>"]
     assert report.backward_order == ["fc3", "fc2", "mid", "act", "fc1"]
     assert report.origin == "mid" and report.to_dict() == {"act/origin": "mid"}
     assert "forward origin mid" in report.summary()
@@ -134,7 +133,7 @@ def test_a_huge_weight_is_the_origin_with_its_weight_max_abs():
     report = watch.report()
     watch.remove()
     assert report.forward_origin == "fc2"
-    assert report.forward_propagators == ["fc3"]
+    assert report.forward_propagators == ["fc3", "<root>"]
     assert report.weight_max_abs == pytest.approx(3e38, rel=1e-6)
     assert math.isfinite(report.input_max_abs) and report.input_max_abs > 0
     assert report.modules["fc2"].weight_max_abs == pytest.approx(3e38, rel=1e-6)
@@ -158,7 +157,7 @@ def test_an_attention_logit_that_overflows_is_the_forward_origin(dtype):
     assert "block.attn.scores" not in props
     assert props[:2] == ["block.attn.softmax", "block.attn.v"] or props[0] == "block.attn.softmax"
     assert "block.attn.q" not in props and "block.attn.k" not in props  # their outputs were finite
-    assert props[-1] == "head"
+    assert props[-2:] == ["head", "<root>"]
     # "logits reached inf while the inputs were this large"
     assert math.isfinite(report.input_max_abs) and report.input_max_abs > 100
     assert report.modules["block.attn.scores"].inf_count > 0
@@ -187,7 +186,7 @@ def test_nn_multihead_attention_is_the_origin_when_its_logits_overflow():
         _step(model, torch.randn(2, 8, 16).half())
         report = watch.report()
     assert report.forward_origin == "attn"
-    assert report.forward_propagators == ["head"]
+    assert report.forward_propagators == ["head", "<root>"]
     assert report.weight_max_abs is not None and report.weight_max_abs > 100
 
 
@@ -200,13 +199,13 @@ def test_non_finite_model_inputs_name_no_module():
         report = watch.report()
     assert report.inputs_nonfinite
     assert report.forward_origin is None
-    assert report.forward_propagators == ["fc1", "act", "mid", "fc2", "fc3"]
+    assert report.forward_propagators == ["fc1", "act", "mid", "fc2", "fc3", "<root>"]
     assert report.origin == "<inputs>" and report.to_dict()["act/origin"] == "<inputs>"
     assert "inputs were non-finite" in report.summary()
     assert report.input_max_abs is None and report.weight_max_abs is None
 
 
-def test_a_value_made_outside_the_watched_modules_is_not_blamed_on_the_next_one():
+def test_a_value_made_outside_the_watched_modules_is_blamed_on_the_root_not_on_the_next_one():
     class Inject(nn.Module):  # a container: not selected by default
         def __init__(self) -> None:
             super().__init__()
@@ -219,9 +218,9 @@ def test_a_value_made_outside_the_watched_modules_is_not_blamed_on_the_next_one(
     with ActivationWatch(model) as watch:
         _step(model, torch.randn(2, 8))
         report = watch.report()
-    assert report.forward_origin is None
+    assert report.forward_origin == "<root>"  # the nearest watched module around the code that made it
     assert report.forward_first_nonfinite == "1"
-    assert "outside the watched modules" in report.summary()
+    assert "outside the watched modules" in report.summary() and "first seen by 1" in report.summary()
     # watching the containers too finds it
     with ActivationWatch(model, modules=lambda path, m: path != "") as watch:
         _step(model, torch.randn(2, 8))
@@ -295,7 +294,7 @@ def test_a_finite_step_reports_no_origin_and_sensible_figures():
     assert head.weight_max_abs == pytest.approx(model.head.weight.detach().abs().max().item())
     # default selection: leaves and direct parameter owners; no containers
     assert "block" not in report.modules and "block.attn" not in report.modules
-    assert report.forward_order[0] == "emb" and report.forward_order[-1] == "head"
+    assert report.forward_order[0] == "emb" and report.forward_order[-2:] == ["head", "<root>"]
     assert report.backward_order[0] == "head"
     assert report.to_dict(per_module=True)["act/head/max_abs"] == head.max_abs
     assert report.to_dict() == {"act/origin": None}
@@ -338,8 +337,9 @@ def test_remove_and_with_take_every_hook_away():
     watch.remove()  # idempotent
     watch = ActivationWatch(model, every_n_steps=2)
     _step(model, torch.randint(0, 32, (2, 8)))
-    _step(model, torch.randint(0, 32, (2, 8)))  # off step: only the step counter remains
-    assert hooks() == 1
+    _step(model, torch.randint(0, 32, (2, 8)))  # off step: one pre-hook per module (the step count) and the root's
+    assert hooks() == len(watch.module_names) + 1
+    assert not any(m._forward_hooks for m in model.modules() if m is not model)
     watch.remove()
     assert hooks() == 0
 
@@ -347,6 +347,7 @@ def test_remove_and_with_take_every_hook_away():
 def test_report_before_any_step():
     report = ActivationWatch(MLP()).report()
     assert report.step is None and not report.nonfinite and report.modules == {}
+    assert report.summary() == "no forward recorded yet"
 
 
 @dataclasses.dataclass
@@ -403,7 +404,7 @@ def test_a_module_called_twice_in_a_step_is_merged():
         report = watch.report()
     assert report.step == 1
     assert report.modules["lin"].calls == 2
-    assert report.forward_order == ["lin"]
+    assert report.forward_order == ["lin", "<root>"]
 
 
 def test_bad_arguments():
@@ -424,15 +425,38 @@ def test_bad_arguments():
         ActivationWatch(model, modules=(nn.Linear, "fc1"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="selected no module"):
         ActivationWatch(model, modules=nn.Conv2d)
-    assert ActivationWatch(model, modules=nn.Linear).module_names == ["fc1", "fc2", "fc3"]
-    assert ActivationWatch(model, modules=(nn.ReLU,)).module_names == ["act"]
-    assert ActivationWatch(model, modules=lambda path, m: path.startswith("fc")).module_names == ["fc1", "fc2", "fc3"]
+    assert ActivationWatch(model, modules=nn.Linear).module_names == ["<root>", "fc1", "fc2", "fc3"]
+    assert ActivationWatch(model, modules=(nn.ReLU,)).module_names == ["<root>", "act"]
+    by_path = ActivationWatch(model, modules=lambda path, m: path.startswith("fc"))
+    assert by_path.module_names == ["<root>", "fc1", "fc2", "fc3"]
 
 
-def test_in_place_modules_need_backward_false():
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"module 1 \(ReLU\) works in place.*backward=False"):
-        ActivationWatch(model)
+def test_in_place_modules_work_with_backward_and_leave_the_gradients_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2), nn.Dropout(0.0, inplace=True))
+    x = torch.randn(3, 4)
+    _step(model, x)
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with ActivationWatch(model) as watch:
+        _step(model, x)
+        report = watch.report()
+    assert not report.nonfinite and report.backward_order == ["3", "2", "1", "0"]
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    # the ReLU's grad_output is the gradient of its result; its grad_input masks the negative pre-activations
+    relu = report.modules["1"]
+    assert relu.grad_max_abs is not None and relu.grad_max_abs > 0 and relu.grad_input_nonfinite == 0
+
+
+def test_a_module_that_changes_its_input_in_place_and_returns_another_tensor_is_refused():
+    class Clobber(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2.0)
+            return x + 1.0  # the caller's x changed, but under an autograd history the watch cannot give it
+
+    model = nn.Sequential(nn.Linear(4, 4), Clobber())
+    with ActivationWatch(model) as watch, pytest.raises(RuntimeError, match=r"module 1 \(Clobber\).*backward=False"):
+        _step(model, torch.randn(2, 4))
     with ActivationWatch(model, backward=False) as watch:
         _step(model, torch.randn(2, 4))
         assert not watch.report().nonfinite
@@ -472,17 +496,25 @@ def test_no_host_sync_in_any_hook(monkeypatch):
     watch.remove()
 
 
-def test_buffers_are_reused_once_warm():
+def test_hooks_launch_no_copy_of_the_figures():
+    """Each hook call is one op call: its outputs are kept as they are, no copy into other buffers."""
+    from torch.profiler import ProfilerActivity, profile
+
     model = TinyTransformer()
-    watch = ActivationWatch(model)
     x = torch.randint(0, 32, (2, 8))
-    _step(model, x)
-    before = {id(s.sumsq) for s in watch._slots.values()} | {id(s.counts) for s in watch._slots.values()}
-    for _ in range(3):
+
+    def copies() -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _step(model, x)
+        # (the pure-PyTorch fallback kernel copies inside the op itself: only copies of its results are counted)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::_foreach_copy_")
+
+    plain = copies()
+    with ActivationWatch(model, modules=lambda path, m: True) as watch:
         _step(model, x)
-    after = {id(s.sumsq) for s in watch._slots.values()} | {id(s.counts) for s in watch._slots.values()}
-    assert before == after
-    watch.remove()
+        watched = copies()
+        assert len(watch._fwd) == len(watch.module_names)
+    assert watched == plain == 0
 
 
 # ------------------------------------------------------------------------------------------------- compile, wrappers
@@ -505,7 +537,7 @@ def test_a_compiled_submodule_is_watched_as_a_whole_from_outside():
         model.fc1.weight[3].zero_()
         model.fc1.bias[3] = 0.0
     with ActivationWatch(model) as watch:
-        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]  # no "_orig_mod"
+        assert watch.module_names == ["<root>", "fc1", "act", "mid", "fc2", "fc3"]  # no "_orig_mod"
         _step(model, torch.randn(4, 8))
         report = watch.report()
     assert report.forward_origin == "mid"
@@ -534,7 +566,7 @@ def test_ddp_wrapped_model_has_no_wrapper_prefix(gloo_group):
         inner.fc1.bias[3] = 0.0
     model = nn.parallel.DistributedDataParallel(inner)
     with ActivationWatch(model) as watch:
-        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]
+        assert watch.module_names == ["<root>", "fc1", "act", "mid", "fc2", "fc3"]
         _step(model, torch.randn(4, 8))
         report = watch.report()
     assert report.forward_origin == "mid" and report.step == 0
@@ -554,11 +586,11 @@ def test_fsdp2_sharded_model_has_no_wrapper_prefix(gloo_group):
     fsdp.fully_shard(model.fc2, mesh=mesh)
     fsdp.fully_shard(model, mesh=mesh)
     with ActivationWatch(model) as watch:
-        assert watch.module_names == ["fc1", "act", "mid", "fc2", "fc3"]
+        assert watch.module_names == ["<root>", "fc1", "act", "mid", "fc2", "fc3"]
         _step(model, torch.randn(4, 8))
         report = watch.report()
     assert report.forward_origin == "mid"
-    assert report.forward_propagators == ["fc2", "fc3"]
+    assert report.forward_propagators == ["fc2", "fc3", "<root>"]
 
 
 # ------------------------------------------------------------------------------------------------- the Trainer
@@ -635,17 +667,17 @@ def test_a_tensor_is_read_once_per_step_unless_changed_in_place():
     model = Chain(poke=False)
     with ActivationWatch(model, backward=False) as watch:
         model(torch.randn(2, 4))
-        slots = {watch._names[s.index]: s for s in watch._fwd_order}
-        assert slots["b"].layout[0] == (slots["a"], 0)  # b's input is a's output, which a read first
-        assert slots["a"].layout[0] == (watch._root_slot, 0)  # a's input is the model's input
-        assert slots["b"].sumsq.numel() == 3  # b read its output, weight and bias only
+        calls = {watch._names[c.index]: c for c in watch._fwd}
+        assert calls["b"].refs[0] == calls["a"].refs[1]  # b's input is a's output, which a read first
+        assert calls["a"].refs[0] == calls["<root>"].refs[0]  # a's input is the model's input
+        assert calls["b"].refs[1][0].sumsq.numel() == 3  # b read its output, weight and bias only
         report = watch.report()
     assert report.modules["b"].input_max_abs == report.modules["a"].max_abs
     model.poke = True
     with ActivationWatch(model, backward=False) as watch:
         model(torch.randn(2, 4))
         report = watch.report()
-    assert report.forward_origin is None  # the NaN was made between the modules, in the root's own code
+    assert report.forward_origin == "<root>"  # the NaN was made between the modules, in the root's own code
     assert report.forward_first_nonfinite == "b" and report.modules["b"].input_nonfinite > 0
 
 
@@ -679,5 +711,196 @@ def test_the_root_itself_can_be_watched_with_every_n_steps():
         report = watch.report()
     assert report.step == 2
     assert report.forward_origin == "mid"
-    assert report.forward_propagators == ["fc2", "fc3", ""]  # the root finishes last
-    assert report.modules[""].calls == 1 and report.backward_order[0] == ""
+    assert report.forward_propagators == ["fc2", "fc3", "<root>"]  # the root finishes last
+    assert report.modules["<root>"].calls == 1 and report.backward_order[0] == "<root>"
+    assert "act/<root>/max_abs" in report.to_dict(per_module=True)
+    assert watch.module_names[0] == "<root>" and "" not in watch.module_names
+
+
+# ------------------------------------------------------------------------------------------------- evaluation, steps
+def _log_of_zero_model() -> MLP:
+    torch.manual_seed(0)
+    model = MLP(Log())
+    with torch.no_grad():  # one unit of fc1 is always 0 after the ReLU: log(0) = -inf there
+        model.fc1.weight[3].zero_()
+        model.fc1.bias[3] = 0.0
+    return model
+
+
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad])
+def test_an_evaluation_forward_is_a_step_of_its_own_and_training_after_it_works(context):
+    model = _log_of_zero_model()
+    with ActivationWatch(model) as watch:
+        with context():
+            model(torch.randn(4, 8))
+        evaluation = watch.report()
+        _step(model, torch.randn(4, 8))
+        training = watch.report()
+    assert evaluation.step == 0 and evaluation.forward_origin == "mid" and not evaluation.backward_recorded
+    assert evaluation.modules["fc3"].grad_max_abs is None
+    assert training.step == 1 and training.forward_origin == "mid" and training.backward_recorded
+    assert training.modules["fc3"].grad_max_abs == pytest.approx(1.0)
+
+
+def test_the_backward_of_a_step_after_another_forward_is_dropped_with_a_warning(caplog):
+    model = MLP()
+    with ActivationWatch(model) as watch:
+        out = model(torch.randn(2, 8))
+        with torch.no_grad():
+            model(torch.randn(2, 8))  # a step of its own
+        with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+            out.sum().backward()
+        report = watch.report()
+    assert report.step == 1 and not report.backward_recorded
+    said = [r for r in caplog.records if r.name.startswith("torch_gradstats")]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "backward of step 0" in said[0].getMessage()
+
+
+def test_the_watch_raises_no_python_warning():
+    """The first layer's inputs need no gradient: PyTorch's full backward hooks warned there, the watch does not."""
+    model = MLP()
+    with ActivationWatch(model) as watch, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model, torch.randn(2, 8))
+        assert watch.report().modules["fc1"].grad_max_abs is not None
+
+
+def test_a_removed_watch_entered_again_puts_its_hooks_back_and_counts_on():
+    model = _log_of_zero_model()
+    watch = ActivationWatch(model)
+    with watch:
+        _step(model, torch.randn(4, 8))
+    _step(model, torch.randn(4, 8))  # removed: not counted
+    with watch:
+        assert model.fc1._forward_pre_hooks
+        _step(model, torch.randn(4, 8))
+        report = watch.report()
+    assert watch.step == 1 and report.step == 1 and report.forward_origin == "mid" and report.backward_recorded
+
+
+def test_a_step_is_counted_when_the_roots_forward_is_not_called():
+    class Holder(nn.Module):  # like a LightningModule whose training_step calls self.net(x)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _log_of_zero_model()
+
+    holder = Holder()
+    with ActivationWatch(holder) as watch:
+        assert watch.report().summary() == "no forward recorded yet"
+        for _ in range(3):
+            _step(holder.net, torch.randn(4, 8))
+        report = watch.report()
+    assert watch.step == 2 and report.step == 2
+    assert report.forward_origin == "net.mid" and report.modules["net.fc1"].calls == 1
+
+
+# ---------------------------------------------------------------------------------------------- in place, complex, root
+def test_an_input_changed_in_place_is_read_before_the_module_runs():
+    class Blowup(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mul_(1e38)  # finite in, inf out, in the input's own memory
+
+    for backward in (False, True):
+        model = nn.Sequential(nn.Linear(4, 4), Blowup(), nn.Linear(4, 2))
+        with ActivationWatch(model, backward=backward) as watch:
+            out = model(torch.randn(3, 4) * 10)
+            if backward:
+                out.sum().backward()
+            report = watch.report()
+        assert report.forward_origin == "1", (backward, report.summary())
+        assert math.isfinite(report.input_max_abs) and report.modules["1"].input_nonfinite == 0
+
+
+def test_complex_activations_are_read():
+    class ToComplex(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.complex(x, 2 * x)
+
+    class Bad(nn.Module):
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return z * torch.complex(torch.ones(()), torch.full((), math.inf))  # inf in the imaginary parts
+
+    class Abs(nn.Module):
+        def forward(self, z: torch.Tensor) -> torch.Tensor:
+            return z.abs()
+
+    model = nn.Sequential(nn.Linear(4, 4), ToComplex(), Bad(), Abs(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with ActivationWatch(model, backward=False) as watch:
+        model(x)
+        report = watch.report()
+    assert report.forward_origin == "2", report.summary()  # not the consumer Abs
+    assert report.forward_propagators[:2] == ["3", "4"]
+    z = torch.complex(model[0](x), 2 * model[0](x)).detach()
+    assert report.modules["1"].max_abs == pytest.approx(z.abs().max().item(), rel=1e-6)
+    assert report.modules["1"].norm == pytest.approx(z.abs().square().sum().sqrt().item(), rel=1e-5)
+    assert report.modules["2"].nan_count + report.modules["2"].inf_count > 0
+
+
+def test_a_nan_made_in_the_roots_own_forward_names_the_root():
+    class WithLoss(nn.Module):  # computes its loss inside forward, as Hugging Face models do
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(self.fc(x) - 100.0).mean()  # log of a negative number: NaN
+
+    model = WithLoss()
+    with ActivationWatch(model) as watch:
+        model(torch.randn(2, 4)).backward()
+        report = watch.report()
+    assert report.forward_origin == "<root>" and report.origin == "<root>"
+    assert report.modules["<root>"].nan_count == 1 and report.modules["fc"].nan_count == 0
+    assert "forward origin <root>" in report.summary()
+    assert report.to_dict(per_module=True)["act/<root>/max_abs"] != report.to_dict(per_module=True)["act/fc/max_abs"]
+
+
+def test_a_backward_nan_from_outside_the_watched_modules_names_no_consumer():
+    class Normalized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc1(x)
+            h = h / (h.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6)  # the root's own code: sqrt'(0) = inf
+            return self.fc2(h)
+
+    model = Normalized()
+    with torch.no_grad():
+        model.fc1.weight.zero_()
+        model.fc1.bias.zero_()  # fc1 outputs zeros: the division's backward is 0 * inf
+    with ActivationWatch(model) as watch:
+        model(torch.randn(2, 4)).sum().backward()
+        report = watch.report()
+    assert report.nonfinite and report.forward_first_nonfinite is None
+    assert report.backward_origin is None and report.origin is None  # fc1 only received it
+    assert report.backward_first_nonfinite == "fc1"
+    summary = report.summary()
+    assert "first non-finite gradient in the backward of fc1, which received it" in summary
+    assert "outside the watched modules" in summary
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mixed_device_outputs_are_read_after_their_copy_lands():
+    class ToHost(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:1, :1].cpu() * 0.0 + 1.0  # a small CPU output of a large CUDA input
+
+    class Big(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = torch.full_like(x, 1.0 / x.shape[0])
+            for _ in range(30):  # keep the stream busy so that the result lands late; every value stays 1
+                x = x @ w
+            return x
+
+    model = nn.Sequential(Big(), ToHost())
+    x = torch.ones(4096, 4096, device="cuda")
+    with ActivationWatch(model, backward=False) as watch:
+        for _ in range(3):
+            model(x)
+            report = watch.report()
+            assert report.modules["1"].input_max_abs == pytest.approx(1.0, rel=1e-4)
+            assert report.modules["1"].max_abs == 1.0

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ActivationReport", "HookFigures", "ModuleFigures", "build_report"]
+__all__ = ["ROOT", "ActivationReport", "HookFigures", "ModuleFigures", "build_report"]
+
+#: The name of the watched model itself, in reports, keys and warnings.
+ROOT = "<root>"
 
 #: Per tensor of one hook call: (sum of squares, max |x|, NaN count, Inf count).
 TensorFigures = tuple[float, float, int, int]
@@ -73,7 +76,9 @@ class ActivationReport:
     Attributes:
         step: the step described (steps are calls of the model's forward, from 0), or None if none was recorded.
         forward_origin: the first module, in forward order, whose output is non-finite while its floating inputs
-            were finite: the producer. None if the forward was finite, or the model's inputs were already non-finite.
+            were finite: the producer. ``"<root>"`` (the model itself, always read; it finishes last) when no watched
+            module inside it produced it: the root's own code (a loss computed in ``forward``) or an unwatched module.
+            None if the forward was finite, or the model's inputs were already non-finite.
         forward_propagators: the other modules whose output is non-finite, in forward order.
         inputs_nonfinite: the model's own floating inputs held a NaN/Inf (then no module is the origin).
         forward_first_nonfinite: the first module in forward order with a non-finite output (the origin when there
@@ -82,6 +87,9 @@ class ActivationReport:
         backward_origin: the first module, in backward order, whose ``grad_input`` is non-finite while its
             ``grad_output`` was finite. When the forward was already non-finite this is a consequence, not a cause.
         backward_propagators: the other modules with a non-finite ``grad_output`` or ``grad_input``, in order.
+        backward_first_nonfinite: the first module in backward order with a non-finite ``grad_output`` or
+            ``grad_input``; when it is not the backward origin, the value came from the backward of code outside the
+            watched modules (the loss, or the root's own code).
         backward_recorded: the backward of this step ran while the watch had backward hooks on.
         modules: module path -> :class:`ModuleFigures`, in forward order.
         forward_order, backward_order: module paths in the order their forward finished / their backward hook ran.
@@ -96,6 +104,7 @@ class ActivationReport:
     weight_max_abs: float | None
     backward_origin: str | None
     backward_propagators: list[str]
+    backward_first_nonfinite: str | None
     backward_recorded: bool
     modules: dict[str, ModuleFigures]
     forward_order: list[str]
@@ -108,25 +117,26 @@ class ActivationReport:
             self.inputs_nonfinite
             or self.forward_first_nonfinite is not None
             or self.backward_origin is not None
-            or bool(self.backward_propagators)
+            or self.backward_first_nonfinite is not None
         )
 
     @property
     def origin(self) -> str | None:
         """One label for where it started: the forward origin, ``"<inputs>"`` if the model's inputs were
-        non-finite, the first non-finite module if no watched module produced it, else the backward origin."""
+        non-finite, else the backward origin. None when all was finite, and when no watched module produced the
+        value (a module that only received it is never named: :meth:`summary` says where it was first seen)."""
         if self.forward_origin is not None:
             return self.forward_origin
         if self.inputs_nonfinite:
             return "<inputs>"
         if self.forward_first_nonfinite is not None:
-            return self.forward_first_nonfinite
-        if self.backward_origin is not None:
-            return self.backward_origin
-        return self.backward_propagators[0] if self.backward_propagators else None
+            return None
+        return self.backward_origin
 
     def summary(self) -> str:
         """One line naming the origin (for a log message)."""
+        if self.step is None:
+            return "no forward recorded yet"
         if not self.nonfinite:
             return f"activations finite at step {self.step}"
         parts = []
@@ -135,6 +145,12 @@ class ActivationReport:
                 f"forward origin {self.forward_origin} (inputs max |x| {self.input_max_abs:.4g}, "
                 + (f"weights max |x| {self.weight_max_abs:.4g})" if self.weight_max_abs is not None else "no weights)")
             )
+            first = self.forward_first_nonfinite
+            if self.forward_origin == ROOT:
+                parts[-1] += (
+                    ": made by code outside the watched modules (the root's own forward or an unwatched module)"
+                    + (f", first seen by {first}" if first not in (None, ROOT) else "")
+                )
         elif self.inputs_nonfinite:
             parts.append("the model's inputs were non-finite")
         elif self.forward_first_nonfinite is not None:
@@ -144,6 +160,11 @@ class ActivationReport:
             )
         if self.backward_origin is not None:
             parts.append(f"backward origin {self.backward_origin}")
+        elif self.backward_first_nonfinite is not None:
+            parts.append(
+                f"first non-finite gradient in the backward of {self.backward_first_nonfinite}, which received it: "
+                "made in the backward of code outside the watched modules (the loss, or the root's own code)"
+            )
         return f"non-finite activations at step {self.step}: " + "; ".join(parts)
 
     def to_dict(self, per_module: bool = False) -> dict[str, Any]:
@@ -195,6 +216,7 @@ def build_report(
         elif name not in bad_fwd:
             bad_fwd.append(name)
     b_origin: str | None = None
+    b_first: str | None = None
     bad_bwd: list[str] = []
     for name, (n_out, _n_in), values in backward:
         go_sq, go_max, go_nan, go_inf = _group(values[:n_out])
@@ -205,6 +227,8 @@ def build_report(
         fig.grad_nonfinite = (fig.grad_nonfinite or 0) + go_nan + go_inf
         fig.grad_input_max_abs = _nan_max([fig.grad_input_max_abs or 0.0, gi_max])
         fig.grad_input_nonfinite = (fig.grad_input_nonfinite or 0) + gi_nan + gi_inf
+        if go_nan + go_inf + gi_nan + gi_inf > 0:
+            b_first = b_first or name
         if b_origin is None and go_nan + go_inf == 0 and gi_nan + gi_inf > 0:
             b_origin = name
         elif go_nan + go_inf + gi_nan + gi_inf > 0 and name not in bad_bwd:
@@ -219,6 +243,7 @@ def build_report(
         weight_max_abs=w_max,
         backward_origin=b_origin,
         backward_propagators=[n for n in bad_bwd if n != b_origin],
+        backward_first_nonfinite=b_first,
         backward_recorded=bool(backward),
         modules=modules,
         forward_order=forward_order,

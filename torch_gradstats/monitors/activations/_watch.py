@@ -1,18 +1,21 @@
-"""Where a NaN starts: the hooks of :class:`ActivationWatch`, which feed the library's op (report: ``_report.py``).
+"""Where a NaN starts: the hooks of :class:`ActivationWatch`, which feed the library's op (reads: ``_reads.py``,
+report: ``_report.py``).
 
-Forward hooks (and full backward hooks) on the selected modules read each module's floating-point inputs, outputs
-and own parameters (in the backward: ``grad_output`` and ``grad_input``) with ONE op call per hook and copy the
-three small results into buffers kept on the device. Nothing is read on the host until :meth:`ActivationWatch.report`,
-which moves every buffer of the latest recorded step in one transfer and names the module that *produced* the first
-non-finite value: in execution order, the first whose output is non-finite while its inputs were finite (forward),
-the first whose ``grad_input`` is non-finite while its ``grad_output`` was finite (backward).
+A forward pre-hook on each watched module reads its floating-point and complex inputs before it runs, a forward hook
+its outputs and own parameters, each with at most ONE op call; with ``backward=True`` an identity autograd node on
+its inputs and outputs (:class:`~torch_gradstats.monitors.activations._reads.Boundary`) reads ``grad_output`` and
+``grad_input`` with one op call. The op's small results stay on the device: nothing is read on the host until
+:meth:`ActivationWatch.report`, which moves the latest recorded step in one transfer and names the module that
+*produced* the first non-finite value: in execution order, the first whose output is non-finite while its inputs
+were finite (forward), the first whose ``grad_input`` is non-finite while its ``grad_output`` was finite (backward).
+The root is always read (its inputs and outputs), under the name ``"<root>"``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import sys
-import weakref
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
@@ -20,9 +23,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from torch_gradstats.monitors.activations._report import ActivationReport, HookFigures, TensorFigures, build_report
+from torch_gradstats.monitors.activations._reads import Boundary, Call, Reader, gather, rebuild, top_level
+from torch_gradstats.monitors.activations._report import (
+    ROOT,
+    ActivationReport,
+    HookFigures,
+    TensorFigures,
+    build_report,
+)
 from torch_gradstats.ops._transfer import to_device, to_host
-from torch_gradstats.ops.op import INF, NAN, SUPPORTED_DTYPES, multi_tensor_stats
+from torch_gradstats.ops.op import INF, NAN, SUPPORTED_DTYPES
 
 __all__ = ["ActivationWatch"]
 
@@ -31,7 +41,7 @@ ModuleSelection: TypeAlias = "type | tuple[type, ...] | Callable[[str, nn.Module
 
 #: A child attribute that a wrapper adds to every path below it (torch.compile, FSDP1, activation checkpointing).
 _WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-_FWD, _BWD, _ROOT = 0, 1, 2
+logger = logging.getLogger("torch_gradstats.activations")
 
 _COMPILE_ERROR = (
     "ActivationWatch cannot run inside a torch.compile'd region: its hooks keep per-step state in Python. Watch the "
@@ -108,68 +118,42 @@ def _default_selection(module: nn.Module) -> bool:
     return next(module.children(), None) is None or next(module.parameters(recurse=False), None) is not None
 
 
-def _gather(obj: Any, out: list[Tensor]) -> None:
-    """Append every floating-point tensor the op accepts found in ``obj`` (nested tuples, lists, dicts, dataclasses)."""
-    if isinstance(obj, Tensor):
-        if obj.dtype in SUPPORTED_DTYPES:
-            out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            _gather(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _gather(item, out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _gather(getattr(obj, f.name), out)
+def _recomputing() -> bool:
+    """A forward run by the autograd engine during a backward: activation checkpointing recomputing a region. It is
+    no new call: its figures were read in the original forward, and only its backward nodes are needed again."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
-#: A tensor's identity and contents version -> (a weak reference to it, the slot that read it, its index there).
-_Seen = dict[tuple[Any, ...], tuple["weakref.ref[Tensor]", "_Slot", int]]
+def _floating(t: Tensor) -> bool:
+    return t.dtype in SUPPORTED_DTYPES or t.is_complex()
 
 
-class _Slot:
-    """The device buffers of one hook call of one step: per tensor read, sum of squares, max |x| and counts.
+def _storage(t: Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
 
-    A tensor already read in this step (one module's output is the next one's input; one module's grad_input the
-    previous one's grad_output) is not read again: ``layout`` points at the slot that read it.
-    """
 
-    __slots__ = ("amax", "counts", "device", "groups", "index", "layout", "phase", "step", "sumsq")
+class _Pending:
+    """The backward of one forward call of one module: its output node's gradients wait for its input node's."""
 
-    def __init__(self, phase: int, index: int) -> None:
-        self.phase, self.index = phase, index
-        self.groups: tuple[int, ...] = ()  # how many tensors of each kind, in list order
-        self.layout: list[tuple[_Slot, int]] = []  # per tensor: the slot whose buffers hold it, and where
-        self.step = -1  # the step these buffers describe
-        self.device: torch.device | None = None
-        self.sumsq = self.amax = self.counts = torch.empty(0)
+    __slots__ = ("grad_output", "has_inputs", "index", "inputs", "step", "watch")
 
-    def write(self, tensors: list[Tensor], groups: tuple[int, ...], step: int, seen: _Seen) -> None:
-        own: list[Tensor] = []
-        layout: list[tuple[_Slot, int]] = []
-        for t in tensors:
-            # Same memory, shape, strides, dtype and in-place version: the same values. The weak reference proves
-            # the memory was not freed and reused by another tensor since.
-            key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
-            hit = seen.get(key)
-            if hit is not None and hit[0]() is not None:
-                layout.append((hit[1], hit[2]))
-                continue
-            seen[key] = (weakref.ref(t), self, len(own))
-            layout.append((self, len(own)))
-            own.append(t)
-        self.groups, self.layout, self.step = groups, layout, step
-        if not own:
-            return
-        stats = multi_tensor_stats(own)
-        n, device = len(own), own[0].device
-        if self.sumsq.numel() != n or self.device != device:  # first use, or the module emitted other tensors
-            self.sumsq = torch.empty(n, dtype=torch.float64, device=device)
-            self.amax = torch.empty(n, dtype=torch.float64, device=device)
-            self.counts = torch.empty(n, 3, dtype=torch.int64, device=device)
-            self.device = device
-        torch._foreach_copy_([self.sumsq, self.amax, self.counts], list(stats))
+    def __init__(self, watch: ActivationWatch, index: int, step: int) -> None:
+        self.watch, self.index, self.step = watch, index, step
+        self.has_inputs = False
+        self.inputs: list[tuple[Tensor, int]] = []  # the aliases handed to the module, and their version then
+        self.grad_output: list[Tensor] | None = None
+
+    def on_grad_output(self, grads: tuple[Tensor | None, ...]) -> None:
+        found = [g for g in grads if g is not None]
+        if self.has_inputs:
+            self.grad_output = found
+        else:
+            self.watch._record_backward(self.index, self.step, found, [])
+
+    def on_grad_input(self, grads: tuple[Tensor | None, ...]) -> None:
+        found = self.grad_output if self.grad_output is not None else []
+        self.grad_output = None
+        self.watch._record_backward(self.index, self.step, found, [g for g in grads if g is not None])
 
 
 class ActivationWatch:
@@ -177,15 +161,18 @@ class ActivationWatch:
 
     Args:
         model: the model; DDP, DataParallel, FSDP1 and checkpoint wrappers are seen through (paths have no
-            ``module.`` / ``_fsdp_wrapped_module.`` / ``_orig_mod.`` parts).
+            ``module.`` / ``_fsdp_wrapped_module.`` / ``_orig_mod.`` parts). Its own inputs and outputs are always
+            read, under the name ``"<root>"``.
         modules: None (every leaf module and every module owning parameters directly), a module type or tuple of
             types, or a predicate ``(path, module) -> bool``. Paths are dot-separated, as in ``named_modules()``.
-        every_n_steps: record steps 0, n, 2n, ... (a step is one call of the model's forward); on the other steps
-            the hooks are off and a step costs one Python check.
-        backward: also watch ``grad_output`` / ``grad_input`` with full backward hooks.
+        every_n_steps: record steps 0, n, 2n, ... (a step is one call of the model's forward, or, when the model's
+            own forward is not called, of the first watched module called from outside it); on the other steps a
+            module's call costs one Python check.
+        backward: also watch ``grad_output`` / ``grad_input`` of the selected modules.
 
-    Use as a handle (``remove()``) or a context manager. Hooks never read a value on the host; :meth:`report` does,
-    once. Raises TypeError / ValueError for bad arguments, RuntimeError when run inside a torch.compile'd region.
+    Use as a handle (``remove()``) or a context manager (entering a removed watch puts its hooks back). Hooks never
+    read a value on the host; :meth:`report` does, once. Raises TypeError / ValueError for bad arguments,
+    RuntimeError when run inside a torch.compile'd region.
     """
 
     def __init__(
@@ -210,51 +197,63 @@ class ActivationWatch:
         self.every_n_steps = every_n_steps
         self.backward = backward
         self._root = _unwrap(model)
-        self._names: list[str] = []
-        self._modules: list[nn.Module] = []
+        # Index 0 is the root, read always; its backward only when selected.
+        self._names: list[str] = [ROOT]
+        self._modules: list[nn.Module] = [self._root]
+        self._with_backward: list[bool] = [False]
+        selected = False
         for path, module in _named_modules(self._root):
-            if select(path, module):
+            if not select(path, module):
+                continue
+            selected = True
+            if module is self._root:
+                self._with_backward[0] = backward
+            else:
                 self._names.append(path)
                 self._modules.append(module)
-        if not self._modules:
+                self._with_backward.append(backward)
+        if not selected:
             raise ValueError("ActivationWatch: modules selected no module of the model")
-        if backward:
-            for path, module in _named_modules(self._root):
-                if getattr(module, "inplace", False) is True:
-                    # PyTorch's full backward hooks wrap outputs in a view that an in-place op may not modify.
-                    raise ValueError(
-                        f"ActivationWatch: module {path or '<root>'} ({type(module).__name__}) works in place, which "
-                        "full backward hooks do not allow; set its inplace=False, or watch with backward=False"
-                    )
         self._step = -1  # the step now running (or last run)
         self._recorded = -1  # the latest recorded step
         self._recording = False
-        self._calls: list[int] = [0] * len(self._modules)
-        self._bwd_calls: list[int] = [0] * len(self._modules)
-        self._slots: dict[tuple[int, int, int], _Slot] = {}
-        self._fwd_order: list[_Slot] = []  # in the order the slots were first written: execution order
-        self._bwd_order: list[_Slot] = []
-        self._root_slot = _Slot(_ROOT, -1)
-        self._seen: _Seen = {}  # the tensors read in the recorded step
-        self._root_has_inputs = False
+        self._lead: int | None = None  # the module whose call starts a step when the root's forward is not called
+        self._in_root = 0  # root forwards now running
+        self._reader = Reader()
+        self._fwd: list[Call] = []  # the recorded step's forward calls, in the order they finished
+        self._bwd: list[Call] = []
+        self._inputs: Call | None = None  # the call whose inputs are the step's inputs (the root's, or the lead's)
+        # (module index, thread) -> the calls whose forward runs (DataParallel runs replicas on several threads)
+        self._open: dict[tuple[int, int], list[tuple[Call | None, _Pending | None, bool]]] = {}
+        self._fwd_names: dict[str, None] = {}  # execution order over every recorded step
+        self._bwd_names: dict[str, None] = {}
         self._permanent: list[RemovableHandle] = []
         self._toggled: list[RemovableHandle] = []
-        self._active = True
-        self._permanent.append(self._root.register_forward_pre_hook(self._on_step, with_kwargs=True, prepend=True))
-        # The root's own hooks (if selected) are captured by its call before its pre-hooks run: keep them on.
-        for i, module in enumerate(self._modules):
-            if module is self._root:
-                self._permanent.extend(self._hooks_of(i))
+        self._active = False
+        self._warned_late = False  # said once: a backward that came after another step began
+        self._install()
 
     # ------------------------------------------------------------------------------------------ handle
+    def _install(self) -> None:
+        root = self._root
+        self._permanent.append(root.register_forward_pre_hook(self._pre_hook(0), with_kwargs=True, prepend=True))
+        self._permanent.append(root.register_forward_hook(self._post_hook(0), with_kwargs=True, always_call=True))
+        for i, module in enumerate(self._modules[1:], 1):  # a call of any may start a step (see _pre_hook)
+            self._permanent.append(module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
+        self._active = True
+
     def remove(self) -> None:
         """Take every hook away (idempotent). The last figures stay readable through :meth:`report`."""
         for h in self._permanent + self._toggled:
             h.remove()
         self._permanent, self._toggled = [], []
-        self._active = False
+        self._active = self._recording = False
+        self._in_root = 0
+        self._open.clear()
 
     def __enter__(self) -> ActivationWatch:  # noqa: PYI034
+        if not self._active:  # a removed watch entered again: hooks back, the step count goes on
+            self._install()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -262,146 +261,193 @@ class ActivationWatch:
 
     @property
     def step(self) -> int:
-        """The number of forward calls seen so far, minus one (the current or last step); -1 before the first."""
+        """The number of steps seen so far, minus one (the current or last step); -1 before the first."""
         return self._step
 
     @property
     def module_names(self) -> list[str]:
-        """The watched module paths, in model order."""
+        """The watched module paths, in model order, ``"<root>"`` first (the root's inputs and outputs are always
+        read)."""
         return list(self._names)
 
-    # ------------------------------------------------------------------------------------------ hooks
-    def _hooks_of(self, i: int) -> list[RemovableHandle]:
-        module = self._modules[i]
-        handles = [module.register_forward_hook(self._forward_hook(i), with_kwargs=True)]
-        if self.backward:
-            handles.append(module.register_full_backward_hook(self._backward_hook(i)))
-        return handles
-
+    # ------------------------------------------------------------------------------------------ steps
     def _set_hooks(self, on: bool) -> None:
         if on and not self._toggled:
-            for i, module in enumerate(self._modules):
-                if module is not self._root:
-                    self._toggled.extend(self._hooks_of(i))
+            for i, module in enumerate(self._modules[1:], 1):
+                self._toggled.append(module.register_forward_hook(self._post_hook(i), with_kwargs=True,
+                                                                  always_call=True))  # fmt: skip
         elif not on:
             for h in self._toggled:
                 h.remove()
             self._toggled = []
 
-    def _on_step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if torch.compiler.is_compiling() or _inside_compiled_call():
-            raise RuntimeError(_COMPILE_ERROR)
+    def _begin_step(self) -> None:
         self._step += 1
         recording = self._step % self.every_n_steps == 0
         if recording != self._recording or (recording and not self._toggled):
             self._set_hooks(recording)
         self._recording = recording
-        if not recording:
-            return
-        self._recorded = self._step
-        self._calls = [0] * len(self._modules)
-        self._bwd_calls = [0] * len(self._modules)
-        self._seen.clear()
-        tensors: list[Tensor] = []
-        _gather(args, tensors)
-        _gather(kwargs, tensors)
-        self._root_has_inputs = bool(tensors)
-        if tensors:
-            self._root_slot.write(tensors, (len(tensors),), self._step, self._seen)
+        if recording:
+            self._recorded = self._step
+            self._fwd, self._bwd, self._inputs = [], [], None
+            self._reader.seen.clear()
+            self._open.clear()
 
-    def _slot(self, phase: int, i: int, calls: list[int]) -> _Slot:
-        key = (phase, i, calls[i])
-        calls[i] += 1
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._slots[key] = _Slot(phase, i)
-            (self._fwd_order if phase == _FWD else self._bwd_order).append(slot)
-        return slot
+    # ------------------------------------------------------------------------------------------ hooks
+    def _pre_hook(self, i: int) -> Callable[..., Any]:
+        with_backward = self._with_backward[i]
 
-    def _forward_hook(self, i: int) -> Callable[..., None]:
-        module = self._modules[i]
-
-        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            recompute = _recomputing()
+            if i == 0:
+                if torch.compiler.is_compiling() or _inside_compiled_call():
+                    raise RuntimeError(_COMPILE_ERROR)
+                if self._in_root == 0 and not recompute:
+                    self._begin_step()
+                self._in_root += 1
+            elif self._in_root == 0 and not recompute and self._lead in (None, i):
+                # The root's forward is not running (a Lightning training_step calling self.net(x)): the step
+                # starts with the first watched module called, each time it is called again.
+                if self._lead is None:
+                    self._lead = i
+                self._begin_step()
             if not self._recording:
-                return
+                if i == 0:
+                    self._open.setdefault((0, threading.get_ident()), []).append((None, None, False))
+                return None
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILE_ERROR)
-            tensors: list[Tensor] = []
-            _gather(args, tensors)
-            _gather(kwargs, tensors)
-            n_in = len(tensors)
-            _gather(output, tensors)
-            n_out = len(tensors) - n_in
-            for p in module.parameters(recurse=False):
-                if p.dtype in SUPPORTED_DTYPES and type(p) in (Tensor, nn.Parameter):  # DTensor shards are skipped
-                    tensors.append(p)
-            if n_out == 0:
-                return  # no floating output: nothing to watch
-            device = tensors[n_in].device
-            if any(t.device != device for t in tensors):
-                tensors = [t if t.device == device else t.detach().to(device, non_blocking=True) for t in tensors]
-            groups = (n_in, n_out, len(tensors) - n_in - n_out)
-            self._slot(_FWD, i, self._calls).write(tensors, groups, self._step, self._seen)
+            call = None
+            if not recompute:  # inputs read before the module runs: an in-place change is the module's own
+                tensors: list[Tensor] = []
+                gather(args, tensors)
+                gather(kwargs, tensors)
+                call = Call(i, self._step)
+                call.refs = self._reader.read(tensors) if tensors else []
+                call.groups = (len(tensors),)
+                if self._inputs is None:
+                    self._inputs = call
+            pending = None
+            if with_backward and torch.is_grad_enabled():
+                wrap = list({id(t): t for t in top_level(args) + top_level(list(kwargs.values()))
+                             if t.requires_grad and _floating(t)}.values())  # fmt: skip
+                if wrap:
+                    pending = _Pending(self, i, self._recorded)
+                    pending.has_inputs = True
+                    aliases = Boundary.apply(pending.on_grad_input, *wrap)
+                    pending.inputs = [(a, a._version) for a in aliases]
+                    swap = {id(t): a for t, a in zip(wrap, aliases)}
+                    args = rebuild(args, swap)
+                    kwargs = {k: swap.get(id(v), v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+            self._open.setdefault((i, threading.get_ident()), []).append((call, pending, True))
+            return (args, kwargs) if pending is not None else None
 
         return hook
 
-    def _backward_hook(self, i: int) -> Callable[..., None]:
-        def hook(_m: nn.Module, grad_input: tuple[Tensor | None, ...], grad_output: tuple[Tensor | None, ...]) -> None:
-            if not self._recording:
-                return
-            tensors: list[Tensor] = []
-            _gather(grad_output, tensors)
-            n_out = len(tensors)
-            _gather(grad_input, tensors)
-            if not tensors:
-                return
-            device = tensors[0].device
-            if any(t.device != device for t in tensors):
-                tensors = [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
-            groups = (n_out, len(tensors) - n_out)
-            self._slot(_BWD, i, self._bwd_calls).write(tensors, groups, self._recorded, self._seen)
+    def _post_hook(self, i: int) -> Callable[..., Any]:
+        module, name, with_backward = self._modules[i], self._names[i], self._with_backward[i]
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if i == 0:
+                self._in_root = max(0, self._in_root - 1)
+            stack = self._open.get((i, threading.get_ident()))
+            if not stack:
+                return None
+            call, pending, active = stack.pop()
+            if not active:
+                return None
+            if pending is not None:
+                _check_inputs_kept(name, module, pending, output)
+            result = output
+            if with_backward and torch.is_grad_enabled():
+                outs = list({id(t): t for t in top_level(output) if t.requires_grad and _floating(t)}.values())
+                if outs:
+                    if pending is None:
+                        pending = _Pending(self, i, self._recorded)
+                    aliases = Boundary.apply(pending.on_grad_output, *outs)
+                    result = rebuild(output, {id(t): a for t, a in zip(outs, aliases)})
+            if call is not None and call.step == self._recorded:
+                tensors: list[Tensor] = []
+                gather(result, tensors)
+                # DTensor shards are left out of the parameters
+                params: list[Tensor] = [p for p in module.parameters(recurse=False)
+                          if _floating(p) and type(p) in (Tensor, nn.Parameter)]  # fmt: skip
+                if tensors or i == 0:
+                    call.refs += self._reader.read(tensors + params) if tensors or params else []
+                    call.groups = (call.groups[0], len(tensors), len(params))
+                    self._fwd.append(call)
+                    self._fwd_names[name] = None
+            return result if result is not output else None
 
         return hook
+
+    def _record_backward(self, i: int, step: int, grad_output: list[Tensor], grad_input: list[Tensor]) -> None:
+        if step != self._recorded or not self._active:
+            if self._active and not self._warned_late:
+                self._warned_late = True
+                logger.warning("ActivationWatch: the backward of step %d ran after step %d began (another forward "
+                               "in between, e.g. an evaluation): its gradients are not in any report",
+                               step, self._step)  # fmt: skip
+            return
+        go = [g for g in grad_output if _floating(g)]
+        gi = [g for g in grad_input if _floating(g)]
+        if not go and not gi:
+            return
+        call = Call(i, step)
+        call.refs = self._reader.read(go + gi)
+        call.groups = (len(go), len(gi))
+        self._bwd.append(call)
+        self._bwd_names[self._names[i]] = None
 
     # ------------------------------------------------------------------------------------------ report
     def report(self) -> ActivationReport:
         """The figures and origins of the latest recorded step, in one device-to-host transfer."""
         step = self._recorded
-        fwd = [s for s in self._fwd_order if s.step == step]
-        bwd = [s for s in self._bwd_order if s.step == step]
-        slots = fwd + bwd
-        root = self._root_has_inputs and self._root_slot.step == step and step >= 0
-        if root:
-            slots.append(self._root_slot)
-        names = self._names
-        forward_order = list(dict.fromkeys(names[s.index] for s in self._fwd_order))
-        backward_order = list(dict.fromkeys(names[s.index] for s in self._bwd_order))
-        if not slots:
+        forward_order, backward_order = list(self._fwd_names), list(self._bwd_names)
+        inputs_call = self._inputs
+        calls = self._fwd + self._bwd + ([inputs_call] if inputs_call is not None else [])
+        reads = list({id(r): r for c in calls for r, _ in c.refs}.values())
+        if step < 0 or not reads:
             return build_report(None if step < 0 else step, [], [], None, forward_order, backward_order)
-        read = [s for s in slots if s.device is not None]  # a slot may only point at tensors others read
-        devices = [s.device for s in read if s.device is not None]
-        home = next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+        devices = [r.sumsq.device for r in reads]
+        home = next((d for d in devices if d.type != "cpu"), devices[0])
         if home.type == "meta":
             raise ValueError(
                 "ActivationWatch.report: the recorded activations are meta tensors, which have shapes but no values; "
                 "run the model on a real device (e.g. after model.to_empty(device=...)) to have figures to report"
             )
-        floats = [to_device(t, home) for s in read for t in (s.sumsq, s.amax)]
-        ints = [to_device(s.counts, home) for s in read]
-        fvals, ivals = to_host(floats, ints)  # the one transfer
-        own: dict[int, list[TensorFigures]] = {}  # id(slot) -> the figures of the tensors it read itself
+        floats = [to_device(t, home) for r in reads for t in (r.sumsq, r.amax)]
+        fvals, ivals = to_host(floats, [to_device(r.counts, home) for r in reads])  # the one transfer
+        own: dict[int, list[TensorFigures]] = {}  # id(read) -> the figures of its tensors
         fpos = ipos = 0
-        for s in read:
-            n = s.sumsq.numel()
+        for r in reads:
+            n = r.sumsq.numel()
             sumsq, amax = fvals[fpos : fpos + n], fvals[fpos + n : fpos + 2 * n]
             counts = ivals[ipos : ipos + 3 * n]
             fpos, ipos = fpos + 2 * n, ipos + 3 * n
-            own[id(s)] = [(sumsq[k], amax[k], counts[3 * k + NAN], counts[3 * k + INF]) for k in range(n)]
-        per_slot = [[own[id(ref)][k] for ref, k in s.layout] for s in slots]
-        forward: list[HookFigures] = [(names[s.index], s.groups, v) for s, v in zip(fwd, per_slot)]
-        backward: list[HookFigures] = [(names[s.index], s.groups, v) for s, v in zip(bwd, per_slot[len(fwd) :])]
-        inputs = per_slot[-1] if root else None
-        return build_report(step, forward, backward, inputs, forward_order, backward_order)
+            own[id(r)] = [(sumsq[k], amax[k], counts[3 * k + NAN], counts[3 * k + INF]) for k in range(n)]
+
+        def figures(c: Call) -> HookFigures:
+            return self._names[c.index], c.groups, [own[id(r)][k] for r, k in c.refs]
+
+        inputs = None
+        if inputs_call is not None:
+            inputs = [own[id(r)][k] for r, k in inputs_call.refs[: inputs_call.groups[0]]]
+        return build_report(step, [figures(c) for c in self._fwd], [figures(c) for c in self._bwd], inputs,
+                            forward_order, backward_order)  # fmt: skip
+
+
+def _check_inputs_kept(name: str, module: nn.Module, pending: _Pending, output: Any) -> None:
+    """A module that changed an input in place and returned another tensor leaves its caller holding that input
+    under the autograd history it had before (the module saw an alias): refuse rather than change gradients."""
+    outs = {_storage(t) for t in top_level(output)}
+    for alias, version in pending.inputs:
+        if alias._version != version and _storage(alias) not in outs:
+            raise RuntimeError(
+                f"ActivationWatch: module {name} ({type(module).__name__}) changed its input in place and returned "
+                "another tensor; with backward=True the caller's input would keep its old autograd history. Return "
+                "the changed input (x = module(x)), or watch with backward=False"
+            )
 
 
 def _selector(modules: ModuleSelection) -> Callable[[str, nn.Module], bool]:

@@ -1,0 +1,164 @@
+"""The device side of :class:`~torch_gradstats.ActivationWatch`: reading tensors with the library's op,
+and the identity autograd node that hands a module's gradients to the watch (hooks: ``_watch.py``).
+
+A read is one op call; its three small outputs stay on the device, unread, until the report. A tensor already read
+in the step (one module's output is the next one's input) is not read again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torch_gradstats.ops._transfer import to_device
+from torch_gradstats.ops.op import SUPPORTED_DTYPES, multi_tensor_stats
+
+__all__ = ["Boundary", "Call", "Read", "Reader", "gather", "rebuild"]
+
+_COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
+
+
+def _watched_dtype(t: Tensor) -> bool:
+    return t.dtype in SUPPORTED_DTYPES or t.dtype in _COMPLEX
+
+
+def gather(obj: Any, out: list[Tensor]) -> None:
+    """Append every floating-point or complex tensor found in ``obj`` (nested tuples, lists, dicts, dataclasses)."""
+    if isinstance(obj, Tensor):
+        if _watched_dtype(obj):
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            gather(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            gather(item, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            gather(getattr(obj, f.name), out)
+
+
+class Read:
+    """The op's outputs for the tensors of one read: sum of squares, max |x|, and (zero, NaN, Inf) counts."""
+
+    __slots__ = ("amax", "counts", "sumsq")
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.sumsq, self.amax, self.counts = multi_tensor_stats(tensors)
+
+
+#: Where one tensor's figures are: the read that holds them, and the index there.
+Ref = tuple[Read, int]
+
+
+class Call:
+    """One hook call of a recorded step: a module's forward (inputs, outputs, own parameters) or backward
+    (grad_output, grad_input): how many tensors of each kind, and where their figures are."""
+
+    __slots__ = ("groups", "index", "refs", "step")
+
+    def __init__(self, index: int, step: int) -> None:
+        self.index, self.step = index, step
+        self.groups: tuple[int, ...] = ()
+        self.refs: list[Ref] = []
+
+
+def _key(t: Tensor) -> tuple[Any, ...] | None:
+    """Same memory, shape, strides, dtype and in-place version: the same values. Inference tensors keep no version
+    counter, so they are never taken as already read."""
+    if t.is_inference():
+        return None
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
+
+
+class Reader:
+    """Reads tensors with ONE op call, skipping those already read in the step (``seen``, cleared per step)."""
+
+    def __init__(self) -> None:
+        # key -> (a weak reference proving the memory was not freed and reused since, the read, the index there)
+        self.seen: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], Ref]] = {}
+
+    def read(self, tensors: Sequence[Tensor]) -> list[Ref]:
+        refs: list[Ref | None] = []
+        own: list[Tensor] = []
+        keys: list[tuple[Any, ...] | None] = []
+        for t in tensors:
+            key = _key(t)
+            hit = self.seen.get(key) if key is not None else None
+            if hit is not None and hit[0]() is not None:
+                refs.append(hit[1])
+                continue
+            refs.append(None)
+            own.append(t)
+            keys.append(key)
+        if not own:
+            return [r for r in refs if r is not None]
+        read = Read(_prepare(own))
+        k = 0
+        out: list[Ref] = []
+        for t, ref in zip(tensors, refs):
+            if ref is None:
+                ref = (read, k)
+                key = keys[k]
+                if key is not None:
+                    self.seen[key] = (weakref.ref(t), ref)
+                k += 1
+            out.append(ref)
+        return out
+
+
+def _prepare(tensors: list[Tensor]) -> list[Tensor]:
+    """What the op reads: |z| for a complex tensor (max |z|, sum |z|^2, a NaN/Inf in either part is non-finite), and
+    every tensor on one device, the first non-CPU one (a copy to it is ordered before the op; never to the CPU,
+    where a non-blocking copy could be read before it lands)."""
+    out = [t.detach().abs() if t.dtype in _COMPLEX else t.detach() for t in tensors]
+    home = next((t.device for t in out if t.device.type != "cpu"), out[0].device)
+    return [t if t.device == home else to_device(t, home) for t in out]
+
+
+class Boundary(torch.autograd.Function):
+    """Identity on tensors, whose backward hands their gradients to ``hook``: placed on a module's inputs and
+    outputs, it tells the module's grad_input and grad_output apart, as full backward hooks do.
+
+    Its outputs alias their inputs' memory (and in-place version counter) without being autograd views, so the
+    module or its caller may change them in place (``out += identity``, ``ReLU(inplace=True)``); PyTorch's own
+    ``BackwardHookFunction`` returns views, which a custom Function forbids to modify in place.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hook: Callable[[tuple[Tensor | None, ...]], None], *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.hook = hook
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        ctx.hook(grads)
+        return (None, *grads)
+
+
+def rebuild(obj: Any, swap: dict[int, Tensor]) -> Any:
+    """``obj`` with the tensors whose id is in ``swap`` replaced, for a tensor or a (named) tuple or list of them at
+    the top level; anything else is returned as it is."""
+    if isinstance(obj, Tensor):
+        return swap.get(id(obj), obj)
+    if isinstance(obj, (tuple, list)):
+        items = [swap.get(id(x), x) if isinstance(x, Tensor) else x for x in obj]
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def top_level(obj: Any) -> list[Tensor]:
+    """The tensors that :func:`rebuild` can replace in ``obj``."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [x for x in obj if isinstance(x, Tensor)]
+    return []
