@@ -67,9 +67,9 @@ def test_meta_figure_is_rejected_and_state_kept(make) -> None:
 @pytest.mark.parametrize(
     ("key", "value", "match"),
     [
-        ("count", torch.tensor([-5]), "'count' must be in"),
-        ("count", torch.tensor([9]), "'count' must be in"),
-        ("ema", torch.tensor([1.0, -1.0], dtype=torch.float64), "variance >= 0"),
+        ("count", torch.tensor([-5]), r"'count' \(the warm-up norms collected\) must be in"),
+        ("count", torch.tensor([9]), r"'count' \(the warm-up norms collected\) must be in"),
+        ("ema", torch.tensor([1.0, -1.0], dtype=torch.float64), r"EMA variance .* must be finite and >= 0"),
         ("ema", torch.tensor([math.nan, 1.0], dtype=torch.float64), "must be finite"),
     ],
 )
