@@ -64,7 +64,14 @@ class _Dense:
     grad: Tensor
 
 
-_Contribution = _Outer | _Rows | _Dense
+@dataclass
+class _Sum:
+    """A bias's per-example gradient ``sum_t g[:, j, t]`` (the ``g`` of its layer's weight's _Outer)."""
+
+    g: Tensor  # [B, J, T, out]
+
+
+_Contribution = _Outer | _Rows | _Dense | _Sum
 
 
 def _batched(x: Tensor, bd: int) -> Tensor:
@@ -82,37 +89,52 @@ def _gram(x: Tensor, y: Tensor) -> Tensor:
     return torch.matmul(x, y.transpose(-1, -2))
 
 
+def _dot(x: Tensor, y: Tensor) -> Tensor:
+    """Per-example ``sum(x * y)`` of two ``[B, ...]`` tensors, in one batched product (no ``x * y`` made)."""
+    b = x.shape[0]
+    return torch.bmm(x.reshape(b, 1, -1), y.reshape(b, -1, 1)).reshape(b)
+
+
 class _Norms:
     """Squared norms and inner products of contributions, per example (``[B]``)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.grams: dict[int, tuple[Tensor, Tensor]] = {}  # id(input) -> (input, its Gram), within one backward
+        # Within one backward: id(input) -> (input, a a^T), shared by the layers that read one input (a block's q,
+        # k and v projections); id(g) -> (g, g g^T), which also gives the bias's norm.
+        self.grams: dict[int, tuple[Tensor, Tensor]] = {}
+        self.out_grams: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def _input_gram(self, a: Tensor, key: Tensor) -> Tensor:
-        """``a a^T``, shared by the layers that read one input (a block's q, k and v projections)."""
-        kept = self.grams.get(id(key))
+    @staticmethod
+    def _kept(cache: dict[int, tuple[Tensor, Tensor]], key: Tensor, make: Tensor) -> Tensor:
+        kept = cache.get(id(key))
         if kept is not None and kept[0] is key:
             return kept[1]
-        gram = _gram(a, a)
-        self.grams[id(key)] = (key, gram)
+        gram = _gram(make, make)
+        cache[id(key)] = (key, gram)
         return gram
 
     def square(self, c: _Contribution, key: Tensor | None = None) -> Tensor:
         if isinstance(c, _Dense):
-            return c.grad.reshape(c.grad.shape[0], -1).square().sum(1)
+            return _dot(c.grad, c.grad)
+        if isinstance(c, _Sum):
+            kept = self.out_grams.get(id(c.g))
+            if kept is not None and kept[0] is c.g:  # ||sum_t g_t||^2 = sum_ts g_t . g_s
+                return kept[1].sum((1, 2, 3))
+            return self.square(_Dense(self.dense(c)))
         if isinstance(c, _Rows):
             b, t, d = c.g.shape
             if t * t * (d + 1) <= c.rows * d or b * c.rows * d > self.limit:
                 return self.inner(c, c)
-            return self.dense(c).reshape(b, -1).square().sum(1)
+            return self.square(_Dense(self.dense(c)))
         b, j, t, i = c.a.shape
         o = c.g.shape[-1]
         if t * t * (i + o) <= t * i * o + i * o:  # the Gram form costs fewer multiplications
-            if key is not None and b * j * t * t <= self.limit:
-                return (self._input_gram(c.a, key) * _gram(c.g, c.g)).sum((1, 2, 3))
+            if b * j * t * t <= self.limit:
+                ga = _gram(c.a, c.a) if key is None else self._kept(self.grams, key, c.a)
+                return _dot(ga, self._kept(self.out_grams, c.g, c.g))
             return self.inner(c, c)
-        parts = [torch.matmul(c.g[s].transpose(-1, -2), c.a[s]).square().sum((1, 2, 3))
+        parts = [self.square(_Dense(torch.matmul(c.g[s].transpose(-1, -2), c.a[s])))
                  for s in _chunks(b, j * i * o, self.limit)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -133,13 +155,15 @@ class _Norms:
                 vg, va = v.g[s, 0], v.a[s, 0]  # [b, T_v, V], [b, T_v, D]
                 picked = vg.gather(2, u.idx[s, None, :].expand(-1, t_v, -1))  # vg[b, t, idx[b, s]]
                 prod = picked * _gram(va, u.g[s])
-            parts.append(prod.reshape(prod.shape[0], -1).sum(1))
+            parts.append(prod.reshape(prod.shape[0], -1).sum(1))  # (a product of three: no _dot)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def dense(self, c: _Contribution) -> Tensor:
         """The contribution made in full, ``[B, ...]`` (the layout of its parameter, flattened past the batch)."""
         if isinstance(c, _Dense):
             return c.grad.reshape(c.grad.shape[0], -1)
+        if isinstance(c, _Sum):
+            return c.g.sum(2).reshape(c.g.shape[0], -1)
         if isinstance(c, _Rows):
             b, _, d = c.g.shape
             rows = c.idx + torch.arange(b, device=c.idx.device)[:, None] * c.rows
@@ -151,8 +175,8 @@ class _Norms:
         """The squared norm of the sum of several uses of one parameter, cross terms included."""
         if len(uses) == 1:
             return self.square(uses[0])
-        b = uses[0].grad.shape[0] if isinstance(uses[0], _Dense) else uses[0].g.shape[0]
-        grams = [u for u in uses if not isinstance(u, _Dense)]
+        b = self.dense(uses[0]).shape[0] if isinstance(uses[0], _Dense) else uses[0].g.shape[0]
+        grams = [u for u in uses if isinstance(u, (_Outer, _Rows))]
         if len(grams) == len(uses):
             # Gram matrices of positions, a slice of the batch at a time: one example's must fit.
             pair = max(u.g.shape[-2] * v.g.shape[-2] * (u.g.shape[1] if isinstance(u, _Outer) else 1)
@@ -172,11 +196,11 @@ class _Norms:
         full = self.dense(uses[0])
         for u in uses[1:]:
             full = full + self.dense(u)
-        return full.square().sum(1)
+        return _dot(full, full)
 
 
 # ---------------------------------------------------------------------------------------------- layers
-def _conv_contributions(m: nn.Conv1d | nn.Conv2d, x: Tensor, g: Tensor) -> tuple[_Outer, Tensor]:
+def _conv_contributions(m: nn.Conv1d | nn.Conv2d, x: Tensor, g: Tensor) -> tuple[_Outer, _Sum]:
     """The unfolded input and the output gradient of a convolution as an _Outer per group; and the bias's part."""
     one_d = isinstance(m, nn.Conv1d)
     if one_d:  # a Conv1d is a Conv2d of height 1
@@ -191,7 +215,7 @@ def _conv_contributions(m: nn.Conv1d | nn.Conv2d, x: Tensor, g: Tensor) -> tuple
     b, j = x.shape[0], m.groups
     a = cols.reshape(b, j, cols.shape[1] // j, -1).transpose(-1, -2)
     gg = g.reshape(b, j, g.shape[1] // j, -1).transpose(-1, -2)
-    return _Outer(a, gg), g.sum((2, 3))
+    return _Outer(a, gg), _Sum(gg)
 
 
 def _normalized(m: nn.Module, x: Tensor) -> Tensor:
@@ -208,7 +232,7 @@ def _exact(m: nn.Module, x: Tensor, g: Tensor, bd: int) -> dict[str, _Contributi
     """The contributions of one call of a layer with a closed form: ``{"weight": ..., "bias": ...}``."""
     if isinstance(m, (nn.Conv1d, nn.Conv2d)):
         outer, bias = _conv_contributions(m, x, g)
-        return {"weight": outer, "bias": _Dense(bias)}
+        return {"weight": outer, "bias": bias}
     if isinstance(m, nn.GroupNorm):  # [N, C, *]: per channel, over every other dimension
         xg = (_normalized(m, x) * g).reshape(x.shape[0], x.shape[1], -1).sum(2)
         return {"weight": _Dense(xg), "bias": _Dense(g.reshape(g.shape[0], g.shape[1], -1).sum(2))}
@@ -216,7 +240,7 @@ def _exact(m: nn.Module, x: Tensor, g: Tensor, bd: int) -> dict[str, _Contributi
     b = x.shape[0]
     if isinstance(m, nn.Linear):
         gg = g.reshape(b, 1, -1, g.shape[-1])
-        return {"weight": _Outer(x.reshape(b, 1, -1, x.shape[-1]), gg), "bias": _Dense(gg.sum((1, 2)))}
+        return {"weight": _Outer(x.reshape(b, 1, -1, x.shape[-1]), gg), "bias": _Sum(gg)}
     if isinstance(m, nn.Embedding):
         idx, gg = x.reshape(b, -1), g.reshape(b, -1, g.shape[-1])
         if m.padding_idx is not None:  # the padding row gets no gradient
@@ -350,6 +374,7 @@ class PerExampleNorms:
         self._batch: int | None = None
         self._queued = False
         self._norms.grams.clear()
+        self._norms.out_grams.clear()
 
     # ------------------------------------------------------------------------------------------- hooks
     def _forward(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
