@@ -112,6 +112,8 @@ class _Norms:
             return kept[1]
         gram = _gram(make, make)
         cache[id(key)] = (key, gram)
+        while len(cache) > 2:  # the layers that share an input run one after the other in the backward
+            del cache[next(iter(cache))]
         return gram
 
     def square(self, c: _Contribution, key: Tensor | None = None) -> Tensor:
@@ -374,7 +376,6 @@ class PerExampleNorms:
         self._batch: int | None = None
         self._queued = False
         self._norms.grams.clear()
-        self._norms.out_grams.clear()
 
     # ------------------------------------------------------------------------------------------- hooks
     def _forward(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -437,6 +438,7 @@ class PerExampleNorms:
                 self._sq[full] = (self._norms.square(pending[0], key) if len(pending) == 1
                                   else self._norms.combined(full, pending, p.numel()))
                 del self._pending[full]
+        self._norms.out_grams.clear()  # g g^T served this call's bias
 
     def _finish(self) -> None:
         """End of a backward: the micro-batch's per-example squared norms, scaled for the loss's reduction."""
