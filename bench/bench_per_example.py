@@ -240,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
 
     steps: dict[str, Step] = {}
     failed: dict[str, str] = {}
+    first: dict[str, object] = {}  # each contender's norms at the warm-up step (same weights, same batch)
     idx, target = batch(device, 0)
     for name in args.only:
         try:
             steps[name] = build(name, device)
-            steps[name](idx, target)  # warm-up, and a check that it runs at all
+            first[name] = steps[name](idx, target)  # warm-up, and a check that it runs at all
             sync(device)
         except Exception as exc:  # noqa: BLE001 - an optional package missing or refusing the model: reported
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150] if str(exc) else ''}"
@@ -285,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     if BACKPACK_MISSING and "BackPACK" in steps:
         lines += ["", (f"BackPACK does not support the model: it computed no batch_l2 for {len(BACKPACK_MISSING)} "
                        f"parameters ({', '.join(BACKPACK_MISSING)}), so its time covers the other parameters only.")]
+    ours = first.get("PerExampleNorms")
+    if isinstance(ours, tuple) and isinstance(first.get("Opacus ghost"), Tensor):
+        theirs = first["Opacus ghost"]
+        assert isinstance(theirs, Tensor)
+        diff = ((ours[0] - theirs).abs() / theirs).max().item()
+        lines += ["", f"At the warm-up step the norms of PerExampleNorms and Opacus differ by at most {diff:.1e}."]
     text = "\n".join(lines)
     print(text)
     if args.out is not None:

@@ -113,6 +113,8 @@ def layer_cases() -> dict[str, tuple[Callable[[], nn.Module], Callable[[int], Te
         "own_parameter_torch_func": (lambda: Scale(5), rand(3, 5)),
         "multihead_attention": (lambda: SelfAttention(8), rand(4, 8)),
         "conv3d_torch_func": (lambda: nn.Conv3d(2, 3, 2), rand(2, 3, 3, 3)),
+        "conv_transpose_torch_func": (lambda: nn.ConvTranspose2d(2, 3, 3, stride=2), rand(2, 4, 4)),
+        "prelu_torch_func": (lambda: nn.PReLU(3), rand(3, 4)),
         "batchnorm_eval": (lambda: nn.BatchNorm1d(4).eval(), rand(4, 3)),
     }
 
@@ -326,6 +328,8 @@ def test_refusals_name_the_module() -> None:
     no_stats = nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False).eval())
     with pytest.raises(ValueError, match=r"'0' \(BatchNorm1d\)"):
         PerExampleNorms(no_stats)
+    with pytest.raises(TypeError, match=r"'0' \(LSTM\).*torch.func"):
+        PerExampleNorms(nn.Sequential(nn.LSTM(3, 4)))
     with pytest.raises(ValueError, match=r"'0' \(Embedding\).*scale_grad_by_freq"):
         PerExampleNorms(nn.Sequential(nn.Embedding(5, 2, scale_grad_by_freq=True)))
     for bad in ({"loss_reduction": "none"}, {"batch_dim": -1}, {"max_materialize": 0}):

@@ -318,6 +318,7 @@ class PerExampleNorms:
     Raises:
         ValueError: a module that mixes examples (BatchNorm in training mode or without running statistics, an
             Embedding with ``scale_grad_by_freq``), named.
+        TypeError: a recurrent module (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: torch.func cannot batch them), named.
     """
 
     def __init__(self, model: nn.Module, *, loss_reduction: str = "mean", batch_dim: int = 0,
@@ -364,6 +365,9 @@ class PerExampleNorms:
                 f"PerExampleNorms: {_what(name, m)} normalises with the statistics of the whole batch, which mixes "
                 "the examples' gradients; put it in eval mode (running statistics) or use LayerNorm/GroupNorm"
             )
+        if isinstance(m, nn.RNNBase):
+            raise TypeError(f"PerExampleNorms: {_what(name, m)} has no per-example rule here, and torch.func cannot "
+                            "vmap its fused recurrent kernels")
         if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
             raise ValueError(f"PerExampleNorms: {_what(name, m)} has scale_grad_by_freq=True, which scales each "
                              "example's gradient by counts over the whole batch")
