@@ -93,8 +93,8 @@ def layer_cases() -> dict[str, tuple[Callable[[], nn.Module], Callable[[int], Te
         "linear_gram_form": (lambda: nn.Linear(64, 48), rand(3, 64)),  # few positions: the Gram form
         "linear_materialized": (lambda: nn.Linear(3, 2), rand(40, 3)),  # many positions: made in full
         "linear_no_bias": (lambda: nn.Linear(6, 3, bias=False), rand(4, 6)),
-        "embedding_padding": (lambda: nn.Embedding(10, 4, padding_idx=0), ints(10, 12)),  # repeats: made in full
-        "embedding_gram_form": (lambda: nn.Embedding(1000, 8), ints(7, 6)),  # few positions: the Gram form
+        "embedding_padding_repeats": (lambda: nn.Embedding(10, 4, padding_idx=0), ints(10, 12)),
+        "embedding_large_vocabulary": (lambda: nn.Embedding(1000, 8), ints(7, 6)),
         "conv1d": (lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1), rand(3, 11)),
         "conv1d_groups_circular": (
             lambda: nn.Conv1d(4, 6, 3, dilation=2, groups=2, padding=2, padding_mode="circular"), rand(4, 9)),

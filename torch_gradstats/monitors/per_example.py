@@ -125,10 +125,7 @@ class _Norms:
                 return kept[1].sum((1, 2, 3))
             return self.square(_Dense(self.dense(c)))
         if isinstance(c, _Rows):
-            b, t, d = c.g.shape
-            if t * t * (d + 1) <= c.rows * d or b * c.rows * d > self.limit:
-                return self.inner(c, c)
-            return self.square(_Dense(self.dense(c)))
+            return self.square(_Dense(_row_sums(c)))
         b, j, t, i = c.a.shape
         o = c.g.shape[-1]
         if t * t * (i + o) <= t * i * o + i * o:  # the Gram form costs fewer multiplications
@@ -199,6 +196,21 @@ class _Norms:
         for u in uses[1:]:
             full = full + self.dense(u)
         return _dot(full, full)
+
+
+def _row_sums(c: _Rows) -> Tensor:
+    """An embedding's per-example gradient, its rows compacted: ``[B, T, D]``, row k of example b the sum of the
+    gradients at the positions of b's k-th distinct index (rows past its distinct indices zero). The tokens are
+    sorted per example, so equal indices are runs, numbered by a cumulative sum: no host read, ``B*T*D`` elements
+    however large the vocabulary."""
+    b, t, d = c.g.shape
+    ordered, order = c.idx.sort(dim=1)
+    starts = torch.ones_like(ordered, dtype=torch.int64)
+    starts[:, 1:] = (ordered[:, 1:] != ordered[:, :-1]).to(torch.int64)
+    run = torch.empty_like(order).scatter_(1, order, starts.cumsum(1) - 1)  # each position's run, in place order
+    slots = (run + torch.arange(b, device=run.device)[:, None] * t).reshape(-1)
+    out = torch.zeros(b * t, d, dtype=c.g.dtype, device=c.g.device)
+    return out.index_add_(0, slots, c.g.reshape(-1, d)).reshape(b, t, d)
 
 
 # ---------------------------------------------------------------------------------------------- layers
