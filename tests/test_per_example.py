@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,12 +76,17 @@ class Scale(nn.Module):
 
 
 class SelfAttention(nn.Module):
+    """MultiheadAttention (its out_proj's parameters used without calling out_proj), with a per-example padding mask
+    given as a keyword."""
+
     def __init__(self, d: int) -> None:
         super().__init__()
         self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.attn(x, x, x, need_weights=False)[0]
+        last = x[:, -1:, 0] > 0  # some examples ignore their last position
+        pad = torch.cat([torch.zeros(x.shape[0], x.shape[1] - 1, dtype=torch.bool), last], dim=1)
+        return self.attn(x, x, x, key_padding_mask=pad, need_weights=False)[0]
 
 
 def layer_cases() -> dict[str, tuple[Callable[[], nn.Module], Callable[[int], Tensor]]]:
@@ -384,3 +390,20 @@ def test_matches_opacus() -> None:
     with PerExampleNorms(model) as pe:
         F.cross_entropy(model(idx).reshape(-1, 5), target.reshape(-1)).backward()
     torch.testing.assert_close(pe.norms(), opacus, rtol=RTOL, atol=0.0)
+
+
+@pytest.mark.slow
+def test_bench_script_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/bench_per_example.py end to end on a small transformer (the memory is measured in child processes at
+    the full size)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_per_example.py"
+    spec = importlib.util.spec_from_file_location("_bench_per_example", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, value in (("SEQ", 8), ("BATCH", 4), ("LAYERS", 1), ("D_MODEL", 32), ("HEADS", 2)):
+        monkeypatch.setattr(bench, name, value)
+    out = tmp_path / "result.md"
+    assert bench.main(["--rounds", "1", "--steps", "1", "--only", "plain", "PerExampleNorms", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| plain |" in text and "| PerExampleNorms |" in text and "did not run" not in text

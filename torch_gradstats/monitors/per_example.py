@@ -269,15 +269,19 @@ def _exact(m: nn.Module, x: Tensor, g: Tensor, bd: int) -> dict[str, _Contributi
 def _func_grads(m: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, ...], kwargs: dict[str, Any],
                 out_index: int, g: Tensor, bd: int, b: int) -> dict[str, Tensor]:
     """Per-example gradients ``[B, *shape]`` of ``params`` through the output ``out_index`` of ``m``, by torch.func:
-    each example runs alone, as a batch of one, and its gradient is ``vjp`` of that output's gradient."""
-    batched = [isinstance(a, Tensor) and a.dim() > bd and a.shape[bd] == b for a in args]
-    in_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+    each example runs alone, as a batch of one, and its gradient is ``vjp`` of that output's gradient. A tensor
+    argument (positional or keyword) with ``b`` rows along the batch dimension is split by example; every other
+    argument is passed whole."""
+    values = (*args, *kwargs.values())
+    batched = [isinstance(v, Tensor) and v.dim() > bd and v.shape[bd] == b for v in values]
+    inputs = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)
 
-    def one(p: dict[str, Tensor], xs: tuple[Any, ...], g_i: Tensor) -> dict[str, Tensor]:
-        xs = tuple(x.unsqueeze(bd) if bt else x for x, bt in zip(xs, batched))
+    def one(p: dict[str, Tensor], vs: tuple[Any, ...], g_i: Tensor) -> dict[str, Tensor]:
+        vs = tuple(v.unsqueeze(bd) if bt else v for v, bt in zip(vs, batched))
+        xs, kw = vs[:len(args)], dict(zip(kwargs, vs[len(args):]))
 
         def forward(p: dict[str, Tensor]) -> Tensor:
-            out = torch.func.functional_call(m, p, xs, kwargs)
+            out = torch.func.functional_call(m, p, xs, kw)
             return _tensors(out)[out_index]
 
         pull = torch.func.vjp(forward, p)[1]
@@ -286,7 +290,7 @@ def _func_grads(m: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, 
 
     dims = tuple(bd if bt else None for bt in batched)
     detached = {k: v.detach() for k, v in params.items()}
-    grads: dict[str, Tensor] = torch.func.vmap(one, in_dims=(None, dims, bd))(detached, in_args, g)
+    grads: dict[str, Tensor] = torch.func.vmap(one, in_dims=(None, dims, bd))(detached, inputs, g)
     return grads
 
 
