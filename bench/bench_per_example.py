@@ -14,7 +14,8 @@ optimizer step, with its own copy of the same model:
 
 Time: the median and the fastest of the steps of each contender, the contenders interleaved in ``--rounds`` rounds
 of ``--steps`` steps each, after one warm-up step each (on a shared machine the fastest step is the one least
-disturbed by other work). On CUDA the device is synchronised after each step.
+disturbed by other work), and the median CPU time of the process over a step (``time.process_time``: the work done,
+whatever other processes take of the machine). On CUDA the device is synchronised after each step.
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over one step above what was allocated before it; on the
 CPU, each contender runs in a process of its own (glibc returning every large block to the system, so that the
 resident set follows what is allocated), and the peak resident set of one step above the resident set before it.
@@ -252,15 +253,17 @@ def main(argv: list[str] | None = None) -> int:
             failed[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150] if str(exc) else ''}"
             steps.pop(name, None)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}  # process CPU time: what the step itself used
     for r in range(args.rounds):
         idx, target = batch(device, r + 1)
         for name, step in steps.items():
             for _ in range(args.steps):
                 sync(device)
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 step(idx, target)
                 sync(device)
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
     peaks: dict[str, int | str] = {}
     for name in steps:
         peaks[name] = step_peak_bytes(name, device) if device.type == "cuda" else peak_in_child(name, device,
@@ -268,25 +271,27 @@ def main(argv: list[str] | None = None) -> int:
 
     base_t = statistics.median(times["plain"]) if "plain" in times else float("nan")
     base_min = min(times["plain"]) if "plain" in times else float("nan")
+    base_cpu = statistics.median(cpu["plain"]) if "plain" in cpu else float("nan")
     base_m = peaks.get("plain")
     lines = [
         f"# bench_per_example on {device.type}: {machine(device)}",
         (f"# transformer: {LAYERS} layers, d_model {D_MODEL}, {HEADS} heads, T {SEQ}, B {BATCH}, vocab {VOCAB}, "
          f"untied; torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps, interleaved"),
         "",
-        "| contender | median step (ms) | x plain | fastest step (ms) | x plain | peak step memory (MiB) | x plain |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ("| contender | median step (ms) | x plain | fastest step (ms) | x plain | median CPU time (ms) | x plain "
+         "| peak step memory (MiB) | x plain |"),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in steps:
         t = statistics.median(times[name])
         m = peaks[name]
         mem = f"{m / 2**20:.1f}" if isinstance(m, int) else f"failed: {m}"
         ratio = f"{m / base_m:.2f}" if isinstance(m, int) and isinstance(base_m, int) and base_m > 0 else "-"
-        fastest = min(times[name])
+        fastest, c = min(times[name]), statistics.median(cpu[name])
         lines.append(f"| {name} | {1e3 * t:.0f} | {t / base_t:.2f} | {1e3 * fastest:.0f} | {fastest / base_min:.2f} "
-                     f"| {mem} | {ratio} |")
+                     f"| {1e3 * c:.0f} | {c / base_cpu:.2f} | {mem} | {ratio} |")
     for name, why in failed.items():
-        lines.append(f"| {name} | did not run: {why} | | | | | |")
+        lines.append(f"| {name} | did not run: {why} | | | | | | | |")
     if BACKPACK_MISSING and "BackPACK" in steps:
         lines += ["", (f"BackPACK does not support the model: it computed no batch_l2 for {len(BACKPACK_MISSING)} "
                        f"parameters ({', '.join(BACKPACK_MISSING)}), so its time covers the other parameters only.")]
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-        raw = {"times_s": times, "peak_bytes": peaks, "failed": failed, "machine": machine(device)}
+        raw = {"times_s": times, "cpu_s": cpu, "peak_bytes": peaks, "failed": failed, "machine": machine(device)}
         args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
     return 0
 
