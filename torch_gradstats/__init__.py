@@ -14,7 +14,14 @@ from torch_gradstats.ops import SUPPORTED_DTYPES, TensorStats, multi_tensor_stat
 
 # isort: split
 from torch_gradstats import collector
-from torch_gradstats.monitors import ActivationReport, ActivationWatch, NoiseScale, noise_scale_hook
+from torch_gradstats.monitors import (
+    ActivationReport,
+    ActivationWatch,
+    FlightRecorder,
+    NoiseScale,
+    PerExampleNorms,
+    noise_scale_hook,
+)
 from torch_gradstats.ops import HAS_EXTENSION
 from torch_gradstats.ops._version import __version__ as __version__
 from torch_gradstats.policies import AdaptiveClip, SpikeGuard, SpikeStreakError, clip_grad_norm_
@@ -28,12 +35,14 @@ __all__ = [
     "ActivationWatch",
     "AdaptiveClip",
     "EpochSummary",
+    "FlightRecorder",
     "GradReport",
     "GradStats",
     "GroupReport",
     "GroupStats",
     "HealthPolicy",
     "NoiseScale",
+    "PerExampleNorms",
     "SpikeGuard",
     "SpikeStreakError",
     "StepRecord",

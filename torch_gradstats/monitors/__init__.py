@@ -1,15 +1,18 @@
 """Floor 4, monitors beside the training step: where a NaN starts in the activations (``activations``), weight norms
-and update ratios (``updates``), and the gradient noise scale (``noise_scale``).
+and update ratios (``updates``), the gradient noise scale (``noise_scale``), each example's gradient norm
+(``per_example``) and a flight recorder of the last steps (``flight_recorder``).
 """
 
 from torch_gradstats.monitors.activations import (
     ActivationReport,
     ActivationWatch,
 )
+from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.noise_scale import (
     NoiseScale,
     noise_scale_hook,
 )
+from torch_gradstats.monitors.per_example import PerExampleNorms
 from torch_gradstats.monitors.updates import (
     GradWeightStats,
     UpdateRatio,
@@ -21,8 +24,10 @@ from torch_gradstats.monitors.updates import (
 __all__ = [
     "ActivationReport",
     "ActivationWatch",
+    "FlightRecorder",
     "GradWeightStats",
     "NoiseScale",
+    "PerExampleNorms",
     "UpdateRatio",
     "UpdateReport",
     "UpdateStats",
