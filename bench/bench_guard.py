@@ -88,19 +88,20 @@ class _Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         name = func.name()
-        if name.startswith("torch_gradstats::") and not self._compiled(name, args):
-            with self:  # the fallback's ops are seen (and counted) one by one
-                return func(*args, **kwargs)
+        if name.startswith("torch_gradstats::"):
+            key = self._device_key(args)
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+                with self:  # the fallback runs below this mode, its ops seen (and counted) one by one
+                    return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
         if not func.is_view and name not in _NO_LAUNCH:
             self.ops.append(name)
         return func(*args, **kwargs)
 
     @staticmethod
-    def _compiled(name: str, args: tuple) -> bool:
+    def _device_key(args: tuple) -> str:
         flat = [a for a in args if isinstance(a, torch.Tensor)]
         flat += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-        key = "CUDA" if flat and flat[0].device.type == "cuda" else "CPU"
-        return torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+        return "CUDA" if flat and flat[0].device.type == "cuda" else "CPU"
 
 
 def _launches(fn: Callable[[], object], device: torch.device) -> int:
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<20} {host[name]:9.1f} {_launches(fn, device):9d} {extra:>24}")
     before = _policy_rows(args.compare) if args.compare else {}
     print()
-    print(f"{'policy (alone)':<24} {'host us':>9} {'launches':>9}" + (f" {'before us':>10} {'before':>7}" if before else ""))
+    header = f"{'policy (alone)':<24} {'host us':>9} {'launches':>9}"
+    print(header + (f" {'before us':>10} {'before':>7}" if before else ""))
     for name, fn in policies.items():
         row = f"{name:<24} {host[name]:9.1f} {_launches(fn, device):9d}"
         if before:
