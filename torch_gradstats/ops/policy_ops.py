@@ -189,7 +189,7 @@ def _noise_scale_step(state: Tensor, small_sq: Tensor, big_sq: Tensor, b_small: 
     trace = (small - big) / (1.0 / b_small - 1.0 / b_big)
     ok = torch.isfinite(grad_sq) & torch.isfinite(trace)
     estimates = torch.where(ok, torch.stack([grad_sq, trace, torch.ones_like(grad_sq)]), 0.0)
-    decay = torch.where(ok, ema, 1.0)  # ema for a step folded in, 1 for one left out
+    decay = torch.where(ok, grad_sq.new_full((), ema), 1.0)  # ema for a step folded in, 1 for one left out (float64)
     state.copy_(state * decay + estimates * (1.0 - ema))
 
 
