@@ -15,7 +15,7 @@ from torch_gradstats import AdaptiveClip, NoiseScale, SpikeGuard
 from torch_gradstats.ops import policy_ops as ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_policies_ops import CLIP_SETTINGS, GUARD_SETTINGS, figures  # noqa: E402
+from test_policies_ops import CLIP_SETTINGS, GUARD_SETTINGS, figures
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available()
@@ -45,11 +45,8 @@ def _inputs(values: list[float], dtype: torch.dtype = torch.float64) -> tuple[li
     return cpu, list(dev.unbind())
 
 
-@pytest.mark.parametrize("setting", GUARD_SETTINGS, ids=lambda s: f"w{s['window']}")
-def test_guard_cuda_equals_cpu(setting):
-    window = setting["window"]
-    args = (setting["sigma"], setting["min_history"], setting["adopt_after"], setting["max_consecutive"],
-            setting["count_skipped"])
+@pytest.mark.parametrize(("window", "args"), GUARD_SETTINGS, ids=[f"w{w}" for w, _ in GUARD_SETTINGS])
+def test_guard_cuda_equals_cpu(window, args):
     n = 4 * window + 200
     norms_cpu, norms = _inputs(figures(n, seed=window))
     losses_cpu, losses = _inputs(figures(n, seed=window + 1), torch.float32)
@@ -66,11 +63,8 @@ def test_guard_cuda_equals_cpu(setting):
     _close(dev, cpu, "state")
 
 
-@pytest.mark.parametrize("setting", CLIP_SETTINGS, ids=lambda s: f"warmup{s['warmup']}")
-def test_clip_cuda_equals_cpu(setting):
-    warmup = setting["warmup"]
-    args = (setting["alpha"], setting["z_thresh"], setting["clip_factor"], setting["max_norm"],
-            setting["clip_to_mean"], setting["skip"])
+@pytest.mark.parametrize(("warmup", "args"), CLIP_SETTINGS, ids=[f"warmup{w}" for w, _ in CLIP_SETTINGS])
+def test_clip_cuda_equals_cpu(warmup, args):
     values = figures(warmup + 600, seed=warmup)
     norms_cpu, norms = _inputs(values)
     halves_cpu, halves = _inputs(values, torch.bfloat16)
@@ -108,8 +102,8 @@ def test_policies_replayed_from_a_cuda_graph_decide_as_eager():
     torch.cuda.set_sync_debug_mode(0)  # capture itself is set up on the host
     values = figures(400, seed=11)
     eager = (SpikeGuard(window=16, sigma=3.0, max_consecutive=3), AdaptiveClip(warmup=5), NoiseScale(4))
-    graphed = (SpikeGuard(window=16, sigma=3.0, max_consecutive=3, device="cuda"), AdaptiveClip(warmup=5, device="cuda"),
-               NoiseScale(4))
+    graphed = (SpikeGuard(window=16, sigma=3.0, max_consecutive=3, device="cuda"),
+               AdaptiveClip(warmup=5, device="cuda"), NoiseScale(4))
     norm = torch.zeros((), dtype=torch.float64, device="cuda")
     loss = torch.zeros((), dtype=torch.float32, device="cuda")
     graphed[2].update(torch.ones((), device="cuda"), torch.ones((), device="cuda"), big_batch_size=8)

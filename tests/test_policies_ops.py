@@ -48,22 +48,20 @@ def _assert_same_state(a: torch.Tensor, b: torch.Tensor, step: int) -> None:
     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True, msg=lambda m: f"step {step}: {m}")
 
 
+# (window, then the op's settings: sigma, min_history, adopt_after, max_consecutive, count_skipped)
 GUARD_SETTINGS = [
-    dict(window=2, sigma=0.0, min_history=0, adopt_after=1, max_consecutive=0, count_skipped=False),
-    dict(window=8, sigma=3.0, min_history=3, adopt_after=4, max_consecutive=3, count_skipped=False),
-    dict(window=16, sigma=1.0, min_history=7, adopt_after=2, max_consecutive=0, count_skipped=True),
-    dict(window=128, sigma=6.0, min_history=63, adopt_after=4, max_consecutive=5, count_skipped=False),
-    dict(window=300, sigma=2.0, min_history=1, adopt_after=3, max_consecutive=2, count_skipped=True),
+    (2, (0.0, 0, 1, 0, False)),
+    (8, (3.0, 3, 4, 3, False)),
+    (16, (1.0, 7, 2, 0, True)),
+    (128, (6.0, 63, 4, 5, False)),
+    (300, (2.0, 1, 3, 2, True)),
 ]
 
 
 @needs_kernel
-@pytest.mark.parametrize("setting", GUARD_SETTINGS, ids=lambda s: f"w{s['window']}")
+@pytest.mark.parametrize(("window", "args"), GUARD_SETTINGS, ids=[f"w{w}" for w, _ in GUARD_SETTINGS])
 @pytest.mark.parametrize("series", ["random", "flat"])
-def test_guard_kernel_equals_the_fallback(setting, series):
-    window = setting["window"]
-    args = (setting["sigma"], setting["min_history"], setting["adopt_after"], setting["max_consecutive"],
-            setting["count_skipped"])
+def test_guard_kernel_equals_the_fallback(window, args, series):
     n = 4 * window + 200
     norms = figures(n, seed=window) if series == "random" else flat(n)
     losses = figures(n, seed=window + 1) if series == "random" else [2.0] * n
@@ -81,20 +79,18 @@ def test_guard_kernel_equals_the_fallback(setting, series):
         assert 0 < compiled[ops.GUARD_COUNTERS + 1] < n  # some steps skipped, some taken
 
 
+# (warmup, then the op's settings: alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike)
 CLIP_SETTINGS = [
-    dict(alpha=0.97, z_thresh=2.5, clip_factor=1.0, max_norm=math.inf, clip_to_mean=False, skip=False, warmup=25),
-    dict(alpha=0.0, z_thresh=0.5, clip_factor=0.7, max_norm=3.0, clip_to_mean=False, skip=True, warmup=1),
-    dict(alpha=0.9, z_thresh=1.0, clip_factor=1.0, max_norm=math.inf, clip_to_mean=True, skip=False, warmup=3),
-    dict(alpha=0.5, z_thresh=2.0, clip_factor=2.0, max_norm=1.5, clip_to_mean=True, skip=True, warmup=700),
+    (25, (0.97, 2.5, 1.0, math.inf, False, False)),
+    (1, (0.0, 0.5, 0.7, 3.0, False, True)),
+    (3, (0.9, 1.0, 1.0, math.inf, True, False)),
+    (700, (0.5, 2.0, 2.0, 1.5, True, True)),
 ]
 
 
 @needs_kernel
-@pytest.mark.parametrize("setting", CLIP_SETTINGS, ids=lambda s: f"warmup{s['warmup']}")
-def test_clip_kernel_equals_the_fallback(setting):
-    warmup = setting["warmup"]
-    args = (setting["alpha"], setting["z_thresh"], setting["clip_factor"], setting["max_norm"],
-            setting["clip_to_mean"], setting["skip"])
+@pytest.mark.parametrize(("warmup", "args"), CLIP_SETTINGS, ids=[f"warmup{w}" for w, _ in CLIP_SETTINGS])
+def test_clip_kernel_equals_the_fallback(warmup, args):
     compiled = torch.zeros(ops.clip_state_size(warmup), dtype=torch.float64)
     compiled[ops.CLIP_LAST:ops.CLIP_WARM] = math.nan
     fallback = compiled.clone()
