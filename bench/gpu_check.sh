@@ -10,8 +10,8 @@
 #
 # Output, in "$OUT" (default ./gpu_check_out) and copied to bench/results/<device>/ for committing:
 #   summary.txt (device, driver, torch, CUDA, commit, per-step status, timing tables), gpu_check.log (everything),
-#   test_cuda.xml, test_cuda_histogram.xml, test_cuda_policies.xml and test_cpu.xml (JUnit), memcheck.log, racecheck.log, timing.txt,
-#   timing_histogram.txt, bench.txt, bench.csv, bench_training.txt.
+#   test_cuda.xml, test_cuda_histogram.xml, test_cuda_policies.xml and test_cpu.xml (JUnit), memcheck.log,
+#   racecheck.log, timing.txt, timing_histogram.txt, bench.txt, bench.csv, bench_training.txt.
 #
 # Environment:
 #   TORCH_CUDA_ARCH_LIST   default: the device's compute capability (nvidia-smi), else 9.0
