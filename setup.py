@@ -101,6 +101,7 @@ def build_cuda() -> bool:
 def extension():
     sources = [str(CSRC / "ops.cpp"), str(CSRC / "python_module.cpp")]
     sources += [str(CSRC / "cpu" / "multi_tensor_stats_cpu.cpp"), str(CSRC / "cpu" / "stats_kernel_default.cpp")]
+    sources += [str(CSRC / "cpu" / "policies_cpu.cpp")]
     if X86:
         sources += [str(CSRC / "cpu" / f"stats_kernel_{isa}.cpp") for isa in ISA_FLAGS]
     kwargs = {"name": "torch_gradstats._C", "include_dirs": [str(ROOT / CSRC)]}

@@ -12,12 +12,23 @@ Each contender is one step's worth of work after ``backward()`` on the gradients
     step_or_skip        fused AdamW stepped through ``step_or_skip`` (the guard's factor as ``found_inf``)
     optimizer.step      the same fused AdamW stepped directly
 
+Then each policy's own per-step update alone, on figures already computed (a float64 norm, a float32 loss):
+
+    SpikeGuard.observe      ``guard.observe(norm, loss)``
+    AdaptiveClip.threshold  ``clipper.threshold(norm)``
+    NoiseScale.update       ``noise.update(small_sq, big_sq, big_batch_size=...)``: what the DDP hook calls per step
+
 Host time: the median over ``--reps`` calls of the wall time of one call, the contenders interleaved in
 ``--rounds`` rounds (on CUDA the host's launch time: the device is synchronised only between calls). Launches: on
-CUDA the device kernels of one call; on the CPU the outermost ``aten::`` ops of one call that would launch a kernel
-on a GPU (views and no-op conversions are not counted).
+CUDA the device kernels of one call (the profiler's); on the CPU the outermost ops of one call that would launch a
+kernel on a GPU, seen by a dispatch mode: ``aten::`` and custom ops alike (a ``torch_gradstats::`` op with a compiled
+kernel counts as one; one served by its pure-PyTorch fallback counts the ops of the fallback), views and
+allocations not counted.
 
-    python bench/bench_guard.py [--device cpu|cuda] [--reps 400] [--rounds 8] [--threads 1]
+``--compare FILE`` adds the figures of an earlier output of this script (e.g. the code before a change) beside the
+policies' own: ``policy, host us, launches, before vs after``.
+
+    python bench/bench_guard.py [--device cpu|cuda] [--reps 400] [--rounds 8] [--threads 1] [--compare FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_gradstats as tg
 
@@ -57,42 +69,52 @@ class OlmoRule:
         return ok.float()
 
 
-#: Ops that only make a view or return their input: no kernel launch on a GPU.
+#: Ops that allocate or relabel a tensor without touching its memory: no kernel launch on a GPU.
 _NO_LAUNCH = {
-    "aten::select", "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::view", "aten::reshape", "aten::detach",
-    "aten::alias", "aten::expand", "aten::as_strided", "aten::t", "aten::permute", "aten::lift_fresh",
-    "aten::_unsafe_view", "aten::empty", "aten::empty_strided", "aten::result_type",
+    "aten::empty.memory_format", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh",
+    "aten::alias", "aten::_unsafe_view", "aten::set_.source_Storage_storage_offset",
 }
 
 
-def _top_level(event: object) -> bool:
-    parent = getattr(event, "cpu_parent", None)
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return False
-        parent = parent.cpu_parent
-    return True
+class _Launches(TorchDispatchMode):
+    """Counts the outermost ops that reach the dispatcher's backends: every op but views and allocations. A
+    ``torch_gradstats::`` op with a kernel compiled for the device counts as one launch; one that runs its
+    pure-PyTorch fallback there is entered, and the fallback's own ops are counted (each is a launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = func.name()
+        if name.startswith("torch_gradstats::"):
+            key = self._device_key(args)
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+                with self:  # the fallback runs below this mode, its ops seen (and counted) one by one
+                    return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
+        if not func.is_view and name not in _NO_LAUNCH:
+            self.ops.append(name)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _device_key(args: tuple) -> str:
+        flat = [a for a in args if isinstance(a, torch.Tensor)]
+        flat += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+        return "CUDA" if flat and flat[0].device.type == "cuda" else "CPU"
 
 
 def _launches(fn: Callable[[], object], device: torch.device) -> int:
-    """Kernel launches of one call: device kernels on CUDA; on the CPU the outermost aten ops that are not views,
-    and no-op conversions (``aten::to`` that returns its input) are not counted either."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    events = prof.events()
+    """Kernel launches of one call: device kernels on CUDA (the profiler's); on the CPU the ops :class:`_Launches`
+    counts."""
     if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    n = 0
-    for e in events:
-        if not e.name.startswith("aten::") or e.name in _NO_LAUNCH or not _top_level(e):
-            continue
-        if e.name == "aten::to" and not any(c.name == "aten::_to_copy" for c in e.cpu_children):
-            continue
-        n += 1
-    return n
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    with _Launches() as mode:
+        fn()
+    return len(mode.ops)
 
 
 def _host_us(contenders: dict[str, Callable[[], object]], device: torch.device, reps: int, rounds: int
@@ -119,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: host time without contention)")
+    parser.add_argument("--compare", default=None, help="an earlier output of this script: its policy figures are "
+                        "printed beside these (before vs after)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
@@ -143,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         clipper.threshold(norm)
         olmo.step(loss, norm)
     factor = guard.observe(tg.grad_stats(params).total_norm, loss)
+    norm = tg.grad_stats(params).total_norm
+    noise = tg.NoiseScale(16)
+    small_sq, big_sq = norm.square() * 1.5, norm.square()
+    loss32 = loss.float()
 
     contenders: dict[str, Callable[[], object]] = {
         "grad_stats": lambda: tg.grad_stats(params).total_norm,
@@ -154,17 +182,48 @@ def main(argv: list[str] | None = None) -> int:
         "step_or_skip": lambda: tg.step_or_skip(optimizer, factor),
         "optimizer.step": lambda: optimizer.step(),
     }
+    policies: dict[str, Callable[[], object]] = {
+        "SpikeGuard.observe": lambda: guard.observe(norm, loss32),
+        "AdaptiveClip.threshold": lambda: clipper.threshold(norm),
+        "NoiseScale.update": lambda: noise.update(small_sq, big_sq, big_batch_size=64),
+    }
+    extension = "compiled kernels" if tg.HAS_EXTENSION else "pure-PyTorch fallback (no compiled extension)"
     print(f"torch {torch.__version__}, device {device}, {len(params)} gradient tensors, {args.threads} thread(s), "
-          f"median of {args.reps} calls in {args.rounds} interleaved rounds")
-    for fn in contenders.values():
+          f"median of {args.reps} calls in {args.rounds} interleaved rounds, {extension}")
+    for fn in (*contenders.values(), *policies.values()):
         for _ in range(10):
             fn()
-    host = _host_us(contenders, device, args.reps, args.rounds)
+    host = _host_us({**contenders, **policies}, device, args.reps, args.rounds)
     print(f"{'contender':<20} {'host us':>9} {'launches':>9} {'host us over grad_stats':>24}")
     for name, fn in contenders.items():
         extra = f"{host[name] - host['grad_stats']:+.1f}" if name.startswith("+") else ""
         print(f"{name:<20} {host[name]:9.1f} {_launches(fn, device):9d} {extra:>24}")
+    before = _policy_rows(args.compare) if args.compare else {}
+    print()
+    header = f"{'policy (alone)':<24} {'host us':>9} {'launches':>9}"
+    print(header + (f" {'before us':>10} {'before':>7}" if before else ""))
+    for name, fn in policies.items():
+        row = f"{name:<24} {host[name]:9.1f} {_launches(fn, device):9d}"
+        if before:
+            was = before.get(name)
+            row += f" {was[0]:10.1f} {was[1]:7d}" if was else f" {'-':>10} {'-':>7}"
+        print(row)
     return 0
+
+
+def _policy_rows(path: str) -> dict[str, tuple[float, int]]:
+    """The policy table of an earlier output of this script: name -> (host us, launches)."""
+    rows: dict[str, tuple[float, int]] = {}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    table = False
+    for line in lines:
+        if line.startswith("policy (alone)"):
+            table = True
+        elif table and line.strip():
+            name, us, launches = line[:24].strip(), line[25:34], line[35:44]
+            rows[name] = (float(us), int(launches))
+    return rows
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ from _host_reads import HostReads
 NAN, INF = math.nan, math.inf
 
 
+def compiled_policy_ops() -> bool:
+    """Whether the policies' ops run a compiled CPU kernel here (not under TORCH_GRADSTATS_FORCE_FALLBACK=1)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("torch_gradstats::spike_guard_step", "CPU")
+
+
 # ---------------------------------------------------------------------------------------------- references
 class ReferenceRule:
     """The rule as specified, on Python lists, with exact (rational) mean and Bessel std from ``statistics``."""
@@ -747,11 +752,17 @@ def test_bench_guard_runs():
     with contextlib.redirect_stdout(out):
         assert bench.main(["--reps", "8", "--rounds", "2"]) == 0
     # name (20 columns), host us (9), launches (9): launches are what every contender but the optimizer makes
-    rows = {line[:20].strip(): (float(line[21:30]), int(line[31:40])) for line in out.getvalue().splitlines()[2:]}
+    contenders, policies = out.getvalue().split("\n\n")
+    rows = {line[:20].strip(): (float(line[21:30]), int(line[31:40])) for line in contenders.splitlines()[2:]}
     assert set(rows) == {"grad_stats", "+ SpikeGuard", "+ AdaptiveClip", "AdaptiveClip.clip_", "clip_grad_norm_",
                          "+ OLMo list rule", "step_or_skip", "optimizer.step"}
     assert all(us > 0 for us, _ in rows.values())
     assert rows["+ SpikeGuard"][1] > rows["grad_stats"][1] > 0
+    # each policy's own update: one launch with the compiled kernels, its fallback's ops without them
+    alone = {line[:24].strip(): (float(line[25:34]), int(line[35:44])) for line in policies.splitlines()[1:]}
+    assert set(alone) == {"SpikeGuard.observe", "AdaptiveClip.threshold", "NoiseScale.update"}
+    for name, (us, launches) in alone.items():
+        assert us > 0 and (launches == 1 if compiled_policy_ops() else launches > 3), name
 
 
 def test_load_state_dict_keeps_a_compiled_step_valid():

@@ -20,7 +20,9 @@ Where the two norms come from:
   gradient (B_small = ``local_batch_size``, the micro-batch size), and :meth:`NoiseScale.step` reads the
   accumulated gradient (B_big = micro-batches x ``local_batch_size``) and folds the step in.
 
-Every figure stays on the device; ``to_dict()`` brings the three to the host in one transfer.
+Every figure stays on the device; ``to_dict()`` brings the three to the host in one transfer. The state (the two
+EMAs and their bias correction) is one float64 tensor, and :meth:`NoiseScale.update` folds a step in with one op,
+``torch_gradstats::noise_scale_step`` (:mod:`torch_gradstats.ops.policy_ops`), which updates it in place.
 """
 
 import logging
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from torch_gradstats.ops import policy_ops as ops
 from torch_gradstats.ops._transfer import fetch, to_device, to_host
 from torch_gradstats.ops.op import multi_tensor_stats
 from torch_gradstats.stats._params import named_params, stats_on_home
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 _MICRO_FLUSH_BYTES = 32 * 2**20
 
 KEYS = ("noise/b_simple", "noise/grad_sq", "noise/trace_sigma")
+_FIGURE_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))  # read by the op as they are
 
 
 def _as_sq(value: Tensor | float, what: str) -> Tensor:
@@ -108,10 +112,12 @@ class NoiseScale:
         self.ema: float = float(ema)
         self.process_group = process_group
         self.steps: int = 0  # steps given to update (a host counter: no sync)
+        # The EMAs of |G|^2 and tr(Sigma), and the EMA of ones over the same steps, 1 - ema**(steps folded in): the
+        # bias correction, on the device because a step with a non-finite estimate is left out there (no host read
+        # decides it). One packed float64 tensor, made on the device of the first step; the three are its views.
+        self._state: Tensor | None = None
         self._grad_sq_ema: Tensor | None = None
         self._trace_ema: Tensor | None = None
-        # The EMA of ones over the same steps, 1 - ema**(steps folded in): the bias correction, on the device
-        # because a step with a non-finite estimate is left out there (no host read decides it).
         self._weight: Tensor | None = None
         self._lock = threading.Lock()  # bucket callbacks and autograd hooks can run on other threads
         # One DDP step in flight: buckets launched / reduced, and their squared norms summed so far.
@@ -170,41 +176,41 @@ class NoiseScale:
                 f"NoiseScale.update: big_batch_size must exceed local_batch_size ({self.local_batch_size}), "
                 f"got {big_batch_size}"
             )
+        b_small, b_big = float(self.local_batch_size), float(int(big_batch_size))
+        state = self._state
+        # Two float tensors of one element on the state's device (metadata checks only) go to the op as they are.
+        if not (state is not None and isinstance(small_sq, Tensor) and isinstance(big_sq, Tensor)
+                and small_sq.numel() == 1 and big_sq.numel() == 1 and small_sq.dtype in _FIGURE_DTYPES
+                and big_sq.dtype in _FIGURE_DTYPES and small_sq.device == state.device
+                and big_sq.device == state.device):
+            small_sq, big_sq = self._figures(small_sq, big_sq)
+        with self._lock:
+            self._fold(small_sq, big_sq, b_small, b_big)
+
+    def _figures(self, small_sq: Tensor | float, big_sq: Tensor | float) -> tuple[Tensor, Tensor]:
+        """The step's squared norms as float64 0-d tensors on one device (a number joins the other's device)."""
         small = _as_sq(small_sq, "small_sq")
         big = _as_sq(big_sq, "big_sq")
         if isinstance(small_sq, Tensor) and isinstance(big_sq, Tensor) and small.device != big.device:
             raise ValueError(f"NoiseScale.update: small_sq is on {small.device} but big_sq is on {big.device}")
         device = big.device if isinstance(big_sq, Tensor) else small.device
-        small, big = to_device(small, device), to_device(big, device)  # a float's tensor joins the other
-        b_small, b_big = float(self.local_batch_size), float(int(big_batch_size))
-        grad_sq = (b_big * big - b_small * small) / (b_big - b_small)
-        trace = (small - big) / (1.0 / b_small - 1.0 / b_big)
-        with self._lock:
-            self._fold(grad_sq, trace)
+        return to_device(small, device), to_device(big, device)
 
-    def _fold(self, grad_sq: Tensor, trace: Tensor) -> None:
-        """One step into the EMAs, on the device. A step whose estimates are not finite (a NaN or Inf gradient) is
-        left out: one such step would otherwise make every later estimate NaN."""
-        device = grad_sq.device
-        if self._grad_sq_ema is None or self._trace_ema is None or self._weight is None:
-            self._grad_sq_ema = torch.zeros((), dtype=torch.float64, device=device)
-            self._trace_ema = torch.zeros((), dtype=torch.float64, device=device)
-            self._weight = torch.zeros((), dtype=torch.float64, device=device)
-        elif self._grad_sq_ema.device != device:  # a state loaded on another device: moved once
-            if device.type == "cpu":
-                self._grad_sq_ema, self._trace_ema = self._grad_sq_ema.to(device), self._trace_ema.to(device)
-                self._weight = self._weight.to(device)
-            else:
-                self._grad_sq_ema = to_device(self._grad_sq_ema, device)
-                self._trace_ema = to_device(self._trace_ema, device)
-                self._weight = to_device(self._weight, device)
-        ok = (torch.isfinite(grad_sq) & torch.isfinite(trace)).to(torch.float64)
-        decay = 1.0 - ok * (1.0 - self.ema)  # ema for a step folded in, 1 for one left out
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        self._grad_sq_ema.mul_(decay).add_(torch.where(ok > 0, grad_sq, zero), alpha=1.0 - self.ema)
-        self._trace_ema.mul_(decay).add_(torch.where(ok > 0, trace, zero), alpha=1.0 - self.ema)
-        self._weight.mul_(decay).add_(ok, alpha=1.0 - self.ema)
+    def _fold(self, small_sq: Tensor, big_sq: Tensor, b_small: float, b_big: float) -> None:
+        """One step into the EMAs, on the device (the op leaves out a step whose estimates are not finite: one NaN
+        or Inf gradient would otherwise make every later estimate NaN)."""
+        device = big_sq.device
+        if self._state is None:
+            self._set_state(torch.zeros(ops.NOISE_STATE, dtype=torch.float64, device=device))
+        elif self._state.device != device:  # a state loaded on another device: moved once
+            self._set_state(self._state.to(device) if device.type == "cpu" else to_device(self._state, device))
+        assert self._state is not None
+        ops.noise_scale_step(self._state, small_sq, big_sq, b_small, b_big, self.ema)
         self.steps += 1
+
+    def _set_state(self, state: Tensor) -> None:
+        self._state = state
+        self._grad_sq_ema, self._trace_ema, self._weight = state[0], state[1], state[2]
 
     # ------------------------------------------------------------------------------------------- DDP buckets
     def _bucket_launched(self, local_sq: Tensor, is_last: bool) -> None:
@@ -307,7 +313,7 @@ class NoiseScale:
         return {
             "ema": self.ema,
             "steps": self.steps,
-            "grad_sq_ema": None if self._grad_sq_ema is None else self._grad_sq_ema.clone(),
+            "grad_sq_ema": None if self._grad_sq_ema is None else self._grad_sq_ema.clone(),  # 0-d copies
             "trace_sigma_ema": None if self._trace_ema is None else self._trace_ema.clone(),
             "weight": None if self._weight is None else self._weight.clone(),
         }
@@ -356,14 +362,12 @@ class NoiseScale:
             )
         with self._lock:
             self.steps = steps
-            self._grad_sq_ema = None if g is None else g.detach().reshape(()).to(torch.float64).clone()
-            self._trace_ema = None if tr is None else tr.detach().reshape(()).to(torch.float64).clone()
-            if g is None:
-                self._weight = None
-            elif weight is None:
-                self._weight = torch.full((), 1.0 - self.ema**steps, dtype=torch.float64, device=g.device)
-            else:
-                self._weight = weight.detach().reshape(()).to(device=g.device, dtype=torch.float64).clone()
+            if g is None or tr is None:
+                self._state = self._grad_sq_ema = self._trace_ema = self._weight = None
+                return
+            w = torch.full((), 1.0 - self.ema**steps, dtype=torch.float64) if weight is None else weight
+            parts = [t.detach().reshape(1).to(device=g.device, dtype=torch.float64) for t in (g, tr, w)]
+            self._set_state(torch.cat(parts))
 
     def __repr__(self) -> str:
         return f"NoiseScale(local_batch_size={self.local_batch_size}, ema={self.ema}, steps={self.steps})"

@@ -15,9 +15,11 @@ The rule, per step, given the step's total gradient norm ``g`` (ZClip's ``zclip.
 One difference, on purpose: a non-finite norm never enters the statistics (nor the warm-up). ZClip folds it into
 its EMA, and a single NaN then disables its clipping for the rest of the run.
 
-ZClip reads the norm with ``.item()`` (a host sync) every step. Here every branch is a ``torch.where`` over state
-kept in tensors of one or more elements, so :meth:`AdaptiveClip.threshold` runs the same kernels every step, never
-syncs, and runs inside ``torch.compile(fullgraph=True)`` and CUDA graphs.
+ZClip reads the norm with ``.item()`` (a host sync) every step. Here the whole state (count, mean, var, the last
+figures, the warm-up norms) is one float64 tensor on the device and each step is one op,
+``torch_gradstats::adaptive_clip_step`` (:mod:`torch_gradstats.ops.policy_ops`), which updates it in place: so
+:meth:`AdaptiveClip.threshold` launches one kernel every step, never syncs, and runs inside
+``torch.compile(fullgraph=True)`` and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_gradstats.ops import policy_ops as ops
 from torch_gradstats.ops._transfer import fetch, to_host
 from torch_gradstats.policies._scalars import (
     MAX_HISTORY,
@@ -45,6 +48,7 @@ from torch_gradstats.stats.gradients import GradStats, grad_stats
 __all__ = ["AdaptiveClip"]
 
 _EPS = 1e-6  # ZClip's eps in the z-score, and the eps of the clipping coefficient
+_FIGURE_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))  # read as they are
 _CLIP_OPTIONS = ("adaptive_scaling", "mean")
 # Columns of _last: the threshold, the coefficient clipping to it applies, the z-score.
 _THRESHOLD, _COEF, _Z = range(3)
@@ -93,81 +97,47 @@ class AdaptiveClip:
             raise TypeError(f"AdaptiveClip: skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
         self.skip_update_on_spike = skip_update_on_spike
         dev = torch.device("cpu") if device is None else check_device("AdaptiveClip: device", device)
-        self._warm = torch.zeros(self.warmup, dtype=torch.float64, device=dev)  # the warm-up norms
-        self._slots = torch.arange(self.warmup, dtype=torch.int64, device=dev)
-        self._count = torch.zeros(1, dtype=torch.int64, device=dev)  # finite norms collected (<= warmup)
-        self._ema = torch.zeros(2, dtype=torch.float64, device=dev)  # mean, var
-        self._last = torch.full((3,), math.nan, dtype=torch.float64, device=dev)
+        self._state = torch.zeros(ops.clip_state_size(self.warmup), dtype=torch.float64, device=dev)
+        self._state[ops.CLIP_LAST:ops.CLIP_WARM].fill_(math.nan)
 
-    _STATE = ("_warm", "_slots", "_count", "_ema", "_last")
+    def _last(self) -> Tensor:  # the last threshold, coefficient and z-score: a view of the packed state
+        return self._state[ops.CLIP_LAST:ops.CLIP_WARM]
 
     @property
     def device(self) -> torch.device:
         """Where the state lives."""
-        return self._ema.device
+        return self._state.device
 
     def to(self, device: torch.device | str) -> AdaptiveClip:
         """Move the state to ``device`` (not needed per step: :meth:`threshold` moves it once); returns self."""
-        device = check_device("AdaptiveClip.to: device", device)
-        for name in self._STATE:
-            setattr(self, name, moved(getattr(self, name), device))
+        self._state = moved(self._state, check_device("AdaptiveClip.to: device", device))
         return self
 
     # ------------------------------------------------------------------------------------------- the step
-    @torch.no_grad()
     def threshold(self, grad_norm: Tensor | float) -> Tensor:
         """The norm to clip this step's gradients to, as a float64 0-d tensor on ``grad_norm``'s device (``max_norm``,
-        or ``inf`` without one, when no z-score clip applies), and the state updated in place. No host sync, the
-        same launches every step.
+        or ``inf`` without one, when no z-score clip applies), and the state updated in place. No host sync, one
+        launch every step (the op ``adaptive_clip_step``).
 
         Args:
             grad_norm: the step's total gradient norm, a one-element tensor (or a number).
         """
-        g = as_figure("AdaptiveClip.threshold: grad_norm", grad_norm, self.device)
-        if g.device != self.device:
-            if g.device.type == "cpu":
-                raise ValueError(
-                    f"AdaptiveClip.threshold: grad_norm is on the CPU but the state is on {self.device}; moving it "
-                    "back every step would sync. Pass the norm on the state's device."
-                )
-            self.to(g.device)
-        cap = math.inf if self.max_norm is None else self.max_norm
-        finite = torch.isfinite(g)
-        n = self._count[0]
-        ready = n >= self.warmup  # the statistics were initialised before this step
-
-        # Warm-up: collect finite norms; the step that brings the last one initialises mean and var.
-        collect = finite & ~ready
-        self._warm.copy_(torch.where((self._slots == n) & collect, g, self._warm))
-        n_new = torch.where(collect, n + 1, n)
-        init_now = collect & (n_new == self.warmup)
-        warm_mean = self._warm.mean()
-        warm_var = (self._warm - warm_mean).square().mean()
-
-        mean, var = self._ema[0], self._ema[1]
-        std = var.sqrt()
-        z = (g - mean) / (std + _EPS)
-        spike = ready & (z > self.z_thresh)
-        if self.clip_option == "adaptive_scaling":
-            clip_value = (mean + self.z_thresh * std / (z / self.z_thresh)) * self.clip_factor
-        else:
-            clip_value = mean
-        threshold = torch.where(spike, clip_value.clamp(max=cap), cap)
-
-        update = ready & finite
-        if self.skip_update_on_spike:
-            update = update & ~spike
-        v = torch.where(spike, clip_value, g)
-        new_mean = self.alpha * mean + (1 - self.alpha) * v
-        new_var = self.alpha * var + (1 - self.alpha) * (v - new_mean).square()
-        mean_out = torch.where(init_now, warm_mean, torch.where(update, new_mean, mean))
-        var_out = torch.where(init_now, warm_var, torch.where(update, new_var, var))
-        self._ema.copy_(torch.stack([mean_out, var_out]))
-        self._count.copy_(n_new.reshape(1))
-
-        coef = (threshold / (g + _EPS)).clamp(max=1.0)
-        self._last.copy_(torch.stack([threshold, coef, torch.where(ready, z, math.nan)]))
-        return threshold
+        state = self._state
+        # A float tensor of one element on the state's device (metadata checks only) goes to the op as it is.
+        if not (isinstance(grad_norm, Tensor) and grad_norm.numel() == 1 and grad_norm.dtype in _FIGURE_DTYPES
+                and grad_norm.device == state.device):
+            grad_norm = as_figure("AdaptiveClip.threshold: grad_norm", grad_norm, self.device)
+            if grad_norm.device != self.device:
+                if grad_norm.device.type == "cpu":
+                    raise ValueError(
+                        f"AdaptiveClip.threshold: grad_norm is on the CPU but the state is on {self.device}; moving "
+                        "it back every step would sync. Pass the norm on the state's device."
+                    )
+                self.to(grad_norm.device)
+            state = self._state
+        return ops.adaptive_clip_step(state, grad_norm, self.alpha, self.z_thresh, self.clip_factor,
+                                      math.inf if self.max_norm is None else self.max_norm,
+                                      self.clip_option == "mean", self.skip_update_on_spike)
 
     @torch.no_grad()
     def clip_(self, params: ParamsLike, group: Any = None, *, stats: GradStats | None = None) -> GradStats:
@@ -198,17 +168,17 @@ class AdaptiveClip:
     @property
     def last_threshold(self) -> Tensor:
         """The last threshold (NaN before any): float64 0-d, on the device (a copy)."""
-        return self._last[_THRESHOLD].clone()
+        return self._last()[_THRESHOLD].clone()
 
     @property
     def last_coef(self) -> Tensor:
         """The coefficient clipping the last norm to the last threshold applies, ``min(threshold / (norm + 1e-6),
         1)``: float64 0-d, on the device (a copy)."""
-        return self._last[_COEF].clone()
+        return self._last()[_COEF].clone()
 
     def check_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
         """The device tensors of :meth:`figures`, as ``(floats, ints)`` for a caller's own single transfer."""
-        return [self._last], []
+        return [self._last()], []
 
     def check_values(self, floats: list[float], ints: list[int]) -> dict[str, float]:
         """``clip/threshold`` and ``clip/coef`` from the host values of :meth:`check_tensors`."""
@@ -230,10 +200,10 @@ class AdaptiveClip:
             "clip_factor": self.clip_factor,
             "max_norm": self.max_norm,
             "skip_update_on_spike": self.skip_update_on_spike,
-            "warmup_norms": self._warm.clone(),
-            "count": self._count.clone(),
-            "ema": self._ema.clone(),
-            "last": self._last.clone(),
+            "warmup_norms": self._state[ops.CLIP_WARM:].clone(),
+            "count": self._state[ops.CLIP_COUNT:ops.CLIP_EMA].to(torch.int64),
+            "ema": self._state[ops.CLIP_EMA:ops.CLIP_LAST].clone(),
+            "last": self._last().clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,11 +257,11 @@ class AdaptiveClip:
                 f"AdaptiveClip.load_state_dict: the {count} warm-up norms collected ('warmup_norms') must be finite "
                 f"and >= 0, got {[float(v) for v in warm]}"
             )
-        current = {name: getattr(self, name) for name in self._STATE}
+        packed = torch.cat([fetch(state[key]).to(torch.float64).reshape(-1)
+                            for key in ("count", "ema", "last", "warmup_norms")])
+        current = self._state
         self.__dict__.update(fresh.__dict__)
-        for name, key in (("_warm", "warmup_norms"), ("_count", "count"), ("_ema", "ema"), ("_last", "last")):
-            setattr(self, name, load_state(current[name], state[key]))
-        self._slots = load_state(current["_slots"], self._slots)
+        self._state = load_state(current, packed)  # in place where the warm-up agrees: a compiled step stays valid
 
     def __repr__(self) -> str:
         return (

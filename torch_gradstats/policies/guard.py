@@ -14,11 +14,13 @@ history as well, until a step is taken. A few such values widen the band enough 
 enter nor count toward ``adopt_after``; a taken step ends the streak. So a spike of fewer than ``adopt_after``
 steps never enters the history, and one of ``adopt_after`` or more steps is skipped until it looks like a level.
 
-How it runs: each history is a fixed ring buffer on the device. Mean and std are recomputed over the buffer every
-step (running sums drift), shifted by one of the buffer's own values so that a history of equal values has a mean
-equal to that value and a std of exactly 0. :meth:`SpikeGuard.observe` launches the same kernels every step and never
-reads a value on the host, so it runs inside ``torch.compile(fullgraph=True)`` and CUDA graphs. Every piece of state
-is a tensor of one or more elements (torch 2.13 loses a compiled in-place update of a 0-d float64 attribute).
+How it runs: the whole state (both histories as fixed ring buffers, their counts and positions, the counters and the
+last figures) is one float64 tensor on the device, and each step is one op, ``torch_gradstats::spike_guard_step``
+(:mod:`torch_gradstats.ops.policy_ops`; a compiled kernel on the CPU and CUDA, its pure-PyTorch kernel elsewhere),
+which updates it in place. Mean and std are recomputed over the buffer every step (running sums drift), shifted by one
+of the buffer's own values so that a history of equal values has a mean equal to that value and a std of exactly 0.
+:meth:`SpikeGuard.observe` launches that one op every step and never reads a value on the host, so it runs inside
+``torch.compile(fullgraph=True)`` and CUDA graphs.
 
 With ``count_skipped=True``, finite values and ``window >= 6`` its decisions are those of OLMo-core's
 ``SkipStepOptimizer`` (warm-up ``max(2, window // 2)`` values counting the current one, hence the default
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_gradstats.ops import policy_ops as ops
 from torch_gradstats.ops._transfer import fetch, to_device, to_host
 from torch_gradstats.policies._scalars import (
     MAX_HISTORY,
@@ -48,12 +51,15 @@ __all__ = ["SpikeGuard", "SpikeStreakError"]
 
 # Series: row 0 of every per-series buffer is the gradient norm, row 1 the loss.
 _SERIES = ("grad_norm", "loss")
-# Columns of _counters (int64): ..., the streak of skipped all-finite steps, and the series judged at the trip step.
+# Columns of the counters: steps, skipped, skips in a row, tripped, trip step, the streak of skipped all-finite
+# steps, and the series judged at the trip step.
 _STEPS, _SKIPPED, _CONSECUTIVE, _TRIPPED, _TRIP_STEP, _STREAK, _TRIP_SERIES = range(7)
-_N_COUNTERS = 7
+_N_COUNTERS = ops.GUARD_N_COUNTERS
 _OLD_COUNTERS = 5  # state_dicts saved before the level adoption and the trip's series
-# Columns of _last and _trip (float64, one row per series): the value, the history's mean and std, the z-score.
+# Columns of the last and trip figures (one row per series): the value, the history's mean and std, the z-score.
 _VALUE, _MEAN, _STD, _Z = range(4)
+# The figure dtypes the op reads as they are (others are converted first).
+_FIGURE_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
 class SpikeStreakError(RuntimeError):
@@ -134,41 +140,56 @@ class SpikeGuard:
         self._allocate(torch.device("cpu") if device is None else check_device("SpikeGuard: device", device))
 
     def _allocate(self, device: torch.device) -> None:
-        w, s = self.window, len(_SERIES)
-        self._hist = torch.zeros(s, w, dtype=torch.float64, device=device)
-        self._count = torch.zeros(s, dtype=torch.int64, device=device)  # values in each history (<= window)
-        self._pos = torch.zeros(s, dtype=torch.int64, device=device)  # next slot to write in each ring
-        self._slots = torch.arange(w, dtype=torch.int64, device=device)
-        self._counters = torch.zeros(_N_COUNTERS, dtype=torch.int64, device=device)
-        self._last = torch.full((s, 4), math.nan, dtype=torch.float64, device=device)
-        self._trip = torch.full((s, 4), math.nan, dtype=torch.float64, device=device)
+        self._state = torch.zeros(ops.guard_state_size(self.window), dtype=torch.float64, device=device)
+        self._state[ops.GUARD_LAST:ops.GUARD_HIST].fill_(math.nan)  # the last and trip figures
 
-    _STATE = ("_hist", "_count", "_pos", "_slots", "_counters", "_last", "_trip")
+    # Views of the packed state (see torch_gradstats.ops.policy_ops).
+    def _counters(self) -> Tensor:
+        return self._state[ops.GUARD_COUNTERS:ops.GUARD_COUNTERS + _N_COUNTERS]
+
+    def _last(self) -> Tensor:
+        return self._state[ops.GUARD_LAST:ops.GUARD_TRIP].view(len(_SERIES), 4)
+
+    def _trip(self) -> Tensor:
+        return self._state[ops.GUARD_TRIP:ops.GUARD_HIST].view(len(_SERIES), 4)
 
     @property
     def device(self) -> torch.device:
         """Where the guard's state lives."""
-        return self._hist.device
+        return self._state.device
 
     def to(self, device: torch.device | str) -> SpikeGuard:
         """Move the state to ``device`` (not needed per step: :meth:`observe` moves it once); returns self."""
-        device = check_device("SpikeGuard.to: device", device)
-        for name in self._STATE:
-            setattr(self, name, moved(getattr(self, name), device))
+        self._state = moved(self._state, check_device("SpikeGuard.to: device", device))
         return self
 
     # ------------------------------------------------------------------------------------------- the step
-    @torch.no_grad()
     def observe(self, grad_norm: Tensor | float, loss: Tensor | float | None = None) -> Tensor:
         """Judge this step and record it: a float32 0-d tensor on ``grad_norm``'s device, 1.0 to take the step, 0.0 to
-        skip it. No host sync, the same launches every step (one set more when a loss is watched).
+        skip it. No host sync, one launch every step (the op ``spike_guard_step``).
 
         Args:
             grad_norm: the step's total gradient norm (e.g. ``grad_stats(...).total_norm``), a one-element tensor
                 (or a number).
             loss: the step's loss (judged when ``watch_loss``), a one-element tensor (or a number) on the same device
-                or on the CPU; detached here.
+                or on the CPU; never traced by autograd.
         """
+        state = self._state
+        if loss is not None and not self.watch_loss:
+            loss = None
+        # The common case, a float tensor of one element on the state's device (metadata checks only), goes to the op
+        # as it is; anything else is checked and converted first.
+        if not (isinstance(grad_norm, Tensor) and grad_norm.numel() == 1 and grad_norm.dtype in _FIGURE_DTYPES
+                and grad_norm.device == state.device and (loss is None or (
+                    isinstance(loss, Tensor) and loss.numel() == 1 and loss.dtype in _FIGURE_DTYPES
+                    and loss.device == state.device))):
+            grad_norm, loss = self._figures(grad_norm, loss)
+            state = self._state
+        return ops.spike_guard_step(state, grad_norm, loss, self.sigma, self.min_history, self.adopt_after,
+                                    self.max_consecutive or 0, self.count_skipped)
+
+    def _figures(self, grad_norm: Tensor | float, loss: Tensor | float | None) -> tuple[Tensor, Tensor | None]:
+        """The step's figures as float64 0-d tensors on one device, the state moved there (once) if it is elsewhere."""
         gn = as_figure("SpikeGuard.observe: grad_norm", grad_norm, self.device)
         device = gn.device
         if device != self.device:
@@ -178,102 +199,50 @@ class SpikeGuard:
                     "it back every step would sync. Pass the norm on the guard's device."
                 )
             self.to(device)
-        if loss is not None and self.watch_loss:
-            lv = as_figure("SpikeGuard.observe: loss", loss, device)
-            if lv.device != device:
-                if device.type == "cpu":
-                    raise ValueError(
-                        f"SpikeGuard.observe: loss is on {lv.device} but grad_norm is on the CPU; pass both on one "
-                        "device (reading the loss back would sync)"
-                    )
-                lv = to_device(lv, device)
-            values = torch.stack([gn, lv])
-        else:
-            values = gn.reshape(1)
-        return self._observe(values)
-
-    def _observe(self, values: Tensor) -> Tensor:
-        k = values.shape[0]  # series judged this step: the first k rows of every per-series buffer
-        hist, count, pos = self._hist[:k], self._count[:k], self._pos[:k]
-        valid = self._slots < count[:, None]
-        # Mean and std of each history, shifted by its slot 0 (a recorded value whenever the history is not empty):
-        # equal values give differences of exactly 0, so the mean is that value and the std exactly 0.
-        pivot = hist[:, 0]
-        diff = torch.where(valid, hist - pivot[:, None], 0.0)
-        n = count.to(torch.float64)
-        mean_diff = diff.sum(dim=1) / n
-        dev = torch.where(valid, diff - mean_diff[:, None], 0.0)
-        std = (dev.square().sum(dim=1) / (n - 1)).sqrt()  # NaN for fewer than 2 values, as torch.std_mean
-        mean = pivot + mean_diff
-
-        finite = torch.isfinite(values)
-        spike = (values - mean) > self.sigma * std
-        judged = count >= self.min_history
-        skip = (judged & (spike | ~finite)).any()
-        take = ~skip
-
-        # A streak of skipped all-finite steps long enough is a new level: its further values enter the history.
-        c = self._counters
-        all_finite = finite.all()
-        streak = torch.where(take, 0, torch.where(all_finite, c[_STREAK] + 1, c[_STREAK]))
-        adopt = skip & all_finite & (streak >= self.adopt_after)
-        enter = finite if self.count_skipped else finite & (take | adopt)
-        write = (self._slots == pos[:, None]) & enter[:, None]
-        hist.copy_(torch.where(write, values[:, None], hist))
-        pos.copy_(torch.where(enter, (pos + 1) % self.window, pos))
-        count.copy_(torch.where(enter, (count + 1).clamp(max=self.window), count))
-
-        # The z-score of each value against its history (0 for a value equal to the mean, std 0 included).
-        z = torch.where(values == mean, 0.0, (values - mean) / std)
-        last = torch.stack([values, mean, std, z], dim=1)
-        self._last[:k].copy_(last)
-
-        skip_i = skip.to(torch.int64)
-        steps = c[_STEPS] + 1
-        consecutive = (c[_CONSECUTIVE] + 1) * skip_i
-        tripped, trip_step, trip_series = c[_TRIPPED], c[_TRIP_STEP], c[_TRIP_SERIES]
-        if self.max_consecutive is not None:
-            trip = skip & (consecutive >= self.max_consecutive)
-            tripped = torch.where(trip, 1, tripped)
-            trip_step = torch.where(trip, steps, trip_step)
-            trip_series = torch.where(trip, k, trip_series)
-            self._trip[:k].copy_(torch.where(trip, last, self._trip[:k]))
-            self._trip[k:].copy_(torch.where(trip, math.nan, self._trip[k:]))
-        c.copy_(torch.stack([steps, c[_SKIPPED] + skip_i, consecutive, tripped, trip_step, streak, trip_series]))
-        return take.to(torch.float32)
+        if loss is None:
+            return gn, None
+        lv = as_figure("SpikeGuard.observe: loss", loss, device)
+        if lv.device != device:
+            if device.type == "cpu":
+                raise ValueError(
+                    f"SpikeGuard.observe: loss is on {lv.device} but grad_norm is on the CPU; pass both on one "
+                    "device (reading the loss back would sync)"
+                )
+            lv = to_device(lv, device)
+        return gn, lv
 
     # ------------------------------------------------------------------------------------------- device figures
     @property
     def skipped(self) -> Tensor:
         """Steps skipped so far: an int64 0-d tensor on the guard's device (a copy: it does not change later)."""
-        return self._counters[_SKIPPED].clone()
+        return self._counters()[_SKIPPED].to(torch.int64)
 
     @property
     def consecutive(self) -> Tensor:
         """Skips in a row up to the last observed step (0 after a taken step): int64 0-d, on the device (a copy)."""
-        return self._counters[_CONSECUTIVE].clone()
+        return self._counters()[_CONSECUTIVE].to(torch.int64)
 
     @property
     def steps(self) -> Tensor:
         """Steps observed so far: int64 0-d, on the device (a copy)."""
-        return self._counters[_STEPS].clone()
+        return self._counters()[_STEPS].to(torch.int64)
 
     @property
     def grad_norm_z(self) -> Tensor:
         """The last gradient norm's z-score against its history (NaN before two values; 0 for a value equal to the
         mean): float64 0-d, on the device (a copy)."""
-        return self._last[0, _Z].clone()
+        return self._last()[0, _Z].clone()
 
     @property
     def loss_z(self) -> Tensor:
         """As :attr:`grad_norm_z`, for the last loss judged (NaN before any)."""
-        return self._last[1, _Z].clone()
+        return self._last()[1, _Z].clone()
 
     # ------------------------------------------------------------------------------------------- host reads
     def check_tensors(self) -> tuple[list[Tensor], list[Tensor]]:
         """The device tensors :meth:`check` reads, as ``(floats, ints)`` to add to a caller's own single transfer
         (``_transfer.pack``); give their host values to :meth:`check_values`."""
-        return [self._last[:, _Z], self._trip.reshape(-1)], [self._counters]
+        return [self._last()[:, _Z], self._trip().reshape(-1)], [self._counters().to(torch.int64)]
 
     def check_values(self, floats: list[float], ints: list[int]) -> dict[str, float]:
         """The host values of :meth:`check_tensors` as figures ``guard/skipped``, ``guard/consecutive``,
@@ -287,7 +256,7 @@ class SpikeGuard:
             "guard/loss_z": z[1],
         }
         if ints[_TRIPPED]:
-            self._counters[_TRIPPED].zero_()
+            self._counters()[_TRIPPED].zero_()
             values = {}
             bands = {}
             for s, name in enumerate(_SERIES[: max(1, ints[_TRIP_SERIES])]):  # every value judged, NaN included
@@ -327,12 +296,12 @@ class SpikeGuard:
             "count_skipped": self.count_skipped,
             "adopt_after": self.adopt_after,
             "max_consecutive": self.max_consecutive,
-            "history": self._hist.clone(),
-            "count": self._count.clone(),
-            "position": self._pos.clone(),
-            "counters": self._counters.clone(),
-            "last": self._last.clone(),
-            "trip": self._trip.clone(),
+            "history": self._state[ops.GUARD_HIST:].view(len(_SERIES), self.window).clone(),
+            "count": self._state[ops.GUARD_COUNT:ops.GUARD_POS].to(torch.int64),
+            "position": self._state[ops.GUARD_POS:ops.GUARD_LAST].to(torch.int64),
+            "counters": self._counters().to(torch.int64),
+            "last": self._last().clone(),
+            "trip": self._trip().clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -388,12 +357,11 @@ class SpikeGuard:
         recorded = torch.arange(w)[None, :] < count[:, None]
         if not bool(fetch(state["history"])[recorded].isfinite().all()):
             raise ValueError("SpikeGuard.load_state_dict: 'history' holds a non-finite recorded value")
-        current = {name: getattr(self, name) for name in self._STATE}
+        packed = torch.cat([fetch(state[key]).to(torch.float64).reshape(-1)
+                            for key in ("counters", "count", "position", "last", "trip", "history")])
+        current = self._state
         self.__dict__.update(fresh.__dict__)
-        for name, key in (("_hist", "history"), ("_count", "count"), ("_pos", "position"), ("_counters", "counters"),
-                          ("_last", "last"), ("_trip", "trip")):
-            setattr(self, name, load_state(current[name], state[key]))
-        self._slots = load_state(current["_slots"], self._slots)
+        self._state = load_state(current, packed)  # in place where the window agrees: a compiled step stays valid
 
     def __repr__(self) -> str:
         return (
