@@ -18,7 +18,8 @@ from torch import Tensor
 from torch_gradstats.ops._transfer import to_device
 from torch_gradstats.ops.op import SUPPORTED_DTYPES, multi_tensor_stats
 
-__all__ = ["Boundary", "Call", "Read", "Reader", "gather", "rebuild"]
+__all__ = ["Boundary", "Call", "Read", "Reader", "gather", "gather_call", "needing_grad", "rebuild", "top_level",
+           "top_level_call"]
 
 _COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
 
@@ -41,6 +42,19 @@ def gather(obj: Any, out: list[Tensor]) -> None:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             gather(getattr(obj, f.name), out)
+
+
+def gather_call(args: Any, kwargs: dict[str, Any] | None = None) -> list[Tensor]:
+    """:func:`gather` over a call's positional and keyword arguments (or a module's output), as a new list."""
+    if type(args) is tuple and len(args) == 1 and not kwargs:  # the common call: one tensor
+        args = args[0]
+    if isinstance(args, Tensor) and not kwargs:
+        return [args] if _watched_dtype(args) else []
+    out: list[Tensor] = []
+    gather(args, out)
+    if kwargs:
+        gather(kwargs, out)
+    return out
 
 
 class Read:
@@ -116,8 +130,11 @@ def _prepare(tensors: list[Tensor]) -> list[Tensor]:
     """What the op reads: |z| for a complex tensor (max |z|, sum |z|^2, a NaN/Inf in either part is non-finite), and
     every tensor on one device, the first non-CPU one (a copy to it is ordered before the op; never to the CPU,
     where a non-blocking copy could be read before it lands)."""
-    out = [t.detach().abs() if t.dtype in _COMPLEX else t.detach() for t in tensors]
-    home = next((t.device for t in out if t.device.type != "cpu"), out[0].device)
+    out = [t.detach().abs() if t.dtype in _COMPLEX else t for t in tensors]  # the op itself is not differentiable
+    devices = {t.device for t in out}
+    if len(devices) == 1:
+        return out
+    home = next((d for d in devices if d.type != "cpu"), out[0].device)
     return [t if t.device == home else to_device(t, home) for t in out]
 
 
@@ -134,7 +151,7 @@ class Boundary(torch.autograd.Function):
     def forward(ctx: Any, hook: Callable[[tuple[Tensor | None, ...]], None], *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.hook = hook
         ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+        return tuple([t.detach() for t in tensors])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -162,3 +179,19 @@ def top_level(obj: Any) -> list[Tensor]:
     if isinstance(obj, (tuple, list)):
         return [x for x in obj if isinstance(x, Tensor)]
     return []
+
+
+def top_level_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors that :func:`rebuild` can replace in a call's arguments (keyword values included)."""
+    found = top_level(args)
+    if kwargs:
+        found += [v for v in kwargs.values() if isinstance(v, Tensor)]
+    return found
+
+
+def needing_grad(tensors: list[Tensor]) -> list[Tensor]:
+    """The floating-point or complex tensors among ``tensors`` that require grad, each once."""
+    found = [t for t in tensors if t.requires_grad and _watched_dtype(t)]
+    if len(found) > 1:
+        found = list({id(t): t for t in found}.values())
+    return found
