@@ -18,8 +18,20 @@ from torch import Tensor
 from torch_gradstats.ops._transfer import to_device
 from torch_gradstats.ops.op import SUPPORTED_DTYPES, multi_tensor_stats
 
-__all__ = ["Boundary", "Call", "Read", "Reader", "gather", "gather_call", "needing_grad", "rebuild", "top_level",
-           "top_level_call"]
+__all__ = [
+    "Boundary",
+    "Call",
+    "Read",
+    "Reader",
+    "boundary",
+    "gather",
+    "gather_call",
+    "needing_grad",
+    "on_gradient",
+    "rebuild",
+    "top_level",
+    "top_level_call",
+]
 
 _COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
 
@@ -98,31 +110,24 @@ class Reader:
         self.seen: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], Ref]] = {}
 
     def read(self, tensors: Sequence[Tensor]) -> list[Ref]:
-        refs: list[Ref | None] = []
-        own: list[Tensor] = []
-        keys: list[tuple[Any, ...] | None] = []
+        seen = self.seen
+        out: list[Any] = []  # Ref, or None where a fresh read goes
+        fresh: list[tuple[int, Tensor, tuple[Any, ...] | None]] = []
         for t in tensors:
             key = _key(t)
-            hit = self.seen.get(key) if key is not None else None
-            if hit is not None and hit[0]() is not None:
-                refs.append(hit[1])
-                continue
-            refs.append(None)
-            own.append(t)
-            keys.append(key)
-        if not own:
-            return [r for r in refs if r is not None]
-        read = Read(_prepare(own))
-        k = 0
-        out: list[Ref] = []
-        for t, ref in zip(tensors, refs):
-            if ref is None:
-                ref = (read, k)
-                key = keys[k]
+            if key is not None:
+                hit = seen.get(key)
+                if hit is not None and hit[0]() is not None:
+                    out.append(hit[1])
+                    continue
+            fresh.append((len(out), t, key))
+            out.append(None)
+        if fresh:
+            read = Read(_prepare([t for _, t, _ in fresh]))
+            for k, (pos, t, key) in enumerate(fresh):
+                out[pos] = ref = (read, k)
                 if key is not None:
-                    self.seen[key] = (weakref.ref(t), ref)
-                k += 1
-            out.append(ref)
+                    seen[key] = (weakref.ref(t), ref)
         return out
 
 
@@ -157,6 +162,41 @@ class Boundary(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         ctx.hook(grads)
         return (None, *grads)
+
+
+# Function.apply's Python wrapper only matters under functorch transforms (and for tensors that outlived one): the
+# C entry point it ends in skips a pytree walk of the arguments on each call.
+_apply_unwrapped: Callable[..., tuple[Tensor, ...]] | None = getattr(
+    torch._C._FunctionBase.__dict__.get("apply"), "__get__", lambda *_: None
+)(None, Boundary)
+
+
+def boundary(hook: Callable[[tuple[Tensor | None, ...]], None], tensors: list[Tensor]) -> tuple[Tensor, ...]:
+    """``Boundary.apply(hook, *tensors)``."""
+    if (
+        _apply_unwrapped is None
+        or torch._C._are_functorch_transforms_active()
+        or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    ):
+        return Boundary.apply(hook, *tensors)
+    return _apply_unwrapped(hook, *tensors)
+
+
+def on_gradient(t: Tensor, hook: Callable[[Tensor], None]) -> None:
+    """Call ``hook`` with the gradient of ``t``'s value now, even if ``t`` is changed in place later: a pre-hook on
+    the autograd node that made it (a tensor hook for a leaf)."""
+    node = t.grad_fn
+    if node is None:
+        t.register_hook(hook)
+        return
+    k = t.output_nr
+
+    def prehook(grads: tuple[Tensor | None, ...]) -> None:
+        g = grads[k]
+        if g is not None:
+            hook(g)
+
+    node.register_prehook(prehook)
 
 
 def rebuild(obj: Any, swap: dict[int, Tensor]) -> Any:

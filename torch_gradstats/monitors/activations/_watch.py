@@ -24,11 +24,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from torch_gradstats.monitors.activations._reads import (
-    Boundary,
     Call,
     Reader,
+    boundary,
     gather_call,
     needing_grad,
+    on_gradient,
     rebuild,
     top_level,
     top_level_call,
@@ -341,7 +342,7 @@ class ActivationWatch:
                 if wrap:
                     pending = _Pending(self, i, self._recorded)
                     pending.has_inputs = True
-                    aliases = Boundary.apply(pending.on_grad_input, *wrap)
+                    aliases = boundary(pending.on_grad_input, wrap)
                     pending.inputs = [(a, a._version) for a in aliases]
                     swap = {id(t): a for t, a in zip(wrap, aliases)}
                     args = rebuild(args, swap)
@@ -368,14 +369,14 @@ class ActivationWatch:
             if pending is not None:
                 _check_inputs_kept(name, module, pending, output)
             if with_backward and torch.is_grad_enabled():
-                # A tensor hook, not an autograd node: the output stays the module's own tensor. Registered before
-                # any in-place change the caller makes (out += identity), it gets the gradient of the value read.
+                # A hook, not an autograd node: the output stays the module's own tensor. Placed before any in-place
+                # change the caller makes (out += identity), it gets the gradient of the value read.
                 outs = needing_grad(top_level(output))
                 if outs:
                     if pending is None:
                         pending = _Pending(self, i, self._recorded)
                     for t in outs:
-                        t.register_hook(pending.on_grad_output)
+                        on_gradient(t, pending.on_grad_output)
             if call is not None and call.step == self._recorded:
                 tensors = gather_call(output)
                 # DTensor shards are left out of the parameters
