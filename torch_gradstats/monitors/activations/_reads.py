@@ -95,11 +95,16 @@ class Call:
 
 
 def _key(t: Tensor) -> tuple[Any, ...] | None:
-    """Same memory, shape, strides, dtype and in-place version: the same values. Inference tensors keep no version
-    counter, so they are never taken as already read."""
-    if t.is_inference():
+    """Same elements (memory, dtype, and shape and strides unless contiguous: the figures do not depend on the
+    order) at the same in-place version: the same figures. Inference tensors keep no version counter, so they are
+    never taken as already read."""
+    try:
+        version = t._version
+    except RuntimeError:
         return None
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
+    if t.is_contiguous():
+        return (t.data_ptr(), t.dtype, version, t.numel())
+    return (t.data_ptr(), t.dtype, version, t.shape, t.stride())
 
 
 class Reader:
@@ -135,11 +140,11 @@ def _prepare(tensors: list[Tensor]) -> list[Tensor]:
     """What the op reads: |z| for a complex tensor (max |z|, sum |z|^2, a NaN/Inf in either part is non-finite), and
     every tensor on one device, the first non-CPU one (a copy to it is ordered before the op; never to the CPU,
     where a non-blocking copy could be read before it lands)."""
-    out = [t.detach().abs() if t.dtype in _COMPLEX else t for t in tensors]  # the op itself is not differentiable
-    devices = {t.device for t in out}
-    if len(devices) == 1:
-        return out
-    home = next((d for d in devices if d.type != "cpu"), out[0].device)
+    device = tensors[0].device
+    if all(t.device == device and not t.is_complex() for t in tensors):
+        return tensors
+    out = [t.detach().abs() if t.is_complex() else t for t in tensors]  # the op itself is not differentiable
+    home = next((t.device for t in out if t.device.type != "cpu"), device)
     return [t if t.device == home else to_device(t, home) for t in out]
 
 
