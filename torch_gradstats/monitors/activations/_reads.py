@@ -149,11 +149,11 @@ def _prepare(tensors: list[Tensor]) -> list[Tensor]:
 
 
 class Boundary(torch.autograd.Function):
-    """Identity on tensors, whose backward hands their gradients to ``hook``: placed on a module's inputs and
-    outputs, it tells the module's grad_input and grad_output apart, as full backward hooks do.
+    """Identity on tensors, whose backward hands their gradients to ``hook``: placed on a module's inputs, it gets the
+    gradient that flows into them through the module alone (its grad_input), as full backward hooks do.
 
     Its outputs alias their inputs' memory (and in-place version counter) without being autograd views, so the
-    module or its caller may change them in place (``out += identity``, ``ReLU(inplace=True)``); PyTorch's own
+    module may change them in place (``ReLU(inplace=True)``, an in-place ``Dropout``); PyTorch's own
     ``BackwardHookFunction`` returns views, which a custom Function forbids to modify in place.
     """
 

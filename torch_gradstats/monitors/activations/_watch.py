@@ -2,9 +2,9 @@
 report: ``_report.py``).
 
 A forward pre-hook on each watched module reads its floating-point and complex inputs before it runs, a forward hook
-its outputs and own parameters, each with at most ONE op call; with ``backward=True`` an identity autograd node on
-its inputs and outputs (:class:`~torch_gradstats.monitors.activations._reads.Boundary`) reads ``grad_output`` and
-``grad_input`` with one op call. The op's small results stay on the device: nothing is read on the host until
+its outputs and own parameters, each with at most ONE op call; with ``backward=True`` a pre-hook on the autograd
+node that made each output keeps ``grad_output``, and an identity autograd node on its inputs
+(:class:`~torch_gradstats.monitors.activations._reads.Boundary`) reads it with ``grad_input`` in one op call. The op's small results stay on the device: nothing is read on the host until
 :meth:`ActivationWatch.report`, which moves the latest recorded step in one transfer and names the module that
 *produced* the first non-finite value: in execution order, the first whose output is non-finite while its inputs
 were finite (forward), the first whose ``grad_input`` is non-finite while its ``grad_output`` was finite (backward).
