@@ -728,6 +728,28 @@ def test_module_outputs_are_handed_on_as_they_are_with_backward():
     assert report.modules["keep"].grad_input_max_abs == pytest.approx(4 * report.modules["keep"].max_abs)
 
 
+def test_a_watched_step_leaves_no_reference_cycle():
+    """Activations are freed when the step lets go of them, not when Python's garbage collector runs."""
+    import gc
+
+    model, x = TinyTransformer(), torch.randint(0, 32, (2, 8))
+    with ActivationWatch(model):
+        _step(model, x)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            out = model(x)  # a forward whose graph is dropped without a backward
+            del out
+            _step(model, x)
+            found = gc.collect()
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert found == 0
+
+
 def test_report_is_one_transfer(monkeypatch):
     from torch_gradstats.ops import _transfer
 

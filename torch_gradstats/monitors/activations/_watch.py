@@ -4,11 +4,12 @@ report: ``_report.py``).
 A forward pre-hook on each watched module reads its floating-point and complex inputs before it runs, a forward hook
 its outputs and own parameters, each with at most ONE op call; with ``backward=True`` a pre-hook on the autograd
 node that made each output keeps ``grad_output``, and an identity autograd node on its inputs
-(:class:`~torch_gradstats.monitors.activations._reads.Boundary`) reads it with ``grad_input`` in one op call. The op's small results stay on the device: nothing is read on the host until
-:meth:`ActivationWatch.report`, which moves the latest recorded step in one transfer and names the module that
-*produced* the first non-finite value: in execution order, the first whose output is non-finite while its inputs
-were finite (forward), the first whose ``grad_input`` is non-finite while its ``grad_output`` was finite (backward).
-The root is always read (its inputs and outputs), under the name ``"<root>"``.
+(:class:`~torch_gradstats.monitors.activations._reads.Boundary`) reads it with ``grad_input`` in one op call.
+The op's small results stay on the device: nothing is read on the host until :meth:`ActivationWatch.report`, which
+moves the latest recorded step in one transfer and names the module that *produced* the first non-finite value: in
+execution order, the first whose output is non-finite while its inputs were finite (forward), the first whose
+``grad_input`` is non-finite while its ``grad_output`` was finite (backward). The root is always read (its inputs
+and outputs), under the name ``"<root>"``.
 """
 
 from __future__ import annotations
@@ -368,6 +369,9 @@ class ActivationWatch:
                 return None
             if pending is not None:
                 _check_inputs_kept(name, module, pending, output)
+                # The aliases hold their autograd node, which holds this pending: let go, or that cycle keeps the
+                # activations alive until Python's garbage collector runs (and makes it run more often).
+                pending.inputs = []
             if with_backward and torch.is_grad_enabled():
                 # A hook, not an autograd node: the output stays the module's own tensor. Placed before any in-place
                 # change the caller makes (out += identity), it gets the gradient of the value read.
