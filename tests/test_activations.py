@@ -681,6 +681,75 @@ def test_a_tensor_is_read_once_per_step_unless_changed_in_place():
     assert report.forward_first_nonfinite == "b" and report.modules["b"].input_nonfinite > 0
 
 
+def test_a_contiguous_reshape_of_a_tensor_already_read_is_not_read_again():
+    class Flatten(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(h.view(-1, 4))  # same elements, another shape: the same figures
+
+    model = Flatten()
+    with ActivationWatch(model) as watch:
+        _step(model, torch.randn(2, 3, 4))
+        calls = {watch._names[c.index]: c for c in watch._fwd}
+        assert calls["b"].refs[0] == calls["a"].refs[1]
+        report = watch.report()
+    assert report.modules["b"].input_max_abs == report.modules["a"].max_abs
+    assert not report.nonfinite and report.modules["a"].grad_max_abs is not None
+
+
+def test_module_outputs_are_handed_on_as_they_are_with_backward():
+    class Keep(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.made = x * 2
+            return self.made
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.keep = nn.Linear(4, 4), Keep()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.keep(self.fc(x))
+
+    torch.manual_seed(0)
+    model, x = Outer(), torch.randn(2, 4)
+    plain = torch.autograd.grad(model(x).square().sum(), model.fc.weight)[0]
+    with ActivationWatch(model) as watch:
+        out = model(x)
+        assert out is model.keep.made  # no alias in between: what the module made is what its caller gets
+        (grad,) = torch.autograd.grad(out.square().sum(), model.fc.weight)
+        report = watch.report()
+    torch.testing.assert_close(grad, plain)
+    assert report.modules["keep"].grad_max_abs == pytest.approx(2 * report.modules["keep"].max_abs)
+    assert report.modules["keep"].grad_input_max_abs == pytest.approx(4 * report.modules["keep"].max_abs)
+
+
+def test_a_watched_step_leaves_no_reference_cycle():
+    """Activations are freed when the step lets go of them, not when Python's garbage collector runs."""
+    import gc
+
+    model, x = TinyTransformer(), torch.randint(0, 32, (2, 8))
+    with ActivationWatch(model):
+        _step(model, x)
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            out = model(x)  # a forward whose graph is dropped without a backward
+            del out
+            _step(model, x)
+            found = gc.collect()
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert found == 0
+
+
 def test_report_is_one_transfer(monkeypatch):
     from torch_gradstats.ops import _transfer
 

@@ -18,7 +18,20 @@ from torch import Tensor
 from torch_gradstats.ops._transfer import to_device
 from torch_gradstats.ops.op import SUPPORTED_DTYPES, multi_tensor_stats
 
-__all__ = ["Boundary", "Call", "Read", "Reader", "gather", "rebuild"]
+__all__ = [
+    "Boundary",
+    "Call",
+    "Read",
+    "Reader",
+    "boundary",
+    "gather",
+    "gather_call",
+    "needing_grad",
+    "on_gradient",
+    "rebuild",
+    "top_level",
+    "top_level_call",
+]
 
 _COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
 
@@ -41,6 +54,19 @@ def gather(obj: Any, out: list[Tensor]) -> None:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             gather(getattr(obj, f.name), out)
+
+
+def gather_call(args: Any, kwargs: dict[str, Any] | None = None) -> list[Tensor]:
+    """:func:`gather` over a call's positional and keyword arguments (or a module's output), as a new list."""
+    if type(args) is tuple and len(args) == 1 and not kwargs:  # the common call: one tensor
+        args = args[0]
+    if isinstance(args, Tensor) and not kwargs:
+        return [args] if _watched_dtype(args) else []
+    out: list[Tensor] = []
+    gather(args, out)
+    if kwargs:
+        gather(kwargs, out)
+    return out
 
 
 class Read:
@@ -69,11 +95,16 @@ class Call:
 
 
 def _key(t: Tensor) -> tuple[Any, ...] | None:
-    """Same memory, shape, strides, dtype and in-place version: the same values. Inference tensors keep no version
-    counter, so they are never taken as already read."""
-    if t.is_inference():
+    """Same elements (memory, dtype, and shape and strides unless contiguous: the figures do not depend on the
+    order) at the same in-place version: the same figures. Inference tensors keep no version counter, so they are
+    never taken as already read."""
+    try:
+        version = t._version
+    except RuntimeError:
         return None
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version)
+    if t.is_contiguous():
+        return (t.data_ptr(), t.dtype, version, t.numel())
+    return (t.data_ptr(), t.dtype, version, t.shape, t.stride())
 
 
 class Reader:
@@ -84,31 +115,24 @@ class Reader:
         self.seen: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], Ref]] = {}
 
     def read(self, tensors: Sequence[Tensor]) -> list[Ref]:
-        refs: list[Ref | None] = []
-        own: list[Tensor] = []
-        keys: list[tuple[Any, ...] | None] = []
+        seen = self.seen
+        out: list[Any] = []  # Ref, or None where a fresh read goes
+        fresh: list[tuple[int, Tensor, tuple[Any, ...] | None]] = []
         for t in tensors:
             key = _key(t)
-            hit = self.seen.get(key) if key is not None else None
-            if hit is not None and hit[0]() is not None:
-                refs.append(hit[1])
-                continue
-            refs.append(None)
-            own.append(t)
-            keys.append(key)
-        if not own:
-            return [r for r in refs if r is not None]
-        read = Read(_prepare(own))
-        k = 0
-        out: list[Ref] = []
-        for t, ref in zip(tensors, refs):
-            if ref is None:
-                ref = (read, k)
-                key = keys[k]
+            if key is not None:
+                hit = seen.get(key)
+                if hit is not None and hit[0]() is not None:
+                    out.append(hit[1])
+                    continue
+            fresh.append((len(out), t, key))
+            out.append(None)
+        if fresh:
+            read = Read(_prepare([t for _, t, _ in fresh]))
+            for k, (pos, t, key) in enumerate(fresh):
+                out[pos] = ref = (read, k)
                 if key is not None:
-                    self.seen[key] = (weakref.ref(t), ref)
-                k += 1
-            out.append(ref)
+                    seen[key] = (weakref.ref(t), ref)
         return out
 
 
@@ -116,17 +140,20 @@ def _prepare(tensors: list[Tensor]) -> list[Tensor]:
     """What the op reads: |z| for a complex tensor (max |z|, sum |z|^2, a NaN/Inf in either part is non-finite), and
     every tensor on one device, the first non-CPU one (a copy to it is ordered before the op; never to the CPU,
     where a non-blocking copy could be read before it lands)."""
-    out = [t.detach().abs() if t.dtype in _COMPLEX else t.detach() for t in tensors]
-    home = next((t.device for t in out if t.device.type != "cpu"), out[0].device)
+    device = tensors[0].device
+    if all(t.device == device and not t.is_complex() for t in tensors):
+        return tensors
+    out = [t.detach().abs() if t.is_complex() else t for t in tensors]  # the op itself is not differentiable
+    home = next((t.device for t in out if t.device.type != "cpu"), device)
     return [t if t.device == home else to_device(t, home) for t in out]
 
 
 class Boundary(torch.autograd.Function):
-    """Identity on tensors, whose backward hands their gradients to ``hook``: placed on a module's inputs and
-    outputs, it tells the module's grad_input and grad_output apart, as full backward hooks do.
+    """Identity on tensors, whose backward hands their gradients to ``hook``: placed on a module's inputs, it gets the
+    gradient that flows into them through the module alone (its grad_input), as full backward hooks do.
 
     Its outputs alias their inputs' memory (and in-place version counter) without being autograd views, so the
-    module or its caller may change them in place (``out += identity``, ``ReLU(inplace=True)``); PyTorch's own
+    module may change them in place (``ReLU(inplace=True)``, an in-place ``Dropout``); PyTorch's own
     ``BackwardHookFunction`` returns views, which a custom Function forbids to modify in place.
     """
 
@@ -134,12 +161,47 @@ class Boundary(torch.autograd.Function):
     def forward(ctx: Any, hook: Callable[[tuple[Tensor | None, ...]], None], *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.hook = hook
         ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+        return tuple([t.detach() for t in tensors])
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         ctx.hook(grads)
         return (None, *grads)
+
+
+# Function.apply's Python wrapper only matters under functorch transforms (and for tensors that outlived one): the
+# C entry point it ends in skips a pytree walk of the arguments on each call.
+_apply_unwrapped: Callable[..., tuple[Tensor, ...]] | None = getattr(
+    torch._C._FunctionBase.__dict__.get("apply"), "__get__", lambda *_: None
+)(None, Boundary)
+
+
+def boundary(hook: Callable[[tuple[Tensor | None, ...]], None], tensors: list[Tensor]) -> tuple[Tensor, ...]:
+    """``Boundary.apply(hook, *tensors)``."""
+    if (
+        _apply_unwrapped is None
+        or torch._C._are_functorch_transforms_active()
+        or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+    ):
+        return Boundary.apply(hook, *tensors)
+    return _apply_unwrapped(hook, *tensors)
+
+
+def on_gradient(t: Tensor, hook: Callable[[Tensor], None]) -> None:
+    """Call ``hook`` with the gradient of ``t``'s value now, even if ``t`` is changed in place later: a pre-hook on
+    the autograd node that made it (a tensor hook for a leaf)."""
+    node = t.grad_fn
+    if node is None:
+        t.register_hook(hook)
+        return
+    k = t.output_nr
+
+    def prehook(grads: tuple[Tensor | None, ...]) -> None:
+        g = grads[k]
+        if g is not None:
+            hook(g)
+
+    node.register_prehook(prehook)
 
 
 def rebuild(obj: Any, swap: dict[int, Tensor]) -> Any:
@@ -162,3 +224,19 @@ def top_level(obj: Any) -> list[Tensor]:
     if isinstance(obj, (tuple, list)):
         return [x for x in obj if isinstance(x, Tensor)]
     return []
+
+
+def top_level_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors that :func:`rebuild` can replace in a call's arguments (keyword values included)."""
+    found = top_level(args)
+    if kwargs:
+        found += [v for v in kwargs.values() if isinstance(v, Tensor)]
+    return found
+
+
+def needing_grad(tensors: list[Tensor]) -> list[Tensor]:
+    """The floating-point or complex tensors among ``tensors`` that require grad, each once."""
+    found = [t for t in tensors if t.requires_grad and _watched_dtype(t)]
+    if len(found) > 1:
+        found = list({id(t): t for t in found}.values())
+    return found

@@ -2,13 +2,14 @@
 report: ``_report.py``).
 
 A forward pre-hook on each watched module reads its floating-point and complex inputs before it runs, a forward hook
-its outputs and own parameters, each with at most ONE op call; with ``backward=True`` an identity autograd node on
-its inputs and outputs (:class:`~torch_gradstats.monitors.activations._reads.Boundary`) reads ``grad_output`` and
-``grad_input`` with one op call. The op's small results stay on the device: nothing is read on the host until
-:meth:`ActivationWatch.report`, which moves the latest recorded step in one transfer and names the module that
-*produced* the first non-finite value: in execution order, the first whose output is non-finite while its inputs
-were finite (forward), the first whose ``grad_input`` is non-finite while its ``grad_output`` was finite (backward).
-The root is always read (its inputs and outputs), under the name ``"<root>"``.
+its outputs and own parameters, each with at most ONE op call; with ``backward=True`` a pre-hook on the autograd
+node that made each output keeps ``grad_output``, and an identity autograd node on its inputs
+(:class:`~torch_gradstats.monitors.activations._reads.Boundary`) reads it with ``grad_input`` in one op call.
+The op's small results stay on the device: nothing is read on the host until :meth:`ActivationWatch.report`, which
+moves the latest recorded step in one transfer and names the module that *produced* the first non-finite value: in
+execution order, the first whose output is non-finite while its inputs were finite (forward), the first whose
+``grad_input`` is non-finite while its ``grad_output`` was finite (backward). The root is always read (its inputs
+and outputs), under the name ``"<root>"``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from torch_gradstats.monitors.activations._reads import Boundary, Call, Reader, gather, rebuild, top_level
+from torch_gradstats.monitors.activations._reads import (
+    Call,
+    Reader,
+    boundary,
+    gather_call,
+    needing_grad,
+    on_gradient,
+    rebuild,
+    top_level,
+    top_level_call,
+)
 from torch_gradstats.monitors.activations._report import (
     ROOT,
     ActivationReport,
@@ -133,7 +144,8 @@ def _storage(t: Tensor) -> int:
 
 
 class _Pending:
-    """The backward of one forward call of one module: its output node's gradients wait for its input node's."""
+    """The backward of one forward call of one module: the gradients of its outputs (tensor hooks, one call per
+    output) wait for those of its inputs (its :class:`Boundary` node), which run after them."""
 
     __slots__ = ("grad_output", "has_inputs", "index", "inputs", "step", "watch")
 
@@ -141,18 +153,16 @@ class _Pending:
         self.watch, self.index, self.step = watch, index, step
         self.has_inputs = False
         self.inputs: list[tuple[Tensor, int]] = []  # the aliases handed to the module, and their version then
-        self.grad_output: list[Tensor] | None = None
+        self.grad_output: list[Tensor] = []
 
-    def on_grad_output(self, grads: tuple[Tensor | None, ...]) -> None:
-        found = [g for g in grads if g is not None]
+    def on_grad_output(self, grad: Tensor) -> None:
         if self.has_inputs:
-            self.grad_output = found
+            self.grad_output.append(grad)
         else:
-            self.watch._record_backward(self.index, self.step, found, [])
+            self.watch._record_backward(self.index, self.step, [grad], [])
 
     def on_grad_input(self, grads: tuple[Tensor | None, ...]) -> None:
-        found = self.grad_output if self.grad_output is not None else []
-        self.grad_output = None
+        found, self.grad_output = self.grad_output, []
         self.watch._record_backward(self.index, self.step, found, [g for g in grads if g is not None])
 
 
@@ -296,6 +306,7 @@ class ActivationWatch:
     # ------------------------------------------------------------------------------------------ hooks
     def _pre_hook(self, i: int) -> Callable[..., Any]:
         with_backward = self._with_backward[i]
+        opened, reader = self._open, self._reader
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             recompute = _recomputing()
@@ -313,44 +324,44 @@ class ActivationWatch:
                 self._begin_step()
             if not self._recording:
                 if i == 0:
-                    self._open.setdefault((0, threading.get_ident()), []).append((None, None, False))
+                    opened.setdefault((0, threading.get_ident()), []).append((None, None, False))
                 return None
             if torch.compiler.is_compiling():
                 raise RuntimeError(_COMPILE_ERROR)
             call = None
             if not recompute:  # inputs read before the module runs: an in-place change is the module's own
-                tensors: list[Tensor] = []
-                gather(args, tensors)
-                gather(kwargs, tensors)
+                tensors = gather_call(args, kwargs)
                 call = Call(i, self._step)
-                call.refs = self._reader.read(tensors) if tensors else []
+                if tensors:
+                    call.refs = reader.read(tensors)
                 call.groups = (len(tensors),)
                 if self._inputs is None:
                     self._inputs = call
             pending = None
             if with_backward and torch.is_grad_enabled():
-                wrap = list({id(t): t for t in top_level(args) + top_level(list(kwargs.values()))
-                             if t.requires_grad and _floating(t)}.values())  # fmt: skip
+                wrap = needing_grad(top_level_call(args, kwargs))
                 if wrap:
                     pending = _Pending(self, i, self._recorded)
                     pending.has_inputs = True
-                    aliases = Boundary.apply(pending.on_grad_input, *wrap)
+                    aliases = boundary(pending.on_grad_input, wrap)
                     pending.inputs = [(a, a._version) for a in aliases]
                     swap = {id(t): a for t, a in zip(wrap, aliases)}
                     args = rebuild(args, swap)
-                    kwargs = {k: swap.get(id(v), v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-            self._open.setdefault((i, threading.get_ident()), []).append((call, pending, True))
+                    if kwargs:
+                        kwargs = {k: swap.get(id(v), v) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+            opened.setdefault((i, threading.get_ident()), []).append((call, pending, True))
             return (args, kwargs) if pending is not None else None
 
         return hook
 
     def _post_hook(self, i: int) -> Callable[..., Any]:
         module, name, with_backward = self._modules[i], self._names[i], self._with_backward[i]
+        opened, reader, own_params = self._open, self._reader, module._parameters
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if i == 0:
                 self._in_root = max(0, self._in_root - 1)
-            stack = self._open.get((i, threading.get_ident()))
+            stack = opened.get((i, threading.get_ident()))
             if not stack:
                 return None
             call, pending, active = stack.pop()
@@ -358,26 +369,32 @@ class ActivationWatch:
                 return None
             if pending is not None:
                 _check_inputs_kept(name, module, pending, output)
-            result = output
+                # The aliases hold their autograd node, which holds this pending: let go, or that cycle keeps the
+                # activations alive until Python's garbage collector runs (and makes it run more often).
+                pending.inputs = []
             if with_backward and torch.is_grad_enabled():
-                outs = list({id(t): t for t in top_level(output) if t.requires_grad and _floating(t)}.values())
+                # A hook, not an autograd node: the output stays the module's own tensor. Placed before any in-place
+                # change the caller makes (out += identity), it gets the gradient of the value read.
+                outs = needing_grad(top_level(output))
                 if outs:
                     if pending is None:
                         pending = _Pending(self, i, self._recorded)
-                    aliases = Boundary.apply(pending.on_grad_output, *outs)
-                    result = rebuild(output, {id(t): a for t, a in zip(outs, aliases)})
+                    for t in outs:
+                        on_gradient(t, pending.on_grad_output)
             if call is not None and call.step == self._recorded:
-                tensors: list[Tensor] = []
-                gather(result, tensors)
+                tensors = gather_call(output)
                 # DTensor shards are left out of the parameters
-                params: list[Tensor] = [p for p in module.parameters(recurse=False)
-                          if _floating(p) and type(p) in (Tensor, nn.Parameter)]  # fmt: skip
+                params = [p for p in own_params.values()
+                          if p is not None and type(p) in (Tensor, nn.Parameter) and _floating(p)]  # fmt: skip
                 if tensors or i == 0:
-                    call.refs += self._reader.read(tensors + params) if tensors or params else []
-                    call.groups = (call.groups[0], len(tensors), len(params))
+                    if params:
+                        tensors += params
+                    if tensors:
+                        call.refs += reader.read(tensors)
+                    call.groups = (call.groups[0], len(tensors) - len(params), len(params))
                     self._fwd.append(call)
                     self._fwd_names[name] = None
-            return result if result is not output else None
+            return None
 
         return hook
 
@@ -440,9 +457,12 @@ class ActivationWatch:
 def _check_inputs_kept(name: str, module: nn.Module, pending: _Pending, output: Any) -> None:
     """A module that changed an input in place and returned another tensor leaves its caller holding that input
     under the autograd history it had before (the module saw an alias): refuse rather than change gradients."""
+    changed = [alias for alias, version in pending.inputs if alias._version != version]
+    if not changed:
+        return
     outs = {_storage(t) for t in top_level(output)}
-    for alias, version in pending.inputs:
-        if alias._version != version and _storage(alias) not in outs:
+    for alias in changed:
+        if _storage(alias) not in outs:
             raise RuntimeError(
                 f"ActivationWatch: module {name} ({type(module).__name__}) changed its input in place and returned "
                 "another tensor; with backward=True the caller's input would keep its old autograd history. Return "
