@@ -129,18 +129,21 @@ def _figure(
 
 class _ActivationWarnings(logging.Filter):
     """Keeps the Trainer's activation warnings (one per sync while the epoch has a non-finite step) for the demo to
-    print the first, instead of repeating them on stderr."""
+    print the first, instead of repeating them on stderr; drops its warning of a skipped non-finite step, which the
+    demo says in its own words ("Non-finite gradient first seen at optimizer step ...")."""
 
     def __init__(self) -> None:
         super().__init__()
         self.messages: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
         message = record.getMessage()
-        if record.levelno == logging.WARNING and "first non-finite parameter gradient" in message:
+        if "first non-finite parameter gradient" in message:
             self.messages.append(message)
             return False
-        return True
+        return "non-finite gradient at optimizer step" not in message
 
 
 def _check_step(flag: str, step: int | None, steps: int) -> None:
