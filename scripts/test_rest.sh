@@ -14,6 +14,7 @@ PY=.venv/bin/python
 WORKERS=(-n "${PYTEST_WORKERS:-auto}")
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
 
+failed=()
 run() {  # run DESCRIPTION PYTEST-ARGS...: pytest's 5 (nothing collected) is a failure only without arguments
   local what=$1 rc=0
   shift
@@ -22,7 +23,7 @@ run() {  # run DESCRIPTION PYTEST-ARGS...: pytest's 5 (nothing collected) is a f
   if [ "$rc" = 5 ] && [ "$HAS_ARGS" = 1 ]; then
     say "   (no such test among the arguments)"
   elif [ "$rc" != 0 ]; then
-    exit "$rc"
+    failed+=("$what")  # the next phases still run: one report of everything that fails
   fi
 }
 HAS_ARGS=$(( $# > 0 ))
@@ -31,4 +32,8 @@ run "pytest, compiled extension: the slow tests" "${WORKERS[@]}" -m "slow and no
 run "pytest, compiled extension: the distributed tests" -p no:xdist -m distributed "$@"
 TORCH_GRADSTATS_FORCE_FALLBACK=1 run "pytest, pure-PyTorch fallback: the tests scripts/test.sh ran on the extension only" \
   "${WORKERS[@]}" -m "not (kernel and not slow and not distributed)" "$@"
+if [ ${#failed[@]} -gt 0 ]; then
+  say "FAILED: $(IFS=';'; echo "${failed[*]}")"
+  exit 1
+fi
 say "the rest of the matrix passed"
