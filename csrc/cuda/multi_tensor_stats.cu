@@ -609,8 +609,8 @@ __global__ void __launch_bounds__(kFillThreads) fill_metadata_kernel(const __gri
 template <int K>
 int64_t launch_fill(const TensorMeta* host_meta, int64_t n, TensorMeta* meta_out, int32_t* tile_tensor_out,
                     cudaStream_t stream) {
-  // Up to 32 KB: kept off the stack, one per thread; reusable as soon as a launch returns (it copied them).
-  thread_local std::unique_ptr<FillArgs<K>> buf(new FillArgs<K>());
+  // Up to 32 KB: off the stack, this call's; reusable as soon as a launch returns (it copied them).
+  const auto buf = std::make_unique<FillArgs<K>>();
   FillArgs<K>& a = *buf;
   a.meta_out = meta_out;
   a.tile_tensor_out = tile_tensor_out;
@@ -668,9 +668,10 @@ size_t metadata_bytes(int64_t n, int64_t num_tiles) {
 //  2. A capturing stream never reads it: the graph gets a buffer of its own (for_capture), or the caller takes the
 //     per-call path, whose buffer and parameters belong to the graph. So no graph ever depends on an entry.
 //  3. The bookkeeping (metadata_cache.h, tested on the CPU): an entry is pinned from its lookup until the kernels
-//     that read it are enqueued, and only unpinned entries are evicted. An evicted entry's free waits, on the cache's
-//     free stream, for an event recorded on each stream that read it, recorded by a call on that stream (never by
-//     another thread on a stream it may be capturing), or, past a bound, on a stream found not capturing.
+//     that read it are enqueued, and only unpinned entries are evicted. When a lease ends, the reader records an
+//     event on its own stream and the cache's free stream waits on it; an evicted entry's free is enqueued on the
+//     free stream, so it follows every read. No other thread's stream is ever queried or recorded on, no stream
+//     handle is kept past the call, and nothing is launched under the cache's lock.
 //  4. Calls to CUDA that could invalidate another thread's capture in cudaStreamCaptureModeGlobal (allocation,
 //     event and stream creation) are made under cudaStreamCaptureModeRelaxed for this thread.
 //  5. Capacity is per device: 16 entries each, under a lock of their own.
@@ -693,18 +694,21 @@ class RelaxedCaptureMode {
   bool ok_ = false;
 };
 
-// The device side of the cache's bookkeeping (the policy of metadata_cache.h), one per device. Every call is made
-// with the cache's lock held, under the caller's CUDAGuard for this device.
+// The device side of the cache's bookkeeping (the policy of metadata_cache.h), one per device. Called without the
+// cache's lock, under the caller's CUDAGuard for this device, with the caller's stream (not capturing when the call
+// began) and only during that call.
 struct CudaCachePolicy {
   using Stream = cudaStream_t;
   using Item = TensorMeta;
   using Ready = cudaEvent_t;
 
   cudaMemPool_t pool = nullptr;
-  cudaStream_t free_stream = nullptr;  // frees wait here on the users' events, never on the callers' streams
-  cudaEvent_t user_done = nullptr;     // re-recorded per user stream (a wait takes the event's state at the call)
+  cudaStream_t free_stream = nullptr;  // frees wait here on the readers' markers, never on the callers' streams
+  cudaEvent_t last_read = nullptr;     // re-recorded by each reader (a wait takes the event's state at the call)
+  std::unique_ptr<std::mutex> last_read_mu = std::make_unique<std::mutex>();  // one record-and-wait at a time
   std::atomic<int64_t>* fill_launches = nullptr;
 
+  size_t inline_items() const { return 0; }
   void* allocate(size_t bytes, cudaStream_t stream) {
     const RelaxedCaptureMode relaxed;
     void* ptr = nullptr;
@@ -733,29 +737,43 @@ struct CudaCachePolicy {
     }
     return ready;
   }
+  bool fill_complete(cudaEvent_t ready) {
+    const RelaxedCaptureMode relaxed;
+    if (cudaEventQuery(ready) == cudaSuccess) return true;
+    (void)cudaGetLastError();  // cudaErrorNotReady
+    return false;
+  }
   void wait(cudaEvent_t ready, cudaStream_t stream) { C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0)); }
   void drop(cudaEvent_t& ready) noexcept {
     if (ready != nullptr) (void)cudaEventDestroy(ready);  // legal while pending: released when it completes
     ready = nullptr;
   }
-  // The event covers every kernel already enqueued on `stream`, hence every read of an unpinned entry there.
-  void order_free_after(cudaStream_t stream) {
-    C10_CUDA_CHECK(cudaEventRecord(user_done, stream));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(free_stream, user_done, 0));
-  }
-  bool order_free_after_unless_capturing(cudaStream_t stream) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-      (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: cannot tell
+  // The reader's marker, on its own stream right after its kernels: it covers them. Then the capture query: a
+  // capture that another thread began on this stream meanwhile may hold the marker, and the free stream must not
+  // wait on it (it would join that capture): false, and the entry is never freed.
+  bool end_read(cudaStream_t stream) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(*last_read_mu);
+      if (cudaEventRecord(last_read, stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone ||
+          cudaStreamWaitEvent(free_stream, last_read, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      return true;
+    } catch (...) {  // the lock
       return false;
     }
-    if (status != cudaStreamCaptureStatusNone) return false;
-    order_free_after(stream);
-    return true;
   }
-  void release(void* data, size_t) {
+  bool release(void* data, size_t) noexcept {
     const RelaxedCaptureMode relaxed;
-    C10_CUDA_CHECK(cudaFreeAsync(data, free_stream));
+    if (cudaFreeAsync(data, free_stream) == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return false;
   }
   // A failed miss: after whatever of its fill was enqueued on `stream`.
   void release_on(void* data, size_t, cudaStream_t stream) noexcept {
@@ -981,9 +999,9 @@ class MetadataCache {
       CudaCachePolicy policy;
       policy.pool = ds.pool;
       policy.free_stream = ds.free_stream;
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&policy.user_done, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&policy.last_read, cudaEventDisableTiming));
       policy.fill_launches = &fill_launches_;
-      ds.cache = std::make_unique<EntryCache>(policy);
+      ds.cache = std::make_unique<EntryCache>(std::move(policy));
     }
     ds.initialized.store(true, std::memory_order_release);
     return ds;
@@ -1031,8 +1049,7 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
   // NonDenseInputs says (multi_tensor_stats.h). `dense_copies` keeps their copies alive until both kernels are
   // enqueued, after which the caching allocator (stream-ordered) may recycle them safely.
   NonDenseInputs dense_copies;
-  thread_local std::vector<TensorMeta> host_meta;  // reused across calls: no allocation in steady state
-  host_meta.resize(size_t(n));
+  std::vector<TensorMeta> host_meta(size_t(n));  // this call's: a re-entered op (an OOM observer) has its own
   uint64_t hash = uint64_t(n);
   // Block tiles are numbered first, in list order; the warp tiles (whole small tensors) after them, in list order.
   int64_t num_block_tiles = 0, num_warp_tiles = 0;
