@@ -24,7 +24,7 @@
 //    the per-call path) instead of evicting each other on every call; a key seen once (a copy at a new address)
 //    evicts nothing.
 //
-// Policy (never called with the cache's lock held, except inline_items; it must not call back into the cache):
+// Policy (never called with the cache's lock held; it must not call back into the cache):
 //   using Stream;                                   trivially copyable; used only during the call that passes it
 //   using Item;                                     trivially copyable (the key is compared with memcmp)
 //   using Ready;                                    "the fill of an entry has run", e.g. an event
