@@ -277,6 +277,7 @@ def test_at_most_two_kernel_launches(shape, gen):
     else:
         tensors = [randn(1 << 22, DTYPES[i % 4], gen) for i in range(5)]
     OP(tensors)  # warm-up: writes the metadata once
+    OP(tensors)  # (a full table admits a list at its second call)
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
@@ -363,6 +364,7 @@ def test_steady_state_writes_no_metadata(shape, gen):
         return
     assert fills(miss), miss  # a miss writes the metadata with fill kernels...
     assert not memcpys(miss), miss  # ...from their parameters: no copy from host memory
+    OP(tensors)  # a full table admits a list at its second call (docs/cuda.md, "Admission")
     hit = cuda_activity(lambda: OP(tensors))
     assert not fills(hit) and not memcpys(hit), hit  # steady state: the cached metadata is read as it is
     assert len(hit) == 2, hit  # the two kernels of the op and nothing else
@@ -383,7 +385,8 @@ def test_cache_hit_from_another_stream_than_the_fill(fill_on, gen):
     first_stream, second_stream = (default, side) if fill_on == "default_stream" else (side, default)
     with torch.cuda.stream(first_stream):
         torch.cuda._sleep(GPU_SLEEP_CYCLES)
-        first = OP(tensors)  # miss: fill enqueued behind the sleep
+        OP(tensors)  # (a full table admits a list at its second call)
+        first = OP(tensors)  # the fill, enqueued behind the sleep
     with torch.cuda.stream(second_stream):
         second = OP(tensors)  # hit, on another stream
     if has_cuda_kernel():  # (the pure-PyTorch kernel has no fill to wait for)
@@ -426,7 +429,7 @@ def test_cache_eviction_while_kernels_in_flight(gen):
     lists = distinct_lists(gen, 20, 9_000)
     torch.cuda.synchronize()
     torch.cuda._sleep(GPU_SLEEP_CYCLES)
-    calls = [(big, OP(big))]
+    calls = [(big, OP(big)), (big, OP(big))]  # admitted by its second call at the latest
     for ts in lists:  # each twice: admitted; the big list's entry is the least recently used, evicted first
         calls += [(ts, OP(ts)), (ts, OP(ts))]
     calls.append((big, OP(big)))  # a miss again, while its first launch has not run
@@ -843,7 +846,8 @@ def test_cache_capacity_is_per_device(gen):
                 cached([(torch.randn(600_000 + 11 * k + j, device=f"cuda:{d}", generator=g)) for j in range(2)])
                 for k in range(16)
             ]
-            for ts in per_device[d]:
+            for ts in per_device[d]:  # twice: a full table admits a list at its second call
+                OP(ts)
                 OP(ts)
     for d in (0, 1):
         with torch.cuda.device(d):
