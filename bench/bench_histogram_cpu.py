@@ -5,7 +5,12 @@ ceiling: the plain op must stay at its read rate).
 
 The list is the benchmark's ``gpt2`` point (GPT-2-medium's 292 shapes, width scaled to ~128 MiB of float32; the
 same shapes in bfloat16), in rotated copies that together exceed twice the last-level cache (each call reads the
-copy after the one the previous call read). The three contenders run interleaved, one call each per repetition,
+copy after the one the previous call read). Two distributions of values (the histogram's cost depends on how many
+binary exponents a block of elements holds; the plain op's does not): ``normal``, narrow Gaussian gradients
+(a 4,096-element block spans ~15 binades), and ``heavy``, heavy-tailed gradients whose magnitudes are log-uniform
+over 20 binades (2^-22 to 2^-2, random signs), so that every block holds ~20 exponents.
+
+The three contenders run interleaved, one call each per repetition,
 the order rotating every repetition, Python's garbage collector off. Every call is timed with two clocks at once:
 wall time and the calling thread's CPU time (``time.thread_time``), which leaves out the time the process waits
 to be scheduled on a machine shared with other work; it is reported for one thread only (with more, the worker
@@ -17,6 +22,7 @@ distance from the goal): with the histogram at most 1.25x the plain op's time fo
 op at >= 0.9x (float32) / 0.8x (bfloat16) ``torch.sum``'s read rate, the benchmark's own CPU goal.
 
     python bench/bench_histogram_cpu.py [--quick] [--threads 2,1] [--repeats 41] [--dtypes f32,bf16]
+                                        [--dists normal,heavy]
     python bench/bench_histogram_cpu.py --device cuda    # wall time, synchronised around every call
 """
 
@@ -44,6 +50,8 @@ CONTENDERS: dict[str, Callable[[Sample], object]] = {
     SUM: lambda s: torch.sum(s.flat),
 }
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+DISTS = ("normal", "heavy")
+HEAVY_BINADES = (-22, -2)  # log2 |x| of the heavy-tailed values, uniform in this range
 HIST_GOAL = 1.25  # op+histogram time / op time, at most
 SUM_GOAL = {torch.float32: 0.9, torch.bfloat16: 0.8}  # torch.sum time / op time, at least
 
@@ -53,6 +61,7 @@ class Measurement:
     """One list (dtype) at one thread count: per-call times (ms) of every contender, per clock, per repetition."""
 
     dtype: torch.dtype
+    dist: str
     threads: int
     n_tensors: int
     total_bytes: int
@@ -81,7 +90,19 @@ def _check(sample: Sample) -> None:
     assert torch.equal(counted, numel - plain.counts.sum(1)), "exponent histogram: counts do not add up"
 
 
-def measure(samples: Sequence[Sample], dtype: torch.dtype, threads: int, repeats: int,
+def make_heavy(samples: Sequence[Sample], seed: int) -> None:
+    """Rewrites every tensor of ``samples`` in place with heavy-tailed values: |x| = 2^u, u uniform over
+    HEAVY_BINADES, random signs (no zeros)."""
+    gen = torch.Generator(device=samples[0].tensors[0].device).manual_seed(seed + 1)
+    lo, hi = HEAVY_BINADES
+    for sample in samples:
+        for t in sample.tensors:
+            u = torch.rand(t.shape, generator=gen, device=t.device) * (hi - lo) + lo
+            sign = torch.randint(0, 2, t.shape, generator=gen, device=t.device) * 2 - 1
+            t.copy_(torch.exp2(u) * sign)
+
+
+def measure(samples: Sequence[Sample], dtype: torch.dtype, dist: str, threads: int, repeats: int,
             device: torch.device) -> Measurement:  # fmt: skip
     """Interleaved repetitions of the three contenders at ``threads`` torch threads; each call on the next copy."""
     torch.set_num_threads(threads)
@@ -117,12 +138,12 @@ def measure(samples: Sequence[Sample], dtype: torch.dtype, threads: int, repeats
     finally:
         gc.enable()
     tensors = samples[0].tensors
-    return Measurement(dtype, threads, len(tensors), sum(t.numel() * t.element_size() for t in tensors), times)
+    return Measurement(dtype, dist, threads, len(tensors), sum(t.numel() * t.element_size() for t in tensors), times)
 
 
 def run(dtypes: Sequence[torch.dtype], threads: Sequence[int], repeats: int, quick: bool,
-        device: torch.device, seed: int = 0) -> list[Measurement]:  # fmt: skip
-    """Every dtype at every thread count (torch's thread count is restored afterwards)."""
+        device: torch.device, seed: int = 0, dists: Sequence[str] = DISTS) -> list[Measurement]:  # fmt: skip
+    """Every dtype and distribution at every thread count (torch's thread count is restored afterwards)."""
     before = torch.get_num_threads()
     shapes = sizes_for(device, quick).gpt2
     llc = 0 if quick else last_level_cache_bytes(device)  # quick: one copy, read from cache
@@ -131,9 +152,12 @@ def run(dtypes: Sequence[torch.dtype], threads: Sequence[int], repeats: int, qui
         for dtype in dtypes:
             point = Point("gpt2", "gpt2", shapes, [dtype] * len(shapes))
             samples = make_samples(point, device, llc, seed, copy_target=False)
-            _check(samples[0])
-            for n in threads:
-                out.append(measure(samples, dtype, n, repeats, device))
+            for dist in dists:
+                if dist == "heavy":
+                    make_heavy(samples, seed)
+                _check(samples[0])
+                for n in threads:
+                    out.append(measure(samples, dtype, dist, n, repeats, device))
             del samples
             gc.collect()
     finally:
@@ -148,16 +172,16 @@ def _pm(xs: Sequence[float]) -> str:
 
 def table(results: Sequence[Measurement]) -> str:
     """Markdown: medians (ms per call) with their spreads, and the two ratios with theirs."""
-    head = ("| dtype | bytes | threads | clock | op ms | op+histogram ms | torch.sum ms | op+histogram / op | "
+    head = ("| dtype | values | bytes | threads | clock | op ms | op+histogram ms | torch.sum ms | op+histogram / op | "
             "torch.sum / op (op's rate vs sum's) |")  # fmt: skip
-    lines = [head, "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for m in results:
         dt = str(m.dtype).replace("torch.", "")
         for clock in m.clocks():
             t = m.times[clock]
             hist, ceil = m.ratios(clock, HIST, OP), m.ratios(clock, SUM, OP)
             lines.append(
-                f"| {dt} | {fmt_bytes(m.total_bytes)} | {m.threads} | {clock} | "
+                f"| {dt} | {m.dist} | {fmt_bytes(m.total_bytes)} | {m.threads} | {clock} | "
                 f"{m.median(clock, OP):.2f} ± {_pm(t[OP])} | {m.median(clock, HIST):.2f} ± {_pm(t[HIST])} | "
                 f"{m.median(clock, SUM):.2f} ± {_pm(t[SUM])} | **{statistics.median(hist):.2f}x** ± {_pm(hist)} | "
                 f"{statistics.median(ceil):.2f}x ± {_pm(ceil)} |"
@@ -171,7 +195,7 @@ def goals(results: Sequence[Measurement]) -> list[str]:
     for m in results:
         dt = str(m.dtype).replace("torch.", "")
         for clock in m.clocks():
-            where = f"gpt2 {dt}, {m.threads} thread{'s' if m.threads != 1 else ''}, {clock} clock"
+            where = f"gpt2 {dt} {m.dist}, {m.threads} thread{'s' if m.threads != 1 else ''}, {clock} clock"
             for label, reps, bound, at_most in (
                 (f"op+histogram <= {HIST_GOAL:g}x op", m.ratios(clock, HIST, OP), HIST_GOAL, True),
                 (f"op >= {SUM_GOAL.get(m.dtype, 0.8):g}x torch.sum's read rate", m.ratios(clock, SUM, OP),
@@ -206,6 +230,14 @@ def _dtype_list(text: str) -> list[torch.dtype]:
     return [DTYPES[x] for x in names]
 
 
+def _dist_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in DISTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown {bad or 'empty list'}; choose from {', '.join(DISTS)}")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny list read from cache, 3 repetitions (smoke test)")
@@ -218,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--repeats", type=int, default=None, help="interleaved repetitions (default 41, 3 quick)")
     p.add_argument("--dtypes", type=_dtype_list, default=list(DTYPES.values()), help="comma list of f32, bf16")
+    p.add_argument("--dists", type=_dist_list, default=list(DISTS), help="comma list of normal, heavy")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     threads = args.threads or list(dict.fromkeys([torch.get_num_threads(), 1]))
@@ -227,7 +260,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = sizes_for(device, args.quick).gpt2
     print(f"list: GPT-2-medium's structure, {len(shapes)} tensors, {fmt_bytes(4 * sum(map(_numel, shapes)))} in "
           f"float32; {repeats} interleaved repetitions; ms per call, median ± spread")  # fmt: skip
-    results = run(args.dtypes, threads, repeats, args.quick, device)
+    lo, hi = HEAVY_BINADES
+    print(f"values: normal = torch.randn; heavy = random signs, |x| = 2^u with u uniform in [{lo}, {hi}]")
+    results = run(args.dtypes, threads, repeats, args.quick, device, dists=args.dists)
     print()
     print(table(results))
     print("\nGoals (ratios measured in this run):")

@@ -89,8 +89,10 @@ class NonDenseInputs {
   // What to read for tensors[i] == t; the reference stays valid until the next call of read or the end of this object.
   const at::Tensor& read(const at::Tensor& t, size_t i);
   // Multiplies sumsq[i], counts[i] and histogram row i (when given) by the repeat of every tensor that had broadcast
-  // dimensions (device-side ops on a CUDA output: two or three per such tensor, none when there is none).
+  // dimensions (the CPU kernel; the CUDA kernel applies repeats() in its finalize kernel instead).
   void scale(const Stats& out, const at::Tensor* histogram) const;
+  // (index, repeat > 1) of each tensor read so far that had broadcast dimensions, in the order read.
+  const std::vector<std::pair<int64_t, int64_t>>& repeats() const { return repeats_; }
 
  private:
   std::vector<at::Tensor> read_;                         // views and copies, alive until the kernel has read them

@@ -30,7 +30,8 @@ def _table_rows(out: str) -> list[list[str]]:
 def test_histogram_cpu_quick_measures_every_dtype_thread_and_clock():
     mod = _load_script("bench_histogram_cpu")
     threads = torch.get_num_threads()
-    results = mod.run([torch.float32, torch.bfloat16], [2, 1], repeats=3, quick=True, device=torch.device("cpu"))
+    results = mod.run([torch.float32, torch.bfloat16], [2, 1], repeats=3, quick=True, device=torch.device("cpu"),
+                      dists=["normal"])  # fmt: skip
     assert torch.get_num_threads() == threads  # given back
     assert [(m.dtype, m.threads) for m in results] == [(torch.float32, 2), (torch.float32, 1),
                                                        (torch.bfloat16, 2), (torch.bfloat16, 1)]  # fmt: skip
@@ -40,12 +41,12 @@ def test_histogram_cpu_quick_measures_every_dtype_thread_and_clock():
             assert set(m.times[clock]) == {mod.OP, mod.HIST, mod.SUM}
             assert all(len(v) == 3 and all(x >= 0 for x in v) for v in m.times[clock].values())
     rows = _table_rows(mod.table(results))
-    assert rows[0][:4] == ["dtype", "bytes", "threads", "clock"] and len(rows) == 1 + 6  # header, 6 rows
-    assert all(re.fullmatch(r"\*\*[0-9.]+x\*\* ± (\d+%|-)", r[7]) for r in rows[1:])
+    assert rows[0][:5] == ["dtype", "values", "bytes", "threads", "clock"] and len(rows) == 1 + 6  # header, 6 rows
+    assert all(re.fullmatch(r"\*\*[0-9.]+x\*\* ± (\d+%|-)", r[8]) for r in rows[1:])
     lines = mod.goals(results)
     assert len(lines) == 12  # 2 goals x (2 + 2 + 1 + 1) dtype/thread/clock rows
-    assert all(re.match(r"\[(PASS|FAIL|NOISY)\] gpt2 (float32|bfloat16), [12] threads?, (wall|thread) clock: ", ln)
-               for ln in lines)  # fmt: skip
+    where = r"\[(PASS|FAIL|NOISY)\] gpt2 (float32|bfloat16) normal, [12] threads?, (wall|thread) clock: "
+    assert all(re.match(where, ln) for ln in lines)
     assert sum("op+histogram <= 1.25x op" in ln for ln in lines) == 6
     assert all(ln.endswith("/3 repetitions within the goal") for ln in lines)
 
@@ -67,7 +68,8 @@ def test_histogram_cpu_main_prints_table_and_goals(capsys):
     out = capsys.readouterr().out
     assert "op+histogram / op" in out and "Goals (ratios measured in this run):" in out
     assert "torch: " in out and "commit measured" in out
-    assert len(_table_rows(out)) == 3  # header, wall and thread rows
+    rows = _table_rows(out)
+    assert len(rows) == 5 and {r[1] for r in rows[1:]} == {"normal", "heavy"}  # header, wall and thread per dist
 
 
 def test_wandb_watch_quick_times_three_logging_steps(capsys):

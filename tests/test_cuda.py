@@ -277,6 +277,7 @@ def test_at_most_two_kernel_launches(shape, gen):
     else:
         tensors = [randn(1 << 22, DTYPES[i % 4], gen) for i in range(5)]
     OP(tensors)  # warm-up: writes the metadata once
+    OP(tensors)  # (a full table admits a list at its second call)
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
@@ -320,13 +321,28 @@ def cache_info() -> dict[str, int]:
     """State of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache::info)."""
     values = torch.ops.torch_gradstats._cuda_metadata_cache_info()
     keys = ("entries", "bytes", "retired", "captured_calls", "fill_launches", "pool_reserved", "graph_buffers",
-            "graph_buffer_bytes", "pinned", "capacity")  # fmt: skip
+            "graph_buffer_bytes", "pinned", "capacity", "inline_items")  # fmt: skip
     return dict(zip(keys, values))
 
 
+def inline_limit() -> int:
+    """The longest list whose metadata the compiled kernel passes as kernel parameters: no cache, no fill."""
+    return cache_info()["inline_items"] if has_cuda_kernel() else 0
+
+
+def cached(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` followed by one-element views of a new buffer, so that the list is longer than inline_limit() and
+    its metadata goes through the cache (or a graph's buffer when captured)."""
+    pad = inline_limit() + 1 - len(tensors)
+    if pad <= 0:
+        return tensors
+    return tensors + list(torch.rand(pad, device=tensors[0].device).split(1))
+
+
 def distinct_lists(gen, count: int, base: int) -> list[list[torch.Tensor]]:
-    """`count` lists of 3 tensors whose sizes no other test uses, so the first call on each is a cache miss."""
-    return [[randn(base + 13 * k + j, DTYPES[(k + j) % 4], gen) for j in range(3)] for k in range(count)]
+    """`count` lists of 3 tensors whose sizes no other test uses, padded past the inline limit (cached()), so the
+    first call on each is a cache miss."""
+    return [cached([randn(base + 13 * k + j, DTYPES[(k + j) % 4], gen) for j in range(3)]) for k in range(count)]
 
 
 # Sleeping cycles that keep the GPU busy far longer than the host needs to enqueue what follows (~50 ms at 2 GHz).
@@ -334,16 +350,21 @@ GPU_SLEEP_CYCLES = 100_000_000
 
 
 @needs_cuda_kernel
-@pytest.mark.parametrize("shape", ["10000_small", "5_large"])
+@pytest.mark.parametrize("shape", ["10000_small", "5_large", "5_large_inline"])
 def test_steady_state_writes_no_metadata(shape, gen):
     # Sizes unique to this test: the first call must miss the metadata cache (a positive control for the filter).
     if shape == "10000_small":
         tensors = [randn(65 + i % 97, DTYPES[i % 4], gen) for i in range(10_000)]
     else:
         tensors = [randn((1 << 22) + 5 + i, DTYPES[i % 4], gen) for i in range(5)]
+        tensors = tensors if shape == "5_large_inline" else cached(tensors)
     miss = cuda_activity(lambda: OP(tensors))
+    if shape == "5_large_inline":  # kernel parameters: not even the first call writes metadata
+        assert not fills(miss) and not memcpys(miss) and len(miss) == 2, miss
+        return
     assert fills(miss), miss  # a miss writes the metadata with fill kernels...
     assert not memcpys(miss), miss  # ...from their parameters: no copy from host memory
+    OP(tensors)  # a full table admits a list at its second call (docs/cuda.md, "Admission")
     hit = cuda_activity(lambda: OP(tensors))
     assert not fills(hit) and not memcpys(hit), hit  # steady state: the cached metadata is read as it is
     assert len(hit) == 2, hit  # the two kernels of the op and nothing else
@@ -356,6 +377,7 @@ def test_cache_hit_from_another_stream_than_the_fill(fill_on, gen):
     # stream's call hits the cache: that call must wait for it (cudaStreamWaitEvent), not read a half-written buffer.
     base = 40_000 if fill_on == "default_stream" else 50_000
     tensors = [randn(base + i, DTYPES[i % 4], gen) for i in range(6)] + [randn(3 << 20, torch.bfloat16, gen)]
+    tensors = cached(tensors)
     tensors[2][7] = float("nan")
     tensors[5][0] = 0.0
     default, side = torch.cuda.current_stream(), torch.cuda.Stream()
@@ -363,7 +385,8 @@ def test_cache_hit_from_another_stream_than_the_fill(fill_on, gen):
     first_stream, second_stream = (default, side) if fill_on == "default_stream" else (side, default)
     with torch.cuda.stream(first_stream):
         torch.cuda._sleep(GPU_SLEEP_CYCLES)
-        first = OP(tensors)  # miss: fill enqueued behind the sleep
+        OP(tensors)  # (a full table admits a list at its second call)
+        first = OP(tensors)  # the fill, enqueued behind the sleep
     with torch.cuda.stream(second_stream):
         second = OP(tensors)  # hit, on another stream
     if has_cuda_kernel():  # (the pure-PyTorch kernel has no fill to wait for)
@@ -377,9 +400,11 @@ def test_cache_hit_from_another_stream_than_the_fill(fill_on, gen):
 
 
 def test_cache_eviction_then_reuse_of_evicted_lists(gen):
-    # The cache holds 16 entries (kCapacity), least recently used evicted first: 24 new lists evict the first ones.
+    # The cache holds 16 entries (kCapacity). A list called twice in a row is admitted at its second call, evicting
+    # the least recently used entry: 24 such lists evict the first 8.
     lists = distinct_lists(gen, 24, 5_000)
     for ts in lists:
+        assert_matches(OP(ts), ts)
         assert_matches(OP(ts), ts)
     for k, ts in enumerate(lists[:6]):  # evicted by now; change their contents in place, then call again
         with torch.no_grad():
@@ -389,7 +414,7 @@ def test_cache_eviction_then_reuse_of_evicted_lists(gen):
     if has_cuda_kernel():  # proof that the first list was evicted: calling it again writes its metadata again
         got = []
         names = cuda_activity(lambda: got.append(OP(lists[0])))
-        assert len(fills(names)) == 1, names
+        assert fills(names), names
         assert_matches(got[0], lists[0])
     for ts in lists[:6] + lists[-4:]:
         assert_matches(OP(ts), ts)
@@ -400,11 +425,13 @@ def test_cache_eviction_while_kernels_in_flight(gen):
     # stream-ordered) before its fill and kernels have run, then it is filled again.
     big = [randn(1 << 26, torch.bfloat16, gen), randn((1 << 24) + 3, torch.float32, gen)]
     big[0][-1] = 1e4
+    big = cached(big)
     lists = distinct_lists(gen, 20, 9_000)
     torch.cuda.synchronize()
     torch.cuda._sleep(GPU_SLEEP_CYCLES)
-    calls = [(big, OP(big))]
-    calls += [(ts, OP(ts)) for ts in lists]  # 20 misses: the big list's entry is the least recently used
+    calls = [(big, OP(big)), (big, OP(big))]  # admitted by its second call at the latest
+    for ts in lists:  # each twice: admitted; the big list's entry is the least recently used, evicted first
+        calls += [(ts, OP(ts)), (ts, OP(ts))]
     calls.append((big, OP(big)))  # a miss again, while its first launch has not run
     calls += [(ts, OP(ts)) for ts in lists[:4]]  # evicted too
     if has_cuda_kernel():
@@ -595,9 +622,10 @@ def test_captured_call_owns_its_metadata_and_replays_only_the_two_kernels(gen):
     # The metadata is written once while the graph is captured, into a buffer the graph owns (a CUDA user object):
     # a replay runs the two kernels and nothing else of ours, and destroying the graph frees the buffer.
     tensors = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([3, 70_003, 1 << 16, 4_097, 123, 9_999])]
+    tensors = cached(tensors)  # past the inline limit: one-element views, one tile each
     # Tiles: 3 f16 -> 1; 70,003 bf16 (140 KB) -> 3 of 64 KB; 65,536 f32 (256 KB) -> 4; 4,097 f64 -> 1; 123 f16 -> 1;
-    # 9,999 bf16 -> 1. Metadata: 40 bytes per tensor and 4 per tile.
-    expected_bytes = 6 * 40 + 11 * 4
+    # 9,999 bf16 -> 1; the padding 1 each. Metadata: 48 bytes per tensor and 4 per tile.
+    expected_bytes = len(tensors) * 48 + (11 + len(tensors) - 6) * 4
     before = settled_graph_buffers()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -633,7 +661,8 @@ def test_graph_destroyed_with_a_replay_in_flight_keeps_its_metadata_until_it_ran
     first = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate(sizes)]
     first[1][5] = float("nan")
     first[2][7] = 0.0
-    others = [[randn(n + 1 + k, DTYPES[i % 4], gen) for i, n in enumerate(sizes)] for k in range(20)]
+    first = cached(first)  # the same padding in every list: metadata of the same size
+    others = [cached([randn(n + 1 + k, DTYPES[i % 4], gen) for i, n in enumerate(sizes)]) for k in range(20)]
     settled_graph_buffers()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -667,7 +696,7 @@ def test_memory_bounded_over_1000_distinct_lists(gen):
     big = randn(1 << 26, torch.float32, gen)
     small = randn(77, torch.bfloat16, gen)
     n = (1 << 26) - 4096
-    lists = [[big[16 * k : 16 * k + n], small] for k in range(1_020)]
+    lists = [cached([big[16 * k : 16 * k + n], small]) for k in range(1_020)]
     for ts in lists[:20]:  # reach the steady state (full cache, caching-allocator blocks for the temporaries)
         OP(ts)
     settle()
@@ -686,7 +715,7 @@ def test_memory_bounded_over_1000_distinct_lists(gen):
     # Entries evicted here were read on this stream only: freed at once. (Retired ones of earlier tests, read on
     # streams that have not called since, may still wait for them.)
     assert peak_entries <= 16 and end["retired"] <= start["retired"], (start, end)
-    entry_bytes = 2 * 40 + (4096 + 1) * 4
+    entry_bytes = len(lists[0]) * 48 + (4096 + len(lists[0]) - 1) * 4
     assert peak_bytes <= 16 * entry_bytes, (peak_bytes, entry_bytes)
     assert torch.cuda.memory_allocated() == allocated0, "a per-call temporary outlived its call"
     # Evicted entries return to the cache's memory pool, stream-ordered; 1,000 entries kept would be ~16 MB.
@@ -695,13 +724,14 @@ def test_memory_bounded_over_1000_distinct_lists(gen):
 
 @needs_cuda_kernel
 def test_captured_graph_replays_after_1000_lists_evicted_everything(gen):
-    grads = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([5, 70_001, 1 << 16, 333])]
+    grads = cached([randn(n, DTYPES[i % 4], gen) for i, n in enumerate([5, 70_001, 1 << 16, 333])])
     OP(grads)  # an eager call first: its cache entry is then evicted by the lists below
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = OP(grads)
-    for ts in distinct_lists(gen, 1_000, 200_000):  # 1,000 misses: every earlier entry is evicted, its memory reused
+    for ts in distinct_lists(gen, 1_000, 200_000):  # 1,000 lists, each called twice: every earlier entry is evicted
+        OP(ts)
         OP(ts)
     with torch.no_grad():
         for g in grads:
@@ -725,7 +755,7 @@ def test_capture_on_one_thread_while_another_misses_the_cache(gen):
         for ts in fresh:
             OP(ts)
     fresh = [[t.clone() for t in ts] for ts in fresh]  # new addresses: misses again, 20 of them (evictions too)
-    grads = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([11, 4097, 50_000])]
+    grads = cached([randn(n, DTYPES[i % 4], gen) for i, n in enumerate([11, 4097, 50_000])])
     torch.cuda.synchronize()
     capturing, done = threading.Event(), threading.Event()
     results, errors = [], []
@@ -768,8 +798,8 @@ def test_capture_on_one_thread_while_another_misses_the_cache(gen):
 def test_threads_evicting_each_other_read_their_own_metadata(gen):
     # 8 threads call the op (the eager entry point releases the GIL, so several are inside it at once) on 48 lists,
     # three cache's worth: entries are looked up by one thread while another's misses evict. Half the threads share
-    # the default stream, where an eviction orders its free right away; the others have streams of their own, whose
-    # evicted entries wait for their next call. Each result must match its own list, and no entry stays pinned.
+    # the default stream, the others have streams of their own; every call orders the cache's frees after its own
+    # reads when it ends. Each result must match its own list, and no entry stays pinned.
     import threading
 
     lists = distinct_lists(gen, 48, 420_000)
@@ -813,16 +843,74 @@ def test_cache_capacity_is_per_device(gen):
         with torch.cuda.device(d):
             g = torch.Generator(device=f"cuda:{d}").manual_seed(d)
             per_device[d] = [
-                [(torch.randn(600_000 + 11 * k + j, device=f"cuda:{d}", generator=g)) for j in range(2)]
+                cached([(torch.randn(600_000 + 11 * k + j, device=f"cuda:{d}", generator=g)) for j in range(2)])
                 for k in range(16)
             ]
-            for ts in per_device[d]:
+            for ts in per_device[d]:  # twice: a full table admits a list at its second call
+                OP(ts)
                 OP(ts)
     for d in (0, 1):
         with torch.cuda.device(d):
             names = cuda_activity(lambda d=d: [OP(ts) for ts in per_device[d]])
             assert not fills(names), f"device {d}: the other device's calls evicted its entries"
             assert cache_info()["entries"] == 16
+
+
+@needs_cuda_kernel
+def test_many_short_lists_need_no_metadata_eager_or_captured(gen):
+    # A call per DDP bucket or per hook: 100 distinct lists alternating for 3 steps, and a list of exactly the inline
+    # limit. Their metadata is a kernel parameter: no fill, no cache entry, no graph buffer; a replay runs two kernels.
+    lists = [[randn(1 + 97 * k + j, DTYPES[(k + j) % 4], gen) for j in range(1 + k % 5)] for k in range(100)]
+    limit = inline_limit()
+    at_limit = [randn(1 + (i * 31) % 200, DTYPES[i % 4], gen) for i in range(limit)]
+    lists[7][0][3] = float("nan")
+    before = cache_info()
+    for _ in range(3):
+        for ts in lists + [at_limit]:
+            assert_matches(OP(ts), ts)
+    names = cuda_activity(lambda: OP(at_limit))
+    assert not fills(names) and len(names) == 2, names
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [OP(ts) for ts in lists[:10]]
+    after = cache_info()
+    assert after["fill_launches"] == before["fill_launches"], (before, after)
+    assert after["entries"] <= before["entries"] and after["graph_buffers"] == before["graph_buffers"], (before, after)
+    assert after["captured_calls"] == before["captured_calls"] + 10, (before, after)
+    names = ours(cuda_activity(graph.replay))
+    assert len(names) == 20 and not fills(names), names
+    with torch.no_grad():
+        for ts in lists[:10]:
+            ts[-1].mul_(-2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for ts, got in zip(lists[:10], captured):
+        assert_matches(got, ts)
+    # One tensor more: the cache's path again.
+    longer = at_limit + [randn(5, torch.float32, gen)]
+    assert fills(cuda_activity(lambda: OP(longer))), "a list past the inline limit must write its metadata"
+
+
+@needs_cuda_kernel
+@pytest.mark.parametrize("overload", ["plain", "histogram"])
+def test_broadcast_views_cost_no_extra_launch(overload, gen):
+    # The repeat of broadcast (stride-0) dimensions is applied by the finalize kernel: the two launches only (the
+    # histogram's zeroing aside), however many broadcast tensors the list holds.
+    row = randn(1000, torch.float32, gen)
+    row[3] = 0.0
+    views = [row.expand(7, 1000), randn(300, torch.bfloat16, gen).view(300, 1).expand(300, 5),
+             torch.tensor(3.0, device="cuda").expand(10, 10), randn(1 << 17, torch.float16, gen).expand(3, -1),
+             randn(77, torch.float64, gen)]  # fmt: skip
+    op = OP if overload == "plain" else torch.ops.torch_gradstats.multi_tensor_stats.histogram
+    OP(views)
+    names = [n for n in cuda_activity(lambda: op(views)) if not n.lower().startswith(("memset", "memcpy"))]
+    kernels = [n for n in names if "tile_stats" in n or "finalize" in n]
+    assert len(kernels) == 2 and len(names) <= 3, names  # (a fill of zeros for the histogram, nothing per view)
+    got = op(views)
+    assert_matches(got[:3], views)
+    if overload == "histogram":
+        ref = torch.ops.torch_gradstats.multi_tensor_stats.histogram([v.cpu() for v in views])[3]
+        assert torch.equal(got[3].cpu(), ref), (got[3].cpu() - ref).abs().sum(dim=1)
 
 
 def cond_stats(pred: torch.Tensor, tensors: list[torch.Tensor]):
@@ -900,8 +988,8 @@ def test_op_inside_cond_captured_into_conditional_nodes(gen):
 def test_nested_captures_on_two_streams_each_own_their_metadata(gen):
     # One thread captures two graphs at once (an inner capture on a second stream while the outer one is open):
     # each call attaches its buffer to its own capture's graph, and each graph replays on its own.
-    outer_in = [randn(n, DTYPES[i % 4], gen) for i, n in enumerate([9, 80_003])]
-    inner_in = [randn(n, DTYPES[(i + 1) % 4], gen) for i, n in enumerate([13, 5_003, 1 << 16])]
+    outer_in = cached([randn(n, DTYPES[i % 4], gen) for i, n in enumerate([9, 80_003])])
+    inner_in = cached([randn(n, DTYPES[(i + 1) % 4], gen) for i, n in enumerate([13, 5_003, 1 << 16])])
     before = settled_graph_buffers()
     outer, inner = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     s_outer, s_inner = torch.cuda.Stream(), torch.cuda.Stream()

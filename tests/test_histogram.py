@@ -66,6 +66,15 @@ def histogram_inputs() -> list[torch.Tensor]:
         x[7], x[4096 + 11] = torch.finfo(dtype).tiny / 4, torch.finfo(dtype).tiny / 2
         x[4096 + 3000] = 2.0**-20
         out.append(x)
+    # Heavy-tailed blocks, log-uniform magnitudes over 20 to 150 binades with zeros: the GFNI kernel counts window
+    # after window of 16 fields below a block's largest, down to the subnormals; the others take their own paths.
+    for dtype, lo, hi in ((torch.bfloat16, -22, -2), (torch.float32, -22, -2), (torch.float16, -20, 10),
+                          (torch.float32, -140, 10), (torch.bfloat16, -135, 0), (torch.float32, -40, -9)):  # fmt: skip
+        u = torch.rand(3 * 4096 + 19, generator=g, dtype=torch.float64) * (hi - lo) + lo
+        sign = torch.randint(0, 2, u.shape, generator=g).to(torch.float64) * 2 - 1
+        x = (torch.exp2(u) * sign).to(dtype)
+        x[::101] = 0.0
+        out.append(x)
     return out
 
 

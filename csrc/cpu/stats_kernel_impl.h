@@ -358,6 +358,8 @@ class WindowCounter {
   WindowCounter(const uint8_t* fields, int64_t regs, int top)
       : fields_(fields), regs_(regs), top_(_mm512_set1_epi8(static_cast<char>(top))) {}
 
+  bool active() const { return fields_ != nullptr; }
+
   // Counts register r of the fields (nothing past the last one).
   void step(int64_t r) {
     if (r >= regs_) {
@@ -555,8 +557,12 @@ class FieldPacker {
   static constexpr int64_t kBytes = sizeof(VI);
 
 #if defined(TORCH_GRADSTATS_GFNI)
-  explicit FieldPacker(uint8_t* out, WindowCounter behind = {}) : out_(out), behind_(behind) {}
+  // `behind`: the previous block's 16 fields below its largest; `below`, when active, the 16 under those (a span of
+  // heavy-tailed values, whose blocks hold more fields).
+  explicit FieldPacker(uint8_t* out, WindowCounter behind = {}, WindowCounter below = {})
+      : out_(out), behind_(behind), below_(below) {}
   WindowCounter& behind() { return behind_; }
+  WindowCounter& below() { return below_; }
 #else
   explicit FieldPacker(uint8_t* out) : out_(out) {}
 #endif
@@ -599,6 +605,9 @@ class FieldPacker {
     lowest_ = min_u8(lowest_, b);
 #if defined(TORCH_GRADSTATS_GFNI)
     behind_.step(regs_);
+    if (below_.active()) {
+      below_.step(regs_);
+    }
 #endif
     ++regs_;
   }
@@ -609,6 +618,7 @@ class FieldPacker {
   VI lowest_ = set1_8(0xff);
 #if defined(TORCH_GRADSTATS_GFNI)
   WindowCounter behind_;
+  WindowCounter below_;
 #endif
 };
 
@@ -845,30 +855,54 @@ class ExponentCounts {
 
 #if defined(TORCH_GRADSTATS_GFNI)
   // Adds a block's fields, given the counts of the 16 fields below its largest (`window`, which has counted all of
-  // its registers). A block of 4,096 gradients typically spans ~15 fields, so the window usually holds every non-zero
-  // one; the others, if any (the block's uncounted elements are not all zeros), are found and counted one by one.
-  void add_packed(const PackedFields& f, WindowCounter& window) {
-    constexpr int kWindow = 16;
-    const __m512i counts = window.counts();
-    const int lowest = f.highest - kWindow + 1;  // the field of the counts' lane 0
-    int64_t counted = 0;                          // elements of a field >= 1
-    if (lowest >= 1) {
-      uint32_t* fields = &table_[0][lowest];
-      _mm512_storeu_si512(fields, _mm512_add_epi32(_mm512_loadu_si512(fields), counts));
-      counted = _mm512_reduce_add_epi32(counts);
-    } else {  // field 0 (zeros, subnormals) is not counted here
-      alignas(64) uint32_t lanes[kWindow];
-      _mm512_store_si512(lanes, counts);
-      for (int j = 1 - lowest; j < kWindow; ++j) {
-        table_[0][lowest + j] += lanes[j];
-        counted += lanes[j];
-      }
-    }
+  // its registers). A block of 4,096 Gaussian-like gradients typically spans ~15 fields, so the window usually holds
+  // every non-zero one. A block of heavy-tailed values holds more: while many of its elements are still uncounted,
+  // the next 16 fields down are counted the same way (the block's fields are still in L1), the first such window by
+  // `below` when it is active (it counted during the next block's read, like `window`); the few left after that
+  // (the block's uncounted elements are not all zeros) are found and counted one by one. Returns whether the block
+  // needed a second window (the caller then has `below` count the next block's).
+  bool add_packed(const PackedFields& f, WindowCounter& window, WindowCounter* below = nullptr) {
+    int lowest = f.highest - kWindow + 1;  // the field of the counts' lane 0
+    int64_t counted = add_window(window.counts(), lowest);  // elements of a field >= 1
     touch(std::max(1, lowest), f.highest);
-    if (lowest > 1 && f.n - counted > f.zeros) {  // fields below the window (or subnormals)
+    bool wide = false;
+    while (lowest > 1 && f.n - counted - f.zeros > kWindowAgain) {
+      __m512i counts;
+      if (!wide && below != nullptr && below->active()) {  // its top: f.highest - kWindow == lowest - 1
+        counts = below->counts();
+      } else {
+        WindowCounter next(f.bytes, f.regs, lowest - 1);
+        next.finish(0);
+        counts = next.counts();
+      }
+      wide = true;
+      lowest -= kWindow;
+      counted += add_window(counts, lowest);
+      touch(std::max(1, lowest), lowest + kWindow - 1);
+    }
+    if (lowest > 1 && f.n - counted > f.zeros) {  // fields below the windows (or subnormals)
       counted += count_below(f, lowest, f.n - counted - f.zeros);
     }
     table_[0][0] += static_cast<uint32_t>(f.n - counted);
+    return wide;
+  }
+
+  // Adds the counts of fields [lowest, lowest + 15] (lane j: field lowest + j) but field 0 and below (zeros and
+  // subnormals, counted otherwise; padding); returns how many it added.
+  int64_t add_window(__m512i counts, int lowest) {
+    if (lowest >= 1) {
+      uint32_t* fields = &table_[0][lowest];
+      _mm512_storeu_si512(fields, _mm512_add_epi32(_mm512_loadu_si512(fields), counts));
+      return _mm512_reduce_add_epi32(counts);
+    }
+    alignas(64) uint32_t lanes[kWindow];
+    _mm512_store_si512(lanes, counts);
+    int64_t added = 0;
+    for (int j = 1 - lowest; j < kWindow; ++j) {
+      table_[0][lowest + j] += lanes[j];
+      added += lanes[j];
+    }
+    return added;
   }
 
   // Counts one by one the elements whose field is in [1, below), found 64 at a time: the few that a window below the
@@ -930,6 +964,12 @@ class ExponentCounts {
 #endif
 
  private:
+#if defined(TORCH_GRADSTATS_GFNI)
+  static constexpr int kWindow = 16;  // fields a WindowCounter counts at once
+  // More uncounted elements below a window than this: another window (~700 instructions for a block) costs less
+  // than finding and counting them one by one (several cycles each).
+  static constexpr int64_t kWindowAgain = 32;
+#endif
 #if defined(TORCH_GRADSTATS_SIMD)
   // Above this many distinct fields in a block, one increment per element costs less than a compare per field.
   static constexpr int kMaxCompareFields = 64;
@@ -981,10 +1021,13 @@ Partial accumulate_span(const T* x, int64_t n, HistogramRow histogram) {
     // the next block's loop (so that the counting overlaps its memory reads), else right after it.
     alignas(64) uint8_t fields[2][kBlockElems];
     PackedFields previous;
+    [[maybe_unused]] bool wide = false;  // the last block counted needed a second window: count two at once
     for (int64_t b = 0, k = 0; b < n; b += kBlockElems, ++k) {
       const int64_t len = std::min(kBlockElems, n - b);
 #if defined(TORCH_GRADSTATS_GFNI)
-      FieldPacker<T> packer(fields[k & 1], WindowCounter(previous.bytes, previous.regs, previous.highest));
+      FieldPacker<T> packer(fields[k & 1], WindowCounter(previous.bytes, previous.regs, previous.highest),
+                            wide ? WindowCounter(previous.bytes, previous.regs, previous.highest - 16)
+                                 : WindowCounter());
 #else
       FieldPacker<T> packer(fields[k & 1]);
 #endif
@@ -993,7 +1036,10 @@ Partial accumulate_span(const T* x, int64_t n, HistogramRow histogram) {
       if (previous.n != 0) {
 #if defined(TORCH_GRADSTATS_GFNI)
         packer.behind().finish(packer.regs());  // this block may have fewer registers
-        exponents.add_packed(previous, packer.behind());
+        if (packer.below().active()) {
+          packer.below().finish(packer.regs());
+        }
+        wide = exponents.add_packed(previous, packer.behind(), &packer.below());
 #else
         exponents.add_packed(previous);
 #endif

@@ -1,41 +1,53 @@
-// The bookkeeping of the CUDA kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu; docs/cuda.md, "Metadata
-// and CUDA graphs"): lookup, pins, LRU order, eviction and when an evicted entry's memory may be freed. Plain C++
-// over a policy that does the device work, so that tests/cpp/test_metadata_cache.cpp checks it on the CPU with a
-// fake device (and under ThreadSanitizer, scripts/check_cache_sanitizer.sh).
+// The bookkeeping of the CUDA kernel's metadata (csrc/cuda/multi_tensor_stats.cu; docs/cuda.md, "Metadata and CUDA
+// graphs"): where a call's metadata lives, and for long lists the cache: lookup, admission, pins, eviction and when
+// an evicted entry's memory may be freed. Plain C++ over a policy that does the device work, so that
+// tests/cpp/test_metadata_cache.cpp checks it on the CPU with a fake device (and under ThreadSanitizer,
+// scripts/check_cache_sanitizer.sh).
 //
 // One Cache per device. The rules it keeps:
+//  * A list of at most policy.inline_items() items needs no device memory: the kernels take it as a parameter
+//    (get() returns an inline lease). Longer lists go through the cache.
 //  * An entry is pinned from the lookup that returns it until the caller has enqueued the kernels that read it
-//    (the Lease's lifetime). Eviction only takes unpinned entries, so every read of an evicted entry is already
-//    enqueued on one of its user streams.
-//  * Work that orders the free after those reads is recorded only on the stream of the call being made (whose
-//    caller is not capturing), never on another thread's stream: an entry whose users include other streams waits,
-//    retired, until each of them makes its next call. Only when kMaxRetired entries wait does the cache order a
-//    free after another caller's stream, and then only after one that the policy finds not capturing; if that
-//    does not bring the list under its bound, misses take the caller's per-call path instead of allocating.
-//  * Memory a failed miss allocated is handed back before the error propagates.
+//    (the Lease's lifetime). Eviction only takes unpinned entries.
+//  * When a lease ends, its reader records a "last read" marker on its own stream (which its call found not
+//    capturing) and the cache's frees are ordered after it (policy.end_read). An evicted entry's free is therefore
+//    ordered after every read of it: eviction waits on those markers only, and never queries, records on or keeps
+//    another caller's stream. A reader that cannot record its marker (its stream found capturing after all, or an
+//    error) leaves the entry stuck: never evicted nor freed, still counted against the capacity.
+//  * No device work under the lock: allocation, fill, markers and frees run outside it. A miss inserts its entry
+//    (pinned, "filling") before it allocates; another call on the same key meanwhile takes the per-call path.
+//  * Every failure path leaves the table consistent: a failed miss removes its entry and hands its memory back; a
+//    free that fails is retried by a later call (memory and marker are never dropped on the floor).
+//  * Admission: when the table is full, a missed key is admitted only if the least recently used unpinned entry has
+//    been idle longer than the key's own reuse distance (from a small table of recently missed keys). Lists that
+//    alternate in a fixed order, more of them than the capacity, then keep a stable set of entries (the rest take
+//    the per-call path) instead of evicting each other on every call; a key seen once (a copy at a new address)
+//    evicts nothing.
 //
-// Policy (called with the cache's lock held; it must not call back into the cache):
-//   using Stream;                                   trivially copyable, equality-comparable
+// Policy (never called with the cache's lock held; it must not call back into the cache):
+//   using Stream;                                   trivially copyable; used only during the call that passes it
 //   using Item;                                     trivially copyable (the key is compared with memcmp)
 //   using Ready;                                    "the fill of an entry has run", e.g. an event
+//   size_t inline_items();                          lists up to this long are passed as kernel parameters
 //   void* allocate(size_t bytes, Stream s);         stream-ordered on s; nullptr when out of memory
 //   void fill(void* data, const Item* items, size_t n, Stream s);      enqueue the writes on s
 //   Ready fill_done(Stream s);                      recorded on s after the fill
-//   void wait(const Ready& r, Stream s);            s waits for the fill (a hit from a stream that did not fill)
-//   void drop(Ready& r) noexcept;                   when the entry is freed
-//   void order_free_after(Stream s);                frees enqueued from now on run after every op enqueued on s so
-//                                                   far (CUDA: an event recorded on s, waited for by a free stream)
-//   bool order_free_after_unless_capturing(Stream s);   the same, for a stream of another caller, unless s is
-//                                                   being captured (or that cannot be told): false, nothing done
-//   void release(void* data, size_t bytes);         free, ordered after every order_free_after so far
+//   bool fill_complete(const Ready& r);             the host sees the fill done: later readers need not wait
+//   void wait(const Ready& r, Stream s);            s waits for the fill
+//   bool end_read(Stream s) noexcept;               records s's "last read" marker and orders every free enqueued
+//                                                   from now on after it; false when it cannot (nothing ordered)
+//   bool release(void* data, size_t bytes) noexcept;    free, ordered after every end_read so far; false: not done
 //   void release_on(void* data, size_t bytes, Stream s) noexcept;     error path: free ordered after s's work
+//   void drop(Ready& r) noexcept;                   when the entry is freed
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -52,8 +64,8 @@ class Cache {
   using Ready = typename Policy::Ready;
   static_assert(std::is_trivially_copyable_v<Item>, "keys are compared with memcmp");
 
-  static constexpr size_t kCapacity = 16;     // live entries per device
-  static constexpr size_t kMaxRetired = 16;  // evicted entries waiting for their user streams
+  static constexpr size_t kCapacity = 16;  // live entries per device
+  static constexpr size_t kGhosts = 1024;  // recently missed keys remembered for admission (direct-mapped)
 
   struct Entry {
     uint64_t hash = 0;
@@ -61,22 +73,33 @@ class Cache {
     void* data = nullptr;
     size_t bytes = 0;
     Ready ready{};
-    std::vector<Stream> users;    // every stream that has read it (live), or has yet to order its free (retired)
+    bool filling = true;                  // under the lock: its miss is still writing it
+    std::atomic<bool> stuck{false};       // a reader could not order the free after its reads: never freed
+    std::atomic<bool> fill_seen{false};   // the host saw the fill complete
     uint64_t last_use = 0;
-    std::atomic<int64_t> pins{0};  // taken under the lock, released without it (Lease)
+    std::atomic<int64_t> pins{0};         // taken under the lock, released without it (Lease)
   };
 
-  // A pinned entry: its memory stays valid until reset() or destruction, which the caller does once the kernels
-  // that read it are enqueued. Empty (data() == nullptr) when the metadata cannot be cached.
+  // Where a call's metadata is: inline (the kernels take it as a parameter), a pinned cache entry (data() stays
+  // valid until reset(), which the caller does once the kernels that read it are enqueued), or neither (the
+  // per-call path). The stream is the call's own and lives no longer than the lease.
   class Lease {
    public:
     Lease() = default;
-    explicit Lease(Entry* e) : e_(e) {}
-    Lease(Lease&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+    static Lease inline_metadata() {
+      Lease l;
+      l.inline_ = true;
+      return l;
+    }
+    Lease(Lease&& o) noexcept
+        : cache_(o.cache_), e_(std::exchange(o.e_, nullptr)), stream_(o.stream_), inline_(o.inline_) {}
     Lease& operator=(Lease&& o) noexcept {
       if (this != &o) {
         reset();
+        cache_ = o.cache_;
         e_ = std::exchange(o.e_, nullptr);
+        stream_ = o.stream_;
+        inline_ = o.inline_;
       }
       return *this;
     }
@@ -84,18 +107,28 @@ class Cache {
     Lease& operator=(const Lease&) = delete;
     ~Lease() { reset(); }
 
+    bool is_inline() const { return inline_; }
     const void* data() const { return e_ ? e_->data : nullptr; }
-    // Release: the reads enqueued before it happen-before an eviction that sees the pin gone (acquire).
+    // The reads are enqueued: record this stream's marker, then unpin. Release: what was enqueued before it
+    // happens-before an eviction that sees the pin gone (acquire), and so does the marker's ordering of frees.
     void reset() noexcept {
-      if (e_) std::exchange(e_, nullptr)->pins.fetch_sub(1, std::memory_order_release);
+      if (!e_) return;
+      Entry* e = std::exchange(e_, nullptr);
+      if (!cache_->policy_.end_read(stream_)) e->stuck.store(true, std::memory_order_relaxed);
+      e->pins.fetch_sub(1, std::memory_order_release);
     }
 
    private:
+    friend class Cache;
+    Lease(Cache* cache, Entry* e, Stream s) : cache_(cache), e_(e), stream_(s) {}
+    Cache* cache_ = nullptr;
     Entry* e_ = nullptr;
+    Stream stream_{};
+    bool inline_ = false;
   };
 
   struct Info {
-    int64_t entries, bytes, retired, pinned;
+    int64_t entries, bytes, retired, pinned;  // retired: stuck entries and frees waiting for a retry
   };
 
   explicit Cache(Policy policy) : policy_(std::move(policy)) {}
@@ -105,37 +138,119 @@ class Cache {
 
   Policy& policy() { return policy_; }
 
-  // The entry for `items` (hash `hash`, `bytes` of device memory), pinned, filled on `stream` if missing; empty
-  // when it cannot be cached (the policy has no memory for it, or too many evicted entries still wait).
-  // `stream` must not be capturing.
+  // Where the metadata of `items` (hash `hash`, `bytes` of device memory) is for a call on `stream` (not
+  // capturing): inline for a short list; else the entry, pinned, filled on `stream` if missing and admitted; else
+  // empty (the per-call path: not admitted, no memory, or its entry being filled by another call).
   Lease get(const Item* items, size_t n, uint64_t hash, size_t bytes, Stream stream) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!retired_.empty()) mark_retired(stream);
-    ++clock_;
-    for (auto& e : entries_) {
-      if (e->hash == hash && e->key.size() == n && std::memcmp(e->key.data(), items, n * sizeof(Item)) == 0) {
-        if (std::find(e->users.begin(), e->users.end(), stream) == e->users.end()) {
-          policy_.wait(e->ready, stream);  // first read from this stream: after the fill (later ones follow it)
-          e->users.push_back(stream);
+    if (n <= policy_.inline_items()) return Lease::inline_metadata();
+    std::vector<std::unique_ptr<Entry>> to_free;
+    Entry* hit = nullptr;
+    Entry* fresh = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      to_free.swap(pending_);  // frees that failed before: retried below, outside the lock
+      const uint64_t now = ++clock_;
+      Entry* match = nullptr;
+      for (auto& e : entries_) {
+        if (e->hash == hash && e->key.size() == n && std::memcmp(e->key.data(), items, n * sizeof(Item)) == 0) {
+          match = e.get();
+          break;
         }
-        e->last_use = clock_;
-        e->pins.fetch_add(1, std::memory_order_relaxed);  // under the lock: an eviction cannot miss it
-        return Lease(e.get());
+      }
+      if (match != nullptr && !match->filling) {  // filling: another call writes it; this one takes the per-call path
+        match->last_use = now;
+        match->pins.fetch_add(1, std::memory_order_relaxed);  // under the lock: an eviction cannot miss it
+        hit = match;
+      }
+      if (match == nullptr && admit(hash, now, to_free)) {
+        auto e = std::make_unique<Entry>();
+        e->hash = hash;
+        e->key.assign(items, items + n);
+        e->bytes = bytes;
+        e->last_use = now;
+        e->pins.store(1, std::memory_order_relaxed);
+        fresh = e.get();
+        entries_.push_back(std::move(e));
+        live_bytes_ += bytes;
       }
     }
-    if (retired_.size() >= kMaxRetired) mark_idle_retired();
-    if (retired_.size() >= kMaxRetired) return Lease();  // bounded memory first: the per-call path
-    auto e = std::make_unique<Entry>();
-    e->hash = hash;
-    e->key.assign(items, items + n);
-    e->bytes = bytes;
-    e->users.reserve(2);
-    entries_.reserve(kCapacity + 1);
+    free_entries(to_free);
+    if (hit != nullptr) {
+      Lease lease(this, hit, stream);  // from here a throw unpins
+      if (!hit->fill_seen.load(std::memory_order_acquire)) {
+        if (policy_.fill_complete(hit->ready)) {
+          hit->fill_seen.store(true, std::memory_order_release);
+        } else {
+          policy_.wait(hit->ready, stream);  // a read before the fill has run (on another stream, perhaps)
+        }
+      }
+      return lease;
+    }
+    if (fresh == nullptr) return Lease();
+    return fill_new(fresh, items, n, bytes, stream);
+  }
+
+  Info info() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t pinned = 0, stuck = 0;
+    for (auto& e : entries_) {
+      pinned += e->pins.load(std::memory_order_acquire) > 0;
+      stuck += e->stuck.load(std::memory_order_relaxed);
+    }
+    return {int64_t(entries_.size()), int64_t(live_bytes_), stuck + int64_t(pending_.size()), pinned};
+  }
+
+ private:
+  struct Ghost {
+    uint64_t hash = 0;
+    uint64_t seen = 0;  // clock of its last miss (or last use, for an evicted entry); 0: empty
+  };
+
+  // A miss at `now`: room for its entry, evicting into `to_free` when the table is full and the admission rule
+  // allows (mu_ held). False: not admitted.
+  bool admit(uint64_t hash, uint64_t now, std::vector<std::unique_ptr<Entry>>& to_free) {
+    Ghost& g = ghosts_[hash % kGhosts];
+    const uint64_t reuse =
+        (g.hash == hash && g.seen != 0) ? now - g.seen : std::numeric_limits<uint64_t>::max();  // first sighting
+    g = {hash, now};
+    if (entries_.size() < kCapacity) return true;
+    // Full (it never goes over): the least recently used entry that may go makes room only if it has been idle
+    // longer than the missed key's reuse distance.
+    auto victim = lru_unpinned();
+    if (victim == entries_.end() || now - (*victim)->last_use <= reuse) return false;  // the per-call path
+    ghosts_[(*victim)->hash % kGhosts] = {(*victim)->hash, (*victim)->last_use};  // it may earn its place back
+    live_bytes_ -= (*victim)->bytes;
+    to_free.push_back(std::move(*victim));
+    entries_.erase(victim);
+    return true;
+  }
+
+  typename std::vector<std::unique_ptr<Entry>>::iterator lru_unpinned() {
+    auto victim = entries_.end();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      Entry& e = **it;
+      if (e.filling || e.stuck.load(std::memory_order_relaxed) || e.pins.load(std::memory_order_acquire) != 0) continue;
+      if (victim == entries_.end() || e.last_use < (*victim)->last_use) victim = it;
+    }
+    return victim;
+  }
+
+  // The miss's part outside the lock: allocate, fill, publish. Any failure removes the entry (and frees what it
+  // allocated) before the error propagates.
+  Lease fill_new(Entry* fresh, const Item* items, size_t n, size_t bytes, Stream stream) {
+    struct Abandon {
+      Cache* cache;
+      Entry* e;
+      bool armed = true;
+      ~Abandon() {
+        if (armed) cache->abandon(e);
+      }
+    } abandon{this, fresh};
     void* data = policy_.allocate(bytes, stream);
     if (data == nullptr) return Lease();
+    Ready ready;
     {
-      // Hands the block back if the fill or its marker fails (stream-ordered after whatever was enqueued).
-      struct Unwind {
+      struct Unwind {  // hands the block back if the fill or its marker fails (after whatever was enqueued)
         Policy& p;
         void* data;
         size_t bytes;
@@ -146,96 +261,48 @@ class Cache {
         }
       } unwind{policy_, data, bytes, stream};
       policy_.fill(data, items, n, stream);
-      e->ready = policy_.fill_done(stream);
-      e->users.push_back(stream);
+      ready = policy_.fill_done(stream);
       unwind.armed = false;
     }
-    e->data = data;
-    e->last_use = clock_;
-    e->pins.store(1, std::memory_order_relaxed);
-    live_bytes_ += bytes;
-    Entry* raw = e.get();
-    entries_.push_back(std::move(e));
-    while (entries_.size() > kCapacity && evict_lru(stream)) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fresh->data = data;
+      fresh->ready = ready;
+      fresh->filling = false;
     }
-    return Lease(raw);
+    abandon.armed = false;
+    return Lease(this, fresh, stream);
   }
 
-  Info info() {
+  // A miss that failed: its entry leaves the table (it holds no memory: the caller handed any back).
+  void abandon(Entry* e) noexcept {
     std::lock_guard<std::mutex> lock(mu_);
-    int64_t pinned = 0;
-    for (auto& e : entries_) pinned += e->pins.load(std::memory_order_acquire) > 0;
-    return {int64_t(entries_.size()), int64_t(live_bytes_), int64_t(retired_.size()), pinned};
-  }
-
- private:
-  // The least recently used unpinned entry leaves the table; false when every entry is pinned (the table then
-  // stays over capacity until a later miss: at most one entry over per concurrent caller). Its free is ordered
-  // after `stream` now, and after each other user stream at that stream's next call.
-  bool evict_lru(Stream stream) {
-    auto victim = entries_.end();
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if ((*it)->pins.load(std::memory_order_acquire) != 0) continue;
-      if (victim == entries_.end() || (*it)->last_use < (*victim)->last_use) victim = it;
+      if (it->get() == e) {
+        live_bytes_ -= e->bytes;
+        entries_.erase(it);
+        return;
+      }
     }
-    if (victim == entries_.end()) return false;
-    std::unique_ptr<Entry> e = std::move(*victim);
-    entries_.erase(victim);
-    live_bytes_ -= e->bytes;
-    auto own = std::find(e->users.begin(), e->users.end(), stream);
-    if (own != e->users.end()) {
-      policy_.order_free_after(stream);
-      e->users.erase(own);
-    }
-    if (e->users.empty()) {
-      free_entry(*e);
-    } else {
-      retired_.push_back(std::move(e));
-    }
-    return true;
   }
 
-  // `stream` is making a call: every retired entry it has read can now be ordered after it (one marker for all).
-  void mark_retired(Stream stream) {
-    bool marked = false;
-    for (auto it = retired_.begin(); it != retired_.end();) {
-      Entry& e = **it;
-      auto own = std::find(e.users.begin(), e.users.end(), stream);
-      if (own != e.users.end()) {
-        if (!marked) policy_.order_free_after(stream);
-        marked = true;
-        e.users.erase(own);
-      }
-      if (e.users.empty()) {
-        free_entry(e);
-        it = retired_.erase(it);
+  // Outside the lock. Every read of these entries has ended, so each release is ordered after them; one that fails
+  // waits in pending_ for the next call.
+  void free_entries(std::vector<std::unique_ptr<Entry>>& list) noexcept {
+    if (list.empty()) return;
+    std::vector<std::unique_ptr<Entry>> failed;
+    for (auto& e : list) {
+      if (policy_.release(e->data, e->bytes)) {
+        policy_.drop(e->ready);
       } else {
-        ++it;
+        failed.push_back(std::move(e));
       }
     }
-  }
-
-  // Too many entries wait for streams that have not called since: order them, oldest first, after those of their
-  // streams that are not capturing now, until the list is back under its bound.
-  void mark_idle_retired() {
-    for (auto it = retired_.begin(); it != retired_.end() && retired_.size() >= kMaxRetired;) {
-      Entry& e = **it;
-      for (auto u = e.users.begin(); u != e.users.end();) {
-        u = policy_.order_free_after_unless_capturing(*u) ? e.users.erase(u) : u + 1;
-      }
-      if (e.users.empty()) {
-        free_entry(e);
-        it = retired_.erase(it);
-      } else {
-        ++it;
-      }
+    list.clear();
+    if (!failed.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& e : failed) pending_.push_back(std::move(e));
     }
-  }
-
-  void free_entry(Entry& e) {
-    policy_.release(e.data, e.bytes);
-    policy_.drop(e.ready);
-    e.data = nullptr;
   }
 
   Policy policy_;
@@ -243,7 +310,8 @@ class Cache {
   uint64_t clock_ = 0;
   size_t live_bytes_ = 0;
   std::vector<std::unique_ptr<Entry>> entries_;
-  std::vector<std::unique_ptr<Entry>> retired_;  // oldest first
+  std::vector<std::unique_ptr<Entry>> pending_;  // evicted, their free failed: retried by the next call
+  std::array<Ghost, kGhosts> ghosts_{};
 };
 
 }  // namespace torch_gradstats::metadata_cache

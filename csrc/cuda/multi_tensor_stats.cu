@@ -11,7 +11,9 @@
 // The overload multi_tensor_stats.histogram runs the same two launches (tile_stats_kernel<true> also counts each
 // element's binary exponent into exponent_histogram, zeroed before them, with integer atomic adds: exact in any order).
 //
-// Tensor metadata (pointer, numel, dtype, tiling) is written to the device by `fill_metadata_kernel`, whose kernel
+// Tensor metadata (pointer, numel, dtype, tiling, broadcast repeat) of a list of at most 80 tensors (680 with CUDA
+// 12.1+) is a kernel parameter of both kernels (MetaInline, __grid_constant__): nothing is allocated, written or
+// cached, eager or captured. A longer list's metadata is written to the device by `fill_metadata_kernel`, whose kernel
 // parameters carry it (no memcpy, no host buffer to keep alive). Eager calls keep it in a content-addressed cache
 // whose memory is the cache's own (a CUDA memory pool, never PyTorch's caching allocator, so never a CUDA-graph
 // pool): in steady state nothing is written at all. A capturing stream never touches the cache: its graph gets its
@@ -66,17 +68,53 @@ constexpr int64_t kMaxNumel = int64_t(1) << 50;
 
 enum DTypeTag : int32_t { kTagHalf = 0, kTagBFloat16 = 1, kTagFloat = 2, kTagDouble = 3 };
 
-// One entry per input tensor, in the device metadata buffer. The tensor's elements are the flat span
-// [ptr, ptr + numel) (the input is dense; see the host code), cut into tiles of tile_elems elements.
+// One entry per input tensor. The tensor's elements are the flat span [ptr, ptr + numel) (the input is dense; see
+// the host code), cut into tiles of tile_elems elements. Entries are in tile order, not list order: first the
+// tensors read by whole blocks (and the empty ones), then those read by one warp (one tile each), each class in list
+// order; `index` is the tensor's place in the list (its output row).
 struct TensorMeta {
   const void* ptr;
   int64_t numel;
   int64_t tile_elems;  // a multiple of the elements per 16 bytes
   int64_t first_tile;  // index of this tensor's first tile in the flattened tile list
+  int64_t repeat;      // the tensor is a broadcast view read once: sumsq, counts and histogram times this (>= 1)
   int32_t dtype;       // DTypeTag
-  int32_t warp_tile;   // 1: a tensor of at most kWarpTileBytes, one tile read by one warp (host bookkeeping)
+  int32_t index;       // the output row
 };
-static_assert(sizeof(TensorMeta) == 40, "TensorMeta layout is shared by host and device");
+static_assert(sizeof(TensorMeta) == 48, "TensorMeta layout is shared by host and device");
+
+// Where the kernels find the entries (one type per source; every member is uniform across the grid):
+//  * MetaInMemory: device memory (a cache entry, a graph's buffer or the per-call temporary): TensorMeta[N], then
+//    the entry of every tile, int32[T];
+//  * MetaInline<K>: the kernel parameters themselves (__grid_constant__: read in place, no copy per thread), for
+//    lists of at most K tensors: nothing to allocate, write or cache, and a captured call's graph holds it in its
+//    kernel nodes. A block tile's entry is found by a binary search over first_tile; a warp tile's is direct.
+struct MetaInMemory {
+  const TensorMeta* meta;
+  const int32_t* tile_entry;
+  __device__ __forceinline__ const TensorMeta& at(int64_t j) const { return meta[j]; }
+  __device__ __forceinline__ int32_t entry_of(int64_t t, int64_t /*num_block_tiles*/) const { return tile_entry[t]; }
+};
+template <int K>
+struct MetaInline {
+  int32_t count;      // entries in use
+  int32_t num_block;  // entries [0, num_block) are the block-read (and empty) tensors
+  TensorMeta m[K];
+  __device__ __forceinline__ const TensorMeta& at(int64_t j) const { return m[j]; }
+  __device__ __forceinline__ int32_t entry_of(int64_t t, int64_t num_block_tiles) const {
+    if (t >= num_block_tiles) return num_block + int32_t(t - num_block_tiles);  // warp tiles: one per entry
+    int32_t lo = 0, hi = num_block - 1;  // the last entry whose first tile is <= t (an empty one never is last)
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) / 2;
+      if (m[mid].first_tile <= t) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    return lo;
+  }
+};
 
 // ----------------------------------------------------------------------------------------------------------------
 // Per-dtype bit patterns. Classification comes from the bits: with a = bits & kAbs, zero <=> a == 0 (so -0.0 too),
@@ -259,12 +297,11 @@ static_assert(kMaxHistogramNumel / kMaxTilesPerTensor / kWarps + 32 * 8 + 32 < (
 template <class Tr>
 __device__ __forceinline__ int exponent_bucket(typename Tr::bits_t a) {
   const int field = int(a >> Tr::kShift);
-  int e;
-  if constexpr (sizeof(typename Tr::bits_t) == 8) {
-    e = field - Tr::kBias;  // a subnormal's field 0 gives 2^-1023: bucket 0, where every float64 subnormal goes
-  } else {
-    const int subnormal = 1 - Tr::kBias - Tr::kShift + 31 - __clz(uint32_t(a));
-    e = field != 0 ? field - Tr::kBias : subnormal;
+  int e = field - Tr::kBias;  // float64: a subnormal's field 0 gives 2^-1023, bucket 0, where all of them go
+  if constexpr (sizeof(typename Tr::bits_t) < 8) {
+    if (field == 0) [[unlikely]] {  // the leading-zero count only for subnormals
+      e = 1 - Tr::kBias - Tr::kShift + 31 - __clz(uint32_t(a));
+    }
   }
   e -= int(kHistogramMinExponent);
   return e < 0 ? 0 : (e < kBuckets ? e : kBuckets - 1);
@@ -388,6 +425,10 @@ __device__ __forceinline__ Partial tile_partial(const void* base, int64_t start,
   return {acc.sumsq, Tr::to_double(acc.amax_bits), acc.zeros, acc.nans, acc.infs};
 }
 
+__device__ __forceinline__ int64_t tiles_of(const TensorMeta& m) {
+  return m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
+}
+
 template <int kWorkers, bool kHistogram>
 __device__ __forceinline__ Partial tile_partial_of(const TensorMeta& m, int64_t t, int worker,
                                                    const ExponentCounter<kHistogram>& counter) {
@@ -411,15 +452,15 @@ __device__ __forceinline__ void store_partial(const Partial& r, int64_t t, int64
 }
 
 // Kernel 1: one partial per tile. Partials are stored structure-of-arrays: sumsq[T], amax[T], counts[3][T].
-// Tiles [0, num_block_tiles) are read by whole blocks (block-stride); the rest, each a whole tensor of at most
+// Tiles [0, num_block_tiles) are read by whole blocks, each block a contiguous run of them (so a block moves from
+// one tensor to the next at most once per tensor boundary); the rest, each a whole tensor of at most
 // kWarpTileBytes, by single warps (warp-stride over every warp of the grid), reduced with shuffles alone: a block's
 // reduction and its two barriers would cost more than reading such a tile. Whole blocks and whole warps take each
 // loop's trips together. The launch bounds keep the persistent grid's kBlocksPerSM blocks resident (<= 64 registers).
 // kHistogram (the overload): every element is also counted into `histogram` (int64 [N, kBuckets], zeroed before the
 // launch); the plain instantiation has no histogram code at all (`histogram` is unused).
-template <bool kHistogram>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(const TensorMeta* __restrict__ meta,
-                                                              const int32_t* __restrict__ tile_tensor,
+template <bool kHistogram, class Src>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(const __grid_constant__ Src src,
                                                               int64_t num_tiles, int64_t num_block_tiles,
                                                               double* __restrict__ p_sumsq,
                                                               double* __restrict__ p_amax,
@@ -435,33 +476,32 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(cons
     counter.table = tables + warp * kBuckets;
   }
   [[maybe_unused]] int64_t pending = 0;  // histogram: elements (whole tiles) counted since the block's last flush
-  for (int64_t t = blockIdx.x; t < num_block_tiles; t += gridDim.x) {
-    const int32_t i = tile_tensor[t];
-    const Partial r = block_reduce(tile_partial_of<kThreads>(meta[i], t, threadIdx.x, counter), warp_results);
+  const int64_t begin = int64_t(blockIdx.x) * num_block_tiles / gridDim.x;
+  const int64_t end = (int64_t(blockIdx.x) + 1) * num_block_tiles / gridDim.x;
+  int32_t j = begin < end ? src.entry_of(begin, num_block_tiles) : 0;
+  for (int64_t t = begin; t < end; ++t) {
+    while (t >= src.at(j).first_tile + tiles_of(src.at(j))) ++j;  // the next tensor (past any empty one)
+    const TensorMeta& m = src.at(j);
+    const Partial r = block_reduce(tile_partial_of<kThreads>(m, t, threadIdx.x, counter), warp_results);
     if (threadIdx.x == 0) store_partial(r, t, num_tiles, p_sumsq, p_amax, p_counts);
     if constexpr (kHistogram) {
       // The tables are flushed when the block's next tile is another tensor's (or there is none), or before they
       // could overflow. Every value tested is the same for the whole block, so all its threads flush together.
-      const int64_t tile_elems = meta[i].tile_elems;
-      pending += tile_elems;
-      const int64_t next = t + gridDim.x;
-      if (next >= num_block_tiles || tile_tensor[next] != i || pending + tile_elems > kHistogramFlushElems) {
-        flush_block_histogram(histogram_tables(), histogram + int64_t(i) * kBuckets);
+      pending += m.tile_elems;
+      if (t + 1 >= end || t + 1 >= m.first_tile + tiles_of(m) || pending + m.tile_elems > kHistogramFlushElems) {
+        flush_block_histogram(histogram_tables(), histogram + int64_t(m.index) * kBuckets);
         pending = 0;
       }
     }
   }
-  // Warps are ranked from the first block that ran one block tile fewer than the others, so the warp tiles start
-  // where the block tiles ran out first.
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
-  const int64_t rank = (int64_t(blockIdx.x) + gridDim.x - num_block_tiles % gridDim.x) % gridDim.x;
-  for (int64_t t = num_block_tiles + rank * (kThreads / 32) + warp; t < num_tiles; t += warps) {
-    const int32_t i = tile_tensor[t];
-    const Partial p = warp_reduce(tile_partial_of<32>(meta[i], t, lane, counter));
+  for (int64_t t = num_block_tiles + int64_t(blockIdx.x) * (kThreads / 32) + warp; t < num_tiles; t += warps) {
+    const TensorMeta& m = src.at(src.entry_of(t, num_block_tiles));
+    const Partial p = warp_reduce(tile_partial_of<32>(m, t, lane, counter));
     if (lane == 0) store_partial(p, t, num_tiles, p_sumsq, p_amax, p_counts);
     // A warp tile is a whole tensor: its counts go to that tensor's row now. The block's flushes above have left
     // every table zeroed, with a barrier after them.
-    if constexpr (kHistogram) flush_warp_histogram(counter.table, histogram + int64_t(i) * kBuckets, lane);
+    if constexpr (kHistogram) flush_warp_histogram(counter.table, histogram + int64_t(m.index) * kBuckets, lane);
   }
 }
 
@@ -472,9 +512,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSM) tile_stats_kernel(cons
 // waits on memory latency for tens of microseconds. Block b takes tensors [b * per_block, (b + 1) * per_block):
 // the small ones one per warp at once, then the large ones one after the other with every thread. per_block is
 // the host's choice and never changes a result.
-__device__ __forceinline__ int64_t tiles_of(const TensorMeta& m) {
-  return m.numel == 0 ? 0 : (m.numel + m.tile_elems - 1) / m.tile_elems;
-}
 
 // This worker's share of tensor `m`'s partials: tiles worker, worker + kWorkers, ... in order.
 template <int kWorkers>
@@ -492,8 +529,17 @@ __device__ __forceinline__ Partial strided_partials(const TensorMeta& m, int64_t
   return p;
 }
 
-__device__ __forceinline__ void write_output(Partial p, int64_t i, double* __restrict__ sumsq,
+// The outputs of the tensor of entry `m`. A broadcast view was read once: its sumsq and counts are multiplied by the
+// repeat of its broadcast dimensions here (amax is unchanged), so it costs no launch of its own.
+__device__ __forceinline__ void write_output(Partial p, const TensorMeta& m, double* __restrict__ sumsq,
                                              double* __restrict__ amax, int64_t* __restrict__ counts) {
+  const int64_t i = m.index;
+  if (m.repeat != 1) {
+    p.sumsq *= double(m.repeat);  // NaN and inf are overridden below
+    p.zeros *= (unsigned long long)m.repeat;  // <= the view's numel: no overflow
+    p.nans *= (unsigned long long)m.repeat;
+    p.infs *= (unsigned long long)m.repeat;
+  }
   if (p.nans > 0) {
     p.sumsq = p.amax = __longlong_as_double(0x7ff8000000000000ll);  // quiet NaN
   } else if (p.infs > 0) {
@@ -506,37 +552,49 @@ __device__ __forceinline__ void write_output(Partial p, int64_t i, double* __res
   counts[i * kNumCounts + kInf] = int64_t(p.infs);
 }
 
-__global__ void __launch_bounds__(kThreads) finalize_kernel(const TensorMeta* __restrict__ meta, int64_t num_tensors,
+// The histogram row of a broadcast view, times its repeat (after the tile kernel's adds: the same stream).
+template <int kWorkers>
+__device__ __forceinline__ void scale_histogram_row(unsigned long long* histogram, const TensorMeta& m, int worker) {
+  if (histogram == nullptr || m.repeat == 1) return;
+  unsigned long long* row = histogram + int64_t(m.index) * kBuckets;
+  for (int b = worker; b < kBuckets; b += kWorkers) row[b] *= (unsigned long long)m.repeat;
+}
+
+template <class Src>
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const __grid_constant__ Src src, int64_t num_tensors,
                                                             int64_t per_block, int64_t num_tiles,
                                                             const double* __restrict__ p_sumsq,
                                                             const double* __restrict__ p_amax,
                                                             const int64_t* __restrict__ p_counts,
                                                             double* __restrict__ sumsq, double* __restrict__ amax,
-                                                            int64_t* __restrict__ counts) {
+                                                            int64_t* __restrict__ counts,
+                                                            unsigned long long* __restrict__ histogram) {
   __shared__ Partial warp_results[kThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t first = int64_t(blockIdx.x) * per_block;
   const int64_t last = first + per_block < num_tensors ? first + per_block : num_tensors;
   bool large = false;
   if (warp < last - first) {  // small tensors: one warp each
-    const TensorMeta m = meta[first + warp];
+    const TensorMeta m = src.at(first + warp);
     const int64_t n_tiles = tiles_of(m);
     large = n_tiles > kFinalizeWarpTiles;
     if (!large) {
       const Partial p = warp_reduce(strided_partials<32>(m, n_tiles, lane, num_tiles, p_sumsq, p_amax, p_counts));
-      if (lane == 0) write_output(p, first + warp, sumsq, amax, counts);
+      if (lane == 0) write_output(p, m, sumsq, amax, counts);
+      scale_histogram_row<32>(histogram, m, lane);
     }
   }
   // A block without a large tensor (every block of a list of small ones) is done: the walk below would read each of
   // its tensors' metadata again, one dependent load after the other, to find none.
   if (!__syncthreads_or(large)) return;
   for (int64_t i = first; i < last; ++i) {  // large tensors: the whole block (the test is the same for every thread)
-    const TensorMeta m = meta[i];
+    const TensorMeta m = src.at(i);
     const int64_t n_tiles = tiles_of(m);
     if (n_tiles <= kFinalizeWarpTiles) continue;
     const Partial r = block_reduce(
         strided_partials<kThreads>(m, n_tiles, threadIdx.x, num_tiles, p_sumsq, p_amax, p_counts), warp_results);
-    if (threadIdx.x == 0) write_output(r, i, sumsq, amax, counts);
+    if (threadIdx.x == 0) write_output(r, m, sumsq, amax, counts);
+    scale_histogram_row<kThreads>(histogram, m, threadIdx.x);
   }
 }
 
@@ -584,11 +642,11 @@ struct FillArgs {
   TensorMeta m[K];
 };
 // 4 KB of kernel parameters everywhere; 32 KB (32,764 bytes) with CUDA 12.1+ at build time and run time.
-constexpr int kFillSmall = 100;
+constexpr int kFillSmall = 80;
 static_assert(sizeof(FillArgs<kFillSmall>) <= 4096, "kernel parameters are limited to 4 KB before CUDA 12.1");
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
 #define TORCH_GRADSTATS_LARGE_PARAMS 1
-constexpr int kFillLarge = 816;
+constexpr int kFillLarge = 680;
 static_assert(sizeof(FillArgs<kFillLarge>) <= 32764, "kernel parameters are limited to 32,764 bytes");
 #endif
 constexpr int kFillThreads = 128;
@@ -609,8 +667,8 @@ __global__ void __launch_bounds__(kFillThreads) fill_metadata_kernel(const __gri
 template <int K>
 int64_t launch_fill(const TensorMeta* host_meta, int64_t n, TensorMeta* meta_out, int32_t* tile_tensor_out,
                     cudaStream_t stream) {
-  // Up to 32 KB: kept off the stack, one per thread; reusable as soon as a launch returns (it copied them).
-  thread_local std::unique_ptr<FillArgs<K>> buf(new FillArgs<K>());
+  // Up to 32 KB: off the stack, this call's; reusable as soon as a launch returns (it copied them).
+  const auto buf = std::make_unique<FillArgs<K>>();
   FillArgs<K>& a = *buf;
   a.meta_out = meta_out;
   a.tile_tensor_out = tile_tensor_out;
@@ -652,6 +710,22 @@ int64_t fill_metadata(const TensorMeta* host_meta, int64_t n, uint8_t* out, cuda
   return launch_fill<kFillSmall>(host_meta, n, meta_out, tile_out, stream);
 }
 
+// Lists of at most this many tensors pass their metadata as kernel parameters (MetaInline): 4 KB of them everywhere,
+// 32 KB with CUDA 12.1+ at build time and run time. Both kernels' other parameters fit in the rest.
+constexpr int kInlineSmall = 80;
+static_assert(sizeof(MetaInline<kInlineSmall>) + 96 <= 4096, "kernel parameters are limited to 4 KB");
+#ifdef TORCH_GRADSTATS_LARGE_PARAMS
+constexpr int kInlineLarge = 680;
+static_assert(sizeof(MetaInline<kInlineLarge>) + 96 <= 32764, "kernel parameters are limited to 32,764 bytes");
+#endif
+
+size_t inline_items() {
+#ifdef TORCH_GRADSTATS_LARGE_PARAMS
+  if (driver_takes_large_params()) return kInlineLarge;
+#endif
+  return kInlineSmall;
+}
+
 size_t metadata_bytes(int64_t n, int64_t num_tiles) {
   return size_t(n) * sizeof(TensorMeta) + size_t(num_tiles) * sizeof(int32_t);
 }
@@ -668,9 +742,10 @@ size_t metadata_bytes(int64_t n, int64_t num_tiles) {
 //  2. A capturing stream never reads it: the graph gets a buffer of its own (for_capture), or the caller takes the
 //     per-call path, whose buffer and parameters belong to the graph. So no graph ever depends on an entry.
 //  3. The bookkeeping (metadata_cache.h, tested on the CPU): an entry is pinned from its lookup until the kernels
-//     that read it are enqueued, and only unpinned entries are evicted. An evicted entry's free waits, on the cache's
-//     free stream, for an event recorded on each stream that read it, recorded by a call on that stream (never by
-//     another thread on a stream it may be capturing), or, past a bound, on a stream found not capturing.
+//     that read it are enqueued, and only unpinned entries are evicted. When a lease ends, the reader records an
+//     event on its own stream and the cache's free stream waits on it; an evicted entry's free is enqueued on the
+//     free stream, so it follows every read. No other thread's stream is ever queried or recorded on, no stream
+//     handle is kept past the call, and nothing is launched under the cache's lock.
 //  4. Calls to CUDA that could invalidate another thread's capture in cudaStreamCaptureModeGlobal (allocation,
 //     event and stream creation) are made under cudaStreamCaptureModeRelaxed for this thread.
 //  5. Capacity is per device: 16 entries each, under a lock of their own.
@@ -693,18 +768,21 @@ class RelaxedCaptureMode {
   bool ok_ = false;
 };
 
-// The device side of the cache's bookkeeping (the policy of metadata_cache.h), one per device. Every call is made
-// with the cache's lock held, under the caller's CUDAGuard for this device.
+// The device side of the cache's bookkeeping (the policy of metadata_cache.h), one per device. Called without the
+// cache's lock, under the caller's CUDAGuard for this device, with the caller's stream (not capturing when the call
+// began) and only during that call.
 struct CudaCachePolicy {
   using Stream = cudaStream_t;
   using Item = TensorMeta;
   using Ready = cudaEvent_t;
 
   cudaMemPool_t pool = nullptr;
-  cudaStream_t free_stream = nullptr;  // frees wait here on the users' events, never on the callers' streams
-  cudaEvent_t user_done = nullptr;     // re-recorded per user stream (a wait takes the event's state at the call)
+  cudaStream_t free_stream = nullptr;  // frees wait here on the readers' markers, never on the callers' streams
+  cudaEvent_t last_read = nullptr;     // re-recorded by each reader (a wait takes the event's state at the call)
+  std::unique_ptr<std::mutex> last_read_mu = std::make_unique<std::mutex>();  // one record-and-wait at a time
   std::atomic<int64_t>* fill_launches = nullptr;
 
+  size_t inline_items() const { return torch_gradstats::inline_items(); }
   void* allocate(size_t bytes, cudaStream_t stream) {
     const RelaxedCaptureMode relaxed;
     void* ptr = nullptr;
@@ -733,29 +811,43 @@ struct CudaCachePolicy {
     }
     return ready;
   }
+  bool fill_complete(cudaEvent_t ready) {
+    const RelaxedCaptureMode relaxed;
+    if (cudaEventQuery(ready) == cudaSuccess) return true;
+    (void)cudaGetLastError();  // cudaErrorNotReady
+    return false;
+  }
   void wait(cudaEvent_t ready, cudaStream_t stream) { C10_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0)); }
   void drop(cudaEvent_t& ready) noexcept {
     if (ready != nullptr) (void)cudaEventDestroy(ready);  // legal while pending: released when it completes
     ready = nullptr;
   }
-  // The event covers every kernel already enqueued on `stream`, hence every read of an unpinned entry there.
-  void order_free_after(cudaStream_t stream) {
-    C10_CUDA_CHECK(cudaEventRecord(user_done, stream));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(free_stream, user_done, 0));
-  }
-  bool order_free_after_unless_capturing(cudaStream_t stream) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-      (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: cannot tell
+  // The reader's marker, on its own stream right after its kernels: it covers them. Then the capture query: a
+  // capture that another thread began on this stream meanwhile may hold the marker, and the free stream must not
+  // wait on it (it would join that capture): false, and the entry is never freed.
+  bool end_read(cudaStream_t stream) noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(*last_read_mu);
+      if (cudaEventRecord(last_read, stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone ||
+          cudaStreamWaitEvent(free_stream, last_read, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      return true;
+    } catch (...) {  // the lock
       return false;
     }
-    if (status != cudaStreamCaptureStatusNone) return false;
-    order_free_after(stream);
-    return true;
   }
-  void release(void* data, size_t) {
+  bool release(void* data, size_t) noexcept {
     const RelaxedCaptureMode relaxed;
-    C10_CUDA_CHECK(cudaFreeAsync(data, free_stream));
+    if (cudaFreeAsync(data, free_stream) == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return false;
   }
   // A failed miss: after whatever of its fill was enqueued on `stream`.
   void release_on(void* data, size_t, cudaStream_t stream) noexcept {
@@ -772,8 +864,8 @@ class MetadataCache {
   MetadataCache() : num_devices_(size_t(c10::cuda::device_count())), devices_(new DeviceState[num_devices_]) {}
 
   // The pinned entry for `meta` (hash `hash`) on `device`, filled on `stream` if missing; empty when it cannot be
-  // cached (no CUDA memory pools on this device, no memory left for it, or too many evicted entries still waiting
-  // for their streams), in which case the caller takes the per-call path. `stream` is not capturing.
+  // cached (no CUDA memory pools on this device, not admitted, no memory left for it, or being filled by another
+  // call), in which case the caller takes the per-call path. `stream` is not capturing.
   MetadataLease get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
                     cudaStream_t stream) {
     if (released_.load(std::memory_order_relaxed) != nullptr) free_released_graph_buffers();  // one load per call
@@ -855,9 +947,11 @@ class MetadataCache {
     fill_launches_.fetch_add(launches, std::memory_order_relaxed);
   }
 
-  // For tests and debugging: [entries of `device`, bytes they hold, its evicted entries waiting to be freed, calls
+  // For tests and debugging: [entries of `device`, bytes they hold, its retired entries, calls
   // made while capturing, fill launches so far, bytes reserved by the memory pool of `device`, metadata buffers
-  // owned by CUDA graphs and not yet freed, the bytes they hold, pinned entries of `device`, entries per device].
+  // owned by CUDA graphs and not yet freed, the bytes they hold, pinned entries of `device`, entries per device,
+  // the longest list whose metadata is passed as kernel parameters (never cached)]. "Retired": entries kept because
+  // a reader could not order their free, and frees waiting for a retry.
   // The counts of calls, launches and graph buffers cover every device. Buffers of graphs destroyed by now are
   // freed first.
   std::vector<int64_t> info(c10::DeviceIndex device) {
@@ -874,7 +968,7 @@ class MetadataCache {
     }
     return {entries.entries, entries.bytes, entries.retired, captured_calls_.load(), fill_launches_.load(),
             reserved, graph_buffers_.load(), graph_buffer_bytes_.load(), entries.pinned,
-            int64_t(EntryCache::kCapacity)};
+            int64_t(EntryCache::kCapacity), int64_t(inline_items())};
   }
 
  private:
@@ -981,9 +1075,9 @@ class MetadataCache {
       CudaCachePolicy policy;
       policy.pool = ds.pool;
       policy.free_stream = ds.free_stream;
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&policy.user_done, cudaEventDisableTiming));
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&policy.last_read, cudaEventDisableTiming));
       policy.fill_launches = &fill_launches_;
-      ds.cache = std::make_unique<EntryCache>(policy);
+      ds.cache = std::make_unique<EntryCache>(std::move(policy));
     }
     ds.initialized.store(true, std::memory_order_release);
     return ds;
@@ -1017,6 +1111,50 @@ inline uint64_t mix(uint64_t h, uint64_t v) {
   return h;
 }
 
+// Launches the two kernels over metadata `src` (the partials workspace and outputs given).
+struct LaunchArgs {
+  int64_t n, num_tiles, num_block_tiles, num_warp_tiles;
+  double* p_sumsq;
+  double* p_amax;
+  int64_t* p_counts;
+  Stats* out;
+  unsigned long long* histogram;
+  c10::DeviceIndex device;
+  cudaStream_t stream;
+};
+
+template <class Src>
+void launch_stats(const Src& src, const LaunchArgs& a) {
+  if (a.num_tiles > 0) {
+    const int64_t work = a.num_block_tiles + (a.num_warp_tiles + kThreads / 32 - 1) / (kThreads / 32);  // in blocks
+    const int64_t grid = std::min<int64_t>(work, int64_t(sm_count(a.device)) * kBlocksPerSM);
+    if (a.histogram != nullptr) {
+      tile_stats_kernel<true, Src><<<unsigned(grid), kThreads, 0, a.stream>>>(
+          src, a.num_tiles, a.num_block_tiles, a.p_sumsq, a.p_amax, a.p_counts, a.histogram);
+    } else {
+      tile_stats_kernel<false, Src><<<unsigned(grid), kThreads, 0, a.stream>>>(
+          src, a.num_tiles, a.num_block_tiles, a.p_sumsq, a.p_amax, a.p_counts, nullptr);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // Short lists: a block per tensor, so the large tensors are reduced side by side; long ones: a warp per tensor.
+  const int64_t per_block = a.n <= kFinalizeOnePerBlock ? 1 : kWarpsPerFinalizeBlock;
+  const int64_t finalize_grid = (a.n + per_block - 1) / per_block;
+  finalize_kernel<Src><<<unsigned(finalize_grid), kThreads, 0, a.stream>>>(
+      src, a.n, per_block, a.num_tiles, a.p_sumsq, a.p_amax, a.p_counts, std::get<0>(*a.out).data_ptr<double>(),
+      std::get<1>(*a.out).data_ptr<double>(), std::get<2>(*a.out).data_ptr<int64_t>(), a.histogram);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int K>
+void launch_inline(const std::vector<TensorMeta>& meta, int32_t num_block, const LaunchArgs& a) {
+  const auto src = std::make_unique<MetaInline<K>>();  // up to 32 KB: off the stack; the launch copies it
+  src->count = int32_t(meta.size());
+  src->num_block = num_block;
+  std::memcpy(src->m, meta.data(), meta.size() * sizeof(TensorMeta));
+  launch_stats(*src, a);
+}
+
 // With `histogram` non-null (the overload) it also allocates *histogram and fills it, in the same read.
 Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) {
   check_inputs(tensors);
@@ -1028,18 +1166,22 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
   TORCH_CHECK_VALUE(n < std::numeric_limits<int32_t>::max(), "multi_tensor_stats: too many tensors (", n, ")");
 
   // Dense tensors (contiguous or permuted) are read in place as the flat span of their storage; others as
-  // NonDenseInputs says (multi_tensor_stats.h). `dense_copies` keeps their copies alive until both kernels are
-  // enqueued, after which the caching allocator (stream-ordered) may recycle them safely.
+  // NonDenseInputs says (multi_tensor_stats.h); a broadcast view's repeat goes into its entry, for the finalize
+  // kernel. `dense_copies` keeps views and copies alive until both kernels are enqueued, after which the caching
+  // allocator (stream-ordered) may recycle them safely.
   NonDenseInputs dense_copies;
-  thread_local std::vector<TensorMeta> host_meta;  // reused across calls: no allocation in steady state
-  host_meta.resize(size_t(n));
+  // This call's staging, in tile order (TensorMeta): block-read tensors from the front, warp-read ones from the
+  // back (reversed into list order below). A re-entered op (an OOM observer) has its own.
+  std::vector<TensorMeta> host_meta(static_cast<size_t>(n));
   uint64_t hash = uint64_t(n);
-  // Block tiles are numbered first, in list order; the warp tiles (whole small tensors) after them, in list order.
-  int64_t num_block_tiles = 0, num_warp_tiles = 0;
+  int64_t num_block = 0, num_warp = 0, num_block_tiles = 0;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor* t = &tensors[i];
+    int64_t repeat = 1;
     if (!t->is_non_overlapping_and_dense()) {
       t = &dense_copies.read(*t, size_t(i));
+      const auto& repeats = dense_copies.repeats();
+      if (!repeats.empty() && repeats.back().first == i) repeat = repeats.back().second;
     }
     const int64_t numel = t->numel();
     const int64_t es = int64_t(t->element_size());
@@ -1052,16 +1194,20 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
                       i, "] has ", numel, " elements; at most 2^46 are supported on CUDA");
     const int64_t tile_elems = tile_elems_for(numel, es);
     const int32_t tag = dtype_tag(t->scalar_type());
-    const int64_t tiles = numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
-    const bool warp_tile = is_warp_tile(numel, es);
-    int64_t& counter = warp_tile ? num_warp_tiles : num_block_tiles;  // this class's next tile
-    host_meta[size_t(i)] = TensorMeta{ptr, numel, tile_elems, counter, tag, warp_tile ? 1 : 0};
-    counter += tiles;
-    hash = mix(mix(mix(hash, reinterpret_cast<uintptr_t>(ptr)), uint64_t(numel)), uint64_t(tag));
+    const TensorMeta m{ptr, numel, tile_elems, 0, repeat, tag, int32_t(i)};
+    if (is_warp_tile(numel, es)) {
+      host_meta[size_t(n - 1 - num_warp++)] = m;  // first_tile set below
+    } else {
+      host_meta[size_t(num_block++)] = m;
+      host_meta[size_t(num_block - 1)].first_tile = num_block_tiles;
+      num_block_tiles += numel == 0 ? 0 : (numel + tile_elems - 1) / tile_elems;
+    }
+    hash = mix(mix(mix(mix(hash, reinterpret_cast<uintptr_t>(ptr)), uint64_t(numel)), uint64_t(tag)),
+               uint64_t(repeat));
   }
-  for (TensorMeta& m : host_meta) {
-    if (m.warp_tile) m.first_tile += num_block_tiles;
-  }
+  std::reverse(host_meta.begin() + num_block, host_meta.end());
+  for (int64_t j = num_block; j < n; ++j) host_meta[size_t(j)].first_tile = num_block_tiles + (j - num_block);
+  const int64_t num_warp_tiles = num_warp;
   const int64_t num_tiles = num_block_tiles + num_warp_tiles;
   TORCH_CHECK_VALUE(num_tiles < std::numeric_limits<int32_t>::max(), "multi_tensor_stats: too many tiles (",
                     num_tiles, ")");
@@ -1070,6 +1216,8 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
   MetadataCache& cache = metadata_cache();
+  // Short lists: the metadata rides in the kernel parameters, eager or captured (metadata_cache.h's rule).
+  const bool in_params = size_t(n) <= inline_items();
 
   // Partials workspace, structure of arrays: sumsq[T], amax[T], counts[3][T] (5 x 8 bytes per tile). Like the
   // outputs it comes from the caching allocator; unlike them it dies at the end of the call.
@@ -1079,13 +1227,16 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
   // An eager call's entry stays pinned (never evicted, never freed) until both kernels that read it are enqueued.
   MetadataLease lease;
   const uint8_t* d_metadata = nullptr;
-  if (capturing) {
-    d_metadata = cache.for_capture(host_meta, num_tiles, device.index(), stream.stream());
-  } else {
-    lease = cache.get(host_meta, hash, num_tiles, device.index(), stream.stream());
-    d_metadata = static_cast<const uint8_t*>(lease.data());
+  if (!in_params) {
+    if (capturing) {
+      d_metadata = cache.for_capture(host_meta, num_tiles, device.index(), stream.stream());
+    } else {
+      lease = cache.get(host_meta, hash, num_tiles, device.index(), stream.stream());
+      d_metadata = static_cast<const uint8_t*>(lease.data());
+    }
   }
-  if (d_metadata != nullptr) {
+  if (in_params) cache.count_per_call(capturing, 0);  // (the captured-call count covers every path)
+  if (in_params || d_metadata != nullptr) {
     if (workspace_bytes > 0) scratch = at::empty({int64_t(workspace_bytes)}, byte_options);
   } else {
     // Per call (when neither the cache nor a graph-owned buffer can hold it): the metadata sits after the
@@ -1098,42 +1249,33 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
     cache.count_per_call(capturing, launches);
     d_metadata = md;
   }
-  const auto* d_meta = reinterpret_cast<const TensorMeta*>(d_metadata);
-  const auto* d_tile_tensor = reinterpret_cast<const int32_t*>(d_metadata + size_t(n) * sizeof(TensorMeta));
 
   Stats out = empty_stats(n, device);
-  unsigned long long* histogram_out = nullptr;
+  LaunchArgs args{n, num_tiles, num_block_tiles, num_warp_tiles, nullptr, nullptr, nullptr, &out, nullptr,
+                  device.index(), stream.stream()};
   if (histogram != nullptr) {
     *histogram = zero_histogram(n, device);  // on this stream, before the kernel adds into it
-    histogram_out = reinterpret_cast<unsigned long long*>(histogram->data_ptr<int64_t>());
+    args.histogram = reinterpret_cast<unsigned long long*>(histogram->data_ptr<int64_t>());
   }
-  double* p_sumsq = nullptr;
-  double* p_amax = nullptr;
-  int64_t* p_counts = nullptr;
   if (num_tiles > 0) {
-    p_sumsq = reinterpret_cast<double*>(scratch.data_ptr());
-    p_amax = p_sumsq + num_tiles;
-    p_counts = reinterpret_cast<int64_t*>(p_amax + num_tiles);
-    const int64_t work = num_block_tiles + (num_warp_tiles + kThreads / 32 - 1) / (kThreads / 32);  // in blocks
-    const int64_t grid = std::min<int64_t>(work, int64_t(sm_count(device.index())) * kBlocksPerSM);
-    if (histogram_out != nullptr) {
-      tile_stats_kernel<true><<<unsigned(grid), kThreads, 0, stream.stream()>>>(
-          d_meta, d_tile_tensor, num_tiles, num_block_tiles, p_sumsq, p_amax, p_counts, histogram_out);
-    } else {
-      tile_stats_kernel<false><<<unsigned(grid), kThreads, 0, stream.stream()>>>(
-          d_meta, d_tile_tensor, num_tiles, num_block_tiles, p_sumsq, p_amax, p_counts, nullptr);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    args.p_sumsq = reinterpret_cast<double*>(scratch.data_ptr());
+    args.p_amax = args.p_sumsq + num_tiles;
+    args.p_counts = reinterpret_cast<int64_t*>(args.p_amax + num_tiles);
   }
-  // Short lists: a block per tensor, so the large tensors are reduced side by side; long ones: a warp per tensor.
-  const int64_t per_block = n <= kFinalizeOnePerBlock ? 1 : kWarpsPerFinalizeBlock;
-  const int64_t finalize_grid = (n + per_block - 1) / per_block;
-  finalize_kernel<<<unsigned(finalize_grid), kThreads, 0, stream.stream()>>>(
-      d_meta, n, per_block, num_tiles, p_sumsq, p_amax, p_counts, std::get<0>(out).data_ptr<double>(),
-      std::get<1>(out).data_ptr<double>(), std::get<2>(out).data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  lease.reset();  // both reads are enqueued: the entry may be evicted, its free ordered after them
-  dense_copies.scale(out, histogram);  // the repeats of broadcast dimensions
+  if (in_params) {
+    if (n <= kInlineSmall) {
+      launch_inline<kInlineSmall>(host_meta, int32_t(num_block), args);
+    } else {
+#ifdef TORCH_GRADSTATS_LARGE_PARAMS
+      launch_inline<kInlineLarge>(host_meta, int32_t(num_block), args);
+#endif
+    }
+  } else {
+    const auto* meta = reinterpret_cast<const TensorMeta*>(d_metadata);
+    const auto* tile_entry = reinterpret_cast<const int32_t*>(d_metadata + size_t(n) * sizeof(TensorMeta));
+    launch_stats(MetaInMemory{meta, tile_entry}, args);
+  }
+  lease.reset();  // both reads are enqueued: this stream's marker, then the entry may be evicted
   return out;
 }
 
