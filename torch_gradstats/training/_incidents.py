@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.per_example import PerExampleNorms
+from torch_gradstats.ops._transfer import to_host
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats
 
 __all__ = ["StepIncidents", "check_flight_recorder"]
@@ -130,6 +131,13 @@ class StepIncidents:
         return ExtraFigures([self._rows[: self._count]], [], self._read)
 
     # ------------------------------------------------------------------------------------------- on the host
+    def read_now(self) -> None:
+        """Read the pending rows now (one small transfer): where a skip was just decided on the host."""
+        pending = self.pending()
+        if pending is not None:
+            floats, ints = to_host(list(pending.floats), list(pending.ints))
+            pending.read(floats, ints)
+
     def _read(self, floats: list[float], ints: list[int]) -> dict[str, float]:
         self._count = 0
         rows = [floats[i:i + _WIDTH] for i in range(0, len(floats), _WIDTH)]

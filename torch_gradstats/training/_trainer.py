@@ -318,7 +318,7 @@ class Trainer:
             self._incidents.note(step, stats, skipped, scale=self._example_scale(samples), loss=loss_sum / samples,
                                  guard=self.spike_guard, clip=self.adaptive_clip)
             if host_skipped:  # decided on the host: said at once (one small transfer, on a skipped step only)
-                self._read_incidents()
+                self._incidents.read_now()
         if stats is not None and take_stats:
             health = stats.health(self.health_policy)
             state.add_stats(step, stats, health, skipped, loss_sum / samples, self.keep_history)
@@ -389,13 +389,6 @@ class Trainer:
             extra.append(inc.example_figures())
         return [e for e in extra if e is not None]
 
-    def _read_incidents(self) -> None:
-        assert self._incidents is not None
-        pending = self._incidents.pending()
-        if pending is not None:
-            values, host_ints = to_host(list(pending.floats), list(pending.ints))
-            pending.read(values, host_ints)
-
     @contextlib.contextmanager
     def _dump_on_streak(self, step: int) -> Iterator[None]:
         try:
@@ -417,7 +410,8 @@ class Trainer:
     def _sync(self, state: EpochState) -> EpochSummary:
         """The epoch so far, and the policies' figures, in one device-to-host transfer."""
         buffer = state.buffer()
-        floats, ints = [buffer], []
+        floats: list[Tensor] = [buffer]
+        ints: list[Tensor] = []
         extra = self._extra(examples=False)
         for e in extra:
             floats += e.floats
