@@ -7,6 +7,7 @@ float64 PyTorch and with Lightning's own ``grad_norm`` utility.
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import warnings
@@ -331,3 +332,49 @@ def test_skip_warning_names_the_parameter_on_a_step_it_does_not_log(
                 f"step skipped{stopping}")
     assert warned == [expected]
     assert counts["reads"] == 0  # the name came through the same packed transfer path, no .item()
+
+
+class _Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
+def test_per_example_names_the_corrupted_example_and_dumps_the_flight_recorder(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A corrupted target at step 9, position 3: the guard skips the step on the device, and the next report's
+    warning names the position and the flight recorder's dump, which holds the steps up to it."""
+    from torch_gradstats import FlightRecorder, SpikeGuard
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(96, 6, generator=g), torch.randn(96, 1, generator=g)
+    y[9 * 8 + 3] = 1e4
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    cb = GradStatsCallback(spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=6), per_example=True,
+                           flight_recorder=FlightRecorder(32, dump_dir=tmp_path / "flight"))
+    logger = CSVLogger(str(tmp_path), name="pe")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, callbacks=[cb], logger=logger,
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                        log_every_n_steps=5)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        warnings.simplefilter("ignore")
+        trainer.fit(_Regression(), loader)
+    skipped = [r.getMessage() for r in caplog.records if "skipped (" in r.getMessage()]
+    path = tmp_path / "flight" / "flight-9.jsonl"
+    assert len(skipped) == 1 and "optimizer step 9 skipped (gradient spike)" in skipped[0]
+    assert "positions): #3 norm" in skipped[0] and f"flight recorder dumped to {path}" in skipped[0]
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+            for line in path.read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(len(steps))) and steps[-1] >= 9  # every step up to the next logging step
+    assert rows[9]["guard/consecutive"] == 1 and rows[8]["guard/consecutive"] == 0
+    logged = _csv_rows(logger)
+    assert {"examples/max_norm", "examples/median_norm", "examples/max_over_median"} <= set(logged[4])

@@ -20,11 +20,12 @@ from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.ops._transfer import to_host
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.clip import clip_with_threshold_
-from torch_gradstats.policies.guard import SpikeGuard
+from torch_gradstats.policies.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.stats.groups import GroupBy, group_names
 from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.stats.report import STYLES
+from torch_gradstats.training._incidents import StepIncidents
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -180,11 +181,13 @@ class StatsTaker:
         # its first non-finite parameter), named at the next report; the names of those parameters.
         self._skipped_nonfinite: Tensor | None = None
         self._skipped_names: list[str] = []
+        #: per_example / flight_recorder: every step's row, read with the next report (set by the callback)
+        self.incidents: StepIncidents | None = None
 
     @property
     def every_step(self) -> bool:
         """A policy judges or clips every optimizer step, so the statistics are taken every step."""
-        return self.spike_guard is not None or self.adaptive_clip is not None
+        return self.spike_guard is not None or self.adaptive_clip is not None or self.incidents is not None
 
     def apply_policies(self, module: nn.Module, stats: GradStats | GradWeightStats,
                        loss: Tensor | None) -> Tensor | None:
@@ -236,9 +239,31 @@ class StatsTaker:
         record = self._skipped_nonfinite
         if record is not None:
             extra.insert(0, ExtraFigures([], [record], self._name_skipped_nonfinite))  # said before a streak error
-        report = stats.report(self.k, policy=self.policy, groups=groups, extra=extra)
+        inc = self.incidents
+        if inc is not None:  # the rows first: their warnings come before a streak error
+            extra = [e for e in (inc.pending(), *extra, inc.example_figures()) if e is not None]
+        try:
+            report = stats.report(self.k, policy=self.policy, groups=groups, extra=extra)
+        except SpikeStreakError as error:
+            if inc is not None and inc.recorder is not None:
+                inc.dump_on_error(inc.recorder.steps - 1, error)
+            raise
         self.policy_figures = dict(grad_report(report).extra)
         return report
+
+    def note_step(self, stats: GradStats | GradWeightStats, factor: Tensor | None, step: int, loss: Tensor | None,
+                  scale: Tensor | float, host_skipped: bool | None) -> None:
+        """Where per_example or a flight recorder is kept: the step's row (no host read; read at once where the
+        skip was decided on the host), then a new step for the per-example norms."""
+        inc = self.incidents
+        if inc is None:
+            return
+        g = stats.grads if isinstance(stats, GradWeightStats) else stats
+        inc.note(step, g, None if factor is None else (factor.reshape(()) == 0), scale=scale, loss=loss,
+                 guard=self.spike_guard, clip=self.adaptive_clip)
+        inc.begin_step()
+        if host_skipped:
+            inc.read_now()
 
     def record_skipped_nonfinite(self, stats: GradStats | GradWeightStats, factor: Tensor, step: int) -> None:
         """Where the step is skipped on the device: note it on the device when its gradients are non-finite (no

@@ -114,12 +114,15 @@ from torch_gradstats.integrations._common import (
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.updates import GradWeightStats
+from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.guard import SpikeGuard
 from torch_gradstats.stats.gradients import GradStats
 from torch_gradstats.stats.groups import GroupBy
 from torch_gradstats.stats.health import HealthPolicy
+from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
 from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
 
 try:
@@ -165,6 +168,8 @@ class _GradStatsMixin(ActivationReporting):
         tied: Collection[str] = (),
         log_rank: int | None = None,
         histogram: bool = False,
+        per_example: bool = False,
+        flight_recorder: FlightRecorder | int | None = None,
     ) -> None:
         """
         Args:
@@ -198,6 +203,15 @@ class _GradStatsMixin(ActivationReporting):
             histogram: on logging steps, read the gradients' exponent histogram in the same read and log the
                 fp16/bf16/fp8 underflow and overflow fractions (``<prefix>underflow/fp16`` ...; see
                 docs/histograms.md). Not with ``log_weight_norms`` / ``log_update_ratio``.
+            per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of the LightningModule (made at setup,
+                reset every optimizer step; the loss of each micro-batch is the mean over its examples, and
+                Lightning's division by ``accumulate_grad_batches`` is undone): logging steps get
+                ``examples/max_norm``, ``examples/median_norm``, ``examples/max_over_median`` (beside the guard's
+                ``guard/...`` figures), and the
+                warning of a skipped step names its top 3 batch positions with their norms and the batch median.
+            flight_recorder: a :class:`~torch_gradstats.FlightRecorder` (or its capacity) recording every step,
+                dumped into its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png`` at an incident (a skipped step,
+                a non-finite gradient, a ``SpikeStreakError``); the warning names the file.
         """
         super().__init__()
         self.key_style = check_key_style(key_style) if lightning_names else None
@@ -225,6 +239,8 @@ class _GradStatsMixin(ActivationReporting):
         self._found_inf_set: set[int] = set()  # optimizers given a guard's found_inf for this step (ids)
         self._hooked: set[int] = set()  # optimizers with our step post-hook
         self._warned_host_skip = False
+        self._per_example = check_bool("per_example", per_example)
+        self.flight_recorder = check_flight_recorder("GradStatsCallback", flight_recorder)
 
     @property
     def spike_guard(self) -> SpikeGuard | None:
@@ -241,6 +257,10 @@ class _GradStatsMixin(ActivationReporting):
                              "(AdaptiveClip(max_norm=...) caps the threshold)")
         if self._watch_option is True and self.activation_watch is None:
             self.activation_watch = ActivationWatch(pl_module)
+        if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
+            self.taker.incidents = StepIncidents(pl_module, per_example=self._per_example,
+                                                 recorder=self.flight_recorder, who="GradStatsCallback",
+                                                 nonfinite_told=True)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for optimizer in getattr(trainer, "optimizers", []):
@@ -248,6 +268,9 @@ class _GradStatsMixin(ActivationReporting):
         if self._watch_option is True and self.activation_watch is not None:
             self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
             self.activation_watch = None
+        if self.taker.incidents is not None:
+            self.taker.incidents.remove()
+            self.taker.incidents = None
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
         # Lightning divides each micro-batch's loss by accumulate_grad_batches: their sum is the step's mean loss.
@@ -264,6 +287,7 @@ class _GradStatsMixin(ActivationReporting):
         if self.taker.every_step:
             loss, self._loss = self._loss, None
             factor = self.taker.apply_policies(pl_module, stats, loss)
+            host_skipped = None
             if factor is not None:
                 host_skipped = self._apply_factor(trainer, optimizer, factor)
                 if self.on_nonfinite is None:  # else on_nonfinite's own check names it below
@@ -271,6 +295,7 @@ class _GradStatsMixin(ActivationReporting):
                         self.taker.record_skipped_nonfinite(stats, factor, step)
                     elif host_skipped:
                         self.taker.warn_skipped_nonfinite(stats, step)
+            self.taker.note_step(stats, factor, step, loss, self._example_scale(trainer), host_skipped)
         report: AnyReport | None = None
         if log_now and self._logs_here(trainer) and not self.taker.log_update_ratio:
             report = self.taker.report(stats)  # the one transfer of this step
@@ -325,6 +350,15 @@ class _GradStatsMixin(ActivationReporting):
             optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter untouched
             return True
         return False
+
+    @staticmethod
+    def _example_scale(trainer: Any) -> Tensor | float:
+        """Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` (and a GradScaler multiplies it
+        by its scale): undone on the per-example norms."""
+        scale = float(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        loss_scale = getattr(scaler, "_scale", None)
+        return scale if not isinstance(loss_scale, Tensor) else scale / loss_scale.reshape(()).to(torch.float64)
 
     def _clear_found_inf(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if id(optimizer) in self._found_inf_set:

@@ -104,12 +104,15 @@ from torch_gradstats.integrations._common import (
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.updates import GradWeightStats
+from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.guard import SpikeGuard
 from torch_gradstats.stats.gradients import GradStats
 from torch_gradstats.stats.groups import GroupBy
 from torch_gradstats.stats.health import HealthPolicy
+from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
 from torch_gradstats.training._skip import step_or_skip
 from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
 
@@ -180,6 +183,14 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         histogram: on logging steps, read the gradients' exponent histogram in the same read and log the
             fp16/bf16/fp8 underflow and overflow fractions (``grad/underflow/fp16`` ...; see docs/histograms.md),
             of the unscaled gradients under a GradScaler. Not with ``log_weight_norms`` / ``log_update_ratio``.
+        per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of the model (made when training starts,
+            reset every optimizer step; the Trainer's division of the loss by ``gradient_accumulation_steps`` and the
+            loss scale are undone): logging steps get ``examples/max_norm``, ``examples/median_norm``,
+            ``examples/max_over_median``, and the warning of a skipped step, at the next report, names its top 3
+            batch positions with their norms and the batch median.
+        flight_recorder: a :class:`~torch_gradstats.FlightRecorder` (or its capacity) recording every step, dumped
+            into its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png`` at an incident (a skipped step, a
+            non-finite gradient, a ``SpikeStreakError``); the warning names the file.
     """
 
     def __init__(
@@ -201,8 +212,12 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         tied: Collection[str] = (),
         log_rank: int | None = None,
         histogram: bool = False,
+        per_example: bool = False,
+        flight_recorder: FlightRecorder | int | None = None,
     ) -> None:
         check_options(None, on_nonfinite)
+        self._per_example = check_bool("per_example", per_example)
+        self.flight_recorder = check_flight_recorder("GradStatsCallback", flight_recorder)
         self.key_style = check_key_style(key_style)
         self.per_param = per_param
         self.prefix = prefix
@@ -256,6 +271,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
             self._handles.append(model.register_forward_hook(self._on_forward))
         if self._watch_option is True and self.activation_watch is None:
             self.activation_watch = ActivationWatch(model)
+        if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
+            self.taker.incidents = StepIncidents(model, per_example=self._per_example, recorder=self.flight_recorder,
+                                                 who="GradStatsCallback", nonfinite_told=True)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` apply this callback's spike guard (returns the same optimizer, changed in place).
@@ -317,6 +335,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_hooks()
+        if self.taker.incidents is not None:
+            self.taker.incidents.remove()
+            self.taker.incidents = None
         if self._watch_option is True and self.activation_watch is not None:
             self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
             self.activation_watch = None
@@ -422,6 +443,11 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
             # Clipping the still loss-scaled gradients by the coefficient of the unscaled norm is the same clip.
             self._factor = self.taker.apply_policies(self._model, stats, loss)
             self._judged = (next_step - 1, stats)
+            # The Trainer divides each micro-batch's mean loss by the accumulation steps; a GradScaler scales it.
+            pe_scale: Tensor | float = float(getattr(self._args, "gradient_accumulation_steps", 1) or 1)
+            if scale is not None:
+                pe_scale = pe_scale / scale.reshape(()).to(torch.float64)
+            self.taker.note_step(stats, self._factor, next_step - 1, loss, pe_scale, None)
         if self.on_nonfinite is not None and self.taker.nonfinite(stats):
             self._handle_nonfinite(next_step - 1, scale is not None,
                                    self.taker.describe_nonfinite(stats) + self._activation_words())

@@ -13,17 +13,19 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
+from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.ops._transfer import PinnedBuffer, to_host
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.clip import clip_grad_norm_
-from torch_gradstats.policies.guard import SpikeGuard
+from torch_gradstats.policies.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.stats.report import GradReport
 from torch_gradstats.training._args import check_int, check_positive_number
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
+from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
 from torch_gradstats.training._step import OptimizerStepper
 from torch_gradstats.training._summary import EpochState, EpochSummary, fmt
 
@@ -92,6 +94,17 @@ class Trainer:
             the watch's latest recorded step (a forward call): once a NaN reaches the weights, later steps name the
             first poisoned layer, so hunt with ``skip_nonfinite=True`` or ``sync_every=1``. Not with
             ``compile=True`` (the hooks cannot run in a compiled region).
+        per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of ``model`` (reset before each optimizer
+            step's first micro-batch): each logging step's report gets ``examples/max_norm``,
+            ``examples/median_norm`` and ``examples/max_over_median`` in its one transfer, and the warning of a
+            skipped step names its top 3 batch positions (0-based, over the step's micro-batches in order) with
+            their norms and the batch median. Not with ``compile=True``.
+        flight_recorder: a :class:`~torch_gradstats.FlightRecorder`, or its capacity (an int), recording every
+            step; at an incident (a skipped step, a non-finite gradient, a ``SpikeStreakError``) it is dumped into
+            its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png``, and the warning names the file.
+
+    Every skipped step (a spike or a non-finite gradient) is named in a WARNING on the ``torch_gradstats`` logger
+    at the next host read (the sync, or a logging step's transfer; at once where the skip was decided on the host).
 
     ``global_step`` counts optimizer steps taken or skipped; it advances exactly when the optimizer steps (or a step
     is skipped), so after an interrupt it still agrees with the optimizer's own step counts.
@@ -124,6 +137,8 @@ class Trainer:
         adaptive_clip: AdaptiveClip | None = None,
         watch_activations: ActivationWatch | bool | None = None,
         histogram: bool = False,
+        per_example: bool = False,
+        flight_recorder: FlightRecorder | int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -177,10 +192,19 @@ class Trainer:
         self.log_to = _check_sinks(log_to)
         self.log_every = log_every
         self.histogram = check_bool("histogram", histogram)
+        self.flight_recorder = check_flight_recorder("Trainer", flight_recorder)
+        if check_bool("per_example", per_example) and compile:
+            raise ValueError("Trainer: per_example needs compile=False: its hooks cannot run in a compiled region")
         # Skipped steps can only be counted if every step is looked at.
         self.must_check_every_step = (
             skip_nonfinite or scaler is not None or spike_guard is not None or adaptive_clip is not None
+            or per_example or self.flight_recorder is not None
         )
+        self._incidents: StepIncidents | None = None
+        if per_example or self.flight_recorder is not None or self._nonfinite_flag_needed():
+            # "sum": each micro-batch's loss is weighted by its share of the window (see _example_scale).
+            self._incidents = StepIncidents(model, per_example=per_example, recorder=self.flight_recorder,
+                                            loss_reduction="sum", nonfinite_told=True)
         self.stats_every = 1 if self.must_check_every_step else stats_every
         if self.must_check_every_step and stats_every != 1:
             logger.info("torch_gradstats: stats_every=%d ignored: skip_nonfinite/GradScaler need stats every step",
@@ -267,6 +291,8 @@ class Trainer:
             return False
         step = self.global_step
         self.optimizer.zero_grad(set_to_none=True)
+        if self._incidents is not None:
+            self._incidents.begin_step()
         loss_sum = self._accumulate_gradients(batches, sizes, samples, bar)
         state.add_window(len(batches), samples, loss_sum)
         if self.after_backward is not None:
@@ -288,13 +314,18 @@ class Trainer:
         if flagged is not None:
             skipped = torch.maximum(skipped, flagged)
         state.add_step(skipped)
+        if self._incidents is not None:
+            self._incidents.note(step, stats, skipped, scale=self._example_scale(samples), loss=loss_sum / samples,
+                                 guard=self.spike_guard, clip=self.adaptive_clip)
+            if host_skipped:  # decided on the host: said at once (one small transfer, on a skipped step only)
+                self._incidents.read_now()
         if stats is not None and take_stats:
             health = stats.health(self.health_policy)
             state.add_stats(step, stats, health, skipped, loss_sum / samples, self.keep_history)
         if stats is not None and log_due:
             # The one transfer of this logging step, with the policies' figures (so every sink writes them).
-            report = stats.report(policy=self.health_policy, extra=[
-                ExtraFigures(*p.check_tensors(), p.check_values) for p in self._policies()])
+            with self._dump_on_streak(step):
+                report = stats.report(policy=self.health_policy, extra=self._extra(examples=True))
             self.policy_figures.update(report.extra)
             for sink in self.log_to:
                 sink.log(report, step)
@@ -348,27 +379,52 @@ class Trainer:
     def _policies(self) -> list[SpikeGuard | AdaptiveClip]:
         return [p for p in (self.spike_guard, self.adaptive_clip) if p is not None]
 
+    def _extra(self, examples: bool) -> list[ExtraFigures]:
+        """What a transfer brings along: the steps' incident rows first (their warnings come before a streak
+        error), the policies' figures, and on a logging step the examples' figures."""
+        inc = self._incidents
+        extra = [inc.pending()] if inc is not None else []
+        extra += [ExtraFigures(*p.check_tensors(), p.check_values) for p in self._policies()]
+        if examples and inc is not None:
+            extra.append(inc.example_figures())
+        return [e for e in extra if e is not None]
+
+    @contextlib.contextmanager
+    def _dump_on_streak(self, step: int) -> Iterator[None]:
+        try:
+            yield
+        except SpikeStreakError as error:
+            if self._incidents is not None:
+                self._incidents.dump_on_error(step, error)
+            raise
+
+    def _example_scale(self, samples: int) -> Tensor | float:
+        """Per-example norms are taken with ``loss_reduction="sum"`` from backwards of ``loss * n / samples``
+        (times the loss scale): times ``samples`` (over the scale) they are each example's own gradient norm."""
+        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
+        return float(samples) if scale is None else float(samples) / scale.reshape(()).to(torch.float64)
+
     def _sync_due(self, state: EpochState) -> bool:
         return self.sync_every is not None and state.steps % self.sync_every == 0
 
     def _sync(self, state: EpochState) -> EpochSummary:
         """The epoch so far, and the policies' figures, in one device-to-host transfer."""
         buffer = state.buffer()
-        floats, ints = [buffer], []
-        policies = self._policies()
-        spans = []
-        for policy in policies:
-            f, i = policy.check_tensors()
-            spans.append((sum(t.numel() for t in f), sum(t.numel() for t in i)))
-            floats += f
-            ints += i
+        floats: list[Tensor] = [buffer]
+        ints: list[Tensor] = []
+        extra = self._extra(examples=False)
+        for e in extra:
+            floats += e.floats
+            ints += e.ints
         values, host_ints = to_host(floats, ints, self._staging)
         n = buffer.numel()
         summary = state.summary(values[:n])
         at_f, at_i = n, 0
-        for policy, (nf, ni) in zip(policies, spans):
-            self.policy_figures.update(policy.check_values(values[at_f : at_f + nf], host_ints[at_i : at_i + ni]))
-            at_f, at_i = at_f + nf, at_i + ni
+        with self._dump_on_streak(self.global_step - 1):
+            for e in extra:
+                nf, ni = sum(t.numel() for t in e.floats), sum(t.numel() for t in e.ints)
+                self.policy_figures.update(e.read(values[at_f : at_f + nf], host_ints[at_i : at_i + ni]))
+                at_f, at_i = at_f + nf, at_i + ni
         self._warn_nonfinite(summary)
         if self.activation_watch is not None:
             self._report_activations(summary)
