@@ -307,13 +307,20 @@ _MODULES = "one of ['embed', 'act1', 'hidden', 'act2', 'head']"
         (["--steps", "30", "--inject-spike", "30"], ["--inject-spike 30 is outside the run's optimizer steps 0..29"]),
         (["--inject-spike", "3"], ["--inject-spike 3 falls in the spike guard's warm-up: it judges steps 11..199"]),
         (["--inject-spike", "2.5"], ["demo: error: argument --inject-spike: invalid int value: '2.5'"]),
+        (["--inject-bad-example", "-1"], ["demo: error: --inject-bad-example -1 is outside the run's optimizer steps"]),
+        (["--steps", "30", "--inject-bad-example", "30"],
+         ["--inject-bad-example 30 is outside the run's optimizer steps 0..29"]),
+        (["--inject-bad-example", "3"],
+         ["--inject-bad-example 3 falls in the spike guard's warm-up: it judges steps 11..199"]),
+        (["--inject-bad-example", "x"], ["demo: error: argument --inject-bad-example: invalid int value: 'x'"]),
         (["--inject-nan", "5", "--nan-module", "nope"], ["demo: error: --nan-module 'nope' is not a module", _MODULES]),
         (["--nan-module", "hidden"], ["--nan-module hidden needs --inject-nan STEP"]),
         (["--inject-nan", "-2", "--nan-module", "hidden"], ["--inject-nan -2 is outside the run's optimizer steps"]),
         (["--inject-nan", "5", "--nan-module", "hidden", "--inject-param", "head.bias"],
          ["give --inject-param (a gradient) or --nan-module (a forward output) to poison, not both"]),
     ],
-    ids=["spike-negative", "spike-past-end", "spike-in-warm-up", "spike-not-int", "bad-module", "module-no-step",
+    ids=["spike-negative", "spike-past-end", "spike-in-warm-up", "spike-not-int", "bad-example-negative",
+         "bad-example-past-end", "bad-example-in-warm-up", "bad-example-not-int", "bad-module", "module-no-step",
          "nan-negative", "param-and-module"],
 )
 def test_cli_injection_errors_are_status_2_and_one_line(tmp_path, args, expected):
@@ -337,3 +344,11 @@ def test_cli_inject_spike_names_the_skipped_step(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "with SpikeGuard, AdaptiveClip" in out and "SpikeGuard skipped step 20 (global grad norm" in out
+
+
+@pytest.mark.parametrize("flag", ["--inject-spike", "--inject-bad-example"])
+def test_cli_guard_skip_is_told_on_stdout_only(tmp_path, flag):
+    proc = _run_cli(["demo", "--steps", "30", flag, "20", "--no-plot", "--out", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SpikeGuard skipped step 20 (global grad norm" in proc.stdout
+    assert proc.stderr == ""  # the Trainer's warning of the skipped step is the demo's to tell, on stdout

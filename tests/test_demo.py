@@ -224,6 +224,27 @@ def test_spike_guard_alone_skips_nothing_in_a_clean_run(tmp_path: Path, capsys: 
     assert not any(r["skipped"] for r in _steps(result.log))
 
 
+def test_bad_example_is_named_by_its_batch_position(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = demo.run(steps=30, inject_bad_example=20, out=tmp_path, progress=False, plot=False)
+    out = capsys.readouterr().out
+    assert f"target of batch position {demo.BAD_POSITION} multiplied by 1000 at step 20; with SpikeGuard, " \
+        "per-example norms" in out  # fmt: skip
+    assert "SpikeGuard skipped step 20 (global grad norm" in out
+    (line,) = [line for line in out.splitlines() if line.startswith("Per-example gradient norms")]
+    found = re.fullmatch(r"Per-example gradient norms of skipped step 20, largest first \(0-based batch positions\): "
+                         r"#(\d+) norm (\S+), #\d+ norm (\S+), #\d+ norm \S+; batch median (\S+)\.", line)
+    assert found is not None, line
+    assert int(found[1]) == demo.BAD_POSITION  # the corrupted example, named by the Trainer's per-example norms
+    top, second, median = float(found[2]), float(found[3]), float(found[4])
+    assert top > 50 * second and top > 50 * median
+    run = _run_record(result.log)
+    assert run["inject_bad_example"] == 20 and run["bad_position"] == demo.BAD_POSITION
+    assert run["guard_skipped_steps"] == [20]
+    steps = _steps(result.log)
+    assert [r["step"] for r in steps if r["skipped"]] == [20]
+    assert not any(r["nan_count"] or r["inf_count"] for r in steps)
+
+
 def test_adaptive_clip_threshold_is_logged_and_drawn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = demo.run(steps=30, inject_spike=20, adaptive_clip=True, out=tmp_path, progress=False, plot=False)
     out = capsys.readouterr().out
@@ -483,12 +504,14 @@ def test_training_md_quotes_what_the_demo_prints(tmp_path: Path, monkeypatch: py
         "torch_gradstats demo:": ["--inject-nan", "20"],
         "Trainer warning:": ["--inject-nan", "20", "--nan-module", "hidden", "--steps", "30", "--no-plot"],
         "SpikeGuard skipped": ["--inject-spike", "20", "--adaptive-clip", "--steps", "30", "--no-plot"],
+        "Per-example gradient norms": ["--inject-bad-example", "20", "--steps", "30", "--no-plot"],
     }
     text = TRAINING_MD.read_text(encoding="utf-8")
     quoted = {
         "torch_gradstats demo:": _quoted_blocks("torch_gradstats demo:"),
         "Trainer warning:": _quoted_blocks("Trainer warning:"),
         "SpikeGuard skipped": [[span] for span in re.findall(r"`(SpikeGuard skipped [^`]*)`", text)],
+        "Per-example gradient norms": _quoted_blocks("Per-example gradient norms"),
     }
     for first, args in runs.items():
         assert quoted[first], f"docs/training.md quotes no output starting {first!r}"

@@ -1,4 +1,5 @@
-"""What the demo (:mod:`torch_gradstats.cli.demo`) writes besides its figures: the JSON-lines log and the progress bar.
+"""What the demo (:mod:`torch_gradstats.cli.demo`) writes besides its figures: the JSON-lines log, the progress bar,
+and the Trainer's warnings it tells in its own words (:class:`TrainerWarnings`).
 
 ``log.jsonl`` holds one JSON object for the run, one per step and one per epoch (:func:`write_log`; strict JSON, so
 non-finite numbers are written as ``null``, by the JSON Lines sink's
@@ -9,7 +10,9 @@ stderr when it is a terminal (:func:`progress_bar`).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +21,7 @@ from typing import Any
 from torch_gradstats.integrations.files import strict_json
 from torch_gradstats.training import EpochSummary
 
-__all__ = ["progress_bar", "write_log"]
+__all__ = ["TrainerWarnings", "progress_bar", "write_log"]
 
 
 def _line(record: dict[str, Any]) -> str:
@@ -67,3 +70,34 @@ def progress_bar(progress: bool | None, total: int) -> Any:
         return None
     cols, rows = _terminal_size(sys.stderr)
     return tqdm(total=total, desc="demo", unit="step", file=sys.stderr, ncols=cols, nrows=rows, leave=True)
+
+
+#: The Trainer's warning of a skipped step with per-example norms: the step, then its largest examples and median.
+_EXAMPLES = re.compile(r"optimizer step (\d+) skipped \(gradient spike\); largest per-example gradient norms of its "
+                       r"\d+ examples \(0-based batch positions\): (.*); batch median (\S+)$")
+
+
+class TrainerWarnings(logging.Filter):
+    """Keeps the Trainer's activation warnings (one per sync while the epoch has a non-finite step) for the demo to
+    print the first, instead of repeating them on stderr; drops its warning of a skipped non-finite step, which the
+    demo says in its own words ("Non-finite gradient first seen at optimizer step ..."), and of a step the SpikeGuard
+    skipped ("SpikeGuard skipped step ..."), keeping the examples that one names (``examples``: step, top, median)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+        self.examples: list[tuple[int, str, str]] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        message = record.getMessage()
+        if "first non-finite parameter gradient" in message:
+            self.messages.append(message)
+            return False
+        if "skipped (gradient spike)" in message:
+            found = _EXAMPLES.search(message)
+            if found is not None:
+                self.examples.append((int(found[1]), found[2], found[3]))
+            return False
+        return "non-finite gradient at optimizer step" not in message

@@ -7,6 +7,9 @@ step is skipped on the device (fused Adam's ``found_inf``), and training goes on
 goes into that module's forward output instead, and an ActivationWatch names the module as the forward origin.
 ``--inject-spike STEP`` multiplies that step's gradients by 1000 and a SpikeGuard skips it; ``--adaptive-clip`` clips
 with AdaptiveClip.
+``--inject-bad-example STEP`` corrupts one example's target at that step (batch position :data:`BAD_POSITION`, its
+one-hot target scaled by :data:`BAD_TARGET`): its loss and gradient spike, a SpikeGuard skips the step, and the
+Trainer's per-example gradient norms (``per_example=True``) name that batch position.
 
 Outputs in ``--out`` (default ``runs/demo``): ``gradstats.png`` (loss, global gradient norm, health and non-finite
 counts over steps), ``layers.png`` (each layer's gradient norm over steps, log scale) and ``log.jsonl`` (one JSON
@@ -35,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats.cli._demo_figure import exponent_figure, figure, layer_figure, save
-from torch_gradstats.cli._demo_output import progress_bar, write_log
+from torch_gradstats.cli._demo_output import TrainerWarnings, progress_bar, write_log
 from torch_gradstats.monitors.activations import ActivationReport
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.guard import SpikeGuard
@@ -47,6 +50,8 @@ __all__ = ["DemoResult", "build_parser", "main", "make_data", "make_model", "run
 FEATURES, CLASSES, BATCH, STEPS_PER_EPOCH = 16, 3, 64, 25
 #: ``--inject-spike`` multiplies every gradient of its step by this.
 SPIKE_FACTOR = 1000.0
+#: ``--inject-bad-example``: the batch position whose target is corrupted, and the factor its one-hot target gets.
+BAD_POSITION, BAD_TARGET = 7, 1000.0
 
 
 def make_guard() -> SpikeGuard:
@@ -120,30 +125,25 @@ def _figure(
     thresholds: Sequence[float] | None = None,
     spike_step: int | None = None,
     origin: str | None = None,
+    bad_step: int | None = None,
 ) -> Any:
     """The demo's matplotlib figure (see :mod:`torch_gradstats.cli._demo_figure`); ``origin``: where the
     ActivationWatch found the first non-finite values."""
-    spike = None if spike_step is None else f"gradients x{SPIKE_FACTOR:g} at step {spike_step}"
-    return figure(summaries, inject_step, thresholds, spike, origin)
+    events = []
+    if spike_step is not None:
+        events.append(f"gradients x{SPIKE_FACTOR:g} at step {spike_step}")
+    if bad_step is not None:
+        events.append(f"target of example #{BAD_POSITION} x{BAD_TARGET:g} at step {bad_step}")
+    return figure(summaries, inject_step, thresholds, "; ".join(events) or None, origin)
 
 
-class _ActivationWarnings(logging.Filter):
-    """Keeps the Trainer's activation warnings (one per sync while the epoch has a non-finite step) for the demo to
-    print the first, instead of repeating them on stderr; drops its warning of a skipped non-finite step, which the
-    demo says in its own words ("Non-finite gradient first seen at optimizer step ...")."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING:
-            return True
-        message = record.getMessage()
-        if "first non-finite parameter gradient" in message:
-            self.messages.append(message)
-            return False
-        return "non-finite gradient at optimizer step" not in message
+def _corrupt_target(y: Tensor) -> Tensor:
+    """``y`` (class indices) as one-hot class probabilities, the row of :data:`BAD_POSITION` scaled by
+    :data:`BAD_TARGET`: CrossEntropyLoss gives every other example the same loss, and that one BAD_TARGET times its
+    loss and gradient."""
+    target = nn.functional.one_hot(y, CLASSES).to(torch.float32)
+    target[BAD_POSITION] *= BAD_TARGET
+    return target
 
 
 def _check_step(flag: str, step: int | None, steps: int) -> None:
@@ -167,12 +167,14 @@ def run(
     spike_guard: bool = False,
     adaptive_clip: bool = False,
     watch_activations: bool = False,
+    inject_bad_example: int | None = None,
 ) -> DemoResult:
     """Train the demo model for ``steps`` optimizer steps; print the per-epoch table; write the plot and log.
 
     ``inject_nan`` poisons ``inject_param``'s gradient (default ``hidden.weight``) or, with ``nan_module``, that
     module's forward output (and turns ``watch_activations`` on). ``inject_spike`` multiplies every gradient of that
-    step by :data:`SPIKE_FACTOR` (and turns ``spike_guard`` on)."""
+    step by :data:`SPIKE_FACTOR` (and turns ``spike_guard`` on). ``inject_bad_example`` corrupts the target of batch
+    position :data:`BAD_POSITION` at that step (and turns ``spike_guard`` and the Trainer's ``per_example`` on)."""
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     dev = validate_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -191,13 +193,16 @@ def run(
         raise ValueError(f"--nan-module {nan_module} needs --inject-nan STEP: the step whose forward it poisons")
     _check_step("--inject-nan", inject_nan, steps)
     _check_step("--inject-spike", inject_spike, steps)
+    _check_step("--inject-bad-example", inject_bad_example, steps)
     watch_activations = watch_activations or nan_module is not None
-    guard = make_guard() if spike_guard or inject_spike is not None else None
-    if guard is not None and inject_spike is not None and inject_spike < guard.min_history:
-        raise ValueError(
-            f"--inject-spike {inject_spike} falls in the spike guard's warm-up: it judges steps "
-            f"{guard.min_history}..{steps - 1} (it takes every step until its history holds {guard.min_history} norms)"
-        )
+    per_example = inject_bad_example is not None
+    guard = make_guard() if spike_guard or inject_spike is not None or per_example else None
+    for flag, step in (("--inject-spike", inject_spike), ("--inject-bad-example", inject_bad_example)):
+        if guard is not None and step is not None and step < guard.min_history:
+            raise ValueError(
+                f"{flag} {step} falls in the spike guard's warm-up: it judges steps {guard.min_history}..{steps - 1} "
+                f"(it takes every step until its history holds {guard.min_history} norms)"
+            )
     clip = make_clip() if adaptive_clip else None
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -261,6 +266,7 @@ def run(
         watch_activations=watch_activations,
         # The watch reports its latest step: sync after every step so the poisoned step's report is read.
         sync_every=1 if watch_activations else None,
+        per_example=per_example,
     )
     injected = []
     if inject_nan is not None:
@@ -268,8 +274,12 @@ def run(
         injected.append(f"NaN injected into {where} at step {inject_nan}")
     if inject_spike is not None:
         injected.append(f"gradients multiplied by {SPIKE_FACTOR:g} at step {inject_spike}")
+    if inject_bad_example is not None:
+        injected.append(f"target of batch position {BAD_POSITION} multiplied by {BAD_TARGET:g} at step "
+                        f"{inject_bad_example}")
     policies = [name for name, on in (("SpikeGuard", guard is not None), ("AdaptiveClip", clip is not None),
-                                      ("ActivationWatch", watch_activations)) if on]  # fmt: skip
+                                      ("ActivationWatch", watch_activations),
+                                      ("per-example norms", per_example)) if on]  # fmt: skip
     print(
         f"torch_gradstats demo: {steps} steps, {dev}, torch {torch.__version__}, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(names)} tensors"
@@ -291,7 +301,7 @@ def run(
         # anything else on a busy machine): 1.7 ms vs 340 ms per step measured on a loaded 2-core box.
         torch.set_num_threads(1)
     bar = progress_bar(progress, steps)
-    trainer_warnings = _ActivationWarnings()
+    trainer_warnings = TrainerWarnings()
     logger = logging.getLogger("torch_gradstats")
     logger.addFilter(trainer_warnings)
     t0 = time.perf_counter()
@@ -302,7 +312,12 @@ def run(
             remaining = steps
             while remaining > 0:
                 n = min(STEPS_PER_EPOCH, remaining)
-                summary = trainer.train_epoch(_epoch_batches(x, y, n, g))
+                batches = _epoch_batches(x, y, n, g)
+                first = steps - remaining  # the global step of this epoch's first batch
+                if inject_bad_example is not None and first <= inject_bad_example < first + n:
+                    inputs, targets = batches[inject_bad_example - first]
+                    batches[inject_bad_example - first] = (inputs, _corrupt_target(targets))
+                summary = trainer.train_epoch(batches)
                 summaries.append(summary)
                 if writer is not None:
                     from torch_gradstats.integrations.tensorboard import log_step_records
@@ -360,6 +375,9 @@ def run(
         print("SpikeGuard skipped "
               + (", ".join(f"step {r.step} (global grad norm {r.total_norm:.4g})" for r in guard_skips) or "no step")
               + ".")  # fmt: skip
+    for step, top, median in trainer_warnings.examples:
+        print(f"Per-example gradient norms of skipped step {step}, largest first (0-based batch positions): {top}; "
+              f"batch median {median}.")
     if clip is not None:
         clipped = sum(r.total_norm > t for r, t in zip(rows, threshold_values))
         print(f"AdaptiveClip clipped {clipped} of {len(rows)} steps (its threshold is finite only on a step it clips).")
@@ -377,6 +395,8 @@ def run(
         "inject_param": inject_param if inject_nan is not None and nan_module is None else None,
         "nan_module": nan_module,
         "inject_spike": inject_spike,
+        "inject_bad_example": inject_bad_example,
+        "bad_position": BAD_POSITION if inject_bad_example is not None else None,
         "spike_factor": SPIKE_FACTOR if inject_spike is not None else None,
         "spike_guard": guard is not None,
         "guard_skipped_steps": [r.step for r in guard_skips] if guard is not None else None,
@@ -399,7 +419,8 @@ def run(
             plot_path, layer_path = out_dir / "gradstats.png", out_dir / "layers.png"
             exponent_path = out_dir / "exponents.png"
             origin = first_report.origin if first_report is not None else None
-            save(_figure(summaries, inject_nan, threshold_values or None, inject_spike, origin), plot_path)
+            save(_figure(summaries, inject_nan, threshold_values or None, inject_spike, origin, inject_bad_example),
+                 plot_path)
             bad_steps = [r.step for r in rows if r.nan_count + r.inf_count]
             save(layer_figure(per_layer, bad_steps, "; ".join(injected) or None), layer_path)
             save(exponent_figure(exponent_rows, bad_steps), exponent_path)
@@ -427,6 +448,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="watch every module's activations (ActivationWatch) to name where a NaN starts")
     p.add_argument("--inject-spike", type=int, default=None, metavar="STEP",
                    help=f"multiply every gradient by {SPIKE_FACTOR:g} at this optimizer step; turns on --spike-guard")
+    p.add_argument("--inject-bad-example", type=int, default=None, metavar="STEP",
+                   help=f"corrupt the target of batch position {BAD_POSITION} at this optimizer step "
+                        f"(x{BAD_TARGET:g}); turns on --spike-guard and per-example gradient norms, which name "
+                        "that position")  # fmt: skip
     p.add_argument("--spike-guard", action="store_true",
                    help="skip steps whose gradient norm or loss spikes (SpikeGuard, one-epoch window, 12 sigma)")
     p.add_argument("--adaptive-clip", action="store_true",
@@ -464,6 +489,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             spike_guard=args.spike_guard,
             adaptive_clip=args.adaptive_clip,
             watch_activations=args.watch_activations,
+            inject_bad_example=getattr(args, "inject_bad_example", None),
         )
     except ValueError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
