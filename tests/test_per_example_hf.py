@@ -1,0 +1,108 @@
+"""The Hugging Face callback's per_example and flight_recorder under a real transformers Trainer: one corrupted
+target at one optimizer step is skipped by the spike guard, named by its batch position, and the flight recorder
+is dumped as strict JSON lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")  # transformers.Trainer needs it
+transformers = pytest.importorskip("transformers")
+
+from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
+
+from torch_gradstats import FlightRecorder, SpikeGuard  # noqa: E402
+from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer  # noqa: E402
+
+T, MICRO, ACCUMULATION, STEPS = 8, 4, 2, 10
+BAD_STEP, BAD_MICRO, BAD_POS = 7, 1, 2  # the second micro-batch of step 7, its third example
+BAD_INDEX = BAD_MICRO * MICRO + BAD_POS  # 0-based position among the step's MICRO * ACCUMULATION examples
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model() -> GPT2ForSequenceClassification:
+    """A tiny GPT-2 regression model (one output, MSELoss over the batch's examples)."""
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, num_labels=1,
+                     problem_type="regression", pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return GPT2ForSequenceClassification(cfg)
+
+
+def _data(n: int = 128) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 64, (n, T), generator=g)  # no pad token: each example is pooled at its last position
+    labels = torch.randn(n, generator=g)
+    # position_ids per example ([B, T] once collated): the position embedding's per-example gradients stay apart
+    return [{"input_ids": x, "position_ids": torch.arange(T), "labels": y} for x, y in zip(ids, labels)]
+
+
+class _Corrupting:
+    """The default collator, corrupting one example's target in the one micro-batch of the run that is step
+    BAD_STEP's micro-batch BAD_MICRO (micro-batches are collated in the order they are trained on)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = transformers.default_data_collator(features)
+        if self.calls == BAD_STEP * ACCUMULATION + BAD_MICRO:
+            batch["labels"] = batch["labels"].clone()
+            batch["labels"][BAD_POS] = 1e4
+        self.calls += 1
+        return batch
+
+
+def test_warning_names_the_corrupted_example_and_the_dump_parses(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    recorder = FlightRecorder(32, dump_dir=tmp_path / "flight")
+    cb = GradStatsCallback(spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=4), per_example=True,
+                           flight_recorder=recorder)
+    opt = cb.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, logging_steps=1,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+                             max_grad_norm=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), data_collator=_Corrupting(),
+                      optimizers=(opt, None))
+    add_to_trainer(trainer, cb)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+
+    skipped = [r.getMessage() for r in caplog.records if r.name == "torch_gradstats" and "skipped (" in r.getMessage()]
+    assert len(skipped) == 1, skipped
+    (message,) = skipped
+    assert f"optimizer step {BAD_STEP} skipped (gradient spike)" in message
+    n = MICRO * ACCUMULATION
+    assert f"largest per-example gradient norms of its {n} examples (0-based batch positions): #{BAD_INDEX} norm" \
+        in message  # fmt: skip
+    path = tmp_path / "flight" / f"flight-{BAD_STEP}.jsonl"
+    assert f"flight recorder dumped to {path}" in message
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"{path.name} is not strict JSON: {token}")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps[-1] >= BAD_STEP and steps == list(range(steps[0], steps[-1] + 1))  # oldest first, none missing
+    bad = rows[steps.index(BAD_STEP)]
+    assert bad["guard/skipped"] == 1 and bad["guard/consecutive"] == 1
+    others = [r["total_norm"] for r in rows if r["step"] != BAD_STEP]
+    assert bad["total_norm"] > 100 * max(others)  # the corrupted example's gradient made the step's spike
+    assert bad["loss"] > 100 * max(r["loss"] for r in rows if r["step"] != BAD_STEP)
