@@ -49,7 +49,7 @@ say "installing the wheel with its test and demo extras"
 
 say "== the test suite against the installed wheel, from outside the repository"
 mkdir "$WORK/run"
-cp -r tests bench pyproject.toml "$WORK/run/"  # the tests, the bench scripts they load, pytest's settings
+cp -r tests bench docs README.md pyproject.toml "$WORK/run/"  # the tests, the bench scripts and documents they read, pytest's settings
 cd "$WORK/run"
 # The check and pytest run in one process, so every test imports the module checked here. The __main__ guard
 # matters: the distributed tests' spawned ranks import this file again.

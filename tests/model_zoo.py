@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -71,8 +72,8 @@ def resnet(seed: int = 0) -> ResNet:
 # ------------------------------------------------------------------------------------------------- GPT-2
 def gpt2(seed: int = 0, n_layer: int = 2) -> Any:
     """A ``transformers.GPT2LMHeadModel`` of 2 blocks, d=32, vocab 64 (eager attention: the scores are a matmul in
-    the attention module's own forward)."""
-    import transformers
+    the attention module's own forward). The calling test skips where transformers is not installed."""
+    transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
@@ -107,8 +108,9 @@ class CheckpointedEncoder(nn.Module):
 # ------------------------------------------------------------------------------------------------- Lightning
 def lightning_module(seed: int = 0) -> Any:
     """A LightningModule with ``self.net`` (Linear, ReLU, Linear) whose training and validation steps call
-    ``self.net(x)``, as the docs' Lightning example does; its own ``forward`` is never called."""
-    import lightning.pytorch as pl
+    ``self.net(x)``, as the docs' Lightning example does; its own ``forward`` is never called. The calling test skips
+    where Lightning is not installed."""
+    pl = pytest.importorskip("lightning.pytorch")
 
     class Net(pl.LightningModule):
         def __init__(self) -> None:

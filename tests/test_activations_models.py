@@ -157,6 +157,7 @@ def _trainer(max_steps: int, callbacks: list, val_batches: float = 0) -> Any:
 
 
 def test_lightning_training_step_calling_self_net_counts_steps_and_names_the_origin(caplog):
+    pytest.importorskip("lightning.pytorch")
     from torch_gradstats.integrations.lightning import GradStatsCallback
 
     module = lightning_module()
