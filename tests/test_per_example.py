@@ -407,3 +407,30 @@ def test_bench_script_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert bench.main(["--rounds", "1", "--steps", "1", "--only", "plain", "PerExampleNorms", "--out", str(out)]) == 0
     text = out.read_text()
     assert "| plain |" in text and "| PerExampleNorms |" in text and "did not run" not in text
+
+
+def test_an_evaluation_under_inference_mode_records_nothing_and_training_goes_on() -> None:
+    """A real architecture (the model zoo's TransformerEncoder): a forward under ``inference_mode`` inside the
+    object's life neither fails nor enters the next step's norms, which equal those of a run without it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from model_zoo import CheckpointedEncoder
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 5, 8, generator=g), torch.randn(6, 5, 4, generator=g)
+
+    def norms(evaluate_first: bool) -> Tensor:
+        model = CheckpointedEncoder(use_reentrant=False, checkpointed=False)
+        with PerExampleNorms(model) as pe:
+            if evaluate_first:
+                model.eval()
+                with torch.inference_mode():
+                    assert model(x).shape == (6, 5, 4)
+                model.train()
+            F.mse_loss(model(x), y).backward()
+            return pe.norms()
+
+    plain, after_eval = norms(False), norms(True)
+    assert plain.shape == (6,) and bool(torch.isfinite(plain).all()) and bool((plain > 0).all())
+    torch.testing.assert_close(after_eval, plain, rtol=1e-6, atol=0)
