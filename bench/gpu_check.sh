@@ -10,7 +10,7 @@
 #
 # Output, in "$OUT" (default ./gpu_check_out) and copied to bench/results/<device>/ for committing:
 #   summary.txt (device, driver, torch, CUDA, commit, per-step status, timing tables), gpu_check.log (everything),
-#   test_cuda.xml, test_cuda_histogram.xml, test_cuda_policies.xml and test_cpu.xml (JUnit), memcheck.log,
+#   test_cuda.xml, test_cuda_histogram.xml, test_cuda_policies.xml, test_cuda_distributed.xml and test_cpu.xml (JUnit), memcheck.log,
 #   racecheck.log, timing.txt, timing_histogram.txt, bench.txt, bench.csv, bench_training.txt.
 #
 # Environment:
@@ -124,6 +124,8 @@ run test_cuda_histogram 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_
   --junitxml="$OUT/test_cuda_histogram.xml"
 run test_cuda_policies 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_policies.py \
   --junitxml="$OUT/test_cuda_policies.xml"
+run test_cuda_distributed 60 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_distributed.py \
+  --junitxml="$OUT/test_cuda_distributed.xml"
 
 TIMING="$STEPS/timing_case.py"
 cat >"$TIMING" <<'EOF_TIMING'
@@ -286,7 +288,8 @@ fi
 
 # 6. CPU tests (the rest of the suite).
 run test_cpu 120 $PY -m pytest -q -rs -p no:cacheprovider tests --ignore=tests/test_cuda.py \
-  --ignore=tests/test_cuda_histogram.py --ignore=tests/test_cuda_policies.py -m "not distributed" \
+  --ignore=tests/test_cuda_histogram.py --ignore=tests/test_cuda_policies.py \
+  --ignore=tests/test_cuda_distributed.py -m "not distributed" \
   --junitxml="$OUT/test_cpu.xml"
 
 # 7. Benchmarks: the CLI's (bounded by its own --budget-s), then the training-overhead one.
@@ -306,7 +309,8 @@ DEVICE="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -
   $PY -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null
   echo "nvcc: $(nvcc --version 2>/dev/null | tail -n1); CXX=${CXX:-default}; TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
   grep -E "=== .*: (rc=|skipped|not run)" "$LOG"
-  for xml in "$OUT"/test_cuda.xml "$OUT"/test_cuda_histogram.xml "$OUT"/test_cuda_policies.xml "$OUT"/test_cpu.xml; do
+  for xml in "$OUT"/test_cuda.xml "$OUT"/test_cuda_histogram.xml "$OUT"/test_cuda_policies.xml \
+      "$OUT"/test_cuda_distributed.xml "$OUT"/test_cpu.xml; do
     [[ -s "$xml" ]] && grep -o '<testsuite [^>]*' "$xml" | head -n1 | sed "s|<testsuite|$(basename "$xml"):|"
   done
   [[ -s "$STEPS/timing.out" ]] && { echo "--- timing (per call)"; grep -vE "^\[gpu_check\]" "$STEPS/timing.out"; }

@@ -120,6 +120,13 @@ def irreconcilable_layouts(rank: int, world: int) -> None:
     grad_stats(_params(named), group=pg)  # agree on a layout first: the conflict then shows up as a change
     if rank == 1:
         named[1] = ("w", named[1][1].double())
+    # Only rank 1 changed: the agreed layout has no row for its float64 "w", whose figures count in the totals
+    # (as the unattributed row) until a report on every rank has seen the change.
+    rep = grad_stats(_params(named), group=pg).report()
+    assert "(unattributed)" in rep.norms, list(rep.norms)
+    assert math.isclose(rep.total_norm, math.sqrt(sum(float(t.double().square().sum()) for t in full.values())),
+                        rel_tol=1e-6), rep.total_norm
+    # The next call agrees again, and the conflict is the same ValueError on every rank.
     msg = _expect_error(lambda: grad_stats(_params(named), group=pg), "'w'", "torch.float32", "torch.float64")
     gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, msg, group=pg)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from _dist_layout_workers import _full, _params, _reference, _shard_flat
 from _dist_workers import RTOL, _seq
+from _host_reads import HostReads
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
 from torch_gradstats.distributed.reduce import reduce_across_ranks
@@ -235,31 +236,36 @@ def sinks_write_on_one_rank(rank: int, world: int) -> None:
 
 def layout_change_on_one_rank(rank: int, world: int) -> None:
     """The last rank gains and then loses a gradient while the others hold the same rows in the agreed order (their
-    buffers are reduced in place): the check row fails, every rank packs again from its own figures and the
-    layouts are exchanged; the figures equal the reference at every call, and the steady state is one SUM and one
-    MAX again."""
+    buffers are reduced in place). In the call where it changes, the totals are exact: a gradient the agreed layout
+    has no row for counts as the "(unattributed)" row, and a lost one leaves its row with nothing in it. Every rank
+    reports that call, so the next call agrees again (the last rank alone asking is not enough) and every row is
+    exact; the call after is the steady state again: one SUM and one MAX, no host read."""
     pg = dist.group.WORLD
     full = _full(31, ["a", "b", "c"])
     shards = {n: _shard_flat(t, rank, world) for n, t in full.items()}
     last = rank == world - 1
-    plans = [  # (names held by the last rank, the reference)
-        (["a", "b"], {"a": full["a"], "b": full["b"]}),
-        (["a", "b", "c"], {"a": full["a"], "b": full["b"], "c": _shard_flat(full["c"], world - 1, world)}),
-        (["a", "b"], {"a": full["a"], "b": full["b"]}),
+    c_part = _shard_flat(full["c"], world - 1, world)
+    plans = [  # (names held by the last rank, the reference the call where it changes, the one after)
+        (["a", "b"], None, {"a": full["a"], "b": full["b"]}),
+        (["a", "b", "c"], {"a": full["a"], "b": full["b"], "(unattributed)": c_part},
+         {"a": full["a"], "b": full["b"], "c": c_part}),
+        (["a", "b"], {"a": full["a"], "b": full["b"], "c": c_part[:0]}, {"a": full["a"], "b": full["b"]}),
     ]
-    for call, (held_last, ref) in enumerate(plans):
+    for call, (held_last, changing, ref) in enumerate(plans):
         held = held_last if last else ["a", "b"]
-        for repeat in range(2):
+        for repeat, want in enumerate([changing or ref, ref, ref]):
             before = _seq(pg)
-            stats = grad_stats(_params([(n, shards[n]) for n in held]), group=pg)
+            with HostReads() as reads:
+                stats = grad_stats(_params([(n, shards[n]) for n in held]), group=pg)
             rep = stats.report()
             what = f"call {call}.{repeat}"
-            assert list(rep.norms) == list(ref), f"{what} rows {list(rep.norms)}"
-            for name, t in ref.items():
+            assert list(rep.norms) == list(want), f"{what} rows {list(rep.norms)}"
+            for name, t in want.items():
                 _close(f"{what} norm {name}", rep.norms[name], float(t.double().norm()))
             _close(f"{what} total", rep.total_norm, _reference(ref).total_norm)
-            if repeat == 1:
+            if repeat == 2:
                 assert _seq(pg) - before == 2, f"{what}: {_seq(pg) - before} collectives, expected 2"
+                assert reads.count == 0, f"{what}: {reads.count} host reads"
 
 
 # ---------------------------------------------------------------------------------------------- compat, 4 ranks

@@ -11,10 +11,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _host_reads import AllHostReads
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
-from torch_gradstats.stats.gradients import grad_stats
+from torch_gradstats.policies.clip import clip_grad_norm_
+from torch_gradstats.stats.gradients import UNATTRIBUTED_ROW, grad_stats
 
 
 def _record_all_reduce(sizes: list[int]) -> Callable[[], None]:
@@ -53,7 +55,7 @@ def all_reduce_sizes(rank: int, world: int) -> None:
             grad_stats(params, group=dist.group.WORLD).report()
     finally:
         undo()
-    rows = len(shapes) + 1  # and the check row
+    rows = len(shapes) + 2  # and the reserved row (figures without a row yet) and the check row
     # per call one SUM (sumsq, 3 counts, numel [, 277 histogram counts]) and one MAX (max |x|, encoded rank)
     assert sizes == [rows * (5 + 277), rows * 2, rows * 5, rows * 2] * 3, sizes
     assert rep.nonfinite_ranks == {"p1": [world - 1]}, rep.nonfinite_ranks
@@ -115,6 +117,145 @@ def mesh_2x2_subsets(rank: int, world: int) -> str | None:
         assert abs(rep.total_norm - want) <= 1e-12 * want, (rep.total_norm, want)
 
 
+def _plain(name: str, grad: torch.Tensor) -> tuple[str, nn.Parameter]:
+    p = nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad.clone()
+    return name, p
+
+
+def _dtensor_params(mesh, placements: dict[str, list], full: dict[str, torch.Tensor], scale: float = 1.0,
+                    without: frozenset[str] = frozenset()) -> list[tuple[str, nn.Parameter]]:
+    """FSDP2-like parameters: DTensor parameters and gradients (none for the names in ``without``)."""
+    params = []
+    for name, placement in placements.items():  # made in one order on every rank: distribute_tensor is a collective
+        p = nn.Parameter(distribute_tensor(torch.zeros_like(full[name]), mesh, placement))
+        grad = distribute_tensor(full[name] * scale, mesh, placement)
+        p.grad = None if name in without else grad
+        params.append((name, p))
+    return params
+
+
+def _layouts(rank: int, world: int) -> dict[str, Callable[[int], tuple[list, dict]]]:
+    """Each layout: step -> (the grad_stats call's arguments, the float64 reference of the whole model)."""
+    gen = torch.Generator().manual_seed(5)
+    full = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in
+            (("w", (world * 2 + 1, 3)), ("v", (7,)), ("u", (world, 2)))}
+    out = {}
+
+    def plain_group(step: int):
+        params = []
+        for name, t in full.items():
+            params.append(_plain(name, torch.tensor_split(t.reshape(-1) * (step + 1), world)[rank]))
+        return (params, {"group": dist.group.WORLD}), {n: t * (step + 1) for n, t in full.items()}
+
+    out["group"] = plain_group
+    mesh = init_device_mesh("cpu", (world,))
+
+    def dtensor(step: int):
+        placements = {"w": [Shard(0)], "v": [Replicate()], "u": [Shard(1)]}
+        return (_dtensor_params(mesh, placements, full, step + 1), {}), {n: t * (step + 1) for n, t in full.items()}
+
+    out["dtensor"] = dtensor
+    # pipeline stages x data parallel: stage s holds its own parameters, each sharded over the stage's dp ranks
+    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage, dp_rank, dp_size = grid.get_local_rank("pp"), grid.get_local_rank("dp"), world // 2
+    stage_names = [["w", "v"], ["u"]]
+
+    def stages(step: int):
+        params = []
+        for name in stage_names[stage]:
+            params.append(_plain(name, torch.tensor_split(full[name].reshape(-1) * (step + 1), dp_size)[dp_rank]))
+        args = {"group": grid.get_group("dp"), "stage_group": grid.get_group("pp")}
+        return (params, args), {n: t * (step + 1) for n, t in full.items()}
+
+    out["stage_group x dp"] = stages
+    return out
+
+
+def no_host_reads_in_steady_state(rank: int, world: int) -> None:
+    """After the first call on a layout, grad_stats makes no host read at all, with group=, with DTensor gradients
+    and with pipeline stages x data parallel (a 2x2 mesh on 4 ranks): counted with a dispatch mode on
+    aten::_local_scalar_dense and with Tensor.item/tolist/numpy patched. The figures are right at every call."""
+    for layout, make in _layouts(rank, world).items():
+        for step in range(5):
+            (params, kwargs), ref = make(step)
+            with AllHostReads() as reads:
+                stats = grad_stats(params, **kwargs)
+            if step >= 1:
+                assert reads.count == 0, f"{layout}, call {step + 1}: {reads.count} host reads"
+            rep = stats.report()
+            want = math.sqrt(sum(float(t.square().sum()) for t in ref.values()))
+            assert abs(rep.total_norm - want) <= 1e-12 * want, (layout, step, rep.total_norm, want)
+            assert set(rep.norms) == set(ref), (layout, sorted(rep.norms))
+
+
+def gradient_gained_at_call_3(rank: int, world: int) -> None:
+    """The last rank gains a gradient at call 3 that the agreed layout has no row for: that call's total norm,
+    counts and clip coefficient are exact on every rank (the gradient is the "(unattributed)" row); the call after
+    a report on every rank has the gradient's own row."""
+    gen = torch.Generator().manual_seed(8)
+    full = {n: torch.randn(world * 3, generator=gen, dtype=torch.float64) for n in ("a", "b", "late")}
+    full["late"][1] = 0.0
+    shards = {n: torch.tensor_split(t, world)[rank] for n, t in full.items()}
+    for call in range(1, 6):
+        holds = ["a", "b"] + (["late"] if call >= 3 and rank == world - 1 else [])
+        params = [_plain(n, shards[n]) for n in holds]
+        ref = {n: full[n] for n in ("a", "b")}
+        if call >= 3:
+            ref["late"] = shards["late"] if rank == world - 1 else torch.tensor_split(full["late"], world)[world - 1]
+        want = math.sqrt(sum(float(t.square().sum()) for t in ref.values()))
+        stats = clip_grad_norm_(params, max_norm=want / 4, group=dist.group.WORLD)
+        rep = stats.report()
+        assert abs(rep.total_norm - want) <= 1e-12 * want, (call, rep.total_norm, want)
+        assert abs(rep.clip_coef - (want / 4) / (want + 1e-6)) <= 1e-12, (call, rep.clip_coef)
+        assert rep.zero_count == sum(int((t == 0).sum()) for t in ref.values()), (call, rep.zero_count)
+        assert rep.numel == sum(t.numel() for t in ref.values()), (call, rep.numel)
+        for name, p in params:  # every gradient was multiplied by the same exact coefficient
+            torch.testing.assert_close(p.grad, shards[name] * rep.clip_coef, rtol=1e-12, atol=0)
+        rows = {3: ["a", "b", UNATTRIBUTED_ROW]}.get(call, ["a", "b", "late"] if call > 3 else ["a", "b"])
+        assert list(rep.norms) == rows, (call, list(rep.norms))
+        # the exponent histogram of the whole model counts the unattributed elements too (in both of its forms)
+        nonzero = sum(int((t != 0).sum()) for t in ref.values())
+        for per_tensor in (False, True):
+            hist = grad_stats(params, group=dist.group.WORLD, histogram=True, per_tensor=per_tensor).report()
+            assert hist.exponent_histogram is not None and sum(hist.exponent_histogram.counts) == nonzero, call
+
+
+def one_rank_reports(rank: int, world: int) -> None:
+    """Only rank 0 reads its statistics while the last rank gains a gradient: nothing hangs, rank 0's totals are
+    exact at every call, and the new gradient stays the "(unattributed)" row (attributing it needs every rank)."""
+    gen = torch.Generator().manual_seed(9)
+    full = {n: torch.randn(world * 2, generator=gen, dtype=torch.float64) for n in ("x", "y")}
+    shards = {n: torch.tensor_split(t, world)[rank] for n, t in full.items()}
+    start = time.monotonic()
+    for call in range(5):
+        holds = ["x"] + (["y"] if call >= 1 and rank == world - 1 else [])
+        params = [_plain(n, shards[n]) for n in holds]
+        stats = grad_stats(params, group=dist.group.WORLD)
+        if rank == 0:
+            rep = stats.report()
+            want = full["x"].square().sum() + (torch.tensor_split(full["y"], world)[-1].square().sum() if call else 0)
+            assert abs(rep.total_norm - math.sqrt(float(want))) <= 1e-12 * rep.total_norm, (call, rep.total_norm)
+            assert list(rep.norms) == (["x", UNATTRIBUTED_ROW] if call else ["x"]), (call, list(rep.norms))
+    assert time.monotonic() - start < 60.0
+
+
+def rank_without_dtensor_gradients(rank: int, world: int) -> None:
+    """A rank whose DTensor parameters have no gradient at all still takes part in their mesh's reductions: the
+    others' figures are right and nothing hangs."""
+    gen = torch.Generator().manual_seed(10)
+    full = {"w": torch.randn(world * 2, 3, generator=gen, dtype=torch.float64)}
+    mesh = init_device_mesh("cpu", (world,))
+    last = rank == world - 1
+    for call in range(3):
+        params = _dtensor_params(mesh, {"w": [Shard(0)]}, full, without=frozenset({"w"}) if last else frozenset())
+        rep = grad_stats(params).report()
+        kept = torch.cat(torch.tensor_split(full["w"], world)[: world - 1])
+        want = math.sqrt(float(kept.square().sum()))
+        assert abs(rep.total_norm - want) <= 1e-12 * want, (call, rep.total_norm, want)
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
-    f.__name__: f for f in (all_reduce_sizes, mesh_2x2_subsets)  # type: ignore[misc]
+    f.__name__: f for f in (all_reduce_sizes, mesh_2x2_subsets, no_host_reads_in_steady_state,  # type: ignore[misc]
+                            gradient_gained_at_call_3, one_rank_reports, rank_without_dtensor_gradients)
 }

@@ -55,3 +55,25 @@ def instrument(cb: Any, hooks: tuple[str, ...]) -> dict[str, int]:
 
         setattr(cb, hook, wrapped)
     return counts
+
+
+class AllHostReads(HostReads):
+    """:class:`HostReads`, and also every call of ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.numpy``, patched
+    for as long as the mode is on (a read that bypasses the dispatcher is still seen)."""
+
+    _PATCHED = ("item", "tolist", "numpy")
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        self._real = {name: getattr(torch.Tensor, name) for name in self._PATCHED}
+        for name, real in self._real.items():
+            def counting(t: torch.Tensor, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                self.count += 1
+                return _real(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counting)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self._real.items():
+            setattr(torch.Tensor, name, real)
+        super().__exit__(*exc)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats.ops._transfer import host_int64
+from torch_gradstats.ops._transfer import host_int64, to_device
 from torch_gradstats.ops.op import NAN, TensorStats, multi_tensor_stats
 from torch_gradstats.stats.gradients import GradStats
 
@@ -203,10 +203,14 @@ def engine_grad_stats(engine: Any) -> GradStats:
     counts = torch.zeros(n, 3, dtype=torch.int64, device=home)
     if pieces:  # a parameter has at most one piece per rank
         s, a, c = multi_tensor_stats(pieces)
+        if s.device != home:  # CPU offload: the pieces are on the CPU. One copy, through pinned memory: no wait
+            k = s.numel()
+            packed = to_device(torch.cat([s, a, c.to(torch.float64).reshape(-1)]), home)  # counts exact < 2**53
+            s, a, c = packed[:k], packed[k:2 * k], packed[2 * k:].reshape(k, 3).to(torch.int64)
         idx = host_int64(rows, home)
-        sumsq.index_copy_(0, idx, s.to(home))
-        amax.index_copy_(0, idx, a.to(home))
-        counts.index_copy_(0, idx, c.to(home))
+        sumsq.index_copy_(0, idx, s)
+        amax.index_copy_(0, idx, a)
+        counts.index_copy_(0, idx, c)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(dp_groups[0]) > 1:
         sumsq, amax, counts = _combine(sumsq, amax, counts, dp_groups[0])
     if getattr(optimizer, "dtype", None) == torch.float16:  # still multiplied by the loss scale until step()

@@ -7,13 +7,13 @@ only (an expert no token reached, a frozen branch), and pipeline stages hold dif
 
 Each rank describes the rows it reduces over a group (:class:`Desc`: name, dtype, DTensor shape and placements) and
 the group agrees on an ordered union of them, the *agreed layout*; a rank packs zeros in the rows it does not hold
-(an empty shard). The full descriptions are exchanged (``all_gather_object``) only on the first call on a group and
-when a rank's own description changed since the last exchange. In between, the agreed layout is reused, and the
-existing SUM/MAX reductions carry one extra row, the check row: each rank's fingerprint of the layout it packed by
-and whether its own description changed ("dirty"). Every rank reads the reduced check row (the same values on every
-rank, so the same decision everywhere): all fingerprints equal and nobody dirty means the result is valid; otherwise
-every rank exchanges and reduces again. Layout errors are decided from the exchanged descriptions, which every rank
-holds in full, so every rank raises the same error before any buffer is reduced.
+(an empty shard). The full descriptions are exchanged (``all_gather_object``) on the first call on a group, and
+again only when every rank of the group asks for it in the same reduction (see
+:mod:`torch_gradstats.distributed.reduce`: a rank asks after a report showed a change, or when its own rows just
+changed), so that every rank decides alike without reading the host in steady state. In between, a row the layout
+has no place for (:meth:`Agreed.positions` says None) goes to a reserved row (names starting with
+:data:`RESERVED`). Layout errors are decided from the exchanged descriptions, which every rank holds in full, so
+every rank raises the same error before any buffer is reduced.
 
 Two ways to merge: ``"shard"`` (a name on several ranks is one parameter sharded over them: its rows are summed) and
 ``"stage"`` (the ranks hold disjoint parts of a model: a name held by several ranks is one row per rank, suffixed
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -43,26 +43,44 @@ class Desc(NamedTuple):
     dtensor: tuple[tuple[int, ...], str] | None
 
 
+#: Row names that start with this are the reserved rows (see the module docstring); a parameter's name never does.
+RESERVED = "\x00unattributed:"
+
+
 @dataclass
 class Agreed:
-    """The agreed layout of one group: output names in row order, and where each local row goes (None: nowhere)."""
+    """The agreed layout of one group: output names in row order, and where each of this rank's rows goes."""
 
     names: list[str]
     descs: list[Desc]  # one per output name (renamed where a stage suffix was added)
-    positions: list[int | None]
+    #: this rank's rows the layout has a place for: name -> (row, the description agreed for it)
+    place: dict[str, tuple[int, Desc]]
     fingerprint: int
     #: one per output name: whether the row counts in the figures of the whole model (False for the copies of a
     #: tied parameter on stages other than the lowest that holds it)
     counted: list[bool]
+
+    def positions(self, local: Sequence[Desc]) -> list[int | None]:
+        """Where each of ``local`` goes: its row, or None where the layout has no row of that description."""
+        out: list[int | None] = []
+        for d in local:
+            hit = self.place.get(d.name)
+            out.append(hit[0] if hit is not None and hit[1] == d else None)
+        return out
 
 
 @dataclass
 class _Entry:
     group: Any  # kept so that the id of a destroyed group is never mistaken for this one
     mode: str
-    local: list[Desc]
     tied: frozenset[str]
     agreed: Agreed
+    epoch: int  # how many exchanges this group has made: a mark from an older layout's check is stale
+    #: a report showed that some rank packed rows this layout has no place for: ask the group to exchange
+    marked: bool = False
+    #: this rank's rows when the group agreed, and at its last reduction over the group
+    agreed_local: list[Desc] = field(default_factory=list)
+    last_local: list[Desc] = field(default_factory=list)
 
 
 #: The last agreed layout per (group, mode): identical on every rank of the group, which all exchange together.
@@ -115,7 +133,7 @@ def _agree(
                     f"group rank {r}: {len(descs)}, or different dtypes or layouts); pass names= so that "
                     "gradients are matched by name and a missing one counts as an empty shard"
                 )
-    if mode == "shard":
+    if mode.startswith("shard"):
         first: dict[str, tuple[int, Desc]] = {}
         for r, descs in enumerate(all_descs):
             for d in descs:
@@ -128,8 +146,7 @@ def _agree(
                     )
         names = merge_order([[d.name for d in descs] for descs in all_descs])
         out_descs = [first[n][1] for n in names]
-        where = {n: i for i, n in enumerate(names)}
-        positions: list[int | None] = [where[d.name] for d in all_descs[me]]
+        place = {n: (i, out_descs[i]) for i, n in enumerate(names)}
         counted = [True] * len(names)
     else:  # stage
         holders: dict[str, list[int]] = {}
@@ -138,38 +155,47 @@ def _agree(
                 holders.setdefault(d.name, []).append(r)
 
         names, out_descs, counted = [], [], []
+        place = {}
         for r, descs in enumerate(all_descs):
             for d in descs:
                 ranks = holders[d.name]
                 name = d.name if len(ranks) == 1 else f"{d.name}@stage{r}"
+                if r == me:
+                    place[d.name] = (len(names), d)
                 names.append(name)
                 out_descs.append(d._replace(name=name))
                 # A tied parameter is one parameter: every stage's row is reported, the lowest stage's is counted.
                 counted.append(d.name not in tied or r == ranks[0])
-        start = sum(map(len, all_descs[:me]))  # this rank's rows, stage by stage
-        positions = [start + i for i in range(len(all_descs[me]))]
-    return Agreed(names, out_descs, positions, _fingerprint(names, all_descs, counted), counted)
+    return Agreed(names, out_descs, place, _fingerprint(names, all_descs, counted), counted)
 
 
-def cached(group: Any, mode: str, local: list[Desc], tied: Collection[str]) -> tuple[Agreed | None, bool]:
-    """The last agreed layout of ``group`` (or None: never agreed, exchange now) and whether this rank is dirty
-    (its own description or the tied names changed since; it then packs nothing and the group exchanges again)."""
+def cached(group: Any, mode: str, tied: Collection[str]) -> _Entry | None:
+    """The last agreement of ``group`` in ``mode``, or None: never agreed (or on other tied names), exchange now.
+    Tied names are an argument every rank passes alike, so every rank sees the same change."""
     entry = _CACHE.get((id(group), mode))
-    if entry is None or entry.group is not group:
-        return None, False
-    if entry.local == local and entry.tied == frozenset(tied):
-        return entry.agreed, False
-    return entry.agreed, True
+    if entry is None or entry.group is not group or entry.tied != frozenset(tied):
+        return None
+    return entry
+
+
+def mark(group: Any, mode: str, epoch: int) -> None:
+    """Note that a reduction in layout ``epoch`` of ``group`` packed rows its layout had no place for (read from
+    its check row by a report): this rank then asks the group to exchange layouts at its next reduction."""
+    entry = _CACHE.get((id(group), mode))
+    if entry is not None and entry.group is group and entry.epoch == epoch:
+        entry.marked = True
 
 
 def exchange(
     group: Any, mode: str, local: list[Desc], tied: Collection[str], who: str, strict: bool = False
-) -> Agreed:
+) -> _Entry:
     """Exchange every rank's descriptions over ``group`` (one ``all_gather_object``), agree, and remember."""
+    previous = _CACHE.pop((id(group), mode), None)  # an error below leaves no layout: every rank exchanges next time
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (local, sorted(tied)), group=group)
-    _CACHE.pop((id(group), mode), None)  # an error below leaves no layout behind: every rank exchanges next time
     all_tied = frozenset(name for _, names in gathered for name in names)  # one rank's declaration is enough
     agreed = _agree(mode, [descs for descs, _ in gathered], dist.get_rank(group), all_tied, who, strict)
-    _CACHE[(id(group), mode)] = _Entry(group, mode, list(local), frozenset(tied), agreed)
-    return agreed
+    epoch = 1 if previous is None or previous.group is not group else previous.epoch + 1
+    entry = _Entry(group, mode, frozenset(tied), agreed, epoch, agreed_local=list(local), last_local=list(local))
+    _CACHE[(id(group), mode)] = entry
+    return entry

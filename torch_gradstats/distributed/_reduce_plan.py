@@ -112,15 +112,18 @@ def plan_steps(
     names: Sequence[str],
     dtensor_cls: type[Any] | None,
     explicit: Sequence[tuple[Any, Callable[[str], bool] | None]],
-) -> tuple[list[tuple[Any, list[int]]], list[int]]:
+    meshes: Sequence[Any] = (),
+) -> tuple[list[tuple[Any, list[int]]], list[int], list[tuple[int, ...]]]:
     """The reduction steps, each process group with the rows reduced over it, in an order every rank agrees on
     whatever it holds: the explicit groups first (always, so that a rank holding none of their rows still takes
     part), then every dimension of every mesh a DTensor gradient lives on (a dimension none of this rank's rows is
     sharded over included), meshes ordered by their ranks and dimensions in mesh order. Rows sharded over several
     groups are reduced over each in that order on every rank, so the sums compose.
 
-    ``explicit`` lists (group, which plain rows it reduces: None for all). Also returns each row's local element
-    count.
+    ``explicit`` lists (group, which plain rows it reduces: None for all); ``meshes``: more meshes to take part in
+    (those of parameters whose gradient this rank lacks). Also returns each row's local element count, and every
+    set of steps a row can be reduced over (its *mask*: an explicit group's step alone, or the steps of some of a
+    mesh's dimensions), as sorted step indices, the same on every rank that plans the same steps.
     """
     steps: dict[int, tuple[Any, list[int]]] = {}
     sizes: dict[int, int] = {}  # dist.get_world_size costs microseconds: once per group, not once per row
@@ -134,7 +137,7 @@ def plan_steps(
     for pg, _ in explicit:
         if pg is not None and size(pg) > 1:
             steps.setdefault(id(pg), (pg, []))
-    meshes: dict[int, Any] = {}
+    all_meshes: dict[int, Any] = {id(m): m for m in meshes if m.get_coordinate() is not None}
     only = explicit[0][0] if len(explicit) == 1 and explicit[0][1] is None else None  # it takes every plain row
     local_numel: list[int] = []
     rows: dict[int, list[int]] = {}
@@ -144,7 +147,7 @@ def plan_steps(
             mesh = g.device_mesh
             local_numel.append(g.to_local().numel())
             if mesh.get_coordinate() is not None:  # ranks outside the mesh hold nothing and reduce nothing
-                meshes.setdefault(id(mesh), mesh)
+                all_meshes.setdefault(id(mesh), mesh)
                 row_groups = [mesh.get_group(d) for d, pl in enumerate(g.placements) if pl.is_shard()]
             logical = g.numel()
         else:
@@ -164,11 +167,18 @@ def plan_steps(
         for pg in dict.fromkeys(row_groups):  # a group once per row
             if size(pg) > 1:
                 rows.setdefault(id(pg), []).append(i)
-    for mesh in sorted(meshes.values(), key=mesh_key):
+    ordered_meshes = sorted(all_meshes.values(), key=mesh_key)
+    for mesh in ordered_meshes:
         for d in range(mesh.ndim):
             pg = mesh.get_group(d)
             if size(pg) > 1:
                 steps.setdefault(id(pg), (pg, []))
     for key, (pg, step_rows) in steps.items():
         step_rows.extend(rows.get(key, []))
-    return list(steps.values()), local_numel
+    index = {key: k for k, key in enumerate(steps)}
+    masks: set[tuple[int, ...]] = {(index[id(pg)],) for pg, _ in explicit if pg is not None and id(pg) in index}
+    for mesh in ordered_meshes:
+        dims = sorted({index[id(mesh.get_group(d))] for d in range(mesh.ndim) if id(mesh.get_group(d)) in index})
+        for n in range(1, len(dims) + 1):
+            masks.update(itertools.combinations(dims, n))
+    return list(steps.values()), local_numel, sorted(masks)

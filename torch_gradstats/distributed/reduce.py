@@ -27,12 +27,21 @@ sharded over several mesh dimensions are reduced over each dimension's group in 
 of one rank are skipped; an explicit group is reduced over even when this rank holds none of its parameters.
 
 Ranks need not hold the same parameters: the rows of each group's buffers follow a layout the group's ranks agree
-on (``_layout``): full layouts are exchanged (``all_gather_object``) on the first call on a group
-and when a rank's own layout changed; otherwise a fingerprint row in the SUM/MAX buffers confirms that every rank
-packed by the same layout, which costs one small device-to-host read per group (on an accelerator, it waits for the
-reduction). A rank without a parameter's gradient adds an empty shard to it. A rank learns of a parameter it does
-not hold only from the groups it shares with a holder: a DTensor sharded over several mesh dimensions must have a
-gradient on all ranks of its mesh or on none.
+on (``_layout``), exchanged (``all_gather_object``) on the first call on a group. A rank without a parameter's
+gradient adds an empty shard to it. A rank learns of a parameter it does not hold only from the groups it shares with
+a holder: a DTensor sharded over several mesh dimensions must have a gradient on all ranks of its mesh or on none.
+Every rank also packs *reserved rows*, one per set of groups a row can be reduced over: a gradient the agreed layout
+has no row for (a parameter a rank holds for the first time since the group agreed) is summed into the reserved row
+of its groups, so the totals of that very call stay exact; :class:`Unattributed` returns them apart from the rows.
+
+No host read in steady state: each buffer's last row is a check row (the layout's fingerprint, whether this rank's
+rows differ from those it had when the group agreed, whether it asks to agree again), reduced with the rest and read
+by nobody during the call. :meth:`GradStats.report`, which reads the host anyway, reads the flags
+(:class:`LayoutCheck`) and marks each changed group. A rank asks in its next reduction over the group, and so does a
+rank whose own rows changed since its previous call; the ranks that ask read how many did (the only host read, never
+in steady state), and the group agrees again in that same call if all of them asked. So every rank takes the same
+branch whatever it read, a rank alone cannot start a collective the others do not, and a layout change is attributed
+to its rows from the call after a report on every rank (or at once, when every rank changed together).
 
 The SUM buffer is float64 ``[K, 5]``: sum of squares, the three counts and the local element count (summed, it is
 the logical numel, which for plain shards no rank knows from metadata); with an exponent histogram, its 277 counts
@@ -52,12 +61,8 @@ itself if its own addend was bad).
 
 Buffers are built and unpacked on the statistics' device; row indices are copied host-to-device from pinned memory
 without blocking. The buffers keep a last row for the check, so a rank that holds every row in the agreed order (the
-common case) reduces the buffer it packed as it is; the rows are packed again from the inputs only when the check
-fails. The one host read is the layout check above, and it stays: whether the group exchanges layouts (an
-``all_gather_object``, then buffers of another size) must be decided on the host, identically on every rank, before
-the next collective on the group, and only the reduced check row tells a rank that another rank's layout changed.
-Checking one call late (reading the previous call's check row, long finished) would avoid the wait, but the call
-on which a rank first holds a parameter the agreed layout lacks would then return figures without it.
+common case) reduces the buffer it packed as it is; the rows are packed again from the inputs only when the group
+agrees anew.
 """
 
 from __future__ import annotations
@@ -74,23 +79,26 @@ from torch import Tensor
 from torch_gradstats.distributed import _layout
 from torch_gradstats.distributed._layout import Desc
 from torch_gradstats.distributed._reduce_plan import dtensor_class, materialize_partials, plan_steps, row_descs
-from torch_gradstats.ops._transfer import host_int64, to_device, to_host
+from torch_gradstats.distributed._step import (
+    AMAX_COL,
+    COUNTS_COLS,
+    HIST_START,
+    NUMEL_COL,
+    RANK_COL,
+    SUMSQ_COL,
+    LayoutCheck,
+    Table,
+    Unattributed,
+    reduce_step,
+    reorder,
+    unattributed_figures,
+)
+from torch_gradstats.ops._transfer import host_int64, to_device
 from torch_gradstats.ops.op import HISTOGRAM_BUCKETS, INF, NAN
 
-__all__ = ["ReducedStats", "is_logging_rank", "reduce_across_ranks"]
+__all__ = ["LayoutCheck", "ReducedStats", "Unattributed", "is_logging_rank", "reduce_across_ranks"]
 
 logger = logging.getLogger("torch_gradstats")
-
-# Columns of the packed SUM buffer: the sum of squares, the three counts, the local numel, then any histogram.
-_SUMSQ_COL = 0
-_COUNTS_COLS = slice(1, 4)
-_NUMEL_COL = 4
-_HIST_START = 5
-# Columns of the packed MAX buffer: max |x|, then the encoded rank (world - rank where this rank held a NaN/Inf,
-# else 0): its MAX names the lowest such rank, in a column whose size does not depend on the world.
-_AMAX_COL = 0
-_RANK_COL = 1
-
 
 class ReducedStats(NamedTuple):
     """What :func:`reduce_across_ranks` returns: statistics of the whole logical parameters, one row each."""
@@ -108,6 +116,11 @@ class ReducedStats(NamedTuple):
     counted: list[bool] | None = None
     #: int64 ``[P, 277]``: each row's exponent histogram, summed like the counts, when one was given
     histogram: Tensor | None = None
+    #: figures of gradients the agreed layouts had no row for in this call (in the totals, in no row), or None
+    #: when nothing was gathered
+    unattributed: Unattributed | None = None
+    #: the check rows' flags, for a report to read (None when nothing was gathered, or every group just agreed)
+    layout_check: LayoutCheck | None = None
 
 
 def _resolve_group(group: Any, arg: str) -> Any:
@@ -157,98 +170,6 @@ def _check_inputs(grads: Sequence[Any], sumsq: Tensor, amax: Tensor, counts: Ten
             raise TypeError(f"reduce_across_ranks: grads[{i}] is a {type(g).__name__}, expected a tensor")
 
 
-class _Table(NamedTuple):
-    """The rows a rank holds while reducing: packed SUM and MAX buffers, with a name and description per row.
-
-    The buffers have one more row than ``descs``, the last: the slot of the layout check row, so that a table
-    that needs no repacking is reduced as it is, without a copy to append the check row."""
-
-    sum_buf: Tensor  # float64 [R + 1, 5 (+ 277 with a histogram)]
-    max_buf: Tensor  # float64 [R + 1, 2]
-    descs: list[Desc]
-    counted: list[bool]  # False: a tied parameter's copy, reported but not counted in the whole model's figures
-
-
-def _reduce_step(
-    table: _Table, pg: Any, mode: str, rows: list[int], tied: Collection[str], strict: bool,
-    remake: Callable[[], _Table] | None = None,
-) -> _Table:
-    """Reduce ``rows`` of ``table`` over ``pg`` in the group's agreed layout; one SUM and one MAX in steady state.
-
-    ``remake``: makes ``table`` again (from the caller's inputs). With it, a table that needs no repacking is
-    reduced in place, and made again if the layout check fails (the rows must then be packed anew); without it,
-    such a table is copied first.
-
-    Returns the new table: the agreed rows (in the agreed order, including rows other ranks hold and this one does
-    not), then the rows not reduced over ``pg``.
-    """
-    device = table.sum_buf.device
-    local = [table.descs[i] for i in rows]
-    agreed, dirty = _layout.cached(pg, mode, local, tied)
-    group_size = dist.get_world_size(pg)
-    fresh = agreed is None
-    while True:
-        if agreed is None:
-            agreed = _layout.exchange(pg, mode, local, tied, "reduce_across_ranks", strict)
-            dirty = False
-        n = len(agreed.names)
-        identity = not dirty and n == len(table.descs) and rows == agreed.positions == list(range(n))
-        if identity:  # the common case: this rank holds every row, in the agreed order; the last row is the slot
-            in_place = remake is not None
-            sub_sum = table.sum_buf if in_place else table.sum_buf.clone()
-            sub_max = table.max_buf if in_place else table.max_buf.clone()
-        else:
-            sub_sum = torch.zeros(n + 1, table.sum_buf.shape[1], dtype=torch.float64, device=device)
-            sub_max = torch.zeros(n + 1, table.max_buf.shape[1], dtype=torch.float64, device=device)
-        if not dirty and not identity:
-            placed = [(r, pos) for r, pos in zip(rows, agreed.positions) if pos is not None]
-            if placed:
-                src = host_int64([r for r, _ in placed], device)
-                dst = host_int64([pos for _, pos in placed], device)
-                sub_sum.index_copy_(0, dst, table.sum_buf.index_select(0, src))
-                sub_max.index_copy_(0, dst, table.max_buf.index_select(0, src))
-        # The check row: the fingerprint of the layout packed by (summed and maxed) and whether this rank is dirty.
-        # Scaled so that its sum over the group stays below 2**52: exact in float64 at any group size.
-        fp = agreed.fingerprint % (2**52 // group_size)
-        sub_sum[n, 0] = float(fp)
-        sub_sum[n, 1] = float(dirty)
-        sub_max[n, _AMAX_COL] = float(fp)
-        dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
-        dist.all_reduce(sub_max, op=dist.ReduceOp.MAX, group=pg)
-        if fresh:
-            break  # every rank of the group has just agreed on this layout
-        (fp_sum, dirty_sum, fp_max), _ = to_host([sub_sum[n, :2], sub_max[n, :1]], [])
-        if dirty_sum == 0 and fp_sum == fp_max * group_size:
-            break
-        logger.debug("reduce_across_ranks: a rank's parameter layout changed; exchanging layouts again")
-        agreed, fresh = None, True
-        if identity and remake is not None:  # the reduction overwrote this rank's rows: pack them anew
-            table = remake()
-    held = set(rows)
-    rest = [i for i in range(len(table.descs)) if i not in held]
-    if rest:
-        keep = host_int64(rest, device)
-        sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep), sub_sum[n:]])
-        max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep), sub_max[n:]])
-    else:
-        sum_buf, max_buf = sub_sum, sub_max
-    descs = list(agreed.descs) + [table.descs[i] for i in rest]
-    return _Table(sum_buf, max_buf, descs, list(agreed.counted) + [table.counted[i] for i in rest])
-
-
-def _reorder(table: _Table, row_names: list[str]) -> _Table:
-    if len(table.descs) == len(row_names) and all(d.name == n for d, n in zip(table.descs, row_names)):
-        return table
-    where = {d.name: i for i, d in enumerate(table.descs)}
-    order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
-    if order == list(range(len(order))):
-        return table
-    idx = host_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot
-    descs = [table.descs[i] for i in order]
-    counted = [table.counted[i] for i in order]
-    return _Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs, counted)
-
-
 def _check_names(names: Any, p: int) -> list[str] | None:
     if names is None:
         return None
@@ -275,6 +196,7 @@ def reduce_across_ranks(
     stage_group: Any = None,
     tied: Collection[str] = (),
     histogram: Tensor | None = None,
+    meshes: Sequence[Any] = (),
 ) -> ReducedStats:
     """Turn per-rank statistics of local gradients into statistics of the whole logical parameters.
 
@@ -301,6 +223,9 @@ def reduce_across_ranks(
             reported, but only the lowest stage's is counted in the figures of the whole model (``counted``).
         histogram: int64 ``[P, 277]``, each gradient's local exponent histogram (the op's histogram overload):
             summed like the counts, as more columns of the same SUM collective.
+        meshes: DeviceMeshes of DTensor parameters that have no gradient on this rank: this rank still takes part
+            in their dimensions' reductions (:func:`~torch_gradstats.grad_stats` passes them), as the ranks that
+            hold gradients on them do.
 
     Returns:
         A :class:`ReducedStats` ``(sumsq, amax, counts, rank_nonfinite, numel, names, counted)`` of tensors on
@@ -308,9 +233,11 @@ def reduce_across_ranks(
         union of what the ranks hold (with stage suffixes), or ``names`` as given (None if not given) when nothing
         was gathered. ``counted`` says which rows count in the whole model's figures (None: all).
         ``numel`` is each parameter's logical element count: the local counts summed over the same groups as
-        everything else. ``rank_nonfinite`` is int64 ``[P, world]`` (world and columns: global ranks), or None
-        when torch.distributed is not initialized and no gradient is a DTensor (nothing to reduce: the same
-        sumsq/amax/counts tensors come back).
+        everything else. ``unattributed``: the figures of gradients the agreed layouts had no row for in this call
+        (in the totals, in no row; zeros in steady state), and ``layout_check``: the flags a report reads to have
+        the groups agree again (see the module docstring). ``rank_nonfinite`` is int64 ``[P]``, the lowest global
+        rank whose part of each row held a NaN/Inf (-1: none), or None when torch.distributed is not initialized
+        and no gradient is a DTensor (nothing to reduce: the same sumsq/amax/counts tensors come back).
 
     Raises:
         ValueError / TypeError: inconsistent shapes, dtypes or devices (naming the argument), a gradient too
@@ -355,56 +282,99 @@ def reduce_across_ranks(
         explicit.append((expert_group, is_expert))
     if group is not None:
         explicit.append((group, None))
-    steps, local_numel = plan_steps(planned, row_names, dtensor_cls, explicit)
+    steps, local_numel, masks = plan_steps(planned, row_names, dtensor_cls, explicit, meshes)
+    staged = stage_group is not None and dist.get_world_size(stage_group) > 1
+
+    # The reserved rows: one per set of groups a row can be reduced over (and one for the stage gathering), on every
+    # rank, so that a gradient the agreed layout has no row for still counts, reduced over its own groups.
+    row_masks: list[list[int]] = [[] for _ in range(p)]
+    for k, (_, rows) in enumerate(steps):
+        for r in rows:
+            row_masks[r].append(k)
+    labels = [",".join(map(str, m)) for m in masks]
+    labels += sorted({",".join(map(str, m)) for m in row_masks if m} - set(labels))  # none unless plans differ
+    reserved = [Desc(_layout.RESERVED + label, torch.float64, None) for label in labels]
+    if staged:
+        reserved.append(Desc(_layout.RESERVED + "stage", torch.float64, None))
 
     # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer, each with a last row
     # for the layout check.
     numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device)
-    descs = row_descs(planned, row_names, dtensor_cls, has_dtensor)
-
+    descs = row_descs(planned, row_names, dtensor_cls, has_dtensor) + reserved
+    rows_in_all = p + len(reserved)
     hist_cols = 0 if histogram is None else HISTOGRAM_BUCKETS
 
-    def first_table() -> _Table:
-        sum_buf = torch.zeros(p + 1, _HIST_START + hist_cols, dtype=torch.float64, device=device)
-        sum_buf[:p, _SUMSQ_COL] = sumsq
-        sum_buf[:p, _COUNTS_COLS] = counts
-        sum_buf[:p, _NUMEL_COL] = numel_col
+    def first_table() -> Table:
+        sum_buf = torch.zeros(rows_in_all + 1, HIST_START + hist_cols, dtype=torch.float64, device=device)
+        sum_buf[:p, SUMSQ_COL] = sumsq
+        sum_buf[:p, COUNTS_COLS] = counts
+        sum_buf[:p, NUMEL_COL] = numel_col
         if histogram is not None:
-            sum_buf[:p, _HIST_START:] = histogram
-        max_buf = torch.zeros(p + 1, 2, dtype=torch.float64, device=device)
-        max_buf[:p, _AMAX_COL] = amax
-        max_buf[:p, _RANK_COL] = (local_nonfinite > 0).to(torch.float64) * (world - rank)
-        return _Table(sum_buf, max_buf, descs, [True] * p)
+            sum_buf[:p, HIST_START:] = histogram
+        max_buf = torch.zeros(rows_in_all + 1, 2, dtype=torch.float64, device=device)
+        max_buf[:p, AMAX_COL] = amax
+        max_buf[:p, RANK_COL] = (local_nonfinite > 0).to(torch.float64) * (world - rank)
+        return Table(sum_buf, max_buf, descs, [True] * rows_in_all)
 
     table = first_table()
-    remake: Callable[[], _Table] | None = first_table  # only the first step reduces the caller's rows
-    for pg, rows in steps:
+    remake: Callable[[], Table] | None = first_table  # only the first step reduces the caller's rows
+    checks: list[tuple[Any, str, int, Tensor]] = []
+    mode = "shard" if not strict else "shard:unnamed"  # unnamed rows are matched by position: a layout of their own
+    for k, (pg, rows) in enumerate(steps):
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
-        table = _reduce_step(table, pg, "shard", [where[row_names[r]] for r in rows], (), strict, remake)
+        own = [where[_layout.RESERVED + label] for label, m in zip(labels, masks) if k in m]
+        sinks = [where[_layout.RESERVED + ",".join(map(str, row_masks[r]))] for r in rows]
+        table, check = reduce_step(table, pg, mode, [where[row_names[r]] for r in rows] + own, sinks + own, (),
+                                    strict, remake)
+        checks += [check] if check is not None else []
         remake = None
-    staged = stage_group is not None and dist.get_world_size(stage_group) > 1
     if staged:  # its agreed order (stage by stage) is the same on every rank
-        table = _reduce_step(table, stage_group, "stage", list(range(len(table.descs))), tied, strict, remake)
+        everything = list(range(len(table.descs)))
+        sink = next(i for i, d in enumerate(table.descs) if d.name == _layout.RESERVED + "stage")
+        table, check = reduce_step(table, stage_group, "stage", everything, [sink] * len(everything), tied, strict,
+                                    remake)
+        checks += [check] if check is not None else []
     elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
-        table = _reorder(table, row_names)
+        table = reorder(table, row_names)
     gathered = bool(steps) or staged
     if gathered:
         logger.debug("reduce_across_ranks: %d local parameters, %d rows, %d step(s)", p, len(table.descs), len(steps))
 
     sum_buf, max_buf = table.sum_buf[: len(table.descs)], table.max_buf[: len(table.descs)]
-    counts_out = sum_buf[:, _COUNTS_COLS].to(torch.int64)
+    row_descs_out, counted_out, unattributed = table.descs, table.counted, None
+    spare = [i for i, d in enumerate(table.descs) if d.name.startswith(_layout.RESERVED)]
+    if spare:
+        real = [i for i, d in enumerate(table.descs) if not d.name.startswith(_layout.RESERVED)]
+        res_sum, res_max = sum_buf.index_select(0, host_int64(spare, device)), max_buf[spare[0]:spare[-1] + 1]
+        if spare != list(range(spare[0], spare[-1] + 1)):
+            res_max = max_buf.index_select(0, host_int64(spare, device))
+        if real == list(range(len(real))):  # the reserved rows last: the usual case
+            sum_buf, max_buf = sum_buf[: len(real)], max_buf[: len(real)]
+        else:
+            keep = host_int64(real, device)
+            sum_buf, max_buf = sum_buf.index_select(0, keep), max_buf.index_select(0, keep)
+        row_descs_out = [table.descs[i] for i in real]
+        counted_out = [table.counted[i] for i in real]
+        unattributed = unattributed_figures(res_sum.sum(0), res_max.amax(0), histogram is not None)
+
+    counts_out = sum_buf[:, COUNTS_COLS].to(torch.int64)
     has_nan = counts_out[:, NAN] > 0
     nan = torch.full((), float("nan"), dtype=torch.float64, device=device)
-    sumsq_out = torch.where(has_nan, nan, sum_buf[:, _SUMSQ_COL])
-    amax_out = torch.where(has_nan, nan, max_buf[:, _AMAX_COL])  # NaN need not survive a MAX; the count does
-    encoded = max_buf[:, _RANK_COL].to(torch.int64)
+    sumsq_out = torch.where(has_nan, nan, sum_buf[:, SUMSQ_COL])
+    amax_out = torch.where(has_nan, nan, max_buf[:, AMAX_COL])  # NaN need not survive a MAX; the count does
+    encoded = max_buf[:, RANK_COL].to(torch.int64)
     rank_nonfinite = torch.where(encoded > 0, world - encoded, -1)
-    numel_out = sum_buf[:, _NUMEL_COL].to(torch.int64)
-    hist_out = sum_buf[:, _HIST_START:].to(torch.int64) if histogram is not None else None
-    out_names = [d.name for d in table.descs] if (gathered and given_names is not None) else given_names
-    counted = None if all(table.counted) else table.counted
-    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names, counted, hist_out)
+    numel_out = sum_buf[:, NUMEL_COL].to(torch.int64)
+    hist_out = sum_buf[:, HIST_START:].to(torch.int64) if histogram is not None else None
+    out_names = [d.name for d in row_descs_out] if (gathered and given_names is not None) else given_names
+    counted = None if all(counted_out) else counted_out
+    layout_check = None
+    if checks:
+        flags = torch.stack([c[3] for c in checks]).to(torch.int64)
+        layout_check = LayoutCheck(flags, [(c[0], c[1], c[2]) for c in checks])
+    return ReducedStats(sumsq_out, amax_out, counts_out, rank_nonfinite, numel_out, out_names, counted, hist_out,
+                        unattributed, layout_check)
 
 
 def _check_options(

@@ -18,7 +18,7 @@ import logging
 import numbers
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -39,6 +39,13 @@ from torch_gradstats.stats.exponents import ExponentHistogram
 from torch_gradstats.stats.groups import GroupBy, GroupStats, group_stats
 from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.stats.report import GradReport
+
+if TYPE_CHECKING:  # imported at run time only where ranks are reduced over: the plain path imports no distributed code
+    from torch_gradstats.distributed.reduce import LayoutCheck, Unattributed
+
+#: The report's row for the figures of gradients the layout agreed across ranks had no row for yet (see
+#: :attr:`GradStats.unattributed`); listed only in a call that has some.
+UNATTRIBUTED_ROW = "(unattributed)"
 
 __all__ = ["ExtraFigures", "GradReport", "GradStats", "ParamsLike", "grad_stats"]
 
@@ -124,6 +131,12 @@ class GradStats:
             totals, :meth:`grouped`), or None when every row does. False only for the copies of a parameter tied
             across pipeline stages (``grad_stats(..., stage_group=, tied=)``) on stages other than the lowest that
             holds it: each copy is still reported as a row of its own.
+        unattributed: on the distributed path, the figures of gradients that the layout the ranks agreed on has
+            no row for yet (a parameter some rank holds for the first time since; docs/distributed.md): counted in
+            every total (norms, counts, the clip), in no row; the report lists them as one row,
+            ``"(unattributed)"``, when there are any. None off the distributed path.
+        layout_check: on the distributed path, the device flags :meth:`report` reads to learn that a layout must
+            be agreed again (nothing else reads them); None otherwise.
     """
 
     names: list[str]
@@ -138,6 +151,8 @@ class GradStats:
     clipped_norm: Tensor | None = None
     exponent_histogram: Tensor | None = None
     counted: list[bool] | None = None
+    unattributed: Unattributed | None = None
+    layout_check: LayoutCheck | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -157,7 +172,12 @@ class GradStats:
     @property
     def total_sumsq(self) -> Tensor:
         """float64 0-d: sum of squares of all gradients (a tied parameter once, see ``counted``)."""
-        return self._whole(self.sumsq).sum()
+        total = self._whole(self.sumsq).sum()
+        return total if self.unattributed is None else total + self.unattributed.sumsq
+
+    def _total_count(self, column: int) -> Tensor:
+        total = self._whole(self.counts[:, column]).sum()
+        return total if self.unattributed is None else total + self.unattributed.counts[column]
 
     @property
     def total_norm(self) -> Tensor:
@@ -168,23 +188,25 @@ class GradStats:
     def inf_norm(self) -> Tensor:
         """float64 0-d: max |g| over all gradients (NaN if any NaN). 0 if empty."""
         if self.amax.numel() == 0:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return self._whole(self.amax).max()
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+        else:
+            total = self._whole(self.amax).max()
+        return total if self.unattributed is None else torch.maximum(total, self.unattributed.amax)
 
     @property
     def zero_count(self) -> Tensor:
         """int64 0-d: number of gradient elements equal to zero."""
-        return self._whole(self.counts[:, ZERO]).sum()
+        return self._total_count(ZERO)
 
     @property
     def nan_count(self) -> Tensor:
         """int64 0-d: number of NaN gradient elements."""
-        return self._whole(self.counts[:, NAN]).sum()
+        return self._total_count(NAN)
 
     @property
     def inf_count(self) -> Tensor:
         """int64 0-d: number of +-Inf gradient elements."""
-        return self._whole(self.counts[:, INF]).sum()
+        return self._total_count(INF)
 
     @property
     def nonfinite_count(self) -> Tensor:
@@ -240,17 +262,38 @@ class GradStats:
         group_floats, group_ints = groups._host_parts() if groups is not None else ([], [])
         extra_floats, extra_ints = extra_tensors(extra, self.device)
         hist = self.exponent_histogram
-        hist_ints = [] if hist is None else [hist if hist.dim() == 1 else self._whole(hist).sum(0)]
-        floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats, *extra_floats],
-                               ints_in + group_ints + extra_ints + hist_ints)
+        if hist is not None and hist.dim() == 2:  # per parameter: the whole model's, as the 1-D one is
+            hist = self._whole(hist).sum(0)
+            if self.unattributed is not None and self.unattributed.histogram is not None:
+                hist = hist + self.unattributed.histogram
+        hist_ints = [] if hist is None else [hist]
+        # After everything else (the histogram last): the unattributed figures and the layout flags.
+        u, check = self.unattributed, self.layout_check
+        tail_floats = [] if u is None else [u.sumsq.reshape(1), u.amax.reshape(1)]
+        tail_ints = ([] if u is None else [u.counts, u.numel.reshape(1)]) + ([] if check is None else [check.changed])
+        floats, ints = to_host([self.sumsq, self.amax, self.total_sumsq, *clip, *group_floats, *extra_floats,
+                                *tail_floats], ints_in + group_ints + extra_ints + tail_ints + hist_ints)
+        n_hist = 0 if hist is None else HISTOGRAM_BUCKETS
+        if check is not None:  # a group whose layout no longer fits agrees again at its next reduction
+            check.note(ints[len(ints) - n_hist - check.changed.numel():len(ints) - n_hist])
+        names, counted = self.names, self.counted
+        if u is not None:
+            u_counts = ints[len(ints) - n_hist - (0 if check is None else check.changed.numel()) - 4:][:4]
+            u_sumsq, u_amax = floats[-2:]
+            if u_counts[3] > 0:  # some elements had no row: one row of their own, so that the rows add up
+                names = [*names, UNATTRIBUTED_ROW]
+                counted = None if counted is None else [*counted, True]
         n_floats = 2 * p + 1 + len(clip) + sum(t.numel() for t in group_floats)
         n_ints = (4 + world) * p + sum(t.numel() for t in group_ints)
         sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
         counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
         numel = ints[3 * p : 4 * p]
         rank_nf = ints[4 * p : 5 * p] if world else None
-        out = GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy,
-                                self.counted)
+        if len(names) > p:  # the unattributed row
+            sumsq, amax = [*sumsq, u_sumsq], [*amax, u_amax]
+            counts, numel = [*counts, u_counts[:3]], [*numel, u_counts[3]]
+            rank_nf = None if rank_nf is None else [*rank_nf, -1]
+        out = GradReport._build(names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy, counted)
         if clip:
             out.clip_coef, out.clipped_norm = floats[2 * p + 1], floats[2 * p + 2]
         if groups is not None:
@@ -337,6 +380,7 @@ def grad_stats(
     grads: list[Tensor] = []  # as given (possibly DTensors): for numel and the distributed hook
     local: list[Tensor] = []  # what the op reads
     any_dtensor = False
+    idle_meshes: dict[int, Any] = {}  # meshes of DTensor parameters without a gradient here
     if _collect_grads is not None and not isinstance(params, (Tensor, str, bytes)) and isinstance(params, Iterable):
         params = params if type(params) is list else list(params)  # consumed once, whichever walk reads it
         collected = None if torch.compiler.is_compiling() else _collect_grads(params)
@@ -351,6 +395,9 @@ def grad_stats(
         for name, p in named_params(params):
             g = p.grad
             if g is None:
+                if dtensor_classes and isinstance(p, dtensor_classes):  # its mesh's reductions still need this rank
+                    mesh = cast(Any, p).device_mesh
+                    idle_meshes.setdefault(id(mesh), mesh)
                 continue
             names.append(name)
             grads.append(g)
@@ -371,7 +418,7 @@ def grad_stats(
             raise TypeError(f"grad_stats: is_expert must be a callable name -> bool, got a {type(is_expert).__name__}")
         if is_expert is not None:
             raise ValueError("grad_stats: expert_group and is_expert go together: pass both or neither")
-    if not local and not distributed:
+    if not local and not distributed and not idle_meshes:
         return _with_histogram(_empty_stats(torch.device("cpu")), histogram, per_tensor)
     names = unique_names(names)
 
@@ -389,14 +436,16 @@ def grad_stats(
     numel = repeated_int64(numels, home)
     rank_nonfinite = None
     counted = None
-    if distributed or any_dtensor:
+    unattributed = layout_check = None
+    if distributed or any_dtensor or idle_meshes:
         from torch_gradstats.distributed.reduce import reduce_across_ranks  # only on this path: no import otherwise
 
         # Plain shards: no rank knows a parameter's full size, so numel travels in the same SUM collective.
         reduced = reduce_across_ranks(
             grads, sumsq, amax, counts, group, names=names, stage_group=stage_group, tied=tied,
-            expert_group=expert_group, is_expert=is_expert, histogram=hist,
+            expert_group=expert_group, is_expert=is_expert, histogram=hist, meshes=list(idle_meshes.values()),
         )
+        unattributed, layout_check = reduced.unattributed, reduced.layout_check
         sumsq, amax, counts, numel, hist = reduced.sumsq, reduced.amax, reduced.counts, reduced.numel, reduced.histogram
         rank_nonfinite = reduced.rank_nonfinite
         names = reduced.names if reduced.names is not None else names
@@ -410,7 +459,11 @@ def grad_stats(
         rank_nonfinite=rank_nonfinite,
         device=home,
         counted=counted,
+        unattributed=unattributed,
+        layout_check=layout_check,
     )
     if hist is not None:  # the whole model's: a tied parameter's copies once
         out.exponent_histogram = hist if per_tensor else out._whole(hist).sum(0)
+        if not per_tensor and unattributed is not None and unattributed.histogram is not None:
+            out.exponent_histogram = out.exponent_histogram + unattributed.histogram
     return out
