@@ -223,7 +223,8 @@ def gradient_gained_at_call_3(rank: int, world: int) -> None:
 
 def one_rank_reports(rank: int, world: int) -> None:
     """Only rank 0 reads its statistics while the last rank gains a gradient: nothing hangs, rank 0's totals are
-    exact at every call, and the new gradient stays the "(unattributed)" row (attributing it needs every rank)."""
+    exact at every call, and the new gradient stays the "(unattributed)" row (attributing it needs every rank),
+    until the other ranks read the layout flags on the step rank 0 reports."""
     gen = torch.Generator().manual_seed(9)
     full = {n: torch.randn(world * 2, generator=gen, dtype=torch.float64) for n in ("x", "y")}
     shards = {n: torch.tensor_split(t, world)[rank] for n, t in full.items()}
@@ -238,6 +239,17 @@ def one_rank_reports(rank: int, world: int) -> None:
             assert abs(rep.total_norm - math.sqrt(float(want))) <= 1e-12 * rep.total_norm, (call, rep.total_norm)
             assert list(rep.norms) == (["x", UNATTRIBUTED_ROW] if call else ["x"]), (call, list(rep.norms))
     assert time.monotonic() - start < 60.0
+    # The other ranks read only the layout flags (GradStats.check_layout) at the step rank 0 reports: the next
+    # call has the gradient's own row, on every rank.
+    for call in range(2):
+        stats = grad_stats(params, group=dist.group.WORLD)
+        if call == 0:
+            if rank == 0:
+                stats.report()
+            else:
+                stats.check_layout()
+        else:
+            assert list(stats.report().norms) == ["x", "y"], list(stats.report().norms)
 
 
 def rank_without_dtensor_gradients(rank: int, world: int) -> None:

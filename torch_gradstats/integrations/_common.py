@@ -251,6 +251,11 @@ class StatsTaker:
         self.policy_figures = dict(grad_report(report).extra)
         return report
 
+    def check_layout(self, stats: GradStats | GradWeightStats) -> None:
+        """On a rank that does not log, at a logging step: read the layout flags the logging rank reads with its
+        report, so that the ranks agree on the rows again together (:meth:`GradStats.check_layout`)."""
+        (stats.grads if isinstance(stats, GradWeightStats) else stats).check_layout()
+
     def note_step(self, stats: GradStats | GradWeightStats, factor: Tensor | None, step: int, loss: Tensor | None,
                   scale: Tensor | float, host_skipped: bool | None) -> None:
         """Where per_example or a flight recorder is kept: the step's row (no host read; read at once where the

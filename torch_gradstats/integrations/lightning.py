@@ -313,6 +313,8 @@ class _GradStatsMixin(ActivationReporting):
         elif log_now and self.taker.log_update_ratio:
             self.taker.snapshot(pl_module)
             self._pending = (stats, logger_step, step)
+        elif log_now:  # a rank that does not log reads what the logging rank's report reads
+            self.taker.check_layout(stats)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._pending is None:
@@ -322,6 +324,8 @@ class _GradStatsMixin(ActivationReporting):
         self.taker.measure(stats)
         if self._logs_here(trainer):
             self._log(trainer, self.taker.report(stats), logger_step)
+        else:
+            self.taker.check_layout(stats)
 
     # ----------------------------------------------------------------------------------------------- internals
     def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> bool | None:

@@ -362,6 +362,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
             return
         self._pending = None
         if not logs_here("GradStatsCallback", state.is_world_process_zero, self.log_rank):
+            self.taker.check_layout(stats)  # what the logging rank's report reads, read here too
             return
         report = self.taker.report(stats)  # the one transfer of this logging step (the policies' figures too)
         figures: dict[str, Any] = metrics(report, self.prefix, self.per_param)

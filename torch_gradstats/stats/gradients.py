@@ -228,6 +228,16 @@ class GradStats:
         return group_stats(self, by)
 
     # ---- host side
+    def check_layout(self) -> None:
+        """Read only the layout flags of a distributed call (one small transfer), for a rank that does not call
+        :meth:`report`: when they show that some rank's gradients changed, the group agrees on the rows again at
+        its next call, as after a report. That happens only when every rank of the group read them (reported or
+        checked), so ranks that do not report call this on the same steps as the one that does; see
+        docs/distributed.md. Nothing is transferred off the distributed path."""
+        if self.layout_check is not None:
+            _, flags = to_host([], [self.layout_check.changed])
+            self.layout_check.note(flags)
+
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None,
                groups: GroupStats | None = None, extra: Sequence[ExtraFigures] = ()) -> GradReport:
         """Bring the statistics to the host in exactly one device-to-host transfer and summarise them.
