@@ -169,6 +169,15 @@ def _layouts(rank: int, world: int) -> dict[str, Callable[[int], tuple[list, dic
         return (params, args), {n: t * (step + 1) for n, t in full.items()}
 
     out["stage_group x dp"] = stages
+    if world == 4:  # DTensors on a 2-D (dp, tp) mesh: sharded over both dimensions, over one, or replicated
+        grid2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def dtensor_2d(step: int):
+            placements = {"w": [Shard(0), Shard(1)], "v": [Replicate(), Replicate()], "u": [Replicate(), Shard(0)]}
+            return ((_dtensor_params(grid2, placements, full, step + 1), {}),
+                    {n: t * (step + 1) for n, t in full.items()})
+
+        out["2-D mesh DTensor"] = dtensor_2d
     return out
 
 
