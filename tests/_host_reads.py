@@ -3,6 +3,8 @@ that counts the transfer points and those reads inside a callback's hooks."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -59,15 +61,24 @@ def instrument(cb: Any, hooks: tuple[str, ...]) -> dict[str, int]:
 
 class AllHostReads(HostReads):
     """:class:`HostReads`, and also every call of ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.numpy``, patched
-    for as long as the mode is on (a read that bypasses the dispatcher is still seen)."""
+    for as long as the mode is on (a read that bypasses the dispatcher is still seen).
+
+    Not counted: the pure-PyTorch kernel's own ``tolist()`` of a CPU tensor (TORCH_GRADSTATS_FORCE_FALLBACK=1), a
+    read of host memory that waits for no device (it picks its path from a CPU tensor's range; docs/design.md)."""
 
     _PATCHED = ("item", "tolist", "numpy")
 
     def __enter__(self):  # type: ignore[no-untyped-def]
+        from torch_gradstats.ops import fallback
+
+        kernel_dir = os.path.dirname(fallback.__file__)
         self._real = {name: getattr(torch.Tensor, name) for name in self._PATCHED}
         for name, real in self._real.items():
             def counting(t: torch.Tensor, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                self.count += 1
+                caller = sys._getframe(1).f_code.co_filename
+                in_kernel = os.path.dirname(caller) == kernel_dir and os.path.basename(caller).startswith("fallback")
+                if not (in_kernel and t.device.type == "cpu"):
+                    self.count += 1
                 return _real(t, *args, **kwargs)
 
             setattr(torch.Tensor, name, counting)

@@ -1,11 +1,18 @@
-"""Checks of the Trainer's scalar arguments: TypeError for a wrong type, ValueError for a bad value, each naming the
+"""Checks of the Trainer's arguments: TypeError for a wrong type, ValueError for a bad value, each naming the
 argument. Integers may be any ``numbers.Integral`` (numpy's included) except bool, and come back as Python ints."""
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
+from typing import Protocol
 
-__all__ = ["check_int", "check_positive_number"]
+from torch import nn
+
+from torch_gradstats.monitors.activations import ActivationWatch
+from torch_gradstats.stats.report import GradReport
+
+__all__ = ["GradSink", "activation_watch", "check_int", "check_positive_number", "check_sinks"]
 
 
 def check_int(name: str, value: object, *, minimum: int = 1, or_none: bool = False) -> int:
@@ -30,3 +37,35 @@ def check_positive_number(name: str, value: object) -> float | None:
     if not number > 0:  # also refuses NaN
         raise ValueError(f"{name} must be > 0, got {value!r}")
     return number
+
+
+def activation_watch(watch: ActivationWatch | bool | None, model: nn.Module, compile: bool) -> ActivationWatch | None:
+    if watch is None or watch is False:
+        return None
+    if watch is not True and not isinstance(watch, ActivationWatch):
+        raise TypeError(
+            f"Trainer: watch_activations must be an ActivationWatch, True, False or None, got {type(watch).__name__}"
+        )
+    if compile:
+        raise ValueError(
+            "Trainer: watch_activations needs compile=False: the watch's hooks cannot run in a compiled region"
+        )
+    return ActivationWatch(model) if watch is True else watch
+
+
+class GradSink(Protocol):
+    """What ``log_to`` accepts (torch_gradstats.integrations defines the same protocol for its sinks)."""
+
+    def log(self, report: GradReport, step: int) -> None: ...
+
+
+def check_sinks(sinks: Sequence[GradSink]) -> list[GradSink]:
+    if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
+        raise TypeError(f"log_to must be a list of sinks (objects with a log(report, step) method), got {sinks!r}")
+    for i, sink in enumerate(sinks):
+        if not callable(getattr(sink, "log", None)):
+            raise TypeError(
+                f"log_to[{i}] is a {type(sink).__name__} without a log(report, step) method; use e.g. "
+                "torch_gradstats.integrations.tensorboard.TensorBoardSink(writer)"
+            )
+    return list(sinks)

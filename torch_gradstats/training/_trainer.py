@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,13 +19,13 @@ from torch_gradstats.policies.clip import clip_grad_norm_
 from torch_gradstats.policies.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.stats.health import HealthPolicy
-from torch_gradstats.stats.report import GradReport
-from torch_gradstats.training._args import check_int, check_positive_number
+from torch_gradstats.training._args import GradSink, activation_watch, check_int, check_positive_number, check_sinks
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
 from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
+from torch_gradstats.training._progress import progress_bar, progress_postfix, progress_update, windows
 from torch_gradstats.training._step import OptimizerStepper
-from torch_gradstats.training._summary import EpochState, EpochSummary, fmt
+from torch_gradstats.training._summary import EpochState, EpochSummary
 
 __all__ = ["Trainer"]
 
@@ -189,7 +187,7 @@ class Trainer:
         self.progress = progress
         self.keep_history = keep_history
         self.after_backward = after_backward
-        self.log_to = _check_sinks(log_to)
+        self.log_to = check_sinks(log_to)
         self.log_every = log_every
         self.histogram = check_bool("histogram", histogram)
         self.flight_recorder = check_flight_recorder("Trainer", flight_recorder)
@@ -217,7 +215,7 @@ class Trainer:
                 "create the optimizer with fused=True for a device-side skip",
                 type(optimizer).__name__,
             )
-        self.activation_watch = _activation_watch(watch_activations, model, compile)
+        self.activation_watch = activation_watch(watch_activations, model, compile)
         self.last_activation_report: ActivationReport | None = None
         self.epoch = 0  #: index of the next epoch
         self._staging = PinnedBuffer()  # reused by every host transfer of this trainer
@@ -262,13 +260,13 @@ class Trainer:
             )
         state = EpochState(self.epoch, self.device)
         self.model.train()
-        with _progress_bar(self.progress, length, f"epoch {state.epoch}") as bar:
-            for window in _windows(loader, self.accumulation_steps):
+        with progress_bar(self.progress, length, f"epoch {state.epoch}") as bar:
+            for window in windows(loader, self.accumulation_steps):
                 if self._train_window(window, state, bar) and self._sync_due(state):
                     summary = self._sync(state)
                     logger.info("torch_gradstats: epoch %d, step %d: %s", state.epoch, self.global_step,
                                 summary.to_dict())
-                    _progress_postfix(bar, summary)
+                    progress_postfix(bar, summary)
         if state.samples == 0:
             raise ValueError(
                 f"the data loader yielded {'no' if state.batches == 0 else 'only empty'} batches: nothing to train "
@@ -287,7 +285,7 @@ class Trainer:
         samples = sum(sizes)
         if samples == 0:  # nothing to learn from: counted, no optimizer step
             state.add_empty_window(len(batches))
-            _progress_update(bar, len(batches))
+            progress_update(bar, len(batches))
             return False
         step = self.global_step
         self.optimizer.zero_grad(set_to_none=True)
@@ -347,7 +345,7 @@ class Trainer:
                 scaled = loss if n == samples else loss * (n / samples)
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 loss_sum += loss.detach().to(torch.float64) * n
-            _progress_update(bar, 1)
+            progress_update(bar, 1)
         return loss_sum
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -466,79 +464,3 @@ class Trainer:
         )
         logger.warning("torch_gradstats: epoch %d: %s; first non-finite parameter gradient: %s",
                        summary.epoch, report.summary(), param)  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------------- helpers
-def _activation_watch(watch: ActivationWatch | bool | None, model: nn.Module, compile: bool) -> ActivationWatch | None:
-    if watch is None or watch is False:
-        return None
-    if watch is not True and not isinstance(watch, ActivationWatch):
-        raise TypeError(
-            f"Trainer: watch_activations must be an ActivationWatch, True, False or None, got {type(watch).__name__}"
-        )
-    if compile:
-        raise ValueError(
-            "Trainer: watch_activations needs compile=False: the watch's hooks cannot run in a compiled region"
-        )
-    return ActivationWatch(model) if watch is True else watch
-
-
-class GradSink(Protocol):
-    """What ``log_to`` accepts (torch_gradstats.integrations defines the same protocol for its sinks)."""
-
-    def log(self, report: GradReport, step: int) -> None: ...
-
-
-def _check_sinks(sinks: Sequence[GradSink]) -> list[GradSink]:
-    if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Sequence):
-        raise TypeError(f"log_to must be a list of sinks (objects with a log(report, step) method), got {sinks!r}")
-    for i, sink in enumerate(sinks):
-        if not callable(getattr(sink, "log", None)):
-            raise TypeError(
-                f"log_to[{i}] is a {type(sink).__name__} without a log(report, step) method; use e.g. "
-                "torch_gradstats.integrations.tensorboard.TensorBoardSink(writer)"
-            )
-    return list(sinks)
-
-
-def _windows(loader: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """The loader's batches in windows of ``size`` (the last one may be shorter)."""
-    it = iter(loader)
-    while window := list(itertools.islice(it, size)):
-        yield window
-
-
-@contextlib.contextmanager
-def _progress_bar(progress: bool | None, total: int | None, desc: str) -> Iterator[Any]:
-    """A tqdm bar, or None: off when asked, when stderr is not a terminal (auto mode), or without tqdm."""
-    bar = None
-    if progress or (progress is None and _stderr_isatty()):
-        try:
-            from tqdm.auto import tqdm  # lazy: tqdm is optional
-        except ImportError:
-            if progress:
-                logger.warning("torch_gradstats: progress=True but tqdm is not installed (pip install tqdm)")
-        else:
-            bar = tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True)
-    try:
-        yield bar
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _stderr_isatty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _progress_update(bar: Any, n: int) -> None:
-    if bar is not None:
-        bar.update(n)
-
-
-def _progress_postfix(bar: Any, summary: EpochSummary) -> None:
-    if bar is not None:
-        bar.set_postfix(loss=f"{summary.loss:.4g}", max_norm=fmt(summary.max_norm), skipped=summary.skipped_steps)
