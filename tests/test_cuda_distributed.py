@@ -84,3 +84,8 @@ def test_captured_in_a_cuda_graph(nccl_mesh) -> None:
         torch.cuda.synchronize()
         want = _reference({n: t.to(p.grad.dtype) for (n, t), (_, p) in zip(full.items(), params)}, scale)
         assert math.isclose(float(norm), want, rel_tol=1e-3), (scale, float(norm), want)
+        # every figure the replay wrote: the rows' element counts and max |g| too (index lists included)
+        assert captured.numel.tolist() == [t.numel() for t in full.values()]
+        amax = [float((t.to(p.grad.dtype).double() * scale).abs().max())
+                for (_, t), (_, p) in zip(full.items(), params)]
+        assert captured.amax.tolist() == pytest.approx(amax, rel=1e-2)

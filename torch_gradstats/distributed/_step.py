@@ -18,7 +18,7 @@ from torch import Tensor
 
 from torch_gradstats.distributed import _layout
 from torch_gradstats.distributed._layout import Desc
-from torch_gradstats.ops._transfer import host_int64, to_host
+from torch_gradstats.ops._transfer import host_int64, repeated_int64, to_host
 from torch_gradstats.ops.op import NAN
 
 __all__ = ["LayoutCheck", "Table", "Unattributed", "reduce_step", "reorder", "unattributed_figures"]
@@ -114,8 +114,8 @@ def reduce_step(
             sub_max = torch.zeros(n + 1, table.max_buf.shape[1], dtype=torch.float64, device=device)
             placed = [(r, pos) for r, pos in zip(rows, positions) if pos is not None]
             if placed:
-                src = host_int64([r for r, _ in placed], device)
-                dst = host_int64([pos for _, pos in placed], device)
+                src = repeated_int64([r for r, _ in placed], device)  # the same every call in steady state
+                dst = repeated_int64([pos for _, pos in placed], device)
                 sub_sum.index_copy_(0, dst, table.sum_buf.index_select(0, src))
                 sub_max.index_copy_(0, dst, table.max_buf.index_select(0, src))
             if unplaced:  # summed (maxed) into their reserved rows: in the totals this call, in no row yet
@@ -162,7 +162,7 @@ def reduce_step(
     held = set(rows)
     rest = [i for i in range(len(table.descs)) if i not in held]
     if rest:
-        keep = host_int64(rest, device)
+        keep = repeated_int64(rest, device)
         sum_buf = torch.cat([sub_sum[:n], table.sum_buf.index_select(0, keep), sub_sum[n:]])
         max_buf = torch.cat([sub_max[:n], table.max_buf.index_select(0, keep), sub_max[n:]])
     else:
@@ -178,7 +178,7 @@ def reorder(table: Table, row_names: list[str]) -> Table:
     order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
     if order == list(range(len(order))):
         return table
-    idx = host_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot
+    idx = repeated_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot
     descs = [table.descs[i] for i in order]
     counted = [table.counted[i] for i in order]
     return Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs, counted)

@@ -93,7 +93,7 @@ from torch_gradstats.distributed._step import (
     reorder,
     unattributed_figures,
 )
-from torch_gradstats.ops._transfer import host_int64, to_device
+from torch_gradstats.ops._transfer import host_int64, repeated_int64
 from torch_gradstats.ops.op import HISTOGRAM_BUCKETS, INF, NAN
 
 __all__ = ["LayoutCheck", "ReducedStats", "Unattributed", "is_logging_rank", "reduce_across_ranks"]
@@ -299,7 +299,7 @@ def reduce_across_ranks(
 
     # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer, each with a last row
     # for the layout check.
-    numel_col = to_device(torch.tensor(local_numel, dtype=torch.float64), device)
+    numel_col = repeated_int64(local_numel, device).to(torch.float64)  # no copy in steady state
     descs = row_descs(planned, row_names, dtensor_cls, has_dtensor) + reserved
     rows_in_all = p + len(reserved)
     hist_cols = 0 if histogram is None else HISTOGRAM_BUCKETS
@@ -346,13 +346,15 @@ def reduce_across_ranks(
     spare = [i for i, d in enumerate(table.descs) if d.name.startswith(_layout.RESERVED)]
     if spare:
         real = [i for i, d in enumerate(table.descs) if not d.name.startswith(_layout.RESERVED)]
-        res_sum, res_max = sum_buf.index_select(0, host_int64(spare, device)), max_buf[spare[0]:spare[-1] + 1]
-        if spare != list(range(spare[0], spare[-1] + 1)):
-            res_max = max_buf.index_select(0, host_int64(spare, device))
+        if spare == list(range(spare[0], spare[-1] + 1)):  # the usual case: the reserved rows side by side
+            res_sum, res_max = sum_buf[spare[0]:spare[-1] + 1], max_buf[spare[0]:spare[-1] + 1]
+        else:
+            take = repeated_int64(spare, device)
+            res_sum, res_max = sum_buf.index_select(0, take), max_buf.index_select(0, take)
         if real == list(range(len(real))):  # the reserved rows last: the usual case
             sum_buf, max_buf = sum_buf[: len(real)], max_buf[: len(real)]
         else:
-            keep = host_int64(real, device)
+            keep = repeated_int64(real, device)
             sum_buf, max_buf = sum_buf.index_select(0, keep), max_buf.index_select(0, keep)
         row_descs_out = [table.descs[i] for i in real]
         counted_out = [table.counted[i] for i in real]

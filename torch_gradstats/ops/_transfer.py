@@ -71,7 +71,7 @@ def host_int64(values: Sequence[int], device: torch.device) -> Tensor:
 
 #: (device, values) -> the device tensor last made of them; see :func:`repeated_int64`.
 _REPEATED: OrderedDict[tuple[torch.device, tuple[int, ...]], Tensor] = OrderedDict()
-_REPEATED_MAX = 8
+_REPEATED_MAX = 32  # a distributed call keeps a few index lists per group
 _REPEATED_LOCK = threading.RLock()  # reentrant: a gc callback may call grad_stats while a call holds it
 
 
