@@ -45,6 +45,8 @@ class Desc(NamedTuple):
 
 #: Row names that start with this are the reserved rows (see the module docstring); a parameter's name never does.
 RESERVED = "\x00unattributed:"
+#: The reserved row of the copies of a tied parameter that are not counted (a later stage's): in no total.
+RESERVED_UNCOUNTED = RESERVED + "uncounted"
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Agreed:
     #: one per output name: whether the row counts in the figures of the whole model (False for the copies of a
     #: tied parameter on stages other than the lowest that holds it)
     counted: list[bool]
+    #: stage mode: which ranks of the group hold each name (empty in shard mode)
+    holders: dict[str, list[int]] = field(default_factory=dict)
+    tied: frozenset[str] = frozenset()  #: the tied names every rank declared, together
 
     def positions(self, local: Sequence[Desc]) -> list[int | None]:
         """Where each of ``local`` goes: its row, or None where the layout has no row of that description."""
@@ -73,7 +78,7 @@ class Agreed:
 class _Entry:
     group: Any  # kept so that the id of a destroyed group is never mistaken for this one
     mode: str
-    tied: frozenset[str]
+    agreed_tied: frozenset[str]  # this rank's tied names when the group agreed
     agreed: Agreed
     epoch: int  # how many exchanges this group has made: a mark from an older layout's check is stale
     #: a report showed that some rank packed rows this layout has no place for: ask the group to exchange
@@ -81,6 +86,7 @@ class _Entry:
     #: this rank's rows when the group agreed, and at its last reduction over the group
     agreed_local: list[Desc] = field(default_factory=list)
     last_local: list[Desc] = field(default_factory=list)
+    tied: frozenset[str] = frozenset()  # ... and at its last reduction
 
 
 #: The last agreed layout per (group, mode): identical on every rank of the group, which all exchange together.
@@ -148,8 +154,9 @@ def _agree(
         out_descs = [first[n][1] for n in names]
         place = {n: (i, out_descs[i]) for i, n in enumerate(names)}
         counted = [True] * len(names)
-    else:  # stage
         holders: dict[str, list[int]] = {}
+    else:  # stage
+        holders = {}
         for r, descs in enumerate(all_descs):
             for d in descs:
                 holders.setdefault(d.name, []).append(r)
@@ -166,14 +173,14 @@ def _agree(
                 out_descs.append(d._replace(name=name))
                 # A tied parameter is one parameter: every stage's row is reported, the lowest stage's is counted.
                 counted.append(d.name not in tied or r == ranks[0])
-    return Agreed(names, out_descs, place, _fingerprint(names, all_descs, counted), counted)
+    return Agreed(names, out_descs, place, _fingerprint(names, all_descs, counted), counted, holders,
+                  frozenset(tied))
 
 
-def cached(group: Any, mode: str, tied: Collection[str]) -> _Entry | None:
-    """The last agreement of ``group`` in ``mode``, or None: never agreed (or on other tied names), exchange now.
-    Tied names are an argument every rank passes alike, so every rank sees the same change."""
+def cached(group: Any, mode: str) -> _Entry | None:
+    """The last agreement of ``group`` in ``mode``, or None: never agreed, exchange now."""
     entry = _CACHE.get((id(group), mode))
-    if entry is None or entry.group is not group or entry.tied != frozenset(tied):
+    if entry is None or entry.group is not group:
         return None
     return entry
 
@@ -196,6 +203,7 @@ def exchange(
     all_tied = frozenset(name for _, names in gathered for name in names)  # one rank's declaration is enough
     agreed = _agree(mode, [descs for descs, _ in gathered], dist.get_rank(group), all_tied, who, strict)
     epoch = 1 if previous is None or previous.group is not group else previous.epoch + 1
-    entry = _Entry(group, mode, frozenset(tied), agreed, epoch, agreed_local=list(local), last_local=list(local))
+    entry = _Entry(group, mode, frozenset(tied), agreed, epoch, agreed_local=list(local), last_local=list(local),
+                   tied=frozenset(tied))
     _CACHE[(id(group), mode)] = entry
     return entry

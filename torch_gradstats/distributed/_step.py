@@ -9,6 +9,7 @@ the protocol: no host read in steady state, reserved rows for what the layout ha
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
@@ -45,6 +46,8 @@ class Unattributed(NamedTuple):
     counts: Tensor  #: int64 ``[3]``: zeros, NaNs, Infs
     numel: Tensor  #: int64 0-d
     histogram: Tensor | None  #: int64 ``[277]`` when a histogram was given
+    #: the names of this rank's gradients among them, known on the host (empty in steady state)
+    local_names: tuple[str, ...] = ()
 
 
 class LayoutCheck(NamedTuple):
@@ -80,13 +83,21 @@ _CHECK_FP, _CHECK_DIRTY, _CHECK_ASKED = 0, 1, 2
 
 def reduce_step(
     table: Table, pg: Any, mode: str, rows: list[int], sinks: list[int], tied: Collection[str], strict: bool,
-    remake: Callable[[], Table] | None = None,
+    remake: Callable[[], Table] | None = None, upstream: Tensor | None = None, uncounted_sink: int | None = None,
+    unplaced_names: list[str] | None = None,
 ) -> tuple[Table, tuple[Any, str, int, Tensor] | None]:
     """Reduce ``rows`` of ``table`` over ``pg`` in the group's agreed layout: one SUM and one MAX, no host read.
 
     ``sinks[k]``: the table row (a reserved one, also among ``rows``) that takes ``rows[k]``'s figures if the layout
-    has no place for it. ``remake``: makes ``table`` again (from the caller's inputs). With it, a table that needs
-    no repacking is reduced in place, and made again if the group agrees anew; without it, such a table is copied.
+    has no place for it; ``uncounted_sink``: the one that takes a tied parameter's copy another stage already holds
+    (stage mode). ``remake``: makes ``table`` again (from the caller's inputs). With it, a table that needs no
+    repacking is reduced in place, and made again if the group agrees anew; without it, such a table is copied.
+    ``upstream``: a device flag, positive when an earlier step of this call found a layout change (a change there
+    changes the rows here too, so this group's check says so as well). ``unplaced_names`` gets the names of the
+    rows the layout had no place for.
+
+    Rows without names (``strict``) are matched by position, so there every rank reads the check row at every
+    call, and a difference is the same ValueError on every rank at once.
 
     Returns the new table (the agreed rows in the agreed order, including rows other ranks hold and this one does
     not, then the rows not reduced over ``pg``) and, unless the group has just agreed, ``(pg, mode, epoch,
@@ -94,8 +105,9 @@ def reduce_step(
     """
     device = table.sum_buf.device
     local = [table.descs[i] for i in rows]
+    tied = frozenset(tied)
     group_size = dist.get_world_size(pg)
-    entry = _layout.cached(pg, mode, tied)
+    entry = _layout.cached(pg, mode)
     fresh = entry is None
     while True:
         if entry is None:
@@ -118,43 +130,49 @@ def reduce_step(
                 dst = repeated_int64([pos for _, pos in placed], device)
                 sub_sum.index_copy_(0, dst, table.sum_buf.index_select(0, src))
                 sub_max.index_copy_(0, dst, table.max_buf.index_select(0, src))
-            if unplaced:  # summed (maxed) into their reserved rows: in the totals this call, in no row yet
-                where = dict(zip(rows, positions))
-                # A reserved row is on every rank at every agreement, so it has a place; should it have none (the
-                # ranks planned different steps), any placed one keeps the figures in the totals.
-                spare = next((pos for r in sinks if (pos := where[r]) is not None), 0)
-                src = host_int64([rows[k] for k in unplaced], device)
-                dst = host_int64([pos if (pos := where[sinks[k]]) is not None else spare for k in unplaced], device)
-                sub_sum.index_add_(0, dst, table.sum_buf.index_select(0, src))
-                sub_max.scatter_reduce_(0, dst[:, None].expand(-1, sub_max.shape[1]),
-                                        table.max_buf.index_select(0, src), "amax")
+            if unplaced:
+                _pack_unplaced(table, sub_sum, sub_max, rows, positions, unplaced,
+                               _sinks(local, rows, sinks, unplaced, agreed, tied, uncounted_sink, pg))
         # The check row. The fingerprint is scaled so that its sum over the group stays below 2**52: exact in
         # float64 at any group size.
         fp = agreed.fingerprint % (2**52 // group_size)
+        rows_changed = local != entry.last_local or tied != entry.tied
         sub_sum[n, _CHECK_FP] = float(fp)
-        sub_sum[n, _CHECK_DIRTY] = float(local != entry.agreed_local)
+        sub_sum[n, _CHECK_DIRTY] = float(local != entry.agreed_local or tied != entry.agreed_tied)
+        if upstream is not None and not fresh:
+            sub_sum[n, _CHECK_DIRTY] += upstream
         # A rank asks the group to agree again when its report saw that the layout no longer fits, or when its
-        # own rows changed since its last call (then it reads one value: this is not the steady state).
-        asking = entry.marked or local != entry.last_local
-        entry.last_local, entry.marked = local, False
+        # own rows (or tied names) changed since its last call (then it reads one value: not the steady state).
+        asking = entry.marked or rows_changed
+        entry.last_local, entry.tied, entry.marked = local, tied, False
         sub_sum[n, _CHECK_ASKED] = float(asking)
         sub_max[n, _CHECK_FP] = float(fp)
         dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
         dist.all_reduce(sub_max, op=dist.ReduceOp.MAX, group=pg)
-        if fresh or not asking:
-            break  # no host read: whether the layout still fits is read by a report, from the flag below
-        # Only the ranks that asked read how many did, and the group agrees again only if all of them did: every
-        # rank takes the same branch. (All ranks ask at once when they all changed, e.g. a new parameter list.)
-        (asked,), _ = to_host([sub_sum[n, _CHECK_ASKED:_CHECK_ASKED + 1]], [])
-        if asked < group_size:
-            logger.debug("reduce_across_ranks: %d of %d ranks asked to agree on the layout again; the figures of "
-                         "rows it has no place for count in the totals only, until every rank asks (a report on "
-                         "every rank makes them)", int(asked), group_size)
+        if fresh:
+            break  # every rank of the group has just agreed on this layout
+        if strict:  # every rank reads: rows matched by position must agree now, or raise now
+            (fp_sum, dirty, fp_max), _ = to_host([sub_sum[n, :2], sub_max[n, :1]], [])
+            agree_again = dirty > 0 or fp_sum != fp_max * group_size
+        elif asking:
+            # Only the ranks that asked read how many did, and the group agrees again only if all of them did:
+            # every rank takes the same branch. (All ranks ask at once when they all changed, e.g. a new list.)
+            (asked,), _ = to_host([sub_sum[n, _CHECK_ASKED:_CHECK_ASKED + 1]], [])
+            agree_again = asked == group_size
+            if not agree_again:
+                logger.debug("reduce_across_ranks: %d of %d ranks asked to agree on the layout again; rows it has "
+                             "no place for count in the totals only until every rank asks (a report or "
+                             "check_layout() on every rank makes them)", int(asked), group_size)
+        else:
+            agree_again = False  # no host read: whether the layout still fits is read by a report, from the flag
+        if not agree_again:
             break
         logger.debug("reduce_across_ranks: a rank's parameter layout changed; agreeing on the layout again")
         entry, fresh = None, True
         if identity and remake is not None:  # the reduction overwrote this rank's rows: pack them anew
             table = remake()
+    if unplaced_names is not None:
+        unplaced_names.extend(local[k].name for k in unplaced if not local[k].name.startswith(_layout.RESERVED))
     check = None
     if not fresh:
         changed = (sub_sum[n, _CHECK_DIRTY] > 0) | (sub_sum[n, _CHECK_FP] != sub_max[n, _CHECK_FP] * group_size)
@@ -171,11 +189,56 @@ def reduce_step(
     return Table(sum_buf, max_buf, descs, list(agreed.counted) + [table.counted[i] for i in rest]), check
 
 
+def _sinks(local: list[Desc], rows: list[int], sinks: list[int], unplaced: list[int], agreed: _layout.Agreed,
+           tied: frozenset[str], uncounted_sink: int | None, pg: Any) -> list[int]:
+    """The table row each unplaced row goes to: its reserved row, or the uncounted one for a copy of a tied
+    parameter that another stage already holds (that stage's copy is the one counted, as for any tied copy)."""
+    out = [sinks[k] for k in unplaced]
+    if uncounted_sink is None:
+        return out
+    me, all_tied = dist.get_rank(pg), tied | agreed.tied
+    for i, k in enumerate(unplaced):
+        name = local[k].name
+        if name in all_tied and any(r != me for r in agreed.holders.get(name, ())):
+            out[i] = uncounted_sink
+    return out
+
+
+def _pack_unplaced(table: Table, sub_sum: Tensor, sub_max: Tensor, rows: list[int], positions: list[int | None],
+                   unplaced: list[int], to_rows: list[int]) -> None:
+    """Sum (max) the rows the layout has no place for into the reserved rows ``to_rows`` (table rows, one each):
+    in the totals this call, in no row yet."""
+    where = dict(zip(rows, positions))
+    # A reserved row is on every rank at every agreement, so it has a place; should it have none (the ranks planned
+    # different steps), any placed one keeps the figures in the totals.
+    spare = next((pos for r in to_rows if (pos := where.get(r)) is not None), 0)
+    device = sub_sum.device
+    src = host_int64([rows[k] for k in unplaced], device)
+    dst = host_int64([pos if (pos := where.get(r)) is not None else spare for r in to_rows], device)
+    sub_sum.index_add_(0, dst, table.sum_buf.index_select(0, src))
+    sub_max.scatter_reduce_(0, dst[:, None].expand(-1, sub_max.shape[1]), table.max_buf.index_select(0, src), "amax")
+
+
+#: table rows (names, in order) -> the order they are reported in; see :func:`reorder`.
+_ORDERS: OrderedDict[tuple[str, ...], list[int]] = OrderedDict()
+_ORDERS_MAX = 16
+
+
 def reorder(table: Table, row_names: list[str]) -> Table:
-    if len(table.descs) == len(row_names) and all(d.name == n for d, n in zip(table.descs, row_names)):
-        return table
-    where = {d.name: i for i, d in enumerate(table.descs)}
-    order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(where)])]
+    """The table's rows in model order: this rank's rows (``row_names``) in their order, each other rank's row in
+    its place among them. Every rank must report the same order, and the order of a rank's own rows changes only
+    where its holdings do, which the group's layout may not have followed yet (no host read in steady state); so
+    the order is kept per set of table rows, made the first time they are seen (when the group has just agreed on
+    them, every rank's rows fit the agreed order), and reused after."""
+    names = tuple(d.name for d in table.descs)
+    order = _ORDERS.get(names)
+    if order is None:
+        where = {n: i for i, n in enumerate(names)}
+        order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(names)])]
+        _ORDERS[names] = order
+        while len(_ORDERS) > _ORDERS_MAX:
+            _ORDERS.popitem(last=False)
+    _ORDERS.move_to_end(names)
     if order == list(range(len(order))):
         return table
     idx = repeated_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot
@@ -184,7 +247,7 @@ def reorder(table: Table, row_names: list[str]) -> Table:
     return Table(table.sum_buf.index_select(0, idx), table.max_buf.index_select(0, idx), descs, counted)
 
 
-def unattributed_figures(sums: Tensor, maxes: Tensor, histogram: bool) -> Unattributed:
+def unattributed_figures(sums: Tensor, maxes: Tensor, histogram: bool, local_names: Sequence[str]) -> Unattributed:
     """The reserved rows' figures, summed (``sums``: a SUM buffer row) and maxed (``maxes``: a MAX buffer row)."""
     counts = sums[COUNTS_COLS].to(torch.int64)
     has_nan = counts[NAN] > 0
@@ -192,4 +255,5 @@ def unattributed_figures(sums: Tensor, maxes: Tensor, histogram: bool) -> Unattr
     return Unattributed(
         torch.where(has_nan, nan, sums[SUMSQ_COL]), torch.where(has_nan, nan, maxes[AMAX_COL]), counts,
         sums[NUMEL_COL].to(torch.int64), sums[HIST_START:].to(torch.int64) if histogram else None,
+        tuple(dict.fromkeys(local_names)),
     )

@@ -296,6 +296,7 @@ def reduce_across_ranks(
     reserved = [Desc(_layout.RESERVED + label, torch.float64, None) for label in labels]
     if staged:
         reserved.append(Desc(_layout.RESERVED + "stage", torch.float64, None))
+        reserved.append(Desc(_layout.RESERVED_UNCOUNTED, torch.float64, None))
 
     # One packed float64 SUM buffer (exact integers below 2**53) and one float64 MAX buffer, each with a last row
     # for the layout check.
@@ -319,21 +320,27 @@ def reduce_across_ranks(
     table = first_table()
     remake: Callable[[], Table] | None = first_table  # only the first step reduces the caller's rows
     checks: list[tuple[Any, str, int, Tensor]] = []
+    unplaced: list[str] = []  # this rank's gradients the layouts had no row for (their figures: unattributed)
     mode = "shard" if not strict else "shard:unnamed"  # unnamed rows are matched by position: a layout of their own
+
+    def upstream() -> Tensor | None:  # whether an earlier step of this call found a change (a device flag)
+        return torch.stack([c[3] for c in checks]).sum(dtype=torch.float64) if checks else None
+
     for k, (pg, rows) in enumerate(steps):
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
         own = [where[_layout.RESERVED + label] for label, m in zip(labels, masks) if k in m]
         sinks = [where[_layout.RESERVED + ",".join(map(str, row_masks[r]))] for r in rows]
         table, check = reduce_step(table, pg, mode, [where[row_names[r]] for r in rows] + own, sinks + own, (),
-                                    strict, remake)
+                                   strict, remake, upstream(), unplaced_names=unplaced)
         checks += [check] if check is not None else []
         remake = None
     if staged:  # its agreed order (stage by stage) is the same on every rank
         everything = list(range(len(table.descs)))
-        sink = next(i for i, d in enumerate(table.descs) if d.name == _layout.RESERVED + "stage")
+        names_now = [d.name for d in table.descs]
+        sink, uncounted = names_now.index(_layout.RESERVED + "stage"), names_now.index(_layout.RESERVED_UNCOUNTED)
         table, check = reduce_step(table, stage_group, "stage", everything, [sink] * len(everything), tied, strict,
-                                    remake)
+                                   remake, upstream(), uncounted, unplaced)
         checks += [check] if check is not None else []
     elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
         table = reorder(table, row_names)
@@ -343,7 +350,9 @@ def reduce_across_ranks(
 
     sum_buf, max_buf = table.sum_buf[: len(table.descs)], table.max_buf[: len(table.descs)]
     row_descs_out, counted_out, unattributed = table.descs, table.counted, None
-    spare = [i for i, d in enumerate(table.descs) if d.name.startswith(_layout.RESERVED)]
+    # The reserved rows' figures count in the totals, except those of tied copies another stage counts.
+    spare = [i for i, d in enumerate(table.descs)
+             if d.name.startswith(_layout.RESERVED) and not d.name.startswith(_layout.RESERVED_UNCOUNTED)]
     if spare:
         real = [i for i, d in enumerate(table.descs) if not d.name.startswith(_layout.RESERVED)]
         if spare == list(range(spare[0], spare[-1] + 1)):  # the usual case: the reserved rows side by side
@@ -358,7 +367,7 @@ def reduce_across_ranks(
             sum_buf, max_buf = sum_buf.index_select(0, keep), max_buf.index_select(0, keep)
         row_descs_out = [table.descs[i] for i in real]
         counted_out = [table.counted[i] for i in real]
-        unattributed = unattributed_figures(res_sum.sum(0), res_max.amax(0), histogram is not None)
+        unattributed = unattributed_figures(res_sum.sum(0), res_max.amax(0), histogram is not None, unplaced)
 
     counts_out = sum_buf[:, COUNTS_COLS].to(torch.int64)
     has_nan = counts_out[:, NAN] > 0

@@ -176,13 +176,15 @@ def clip_with_threshold_(
         stats = grad_stats(named, group=group, stage_group=stage_group, tied=tied)
     elif not isinstance(stats, GradStats):
         raise TypeError(f"clip_grad_norm_: stats must be a GradStats or None, got a {type(stats).__name__}")
-    elif stage_group is None and len(stats) != len(grads):  # gathered over stages, it has every stage's rows
+    elif group is None and stage_group is None and len(stats) != len(grads):
         raise ValueError(
             f"clip_grad_norm_: stats must be the GradStats of the {len(grads)} gradients of params, got the "
             f"statistics of {len(stats)}"
         )
+    elif group is not None or stage_group is not None:  # reduced across ranks: rows of every rank's parameters
+        _check_reduced_stats(stats, [n for n, p in named if p.grad is not None])
     home = stats.device
-    if not grads:
+    if not grads and group is None and stage_group is None:  # else the figures are the other ranks' too
         stats.clip_norm = torch.zeros((), dtype=torch.float64, device=home)
         stats.clip_coef = torch.ones((), dtype=torch.float64, device=home)
         stats.clipped_norm = stats.clip_norm
@@ -222,3 +224,17 @@ def clip_with_threshold_(
     stats.clip_coef = coef
     stats.clipped_norm = total * coef  # the norm the gradients have now (pre-clip is clip_norm, or total_norm)
     return stats
+
+
+def _check_reduced_stats(stats: GradStats, local: list[str]) -> None:
+    """``stats`` given with ``group=`` / ``stage_group=`` must have a row for each local gradient (rows of the
+    other ranks' parameters too, stage suffixes allowed), or count it among the figures no row holds yet."""
+    rows = {n.split("@stage", 1)[0] for n in stats.names} | set(stats.names)
+    if stats.unattributed is not None:
+        rows.update(stats.unattributed.local_names)
+    missing = [n for n in local if n not in rows]
+    if missing:
+        raise ValueError(
+            f"clip_grad_norm_: stats has no row for the gradient of {missing[0]!r} ({len(missing)} in all): pass "
+            "the GradStats that grad_stats returned for these params with the same group"
+        )

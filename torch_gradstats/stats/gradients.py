@@ -286,24 +286,18 @@ class GradStats:
         n_hist = 0 if hist is None else HISTOGRAM_BUCKETS
         if check is not None:  # a group whose layout no longer fits agrees again at its next reduction
             check.note(ints[len(ints) - n_hist - check.changed.numel():len(ints) - n_hist])
-        names, counted = self.names, self.counted
-        if u is not None:
-            u_counts = ints[len(ints) - n_hist - (0 if check is None else check.changed.numel()) - 4:][:4]
-            u_sumsq, u_amax = floats[-2:]
-            if u_counts[3] > 0:  # some elements had no row: one row of their own, so that the rows add up
-                names = [*names, UNATTRIBUTED_ROW]
-                counted = None if counted is None else [*counted, True]
         n_floats = 2 * p + 1 + len(clip) + sum(t.numel() for t in group_floats)
         n_ints = (4 + world) * p + sum(t.numel() for t in group_ints)
         sumsq, amax, total_sumsq = floats[:p], floats[p : 2 * p], floats[2 * p]
         counts = [ints[3 * i : 3 * i + 3] for i in range(p)]
         numel = ints[3 * p : 4 * p]
         rank_nf = ints[4 * p : 5 * p] if world else None
-        if len(names) > p:  # the unattributed row
-            sumsq, amax = [*sumsq, u_sumsq], [*amax, u_amax]
-            counts, numel = [*counts, u_counts[:3]], [*numel, u_counts[3]]
-            rank_nf = None if rank_nf is None else [*rank_nf, -1]
-        out = GradReport._build(names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy, counted)
+        out = GradReport._build(self.names, sumsq, amax, total_sumsq, counts, numel, rank_nf, k, policy,
+                                self.counted)
+        if u is not None:
+            u_counts = ints[len(ints) - n_hist - (0 if check is None else check.changed.numel()) - 4:][:4]
+            if u_counts[3] > 0:  # some elements had no row: in the totals, and listed as a row of their own
+                out._add_unattributed(UNATTRIBUTED_ROW, floats[-2], floats[-1], u_counts[:3], u_counts[3])
         if clip:
             out.clip_coef, out.clipped_norm = floats[2 * p + 1], floats[2 * p + 2]
         if groups is not None:

@@ -148,6 +148,22 @@ class GradReport:
             nonfinite_ranks=ranks,
         )
 
+    def _add_unattributed(self, name: str, sumsq: float, amax: float, counts: list[int], numel: int) -> None:
+        """Figures of gradients no row holds (``GradStats.unattributed``): into the totals (``total_norm`` already
+        has them) and listed under ``name`` with the per-parameter figures; not in the per-parameter summaries
+        (health, vanishing/exploding, min/max, top norms), which stay those of parameters, as on the device."""
+        self.numel += numel
+        self.zero_count += counts[ZERO]
+        self.nan_count += counts[NAN]
+        self.inf_count += counts[INF]
+        self.zero_fraction = self.zero_count / self.numel if self.numel else 0.0
+        self.inf_norm = _nan_max([self.inf_norm, amax])
+        self.norms[name] = math.sqrt(sumsq) if not math.isnan(sumsq) else math.nan
+        self.zero_counts[name], self.nan_counts[name], self.inf_counts[name] = counts[ZERO], counts[NAN], counts[INF]
+        if counts[NAN] + counts[INF] > 0:
+            self.nonfinite.append(name)
+            self.first_nonfinite = self.nonfinite[0]
+
     def __str__(self) -> str:
         lines = [
             f"gradients: {len(self.norms)} tensors, {self.numel:,} elements   health {self.health:.3f}",
