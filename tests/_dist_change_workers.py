@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from _dist_layout_workers import _expect_error
+from _host_reads import AllHostReads
 from torch import nn
 
 from torch_gradstats import clip_grad_norm_, grad_stats
@@ -167,8 +168,39 @@ def pipeline_gain_one_report(rank: int, world: int) -> str | None:
     return None
 
 
+def rank_without_gradients_weights(rank: int, world: int) -> None:
+    """grad_and_weight_stats(group=) on a rank whose parameters have no gradient: it still takes part, so every
+    rank raises the same error (rows without names must match) instead of its peers waiting for it."""
+    pg = dist.group.WORLD
+    params = [_p(n, torch.full((2,), 1.0), torch.full((2,), 10.0)) for n in "ab"]
+    grad_and_weight_stats(params, group=pg)
+    if rank == world - 1:
+        for _, p in params:
+            p.grad = None
+    _expect_error(lambda: grad_and_weight_stats(params, group=pg), "different gradient lists")
+
+
+def two_call_sites_steady(rank: int, world: int) -> None:
+    """Statistics of a subset, then a clip of everything, on one group at every step (every rank holding the
+    same): the group keeps both layouts and learns the order they come in, so from the third step on neither call
+    reads the host or agrees again."""
+    pg = dist.group.WORLD
+    params = [_p(f"p{i}", torch.full((3,), 1.0 + i)) for i in range(3)]
+    want_subset = math.sqrt(world * (3.0 + 12.0))
+    counts: list[int] = []
+    for step in range(6):
+        with AllHostReads() as reads:
+            subset = grad_stats(params[:2], group=pg)
+            clip_grad_norm_(params, max_norm=1e9, group=pg)
+        counts.append(reads.count)
+        assert math.isclose(float(subset.total_norm), want_subset, rel_tol=1e-12), step
+        assert subset.names == ["p0", "p1"], subset.names
+    assert counts[3:] == [0, 0, 0], counts
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f for f in (unnamed_rows_raise_at_once, tied_copy_gained_late,  # type: ignore[misc]
                             tied_names_on_some_ranks, row_order_after_a_change, clip_with_given_statistics,
-                            report_summaries_with_unattributed, pipeline_gain_one_report)
+                            report_summaries_with_unattributed, pipeline_gain_one_report,
+                            rank_without_gradients_weights, two_call_sites_steady)
 }

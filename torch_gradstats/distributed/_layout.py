@@ -76,21 +76,49 @@ class Agreed:
 
 @dataclass
 class _Entry:
-    group: Any  # kept so that the id of a destroyed group is never mistaken for this one
-    mode: str
-    agreed_tied: frozenset[str]  # this rank's tied names when the group agreed
+    """One layout a group agreed on, and this rank's state with it."""
+
     agreed: Agreed
-    epoch: int  # how many exchanges this group has made: a mark from an older layout's check is stale
-    #: a report showed that some rank packed rows this layout has no place for: ask the group to exchange
+    layout_id: int  # the same on every rank of the group: layouts are agreed together, and found again by fingerprint
+    #: a report showed that some rank's rows no longer fit this layout: ask the group to agree again
     marked: bool = False
-    #: this rank's rows when the group agreed, and at its last reduction over the group
+    #: this rank's rows and tied names when the group agreed, and at its last reduction in this layout
     agreed_local: list[Desc] = field(default_factory=list)
+    agreed_tied: frozenset[str] = frozenset()
     last_local: list[Desc] = field(default_factory=list)
-    tied: frozenset[str] = frozenset()  # ... and at its last reduction
+    tied: frozenset[str] = frozenset()
 
 
-#: The last agreed layout per (group, mode): identical on every rank of the group, which all exchange together.
-_CACHE: dict[tuple[int, str], _Entry] = {}
+_MAX_LAYOUTS = 8  # per group: call sites that reduce different rows over one group, e.g. a subset, then everything
+_HISTORY = 16
+
+
+@dataclass
+class _GroupLayouts:
+    """Every layout one group agreed on (the last few), and which one each call used: the same on every rank of the
+    group, since every call on the group is made by all of them and each choice below is made from this alone."""
+
+    group: Any  # kept so that the id of a destroyed group is never mistaken for this one
+    layouts: dict[int, _Entry] = field(default_factory=dict)  # by layout id, least recently used first
+    history: list[int] = field(default_factory=list)  # the layout id each call used, the latest last
+    next_id: int = 1
+
+    def predict(self) -> _Entry:
+        """The layout the next call is likely to use: where the last calls repeat a cycle of up to 4 (call sites
+        taking turns on the group), the one the cycle has next; else the last one used."""
+        h = self.history
+        for period in range(1, 5):
+            if len(h) >= 2 * period and h[-period:] == h[-2 * period:-period] and h[-period] in self.layouts:
+                return self.layouts[h[-period]]
+        return self.layouts[h[-1]]
+
+    def used(self, entry: _Entry) -> None:
+        self.layouts[entry.layout_id] = self.layouts.pop(entry.layout_id, entry)
+        self.history = [*self.history[-(_HISTORY - 1):], entry.layout_id]
+
+
+#: The layouts per (group, mode).
+_CACHE: dict[tuple[int, str], _GroupLayouts] = {}
 
 
 def _fingerprint(names: Sequence[str], descs: Sequence[Sequence[Desc]], counted: Sequence[bool]) -> int:
@@ -132,11 +160,14 @@ def _agree(
     the same on every rank, where the layouts cannot be reconciled. ``strict``: rows have no names (only their
     positions), so every rank must describe exactly the same rows."""
     if strict:
+        def count(descs: Sequence[Desc]) -> int:
+            return sum(not d.name.startswith(RESERVED) for d in descs)
+
         for r, descs in enumerate(all_descs):
             if list(descs) != list(all_descs[0]):
                 raise ValueError(
-                    f"{who}: the ranks hold different gradient lists (group rank 0: {len(all_descs[0])} gradients, "
-                    f"group rank {r}: {len(descs)}, or different dtypes or layouts); pass names= so that "
+                    f"{who}: the ranks hold different gradient lists (group rank 0: {count(all_descs[0])} gradients, "
+                    f"group rank {r}: {count(descs)}, or different dtypes or layouts); pass names= so that "
                     "gradients are matched by name and a missing one counts as an empty shard"
                 )
     if mode.startswith("shard"):
@@ -178,32 +209,54 @@ def _agree(
 
 
 def cached(group: Any, mode: str) -> _Entry | None:
-    """The last agreement of ``group`` in ``mode``, or None: never agreed, exchange now."""
-    entry = _CACHE.get((id(group), mode))
-    if entry is None or entry.group is not group:
+    """The layout the next reduction over ``group`` in ``mode`` uses (:meth:`_GroupLayouts.predict`), or None:
+    never agreed, exchange now."""
+    state = _CACHE.get((id(group), mode))
+    if state is None or state.group is not group or not state.history:
         return None
-    return entry
+    return state.predict()
 
 
-def mark(group: Any, mode: str, epoch: int) -> None:
-    """Note that a reduction in layout ``epoch`` of ``group`` packed rows its layout had no place for (read from
-    its check row by a report): this rank then asks the group to exchange layouts at its next reduction."""
-    entry = _CACHE.get((id(group), mode))
-    if entry is not None and entry.group is group and entry.epoch == epoch:
-        entry.marked = True
+def used(group: Any, mode: str, entry: _Entry) -> None:
+    """Record that a call reduced over ``group`` in ``entry``'s layout (what :func:`cached` predicts from)."""
+    state = _CACHE.get((id(group), mode))
+    if state is not None and state.group is group:
+        state.used(entry)
+
+
+def mark(group: Any, mode: str, layout_id: int) -> None:
+    """Note that a reduction in layout ``layout_id`` of ``group`` found that some rank's rows no longer fit it (read
+    from its check row by a report): this rank then asks the group to agree again at its next call in it."""
+    state = _CACHE.get((id(group), mode))
+    if state is not None and state.group is group and layout_id in state.layouts:
+        state.layouts[layout_id].marked = True
 
 
 def exchange(
     group: Any, mode: str, local: list[Desc], tied: Collection[str], who: str, strict: bool = False
 ) -> _Entry:
-    """Exchange every rank's descriptions over ``group`` (one ``all_gather_object``), agree, and remember."""
-    previous = _CACHE.pop((id(group), mode), None)  # an error below leaves no layout: every rank exchanges next time
+    """Exchange every rank's descriptions over ``group`` (one ``all_gather_object``), agree, and remember: as a
+    layout the group agreed on before if it is the same one (found by fingerprint), else as a new one."""
+    key = (id(group), mode)
+    state = _CACHE.get(key)
+    if state is None or state.group is not group:
+        state = _CACHE[key] = _GroupLayouts(group)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (local, sorted(tied)), group=group)
     all_tied = frozenset(name for _, names in gathered for name in names)  # one rank's declaration is enough
-    agreed = _agree(mode, [descs for descs, _ in gathered], dist.get_rank(group), all_tied, who, strict)
-    epoch = 1 if previous is None or previous.group is not group else previous.epoch + 1
-    entry = _Entry(group, mode, frozenset(tied), agreed, epoch, agreed_local=list(local), last_local=list(local),
-                   tied=frozenset(tied))
-    _CACHE[(id(group), mode)] = entry
+    try:
+        agreed = _agree(mode, [descs for descs, _ in gathered], dist.get_rank(group), all_tied, who, strict)
+    except ValueError:
+        del _CACHE[key]  # raised on every rank alike: every rank starts afresh at its next call
+        raise
+    entry = next((e for e in state.layouts.values() if e.agreed.fingerprint == agreed.fingerprint), None)
+    if entry is None:
+        entry = _Entry(agreed, state.next_id)
+        state.next_id += 1
+        if len(state.layouts) >= _MAX_LAYOUTS:
+            state.layouts.pop(next(iter(state.layouts)))
+    entry.agreed, entry.marked = agreed, False
+    entry.agreed_local = entry.last_local = list(local)
+    entry.agreed_tied = entry.tied = frozenset(tied)
+    state.layouts[entry.layout_id] = entry
     return entry

@@ -55,13 +55,13 @@ class LayoutCheck(NamedTuple):
     them before): per group reduced over, whether some rank packed rows the group's layout has no place for."""
 
     changed: Tensor  #: int64 ``[S]``, one per group: 1 where the layout must be agreed again
-    groups: list[tuple[Any, str, int]]  #: (group, layout mode, layout epoch), one per flag
+    groups: list[tuple[Any, str, int]]  #: (group, layout mode, layout id), one per flag
 
     def note(self, changed: Sequence[int]) -> None:
         """Given the flags as read on the host: ask each changed group to agree again at its next reduction."""
-        for flag, (group, mode, epoch) in zip(changed, self.groups):
+        for flag, (group, mode, layout_id) in zip(changed, self.groups):
             if flag:
-                _layout.mark(group, mode, epoch)
+                _layout.mark(group, mode, layout_id)
 
 
 class Table(NamedTuple):
@@ -100,7 +100,7 @@ def reduce_step(
     call, and a difference is the same ValueError on every rank at once.
 
     Returns the new table (the agreed rows in the agreed order, including rows other ranks hold and this one does
-    not, then the rows not reduced over ``pg``) and, unless the group has just agreed, ``(pg, mode, epoch,
+    not, then the rows not reduced over ``pg``) and, unless the group has just agreed, ``(pg, mode, layout id,
     changed)``: the device flag a report reads (see :class:`LayoutCheck`).
     """
     device = table.sum_buf.device
@@ -176,7 +176,8 @@ def reduce_step(
     check = None
     if not fresh:
         changed = (sub_sum[n, _CHECK_DIRTY] > 0) | (sub_sum[n, _CHECK_FP] != sub_max[n, _CHECK_FP] * group_size)
-        check = (pg, mode, entry.epoch, changed)
+        check = (pg, mode, entry.layout_id, changed)
+    _layout.used(pg, mode, entry)
     held = set(rows)
     rest = [i for i in range(len(table.descs)) if i not in held]
     if rest:

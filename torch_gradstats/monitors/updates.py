@@ -71,14 +71,15 @@ def _check_named(what: str, named: Sequence[tuple[str, Tensor]]) -> None:
 
 
 def _reduce(originals: Sequence[Tensor], sumsq: Tensor, amax: Tensor, counts: Tensor, group: Any,
-            any_dtensor: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Global figures across ranks (only when a DTensor is involved or a group is given), numel included."""
+            any_dtensor: bool, meshes: Sequence[Any] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """Global figures across ranks (only when a DTensor is involved or a group is given), numel included;
+    ``meshes``: those of DTensor parameters without a gradient here (their reductions still need this rank)."""
     if group is None and not any_dtensor:
         numel = torch.tensor([t.numel() for t in originals], dtype=torch.int64)
         return sumsq, amax, counts, None, to_device(numel, sumsq.device)
     from torch_gradstats.distributed.reduce import reduce_across_ranks  # only on this path
 
-    r = reduce_across_ranks(originals, sumsq, amax, counts, group)
+    r = reduce_across_ranks(originals, sumsq, amax, counts, group, meshes=meshes)
     return r.sumsq, r.amax, r.counts, r.rank_nonfinite, r.numel
 
 
@@ -440,10 +441,16 @@ def grad_and_weight_stats(
     Returns:
         :class:`GradWeightStats`; ``.grads`` equals ``grad_stats(params, group=group)`` value for value.
     """
-    named = [(n, p) for n, p in named_params(params, "grad_and_weight_stats") if p.grad is not None]
+    every = named_params(params, "grad_and_weight_stats")
+    named = [(n, p) for n, p in every if p.grad is not None]
     dt = dtensor_types()
     if not named:
         empty_f = torch.zeros(0, dtype=torch.float64)
+        # Without gradients here, this rank still takes part in the reductions its peers make (or they would wait):
+        # the rows are matched by position, so peers that hold gradients make every rank raise alike.
+        idle = [cast(Any, p).device_mesh for _, p in every if dt and isinstance(p, dt)]
+        if group is not None or idle:
+            _reduce([], empty_f, empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64), group, True, idle)
         stats = GradStats(names=[], sumsq=empty_f, amax=empty_f.clone(), counts=torch.zeros(0, 3, dtype=torch.int64),
                           numel=torch.zeros(0, dtype=torch.int64))
         return GradWeightStats(stats, empty_f.clone(), empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64),
