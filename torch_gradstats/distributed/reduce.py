@@ -292,7 +292,9 @@ def reduce_across_ranks(
         for r in rows:
             row_masks[r].append(k)
     labels = [",".join(map(str, m)) for m in masks]
-    labels += sorted({",".join(map(str, m)) for m in row_masks if m} - set(labels))  # none unless plans differ
+    named_masks = {tuple(m): ",".join(map(str, m)) for m in map(tuple, row_masks)}  # a handful of distinct ones
+    row_labels = [named_masks[tuple(m)] for m in row_masks]
+    labels += sorted({label for label in named_masks.values() if label} - set(labels))  # none unless plans differ
     reserved = [Desc(_layout.RESERVED + label, torch.float64, None) for label in labels]
     if staged:
         reserved.append(Desc(_layout.RESERVED + "stage", torch.float64, None))
@@ -330,7 +332,8 @@ def reduce_across_ranks(
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
         own = [where[_layout.RESERVED + label] for label, m in zip(labels, masks) if k in m]
-        sinks = [where[_layout.RESERVED + ",".join(map(str, row_masks[r]))] for r in rows]
+        reserved_at = {label: where[_layout.RESERVED + label] for label in labels}
+        sinks = [reserved_at[row_labels[r]] for r in rows]
         table, check = reduce_step(table, pg, mode, [where[row_names[r]] for r in rows] + own, sinks + own, (),
                                    strict, remake, upstream(), unplaced_names=unplaced)
         checks += [check] if check is not None else []
