@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -23,13 +24,15 @@ from torch_gradstats.ops.op import multi_tensor_stats
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dist_workers
 
-pytestmark = [
+#: The marks of every test that spawns gloo ranks (this module's and the other test_distributed_*.py).
+GLOO_MARKS = [
     pytest.mark.distributed,
     pytest.mark.skipif(
         not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
         reason="torch.distributed with gloo is not available",
     ),
 ]
+pytestmark = GLOO_MARKS
 
 SPAWN_TIMEOUT_S = 120.0  # whole run of one world size
 COLLECTIVE_TIMEOUT_S = 60.0  # a rank stuck in a collective gives up after this
@@ -94,6 +97,18 @@ def spawn_scenarios(world: int, outdir: str, scenarios_module: str) -> tuple[int
         else:
             results.append({})
     return world, results, crash
+
+
+def scenario_results(scenarios_module: str) -> Any:
+    """A module-scoped fixture named ``results``: one spawn per world size (2 and 4) that runs every scenario of
+    ``scenarios_module``; ``assert_scenario(results, name)`` then reports each."""
+
+    @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}", name="results")
+    def results(request: Any, tmp_path_factory: Any) -> tuple[int, list[dict[str, dict[str, str]]], str]:
+        outdir = str(tmp_path_factory.mktemp(f"{scenarios_module.strip('_')}{request.param}"))
+        return spawn_scenarios(request.param, outdir, scenarios_module)
+
+    return results
 
 
 def assert_scenario(spawned: tuple[int, list[dict[str, dict[str, str]]], str], scenario: str) -> None:

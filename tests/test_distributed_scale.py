@@ -8,27 +8,15 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _dist_scale_workers
-from test_distributed import assert_scenario, spawn_scenarios
+from test_distributed import GLOO_MARKS, assert_scenario, scenario_results
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.skipif(
-        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-        reason="torch.distributed with gloo is not available",
-    ),
-]
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
-def scale_results(request, tmp_path_factory) -> tuple[int, list[dict[str, dict[str, str]]], str]:
-    return spawn_scenarios(request.param, str(tmp_path_factory.mktemp(f"scale{request.param}")),
-                           "_dist_scale_workers")
+pytestmark = GLOO_MARKS
+results = scenario_results("_dist_scale_workers")
 
 
 @pytest.mark.parametrize("scenario", list(_dist_scale_workers.SCENARIOS))
-def test_scenario(scale_results, scenario: str) -> None:
-    assert_scenario(scale_results, scenario)
+def test_scenario(results, scenario: str) -> None:
+    assert_scenario(results, scenario)
