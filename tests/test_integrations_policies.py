@@ -26,17 +26,11 @@ from lightning.pytorch.loggers import CSVLogger
 
 from torch_gradstats.integrations.lightning import GradStatsCallback
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SPIKE = 6  # the optimizer step whose loss (and so gradient) is multiplied by 1e4
 POLICY_KEYS = {"guard/skipped", "guard/consecutive", "guard/grad_norm_z", "guard/loss_z"}
 CLIP_KEYS = {"clip/threshold", "clip/coef"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------- Lightning

@@ -24,16 +24,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from torch_gradstats.integrations.transformers import _unscaled, add_to_trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 POISONED = "transformer.h.1.mlp.c_fc.weight"
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    # A model this small runs fastest on one thread; several threads fight each other on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model() -> GPT2LMHeadModel:

@@ -21,17 +21,12 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, Tra
 from torch_gradstats import FlightRecorder, SpikeGuard  # noqa: E402
 from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 T, MICRO, ACCUMULATION, STEPS = 8, 4, 2, 10
 BAD_STEP, BAD_MICRO, BAD_POS = 7, 1, 2  # the second micro-batch of step 7, its third example
 BAD_INDEX = BAD_MICRO * MICRO + BAD_POS  # 0-based position among the step's MICRO * ACCUMULATION examples
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model() -> GPT2ForSequenceClassification:
