@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["EXACT", "Contribution", "Dense", "Norms", "exact_contributions", "func_grads", "output_tensors"]
+from torch_gradstats.monitors.activations._reads import top_level  # a module's output tensors, in order
+
+__all__ = ["EXACT", "Contribution", "Dense", "Norms", "exact_contributions", "func_grads"]
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 EXACT = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, *_NORMS)
@@ -266,7 +268,7 @@ def func_grads(m: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, .
 
         def forward(p: dict[str, Tensor]) -> Tensor:
             out = torch.func.functional_call(m, p, xs, kw)
-            return output_tensors(out)[out_index]
+            return top_level(out)[out_index]
 
         pull = torch.func.vjp(forward, p)[1]
         grads: dict[str, Tensor] = pull(g_i.unsqueeze(bd))[0]
@@ -276,12 +278,3 @@ def func_grads(m: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, .
     detached = {k: v.detach() for k, v in params.items()}
     grads: dict[str, Tensor] = torch.func.vmap(one, in_dims=(None, dims, bd))(detached, inputs, g)
     return grads
-
-
-def output_tensors(out: Any) -> list[Tensor]:
-    """The tensors a module returned, in order (a tensor, or a tuple or list of them and other values)."""
-    if isinstance(out, Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [o for o in out if isinstance(o, Tensor)]
-    return []

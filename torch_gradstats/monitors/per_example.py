@@ -34,8 +34,8 @@ from torch_gradstats.monitors._per_example_math import (
     Norms,
     exact_contributions,
     func_grads,
-    output_tensors,
 )
+from torch_gradstats.monitors.activations._reads import top_level
 from torch_gradstats.ops._transfer import to_device
 
 __all__ = ["PerExampleNorms"]
@@ -143,7 +143,7 @@ class PerExampleNorms:
         layer = self._layers[m]
         self._check(layer.name, m)  # the module may have been put in training mode since
         live = [full for _, full, p in layer.params if p.requires_grad]
-        outs = output_tensors(out)[:1] if layer.exact else output_tensors(out)
+        outs = top_level(out)[:1] if layer.exact else top_level(out)
         for i, o in enumerate(outs if live else []):
             if o.requires_grad:  # the gradient there, with this call's inputs, gives this use's contribution
                 o.register_hook(lambda g, i=i: self._backward(layer, args, kwargs, i, g))
