@@ -72,7 +72,8 @@ def gpt2_pipeline_stages(rank: int, world: int) -> str | None:
 def resnet_sharded_gradients(rank: int, world: int) -> None:
     """The zoo's ResNet (in-place residual, ReLU(inplace=True)) trained data-parallel with ZeRO-like gradient
     shards: every rank holds a flat piece of every gradient (`group=`). The last rank's piece of the classifier is
-    missing for one step; the totals equal the reference of what the ranks hold at every step."""
+    missing for one step, one step is read under inference_mode, and on odd steps only rank 0 reports while the
+    others call check_layout(); the totals equal the reference of what the ranks hold at every step."""
     model = model_zoo.resnet(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(2)
@@ -85,11 +86,20 @@ def resnet_sharded_gradients(rank: int, world: int) -> None:
             for r, piece in enumerate(torch.tensor_split(p.grad.reshape(-1), world)):
                 lost = step == 2 and r == world - 1 and name.startswith("fc.")
                 pieces[r].append((name, None if lost else piece))
-        stats = grad_stats([_copy(n, g) for n, g in pieces[rank]], group=dist.group.WORLD)
-        rep = stats.report()
+        mine = [_copy(n, g) for n, g in pieces[rank]]
+        if step == 1:  # read under inference_mode (as in an evaluation loop): later calls are unaffected
+            with torch.inference_mode():
+                stats = grad_stats(mine, group=dist.group.WORLD)
+        else:
+            stats = grad_stats(mine, group=dist.group.WORLD)
         want = _reference([(n, g) for held in pieces for n, g in held])
-        assert math.isclose(rep.total_norm, want, rel_tol=1e-12), (step, rep.total_norm, want)
-        assert list(rep.norms) == [n for n, _ in model.named_parameters()], list(rep.norms)
+        if rank != 0 and step % 2:  # one rank reports, the others read only the layout flags
+            stats.check_layout()
+            assert math.isclose(float(stats.total_norm), want, rel_tol=1e-12), (step, float(stats.total_norm))
+        else:
+            rep = stats.report()
+            assert math.isclose(rep.total_norm, want, rel_tol=1e-12), (step, rep.total_norm, want)
+            assert list(rep.norms) == [n for n, _ in model.named_parameters()], list(rep.norms)
         opt.step()
 
 
