@@ -334,14 +334,15 @@ inline VI set1_8(uint8_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
 inline VI min_u8(VI a, VI b) { return _mm512_min_epu8(a, b); }
 inline VI sub8(VI a, VI b) { return _mm512_sub_epi8(a, b); }
 inline void storei(void* p, VI a) { _mm512_storeu_si512(p, a); }
-// How many bytes of the registers given to add() equal `want`'s: a popcount of the compare's mask.
+// How many bytes of the registers given to add() equal `want`'s: per-byte counters, one masked add per register (a
+// compare and an add, where a popcount of the mask also takes a mask move and a scalar add), at most 255 registers.
 class ByteMatches {
  public:
-  void add(VI a, VI want) { count_ += __builtin_popcountll(_cvtmask64_u64(_mm512_cmpeq_epi8_mask(a, want))); }
-  int64_t total() const { return count_; }
+  void add(VI a, VI want) { acc_ = _mm512_mask_add_epi8(acc_, _mm512_cmpeq_epi8_mask(a, want), acc_, _mm512_set1_epi8(1)); }
+  int64_t total() const { return _mm512_reduce_add_epi64(_mm512_sad_epu8(acc_, _mm512_setzero_si512())); }
 
  private:
-  int64_t count_ = 0;
+  __m512i acc_ = _mm512_setzero_si512();
 };
 #if defined(__GFNI__) && defined(__AVX512BITALG__)
 #define TORCH_GRADSTATS_GFNI 1
