@@ -9,6 +9,7 @@ the hooks, their order and the accumulation over backwards). See that module's d
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from torch_gradstats.monitors.activations._reads import top_level  # a module's output tensors, in order
 
-__all__ = ["EXACT", "Contribution", "Dense", "Norms", "exact_contributions", "func_grads"]
+__all__ = ["EXACT", "Autocast", "Contribution", "Dense", "Norms", "autocast_state", "exact_contributions", "func_grads"]
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 EXACT = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, *_NORMS)
@@ -252,12 +253,24 @@ def exact_contributions(m: nn.Module, x: Tensor, g: Tensor, bd: int) -> dict[str
     return {"weight": Dense(xg), "bias": Dense(g.reshape(b, -1, *shape).sum(1))}
 
 
+#: The autocast settings of a forward: (device type, enabled, dtype) for each device type it may compute on.
+Autocast = tuple[tuple[str, bool, torch.dtype], ...]
+
+
+def autocast_state(device_type: str) -> Autocast:
+    """The autocast settings in force now for ``device_type`` and the CPU: what a module's forward computed under,
+    for its replay in the backward (which runs outside autocast), as activation checkpointing keeps them."""
+    kinds = sorted({device_type, "cpu"})
+    return tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
+                 for k in kinds if torch.amp.is_autocast_available(k))
+
+
 def func_grads(m: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, ...], kwargs: dict[str, Any],
-                out_index: int, g: Tensor, bd: int, b: int) -> dict[str, Tensor]:
+               out_index: int, g: Tensor, bd: int, b: int, amp: Autocast = ()) -> dict[str, Tensor]:
     """Per-example gradients ``[B, *shape]`` of ``params`` through the output ``out_index`` of ``m``, by torch.func:
-    each example runs alone, as a batch of one, and its gradient is ``vjp`` of that output's gradient. A tensor
-    argument (positional or keyword) with ``b`` rows along the batch dimension is split by example; every other
-    argument is passed whole."""
+    each example runs alone, as a batch of one, under the forward's autocast settings ``amp``, and its gradient is
+    ``vjp`` of that output's gradient. A tensor argument (positional or keyword) with ``b`` rows along the batch
+    dimension is split by example; every other argument is passed whole."""
     values = (*args, *kwargs.values())
     batched = [isinstance(v, Tensor) and v.dim() > bd and v.shape[bd] == b for v in values]
     inputs = tuple(v.detach() if isinstance(v, Tensor) else v for v in values)
@@ -267,11 +280,15 @@ def func_grads(m: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, .
         xs, kw = vs[:len(args)], dict(zip(kwargs, vs[len(args):]))
 
         def forward(p: dict[str, Tensor]) -> Tensor:
-            out = torch.func.functional_call(m, p, xs, kw)
+            with contextlib.ExitStack() as stack:
+                for kind, enabled, dtype in amp:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=False))
+                out = torch.func.functional_call(m, p, xs, kw)
             return top_level(out)[out_index]
 
-        pull = torch.func.vjp(forward, p)[1]
-        grads: dict[str, Tensor] = pull(g_i.unsqueeze(bd))[0]
+        out, pull = torch.func.vjp(forward, p)
+        # The output's gradient in the output's dtype (a 16-bit one under autocast), as the backward had it.
+        grads: dict[str, Tensor] = pull(g_i.unsqueeze(bd).to(out.dtype))[0]
         return grads
 
     dims = tuple(bd if bt else None for bt in batched)

@@ -29,9 +29,11 @@ from torch import Tensor, nn
 
 from torch_gradstats.monitors._per_example_math import (
     EXACT,
+    Autocast,
     Contribution,
     Dense,
     Norms,
+    autocast_state,
     exact_contributions,
     func_grads,
 )
@@ -144,9 +146,12 @@ class PerExampleNorms:
         self._check(layer.name, m)  # the module may have been put in training mode since
         live = [full for _, full, p in layer.params if p.requires_grad]
         outs = top_level(out)[:1] if layer.exact else top_level(out)
+        amp: Autocast = ()
+        if not layer.exact and args and isinstance(args[0], Tensor):  # a replay computes as this forward did
+            amp = autocast_state(args[0].device.type)
         for i, o in enumerate(outs if live else []):
             if o.requires_grad:  # the gradient there, with this call's inputs, gives this use's contribution
-                o.register_hook(lambda g, i=i: self._backward(layer, args, kwargs, i, g))
+                o.register_hook(lambda g, i=i: self._backward(layer, args, kwargs, i, g, amp))
                 for full in live:
                     self._uses[full] += 1
 
@@ -159,7 +164,8 @@ class PerExampleNorms:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _backward(self, layer: _Layer, args: tuple[Any, ...], kwargs: dict[str, Any], index: int, g: Tensor) -> None:
+    def _backward(self, layer: _Layer, args: tuple[Any, ...], kwargs: dict[str, Any], index: int, g: Tensor,
+                  amp: Autocast = ()) -> None:
         self._queue()
         m, bd = layer.module, self.batch_dim
         if not args or not isinstance(args[0], Tensor):
@@ -184,7 +190,7 @@ class PerExampleNorms:
             params = {local: p for local, _, p in layer.params if local in want}
             self._replaying = True
             try:
-                made = {k: Dense(v) for k, v in func_grads(m, params, args, kwargs, index, g, bd, b).items()}
+                made = {k: Dense(v) for k, v in func_grads(m, params, args, kwargs, index, g, bd, b, amp).items()}
             finally:
                 self._replaying = False
         for local, full, p in layer.params:

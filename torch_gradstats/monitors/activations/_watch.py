@@ -135,6 +135,13 @@ def _recomputing() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+def _transformed() -> bool:
+    """A forward run inside a torch.func transform (vmap, grad, vjp): PerExampleNorms replaying a module for each
+    example, or the caller's own functional code. Its tensors are wrappers without storage, and its backward is the
+    transform's, not the step's: nothing of it is read."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def _floating(t: Tensor) -> bool:
     return t.dtype in SUPPORTED_DTYPES or t.is_complex()
 
@@ -309,6 +316,8 @@ class ActivationWatch:
         opened, reader = self._open, self._reader
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if _transformed():
+                return None
             recompute = _recomputing()
             if i == 0:
                 if torch.compiler.is_compiling() or _inside_compiled_call():
@@ -359,6 +368,8 @@ class ActivationWatch:
         opened, reader, own_params = self._open, self._reader, module._parameters
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if _transformed():  # its pre-hook did nothing either
+                return None
             if i == 0:
                 self._in_root = max(0, self._in_root - 1)
             stack = opened.get((i, threading.get_ident()))

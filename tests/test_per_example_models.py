@@ -1,0 +1,152 @@
+"""PerExampleNorms on a Hugging Face GPT-2 (loss inside ``forward``) beside an ActivationWatch, and under bfloat16
+autocast: its torch.func replays (GPT-2's Conv1D, MultiheadAttention) run inside the backward, where the watch's
+hooks must not read their storage-less tensors and where autocast is no longer active."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+from model_zoo import gpt2
+from torch import Tensor, nn
+
+from torch_gradstats.monitors.activations import ActivationWatch
+from torch_gradstats.monitors.per_example import PerExampleNorms
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B, T = 3, 6
+
+
+def _gpt2() -> nn.Module:
+    """The zoo's GPT-2 in training mode without dropout: each example's gradient is then one function of its tokens,
+    which the one-at-a-time reference recomputes."""
+    model = gpt2()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _batch() -> dict[str, Tensor]:
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(0))
+    # position_ids per example: without them GPT-2 makes one [1, T] row shared by the batch (docs/per_example.md)
+    return {"input_ids": ids, "position_ids": torch.arange(T).expand(B, T).contiguous(), "labels": ids}
+
+
+def _example(batch: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+    return {k: v[i:i + 1] for k, v in batch.items()}
+
+
+def _reference(model: nn.Module, batch: dict[str, Tensor], amp: bool = False) -> Tensor:
+    """Each example's own loss gradient norm, one example at a time (float64 unless ``amp``)."""
+    model = copy.deepcopy(model) if amp else copy.deepcopy(model).double()
+    norms = []
+    for i in range(B):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext():
+            loss = model(**_example(batch, i)).loss
+        loss.backward()
+        norms.append(torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None]).norm())
+    return torch.stack(norms)
+
+
+def _step(model: nn.Module, batch: dict[str, Tensor], *monitors: Any) -> None:
+    with contextlib.ExitStack() as stack:
+        for m in monitors:
+            stack.enter_context(m)
+        model.zero_grad()
+        model(**batch).loss.backward()  # the mean over B * T tokens: each example's mean, averaged
+
+
+@pytest.mark.parametrize("watch_first", [True, False])
+def test_gpt2_with_an_activation_watch_gives_the_same_figures_as_each_alone(watch_first: bool) -> None:
+    model, batch = _gpt2(), _batch()
+    alone_pe = PerExampleNorms(model, loss_reduction="mean")
+    _step(model, batch, alone_pe)
+    alone_watch = ActivationWatch(model)
+    _step(model, batch, alone_watch)
+    grads_alone = [p.grad.clone() for p in model.parameters()]
+
+    pe, watch = PerExampleNorms(model, loss_reduction="mean"), ActivationWatch(model)
+    _step(model, batch, *((watch, pe) if watch_first else (pe, watch)))
+
+    torch.testing.assert_close(pe.norms().double(), _reference(model, batch), rtol=1e-4, atol=0.0)
+    assert torch.equal(pe.norms(), alone_pe.norms())
+    # the replays inside the backward added no call, forward or backward, to the watch's step
+    assert watch.report().to_dict(per_module=True) == alone_watch.report().to_dict(per_module=True)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads_alone))
+
+
+def test_gpt2_with_an_activation_watch_names_a_nan_and_evaluates_under_inference_mode() -> None:
+    model, batch = _gpt2(), _batch()
+    pe, watch = PerExampleNorms(model, loss_reduction="mean"), ActivationWatch(model)
+    with watch, pe:
+        model.eval()
+        with torch.inference_mode():
+            model(**batch)
+        model.train()
+        with torch.no_grad():
+            model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+        model.zero_grad()
+        model(**batch).loss.backward()
+        assert watch.report().origin == "transformer.h.1.mlp.c_fc"
+        assert pe.norms().isnan().all()  # every example's tokens pass the poisoned weight
+
+
+def test_gpt2_under_bfloat16_autocast_matches_the_per_example_reference() -> None:
+    model, batch = _gpt2(), _batch()
+    with PerExampleNorms(model, loss_reduction="mean") as pe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+    # the replays compute in bfloat16 as the forward did; one example alone rounds a little differently
+    torch.testing.assert_close(pe.norms().double(), _reference(model, batch, amp=True), rtol=2e-2, atol=0.0)
+
+
+class _Attention(nn.Module):
+    """Linear, then MultiheadAttention (a torch.func replay) fed the Linear's bfloat16 output under autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj(x)
+        return self.head(self.attn(h, h, h, need_weights=False)[0]).float().mean(dim=(1, 2))
+
+
+def test_multihead_attention_replay_under_autocast_computes_in_the_forwards_dtype() -> None:
+    model, x = _Attention(), torch.randn(B, 5, 8)
+
+    def loss_of(xb: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(xb).sum()
+
+    with PerExampleNorms(model, loss_reduction="sum") as pe:
+        loss_of(x).backward()
+    want = []
+    for i in range(B):
+        model.zero_grad()
+        loss_of(x[i:i + 1]).backward()
+        want.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm())
+    torch.testing.assert_close(pe.norms().double(), torch.stack(want), rtol=2e-2, atol=0.0)
+
+
+def test_trainer_with_autocast_per_example_norms_and_an_activation_watch() -> None:
+    import torch_gradstats as tg
+
+    model = _Attention()
+    data = [(torch.randn(4, 5, 8), torch.randn(4)) for _ in range(3)]
+    trainer = tg.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), amp_dtype=torch.bfloat16,
+                         per_example=True, watch_activations=True, progress=False)
+    summary = trainer.train_epoch(data)
+    assert summary.steps == 3 and summary.nonfinite_steps == 0 and math.isfinite(summary.loss)
+    report = trainer.last_activation_report
+    assert report is not None and not report.nonfinite
