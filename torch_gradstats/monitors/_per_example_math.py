@@ -286,7 +286,7 @@ def func_grads(m: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, .
                 out = torch.func.functional_call(m, p, xs, kw)
             return top_level(out)[out_index]
 
-        out, pull = torch.func.vjp(forward, p)
+        out, pull = torch.func.vjp(forward, p)[:2]  # (typed as a tuple of any length)
         # The output's gradient in the output's dtype (a 16-bit one under autocast), as the backward had it.
         grads: dict[str, Tensor] = pull(g_i.unsqueeze(bd).to(out.dtype))[0]
         return grads
