@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -62,6 +63,22 @@ def test_warning_names_the_corrupted_example(fused: bool, caplog: pytest.LogCapt
     (message,) = _skip_warnings(caplog)
     assert f"optimizer step {BAD_STEP} skipped (gradient spike)" in message
     assert f"positions): #{BAD_POS} norm" in message and "batch median" in message
+
+
+def test_an_example_with_a_nan_input_is_named_beside_the_median_of_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(20 * BATCH, 8, generator=g), torch.randn(20 * BATCH, 1, generator=g)
+    x[BAD_STEP * BATCH + BAD_POS, 3] = float("nan")
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=1e-2), nn.MSELoss(), skip_nonfinite=True,
+                      per_example=True, progress=False)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        trainer.train_epoch(DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    (message,) = _skip_warnings(caplog)
+    assert f"optimizer step {BAD_STEP} skipped (non-finite gradient)" in message
+    assert f"positions): #{BAD_POS} norm nan, #" in message  # the one NaN example first, then finite norms
+    median = float(message.rsplit("batch median ", 1)[1])
+    assert math.isfinite(median) and median > 0
 
 
 def test_every_skipped_step_is_warned_without_per_example(caplog: pytest.LogCaptureFixture) -> None:

@@ -100,7 +100,7 @@ class StepIncidents:
             norms = pe.norms().to(device=device, dtype=torch.float64) * scale
             k = min(TOP, norms.shape[0])
             values, indices = torch.topk(norms, k)
-            median = norms.median()
+            median = norms.nanmedian()  # of the examples with a norm: one NaN example leaves the others
             row[_COUNT] = norms.shape[0]
             row[_MEDIAN] = median
             row[_IDX:_IDX + k] = indices.to(torch.float64)
