@@ -54,6 +54,11 @@
 #include <utility>
 #include <vector>
 
+// Test-only: runs between an eviction candidate's two atomic loads (tests/cpp/test_metadata_cache.cpp defines it).
+#ifndef TORCH_GRADSTATS_CACHE_TEST_HOOK
+#define TORCH_GRADSTATS_CACHE_TEST_HOOK(entry_data)
+#endif
+
 namespace torch_gradstats::metadata_cache {
 
 template <class Policy>
@@ -110,7 +115,8 @@ class Cache {
     bool is_inline() const { return inline_; }
     const void* data() const { return e_ ? e_->data : nullptr; }
     // The reads are enqueued: record this stream's marker, then unpin. Release: what was enqueued before it
-    // happens-before an eviction that sees the pin gone (acquire), and so does the marker's ordering of frees.
+    // happens-before an eviction that sees the pin gone (acquire), and so do the marker's ordering of frees and the
+    // stuck flag when the marker failed.
     void reset() noexcept {
       if (!e_) return;
       Entry* e = std::exchange(e_, nullptr);
@@ -229,7 +235,11 @@ class Cache {
     auto victim = entries_.end();
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
       Entry& e = **it;
-      if (e.filling || e.stuck.load(std::memory_order_relaxed) || e.pins.load(std::memory_order_acquire) != 0) continue;
+      // Pins first: a reader sets stuck before its unpin (release), so a load that sees the unpin (acquire) sees
+      // stuck too. The other order can see the stuck flag not yet set, then no pin, and free a stuck entry.
+      const bool pinned = e.pins.load(std::memory_order_acquire) != 0;
+      TORCH_GRADSTATS_CACHE_TEST_HOOK(e.data);
+      if (e.filling || pinned || e.stuck.load(std::memory_order_relaxed)) continue;
       if (victim == entries_.end() || e.last_use < (*victim)->last_use) victim = it;
     }
     return victim;

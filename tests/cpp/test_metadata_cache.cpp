@@ -16,6 +16,13 @@
 // then fail, as they should.
 //
 //   test_metadata_cache [iterations per thread]   (default 100000; scripts/check_cache_sanitizer.sh passes fewer)
+#include <functional>
+
+// Called by the cache between its two loads of an eviction candidate (the entry's block): a test acts there.
+std::function<void(void*)> between_eviction_loads;
+#define TORCH_GRADSTATS_CACHE_TEST_HOOK(entry_data) \
+  (between_eviction_loads ? between_eviction_loads(entry_data) : void())
+
 #include "cuda/metadata_cache.h"
 
 #include <atomic>
@@ -23,7 +30,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <deque>
-#include <functional>
 #include <future>
 #include <iostream>
 #include <mutex>
@@ -545,6 +551,47 @@ void test_capture_begun_on_the_readers_stream_keeps_the_entry() {
   expect(dev.violations.load() == 0, "own stream: no violation");
 }
 
+// A reader whose marker cannot be recorded ends its lease (the entry becomes stuck, then unpinned) while an eviction
+// examines that entry, between its loads of the pins and the stuck flag. The eviction must not take it: its read is
+// ordered before no free. Fails when the eviction loads the stuck flag first (it sees neither: freed before the read).
+void test_entry_stuck_during_an_eviction_scan_is_kept() {
+  FakeDevice dev;
+  Cache cache(FakePolicy{&dev});
+  FakeStream* s = dev.new_stream();
+  FakeStream* other = dev.new_stream();
+  for (int k = 0; k < int(kCapacity); ++k) call(cache, dev, make_key(k), s);
+  dev.drain();
+  const Key key = make_key(0);
+  Cache::Lease reader = cache.get(key.items.data(), key.items.size(), key.hash, key.bytes(), s);
+  auto* block = static_cast<Block*>(const_cast<void*>(reader.data()));
+  expect(block != nullptr, "stuck in a scan: the reader hits");
+  dev.set(s, &FakeStream::paused, true);  // the reader's kernel stays queued
+  {
+    std::lock_guard<std::mutex> lock(dev.mu);
+    dev.enqueue(s, Op{Op::kRead, block, key.items});
+  }
+  for (int k = 1; k < int(kCapacity); ++k) call(cache, dev, make_key(k), other);  // the reader's entry is the LRU
+  const Key evictor = make_key(300);
+  call(cache, dev, evictor, other);  // first sighting: not admitted
+  bool fired = false;
+  between_eviction_loads = [&](void* data) {
+    if (data != block || fired) return;
+    fired = true;
+    dev.fail_next_marker = 1;
+    std::thread([&reader] { reader.reset(); }).join();  // the reader's thread
+  };
+  expect(call(cache, dev, evictor, other) == kCached, "stuck in a scan: the second sighting is admitted");
+  between_eviction_loads = nullptr;
+  expect(fired, "stuck in a scan: the reader ended its lease during the scan");
+  dev.drain();
+  expect(!block->free, "stuck in a scan: the stuck entry was freed before its reader's read");
+  dev.set(s, &FakeStream::paused, false);
+  dev.drain();
+  const auto info = cache.info();
+  expect(info.retired == 1 && info.pinned == 0, "stuck in a scan: the entry is kept, unpinned");
+  expect(dev.violations.load() == 0, "stuck in a scan: no violation");
+}
+
 void test_failures_leave_the_cache_consistent() {
   FakeDevice dev;
   Cache cache(FakePolicy{&dev});
@@ -738,6 +785,7 @@ int main(int argc, char** argv) {
   test_capture_begun_by_another_thread_between_query_and_record();
   test_destroyed_streams_are_never_touched();
   test_capture_begun_on_the_readers_stream_keeps_the_entry();
+  test_entry_stuck_during_an_eviction_scan_is_kept();
   test_failures_leave_the_cache_consistent();
   test_fill_runs_without_the_cache_lock();
   test_many_small_lists_allocate_nothing();
