@@ -16,8 +16,9 @@
 //    error) leaves the entry stuck: never evicted nor freed, still counted against the capacity.
 //  * No device work under the lock: allocation, fill, markers and frees run outside it. A miss inserts its entry
 //    (pinned, "filling") before it allocates; another call on the same key meanwhile takes the per-call path.
-//  * Every failure path leaves the table consistent: a failed miss removes its entry and hands its memory back; a
-//    free that fails is retried by a later call (memory and marker are never dropped on the floor).
+//  * Every failure path leaves the table consistent: a failed miss removes its entry and hands its memory back; an
+//    entry evicted by a miss that then throws (host memory) is still freed; a free that fails is retried by a later
+//    call (memory and marker are never dropped on the floor, and keeping them allocates nothing).
 //  * Admission: when the table is full, a missed key is admitted only if the least recently used unpinned entry has
 //    been idle longer than the key's own reuse distance (from a small table of recently missed keys). Lists that
 //    alternate in a fixed order, more of them than the capacity, then keep a stable set of entries (the rest take
@@ -48,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -137,7 +139,7 @@ class Cache {
     int64_t entries, bytes, retired, pinned;  // retired: stuck entries and frees waiting for a retry
   };
 
-  explicit Cache(Policy policy) : policy_(std::move(policy)) {}
+  explicit Cache(Policy policy) : policy_(std::move(policy)) { entries_.reserve(kCapacity); }
   Cache(const Cache&) = delete;
   Cache& operator=(const Cache&) = delete;
   ~Cache() = default;  // entries are not freed here: the owner decides (the CUDA one is never destroyed)
@@ -149,12 +151,18 @@ class Cache {
   // empty (the per-call path: not admitted, no memory, or its entry being filled by another call).
   Lease get(const Item* items, size_t n, uint64_t hash, size_t bytes, Stream stream) {
     if (n <= policy_.inline_items()) return Lease::inline_metadata();
-    std::vector<std::unique_ptr<Entry>> to_free;
     Entry* hit = nullptr;
     Entry* fresh = nullptr;
     {
+      // Evicted entries and frees that failed before: freed when this scope ends, outside the lock (declared
+      // first, it outlives the lock_guard), a throw included (an insertion that throws after its eviction).
+      struct ToFree {
+        Cache* cache;
+        List list;
+        ~ToFree() { cache->free_entries(list); }
+      } to_free{this, {}};
       std::lock_guard<std::mutex> lock(mu_);
-      to_free.swap(pending_);  // frees that failed before: retried below, outside the lock
+      to_free.list.swap(pending_);
       const uint64_t now = ++clock_;
       Entry* match = nullptr;
       for (auto& e : entries_) {
@@ -168,7 +176,7 @@ class Cache {
         match->pins.fetch_add(1, std::memory_order_relaxed);  // under the lock: an eviction cannot miss it
         hit = match;
       }
-      if (match == nullptr && admit(hash, now, to_free)) {
+      if (match == nullptr && admit(hash, now, to_free.list)) {
         auto e = std::make_unique<Entry>();
         e->hash = hash;
         e->key.assign(items, items + n);
@@ -176,11 +184,10 @@ class Cache {
         e->last_use = now;
         e->pins.store(1, std::memory_order_relaxed);
         fresh = e.get();
-        entries_.push_back(std::move(e));
+        entries_.push_back(std::move(e));  // cannot throw: capacity reserved
         live_bytes_ += bytes;
       }
     }
-    free_entries(to_free);
     if (hit != nullptr) {
       Lease lease(this, hit, stream);  // from here a throw unpins
       if (!hit->fill_seen.load(std::memory_order_acquire)) {
@@ -207,6 +214,8 @@ class Cache {
   }
 
  private:
+  using List = std::list<std::unique_ptr<Entry>>;  // of entries to free: moved between lists without allocating
+
   struct Ghost {
     uint64_t hash = 0;
     uint64_t seen = 0;  // clock of its last miss (or last use, for an evicted entry); 0: empty
@@ -214,7 +223,7 @@ class Cache {
 
   // A miss at `now`: room for its entry, evicting into `to_free` when the table is full and the admission rule
   // allows (mu_ held). False: not admitted.
-  bool admit(uint64_t hash, uint64_t now, std::vector<std::unique_ptr<Entry>>& to_free) {
+  bool admit(uint64_t hash, uint64_t now, List& to_free) {
     Ghost& g = ghosts_[hash % kGhosts];
     const uint64_t reuse =
         (g.hash == hash && g.seen != 0) ? now - g.seen : std::numeric_limits<uint64_t>::max();  // first sighting
@@ -224,9 +233,9 @@ class Cache {
     // longer than the missed key's reuse distance.
     auto victim = lru_unpinned();
     if (victim == entries_.end() || now - (*victim)->last_use <= reuse) return false;  // the per-call path
-    ghosts_[(*victim)->hash % kGhosts] = {(*victim)->hash, (*victim)->last_use};  // it may earn its place back
-    live_bytes_ -= (*victim)->bytes;
-    to_free.push_back(std::move(*victim));
+    to_free.push_back(std::move(*victim));  // first: if it throws, nothing has changed
+    ghosts_[to_free.back()->hash % kGhosts] = {to_free.back()->hash, to_free.back()->last_use};  // may earn it back
+    live_bytes_ -= to_free.back()->bytes;
     entries_.erase(victim);
     return true;
   }
@@ -297,21 +306,19 @@ class Cache {
   }
 
   // Outside the lock. Every read of these entries has ended, so each release is ordered after them; one that fails
-  // waits in pending_ for the next call.
-  void free_entries(std::vector<std::unique_ptr<Entry>>& list) noexcept {
-    if (list.empty()) return;
-    std::vector<std::unique_ptr<Entry>> failed;
-    for (auto& e : list) {
-      if (policy_.release(e->data, e->bytes)) {
-        policy_.drop(e->ready);
+  // waits in pending_ for the next call. Allocates nothing (list nodes are spliced), so nothing here can throw.
+  void free_entries(List& list) noexcept {
+    for (auto it = list.begin(); it != list.end();) {
+      if (policy_.release((*it)->data, (*it)->bytes)) {
+        policy_.drop((*it)->ready);
+        it = list.erase(it);
       } else {
-        failed.push_back(std::move(e));
+        ++it;
       }
     }
-    list.clear();
-    if (!failed.empty()) {
+    if (!list.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& e : failed) pending_.push_back(std::move(e));
+      pending_.splice(pending_.end(), list);
     }
   }
 
@@ -320,7 +327,7 @@ class Cache {
   uint64_t clock_ = 0;
   size_t live_bytes_ = 0;
   std::vector<std::unique_ptr<Entry>> entries_;
-  std::vector<std::unique_ptr<Entry>> pending_;  // evicted, their free failed: retried by the next call
+  List pending_;  // evicted, their free failed: retried by the next call
   std::array<Ghost, kGhosts> ghosts_{};
 };
 

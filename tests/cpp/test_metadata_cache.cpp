@@ -33,11 +33,28 @@ std::function<void(void*)> between_eviction_loads;
 #include <future>
 #include <iostream>
 #include <mutex>
+#include <new>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+// Host allocation failures on demand: while alloc_countdown >= 0 on a thread, its allocation number alloc_countdown
+// (counting from 0) throws std::bad_alloc. The fake device's own allocations are exempt (it models the device).
+thread_local int64_t alloc_countdown = -1;
+thread_local bool alloc_exempt = false;
+
+void* operator new(std::size_t size) {
+  if (alloc_countdown >= 0 && !alloc_exempt && alloc_countdown-- == 0) throw std::bad_alloc();
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // this operator new is malloc's: free is its delete
+#endif
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
@@ -184,6 +201,12 @@ struct FakeDevice {
   }
 };
 
+struct DeviceScope {  // in every call of the fake policy: its allocations never fail
+  bool was = alloc_exempt;
+  DeviceScope() { alloc_exempt = true; }
+  ~DeviceScope() { alloc_exempt = was; }
+};
+
 struct FakePolicy {
   using Stream = FakeStream*;
   using Item = ::Item;
@@ -195,6 +218,7 @@ struct FakePolicy {
 
   size_t inline_items() const { return dev->inline_items; }
   void* allocate(size_t bytes, Stream s) {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     if (s->destroyed) dev->violation("allocation on a destroyed stream");
     if (dev->fail_next_fill == 3) {
@@ -220,6 +244,7 @@ struct FakePolicy {
     return b;
   }
   void fill(void* data, const Item* items, size_t n, Stream s) {
+    const DeviceScope device;
     if (dev->on_fill) dev->on_fill();
     std::lock_guard<std::mutex> lock(dev->mu);
     if (dev->fail_next_fill == 1) {
@@ -230,6 +255,7 @@ struct FakePolicy {
     dev->enqueue(s, Op{Op::kFill, static_cast<Block*>(data), std::vector<Item>(items, items + n)});
   }
   Ready fill_done(Stream s) {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     if (dev->fail_next_fill == 2) {
       dev->fail_next_fill = 0;
@@ -239,15 +265,18 @@ struct FakePolicy {
     return {s, s->enqueued};
   }
   bool fill_complete(const Ready& r) {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     return r.stream->completed >= r.position;
   }
   void wait(const Ready& r, Stream s) {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     if (s->capturing) dev->violation("a wait enqueued on a capturing stream");
     dev->enqueue(s, Op{Op::kWait, nullptr, {}, r.stream, r.position});
   }
   void drop(Ready& r) noexcept {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     if (r.stream != nullptr) dev->live_events -= 1;
     r.stream = nullptr;
@@ -255,6 +284,7 @@ struct FakePolicy {
   // The reader's marker: recorded on its own stream, then (second step) the stream is asked whether it is
   // capturing after all; the free stream waits on the marker only if not.
   bool end_read(Stream s) noexcept {
+    const DeviceScope device;
     Ready marker;
     bool captured = false;
     {
@@ -276,6 +306,7 @@ struct FakePolicy {
   }
   // The earlier protocol's markers, recorded by the cache on a user stream at eviction time.
   void order_free_after(Stream s) {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     if (s->destroyed) dev->violation("a marker recorded on a destroyed stream");
     if (dev->fail_next_marker > 0) {
@@ -285,7 +316,8 @@ struct FakePolicy {
     if (s->capturing) dev->violation("a marker recorded on a capturing stream");
     dev->enqueue(dev->free_stream, Op{Op::kWait, nullptr, {}, s, s->enqueued});
   }
-  bool order_free_after_unless_capturing(Stream s) {  // the query, then (second step) the record
+  bool order_free_after_unless_capturing(Stream s) {
+    const DeviceScope device;  // the query, then (second step) the record
     {
       std::lock_guard<std::mutex> lock(dev->mu);
       if (s->destroyed) dev->violation("a destroyed stream was queried");
@@ -296,6 +328,7 @@ struct FakePolicy {
     return true;
   }
   bool release(void* data, size_t) noexcept {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     if (dev->fail_next_release > 0) {
       dev->fail_next_release -= 1;
@@ -305,6 +338,7 @@ struct FakePolicy {
     return true;
   }
   void release_on(void* data, size_t, Stream s) noexcept {
+    const DeviceScope device;
     std::lock_guard<std::mutex> lock(dev->mu);
     dev->enqueue(s, Op{Op::kFree, static_cast<Block*>(data), {}});
   }
@@ -644,6 +678,52 @@ void test_failures_leave_the_cache_consistent() {
   expect(dev.violations.load() == 0, "failure: no violation");
 }
 
+// A miss that evicts, with each of its host allocations (the eviction's list, the new entry, its key) failing in
+// turn; then the same with the victim's free failing too. Each failure propagates and leaves the table consistent:
+// the victim freed or waiting for a retry, no block or fill marker leaked, the byte count right, nothing pinned.
+// Fails on a cache that drops its victim when the insertion throws (a leaked block), that counts the victim's bytes
+// out before a throw keeps it, or whose noexcept free of a failed release allocates (std::terminate).
+void test_host_allocation_failures_leave_the_cache_consistent() {
+  for (int release_fails = 0; release_fails <= 1; ++release_fails) {
+    FakeDevice dev;
+    Cache cache(FakePolicy{&dev});
+    FakeStream* s = dev.new_stream();
+    auto key = [](int j) { return make_key(5 * j); };  // one item each: every entry holds the same bytes
+    const int64_t entry_bytes = int64_t(key(0).bytes());
+    int next = 0;
+    bool completed = false;
+    for (int fail_at = 0; !completed && fail_at < 50; ++fail_at) {
+      while (cache.info().entries < int64_t(kCapacity)) call(cache, dev, key(next++), s);  // full: a miss evicts
+      const Key fresh = key(next++);
+      call(cache, dev, fresh, s);  // first sighting: the second one is admitted
+      dev.fail_next_release = release_fails;
+      bool threw = false;
+      alloc_countdown = fail_at;
+      try {
+        Cache::Lease lease = cache.get(fresh.items.data(), fresh.items.size(), fresh.hash, fresh.bytes(), s);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      alloc_countdown = -1;
+      completed = !threw;
+      dev.fail_next_release = 0;
+      dev.drain();
+      const std::string m = " (allocation " + std::to_string(fail_at) + (release_fails ? ", its free failing)" : ")");
+      auto info = cache.info();
+      expect(info.pinned == 0, "host allocation: no entry left pinned" + m);
+      expect(info.bytes == entry_bytes * info.entries, "host allocation: the byte count matches the entries" + m);
+      expect(dev.live_blocks == info.entries + info.retired && dev.live_events == info.entries + info.retired,
+             "host allocation: every block and fill marker is an entry's or waits for a retry" + m);
+      call(cache, dev, key(0), s);  // retries a failed free
+      dev.drain();
+      info = cache.info();
+      expect(info.retired == 0 && dev.live_blocks == info.entries, "host allocation: the free was retried" + m);
+    }
+    expect(completed, "host allocation: the miss completes once no allocation fails");
+    expect(dev.violations.load() == 0, "host allocation: no violation");
+  }
+}
+
 // Fills (kernel launches) run without the cache's lock: another thread's call must not wait for them. Fails on the
 // earlier protocol, which filled under the lock.
 void test_fill_runs_without_the_cache_lock() {
@@ -787,6 +867,7 @@ int main(int argc, char** argv) {
   test_capture_begun_on_the_readers_stream_keeps_the_entry();
   test_entry_stuck_during_an_eviction_scan_is_kept();
   test_failures_leave_the_cache_consistent();
+  test_host_allocation_failures_leave_the_cache_consistent();
   test_fill_runs_without_the_cache_lock();
   test_many_small_lists_allocate_nothing();
   test_many_long_lists_alternate_without_thrashing();
