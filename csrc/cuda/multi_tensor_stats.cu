@@ -906,15 +906,11 @@ class MetadataCache {
       MetadataCache* cache;
       std::unique_ptr<GraphBuffer>& owned;
       cudaStream_t upload;
-      ~Unwind() {  // noexcept, like every destructor: an error here leaks the buffer rather than terminate
+      ~Unwind() {
         if (!owned) return;
         (void)cudaStreamSynchronize(upload);  // no fill may still be writing the buffer when it is freed
         (void)cudaGetLastError();
-        try {
-          cache->free_graph_buffer(owned.release());
-        } catch (...) {
-          (void)cudaGetLastError();
-        }
+        cache->free_or_keep(owned.release());
       }
     } unwind{this, owned, ds.upload_stream};
     fill_launches_.fetch_add(fill_metadata(meta.data(), int64_t(meta.size()), static_cast<uint8_t*>(owned->data),
@@ -1018,33 +1014,40 @@ class MetadataCache {
     return graph;
   }
 
-  // Once nothing can read the buffer any more; in relaxed capture mode.
-  void free_graph_buffer(GraphBuffer* buffer) {
-    std::unique_ptr<GraphBuffer> owned(buffer);
-    const c10::cuda::CUDAGuard on_buffer_device(buffer->device);
-    graph_buffers_.fetch_sub(1, std::memory_order_relaxed);
-    graph_buffer_bytes_.fetch_sub(int64_t(buffer->bytes), std::memory_order_relaxed);
-    C10_CUDA_CHECK(cudaFreeAsync(buffer->data, devices_[buffer->device].free_stream));
+  // Once nothing can read the buffer any more; in relaxed capture mode. The buffer is deleted (and no longer
+  // counted) only once its free is enqueued; when that fails it goes back on the list for a later call to retry,
+  // with a warning the first time: the error is not the current call's, so it does not fail it.
+  void free_or_keep(GraphBuffer* buffer) noexcept {
+    cudaError_t err = cudaErrorUnknown;
+    try {
+      const c10::cuda::CUDAGuard on_buffer_device(buffer->device);
+      err = cudaFreeAsync(buffer->data, devices_[buffer->device].free_stream);
+    } catch (...) {  // the device switch
+    }
+    if (err == cudaSuccess) {
+      graph_buffers_.fetch_sub(1, std::memory_order_relaxed);
+      graph_buffer_bytes_.fetch_sub(int64_t(buffer->bytes), std::memory_order_relaxed);
+      delete buffer;
+      return;
+    }
+    (void)cudaGetLastError();
+    GraphBuffer::release(buffer);
+    try {
+      TORCH_WARN_ONCE("multi_tensor_stats: freeing the metadata buffer of a destroyed CUDA graph failed (",
+                      cudaGetErrorString(err), "); it is kept and retried by later calls");
+    } catch (...) {  // a warning turned into an error
+    }
   }
 
   // Frees the buffers of destroyed graphs. Their last launch has completed (CUDA releases a graph's references only
   // then), so nothing can read them any more.
-  void free_released_graph_buffers() {
+  void free_released_graph_buffers() noexcept {
     GraphBuffer* list = released_.exchange(nullptr, std::memory_order_acquire);
     if (list == nullptr) return;
     const RelaxedCaptureMode relaxed;
     while (list != nullptr) {
       GraphBuffer* next = list->next;
-      try {
-        free_graph_buffer(list);
-      } catch (...) {  // the rest go back on the list for a later call
-        while (next != nullptr) {
-          GraphBuffer* after = next->next;
-          GraphBuffer::release(next);
-          next = after;
-        }
-        throw;
-      }
+      free_or_keep(list);  // one that fails goes back on released_, not on this list: no retry loop here
       list = next;
     }
   }
