@@ -16,6 +16,9 @@
 //    error) leaves the entry stuck: never evicted nor freed, still counted against the capacity.
 //  * No device work under the lock: allocation, fill, markers and frees run outside it. A miss inserts its entry
 //    (pinned, "filling") before it allocates; another call on the same key meanwhile takes the per-call path.
+//    If the caller's stream is capturing after the fill (another thread began a capture on it since the call's
+//    check), the allocation and fill may be in that capture and never run: the entry stays "filling" (never served)
+//    and stuck (never freed), and the call takes the per-call path.
 //  * Every failure path leaves the table consistent: a failed miss removes its entry and hands its memory back; an
 //    entry evicted by a miss that then throws (host memory) is still freed; a free that fails is retried by a later
 //    call (memory and marker are never dropped on the floor, and keeping them allocates nothing).
@@ -33,6 +36,7 @@
 //   void* allocate(size_t bytes, Stream s);         stream-ordered on s; nullptr when out of memory
 //   void fill(void* data, const Item* items, size_t n, Stream s);      enqueue the writes on s
 //   Ready fill_done(Stream s);                      recorded on s after the fill
+//   bool capturing(Stream s) noexcept;              s is capturing now (true when it cannot tell)
 //   bool fill_complete(const Ready& r);             the host sees the fill done: later readers need not wait
 //   void wait(const Ready& r, Stream s);            s waits for the fill
 //   bool end_read(Stream s) noexcept;               records s's "last read" marker and orders every free enqueued
@@ -283,13 +287,20 @@ class Cache {
       ready = policy_.fill_done(stream);
       unwind.armed = false;
     }
+    const bool captured = policy_.capturing(stream);  // the fill may never run eagerly; the capture may own data
     {
       std::lock_guard<std::mutex> lock(mu_);
       fresh->data = data;
       fresh->ready = ready;
-      fresh->filling = false;
+      if (captured) {
+        fresh->stuck.store(true, std::memory_order_relaxed);
+        fresh->pins.store(0, std::memory_order_relaxed);
+      } else {
+        fresh->filling = false;
+      }
     }
     abandon.armed = false;
+    if (captured) return Lease();
     return Lease(this, fresh, stream);
   }
 

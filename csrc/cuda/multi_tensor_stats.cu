@@ -811,6 +811,14 @@ struct CudaCachePolicy {
     }
     return ready;
   }
+  // After a miss's fill: another thread may have begun a capture on this stream since the call's check, and then
+  // the allocation, fill and event may be in it (never run eagerly). True also when the query fails.
+  bool capturing(cudaStream_t stream) noexcept {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) == cudaSuccess) return status != cudaStreamCaptureStatusNone;
+    (void)cudaGetLastError();
+    return true;
+  }
   bool fill_complete(cudaEvent_t ready) {
     const RelaxedCaptureMode relaxed;
     if (cudaEventQuery(ready) == cudaSuccess) return true;
@@ -864,8 +872,9 @@ class MetadataCache {
   MetadataCache() : num_devices_(size_t(c10::cuda::device_count())), devices_(new DeviceState[num_devices_]) {}
 
   // The pinned entry for `meta` (hash `hash`) on `device`, filled on `stream` if missing; empty when it cannot be
-  // cached (no CUDA memory pools on this device, not admitted, no memory left for it, or being filled by another
-  // call), in which case the caller takes the per-call path. `stream` is not capturing.
+  // cached (no CUDA memory pools on this device, not admitted, no memory left for it, being filled by another call,
+  // or `stream` found capturing after its fill), in which case the caller takes the per-call path. `stream` was not
+  // capturing at the call's check.
   MetadataLease get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
                     cudaStream_t stream) {
     if (released_.load(std::memory_order_relaxed) != nullptr) free_released_graph_buffers();  // one load per call

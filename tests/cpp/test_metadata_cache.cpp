@@ -243,6 +243,8 @@ struct FakePolicy {
     dev->allocations += 1;
     return b;
   }
+  // On a capturing stream the fill and its marker go into the capture: the fill never runs, and the marker reads
+  // as complete (an event never recorded).
   void fill(void* data, const Item* items, size_t n, Stream s) {
     const DeviceScope device;
     if (dev->on_fill) dev->on_fill();
@@ -252,7 +254,7 @@ struct FakePolicy {
       throw std::runtime_error("fill failed");
     }
     dev->fills += 1;
-    dev->enqueue(s, Op{Op::kFill, static_cast<Block*>(data), std::vector<Item>(items, items + n)});
+    if (!s->capturing) dev->enqueue(s, Op{Op::kFill, static_cast<Block*>(data), std::vector<Item>(items, items + n)});
   }
   Ready fill_done(Stream s) {
     const DeviceScope device;
@@ -262,7 +264,12 @@ struct FakePolicy {
       throw std::runtime_error("event record failed");
     }
     dev->live_events += 1;
-    return {s, s->enqueued};
+    return {s, s->capturing ? 0 : s->enqueued};
+  }
+  bool capturing(Stream s) noexcept {
+    const DeviceScope device;
+    std::lock_guard<std::mutex> lock(dev->mu);
+    return s->capturing;
   }
   bool fill_complete(const Ready& r) {
     const DeviceScope device;
@@ -626,6 +633,33 @@ void test_entry_stuck_during_an_eviction_scan_is_kept() {
   expect(dev.violations.load() == 0, "stuck in a scan: no violation");
 }
 
+// Another thread begins a capture on the caller's stream between the op's capture check and its miss's fill: the
+// fill is captured and never runs. The entry must never be served (its block holds no metadata) nor freed (the
+// capture may own the block). Fails when the miss publishes its entry regardless (hits read poison).
+void test_capture_begun_before_the_fill_keeps_the_entry_unserved() {
+  FakeDevice dev;
+  Cache cache(FakePolicy{&dev});
+  FakeStream* s = dev.new_stream();
+  FakeStream* other = dev.new_stream();
+  const Key key = make_key(9);
+  dev.on_fill = [&dev, s] { std::thread([&dev, s] { dev.set(s, &FakeStream::capturing, true); }).join(); };
+  const Kind first = call(cache, dev, key, s);
+  dev.on_fill = nullptr;
+  dev.set(s, &FakeStream::capturing, false);  // that capture ends; its graph is the other thread's
+  Block* block = dev.blocks.back().get();
+  expect(first == kPerCall, "capture before the fill: the call takes the per-call path");
+  int served = 0;
+  for (int i = 0; i < 3; ++i) served += call(cache, dev, key, other) != kPerCall;
+  expect(served == 0, "capture before the fill: the entry was served " + std::to_string(served) + " times");
+  auto info = cache.info();
+  expect(info.entries == 1 && info.retired == 1 && info.pinned == 0, "capture before the fill: kept, unpinned");
+  for (int k = 1000; k < 1060; ++k) call_twice(cache, dev, make_key(k), other);
+  dev.drain();
+  expect(!block->free, "capture before the fill: the entry was freed");
+  expect(cache.info().entries == int64_t(kCapacity), "capture before the fill: the rest of the table works");
+  expect(dev.violations.load() == 0, "capture before the fill: no violation");
+}
+
 void test_failures_leave_the_cache_consistent() {
   FakeDevice dev;
   Cache cache(FakePolicy{&dev});
@@ -866,6 +900,7 @@ int main(int argc, char** argv) {
   test_destroyed_streams_are_never_touched();
   test_capture_begun_on_the_readers_stream_keeps_the_entry();
   test_entry_stuck_during_an_eviction_scan_is_kept();
+  test_capture_begun_before_the_fill_keeps_the_entry_unserved();
   test_failures_leave_the_cache_consistent();
   test_host_allocation_failures_leave_the_cache_consistent();
   test_fill_runs_without_the_cache_lock();
