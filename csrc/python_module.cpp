@@ -275,7 +275,8 @@ PyMethodDef methods[] = {
      "ATEN_CPU_CAPABILITY=default forces the baseline)."},
     {"cpu_histogram_counting", cpu_histogram_counting, METH_NOARGS,
      "How the CPU kernel counts the exponent histogram, in words: 16 fields at once where the CPU has GFNI and "
-     "AVX512-BITALG (unless TORCH_GRADSTATS_CPU_GFNI=0), else byte compares, or a table in the baseline kernel."},
+     "AVX512-BITALG (unless TORCH_GRADSTATS_CPU_GFNI=0), else 8 at a time bit-sliced, or a table in the baseline "
+     "kernel."},
     {"direct_stats", direct_stats<false>, METH_O,
      "(sumsq, amax, counts) of a list of plain CPU or CUDA tensors from the compiled kernel of their device type, "
      "called without the dispatcher; None when the list needs the dispatcher (use torch.ops then)."},

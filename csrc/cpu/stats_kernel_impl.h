@@ -28,8 +28,9 @@
 // registers it holds) and count a block's fields while they are in L1, 64 bytes at a time. The AVX512_GFNI build
 // (CPUs with GFNI and AVX512-BITALG) counts the 16 fields below the block's largest at once (WindowCounter), one
 // register per iteration of the next block's loop, so that the counting overlaps that block's memory reads; the
-// few fields further down are found and counted one by one. The AVX2 and AVX512 builds count each field present
-// by byte compares after the block's loop. The baseline build (and float64's 2,048 fields) increments a table per
+// few fields further down are found and counted one by one. The AVX2 and AVX512 builds count, after the block's
+// loop, 8 fields at a time from the largest down, bit-sliced (SlicedWindow), and the last few by byte compares. The
+// baseline build (and float64's 2,048 fields) increments a table per
 // field value, in interleaved copies so that consecutive increments of the same field do not wait on each other.
 // At the end of the span the field counts become buckets: a normal field E is one bucket; field 0 holds the zeros
 // (known from the statistics) and the subnormals, which are then found again and bucketed by their mantissa (spans
@@ -334,6 +335,18 @@ inline VI set1_8(uint8_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
 inline VI min_u8(VI a, VI b) { return _mm512_min_epu8(a, b); }
 inline VI sub8(VI a, VI b) { return _mm512_sub_epi8(a, b); }
 inline void storei(void* p, VI a) { _mm512_storeu_si512(p, a); }
+// For the bit-sliced window (SlicedWindow).
+inline VI xor_i(VI a, VI b) { return _mm512_xor_si512(a, b); }
+inline VI xor3(VI a, VI b, VI c) { return _mm512_ternarylogic_epi64(a, b, c, 0x96); }
+inline VI majority3(VI a, VI b, VI c) { return _mm512_ternarylogic_epi64(a, b, c, 0xe8); }
+template <int kShift>
+inline VI slli16(VI a) { return _mm512_slli_epi16(a, kShift); }
+inline VI adds_u8(VI a, VI b) { return _mm512_adds_epu8(a, b); }
+inline VI shuffle8(VI table, VI index) { return _mm512_shuffle_epi8(table, index); }
+inline VI broadcast16(const uint8_t* p) {
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline int64_t sum_u8(VI a) { return _mm512_reduce_add_epi64(_mm512_sad_epu8(a, _mm512_setzero_si512())); }
 // How many bytes of the registers given to add() equal `want`'s: per-byte counters, one masked add per register (a
 // compare and an add, where a popcount of the mask also takes a mask move and a scalar add), at most 255 registers.
 class ByteMatches {
@@ -479,6 +492,24 @@ inline VI set1_8(uint8_t v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 inline VI min_u8(VI a, VI b) { return _mm256_min_epu8(a, b); }
 inline VI sub8(VI a, VI b) { return _mm256_sub_epi8(a, b); }
 inline void storei(void* p, VI a) { _mm256_storeu_si256(static_cast<__m256i*>(p), a); }
+// For the bit-sliced window (SlicedWindow).
+inline VI xor_i(VI a, VI b) { return _mm256_xor_si256(a, b); }
+inline VI xor3(VI a, VI b, VI c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
+inline VI majority3(VI a, VI b, VI c) {
+  return _mm256_or_si256(_mm256_and_si256(a, b), _mm256_and_si256(_mm256_xor_si256(a, b), c));
+}
+template <int kShift>
+inline VI slli16(VI a) { return _mm256_slli_epi16(a, kShift); }
+inline VI adds_u8(VI a, VI b) { return _mm256_adds_epu8(a, b); }
+inline VI shuffle8(VI table, VI index) { return _mm256_shuffle_epi8(table, index); }
+inline VI broadcast16(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline int64_t sum_u8(VI a) {
+  const __m256i s = _mm256_sad_epu8(a, _mm256_setzero_si256());
+  return _mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) +
+         _mm256_extract_epi64(s, 3);
+}
 // How many bytes of the registers given to add() equal `want`'s: per-byte counters (an equal byte compares to 0xff,
 // that is -1), at most 255 registers.
 class ByteMatches {
@@ -632,6 +663,116 @@ inline int lowest_nonzero_field(const PackedFields& f) {
   }
   return static_cast<int>(hmin_u8(narrow_min_u8(m))) + 1;
 }
+
+#if !defined(TORCH_GRADSTATS_GFNI)
+// Counts the 8 fields [top - 7, top] of a block's packed fields in one pass, where the CPU has no GFNI: each field
+// byte becomes a one-hot bit (a byte shuffle of top - field), and the one-hot registers are added bit-sliced (carry-save
+// adders over 16 registers at a time, as in Harley-Seal popcounts: level k holds bit k of each bit position's count),
+// so 8 fields cost about a load, 3 byte operations and one adder per register where byte compares take 16
+// operations. The 8 levels are transposed at the end (bit j of level k to bit k of level j), which turns them into
+// per-byte counts that one sum of absolute differences adds up.
+class SlicedWindow {
+ public:
+  // out[d]: how many of the block's fields equal top - d (d in [0, 8); top >= every field of the block).
+  static void count(const PackedFields& f, int top, uint32_t out[8]) {
+    SlicedWindow w;
+    const VI top_v = set1_8(static_cast<uint8_t>(top));
+    const auto one_hot = [&](int64_t r) {
+      // d = top - field; d < 16 becomes 0x70 + d (the shuffle reads its low 4 bits), larger d saturates to >= 0x80
+      // (the shuffle gives 0); the table has 1 << d for d < 8 and 0 for d in [8, 16).
+      const VI d = sub8(top_v, loadi(f.bytes + r * kBytes));
+      return shuffle8(table(), adds_u8(d, set1_8(0x70)));
+    };
+    int64_t r = 0;
+    for (; r + 16 <= f.regs; r += 16) {
+      VI x[16];
+      for (int k = 0; k < 16; ++k) {
+        x[k] = one_hot(r + k);
+      }
+      w.add16(x);
+    }
+    for (; r < f.regs; ++r) {
+      w.carry(one_hot(r), 0);
+    }
+    w.totals(out);
+  }
+
+ private:
+  static constexpr int64_t kBytes = sizeof(VI);
+  static constexpr int kLevels = 8;  // counts up to 255
+  static_assert(kBlockElems / kBytes < (1 << kLevels), "a block's registers must fit the levels");
+
+  static VI table() {
+    alignas(16) static constexpr uint8_t kOneHot[16] = {1, 2, 4, 8, 16, 32, 64, 128, 0, 0, 0, 0, 0, 0, 0, 0};
+    return broadcast16(kOneHot);
+  }
+
+  // (high, low) = a + b + c, bit-wise: a full adder per bit.
+  static void adder(VI& high, VI& low, VI a, VI b, VI c) {
+    high = majority3(a, b, c);
+    low = xor3(a, b, c);
+  }
+
+  // Adds x at level k and carries up.
+  void carry(VI x, int k) {
+    for (; k < kLevels; ++k) {
+      const VI c = and_i(level_[k], x);
+      level_[k] = xor_i(level_[k], x);
+      x = c;
+    }
+  }
+
+  // Harley-Seal: 16 registers into levels 0-3 with 15 adders; the sixteens are carried from level 4 up.
+  void add16(const VI* x) {
+    VI& ones = level_[0];
+    VI& twos = level_[1];
+    VI& fours = level_[2];
+    VI& eights = level_[3];
+    VI twos_a, twos_b, fours_a, fours_b, eights_a, eights_b, sixteens;
+    adder(twos_a, ones, ones, x[0], x[1]);
+    adder(twos_b, ones, ones, x[2], x[3]);
+    adder(fours_a, twos, twos, twos_a, twos_b);
+    adder(twos_a, ones, ones, x[4], x[5]);
+    adder(twos_b, ones, ones, x[6], x[7]);
+    adder(fours_b, twos, twos, twos_a, twos_b);
+    adder(eights_a, fours, fours, fours_a, fours_b);
+    adder(twos_a, ones, ones, x[8], x[9]);
+    adder(twos_b, ones, ones, x[10], x[11]);
+    adder(fours_a, twos, twos, twos_a, twos_b);
+    adder(twos_a, ones, ones, x[12], x[13]);
+    adder(twos_b, ones, ones, x[14], x[15]);
+    adder(fours_b, twos, twos, twos_a, twos_b);
+    adder(eights_b, fours, fours, fours_a, fours_b);
+    adder(sixteens, eights, eights, eights_a, eights_b);
+    carry(sixteens, 4);
+  }
+
+  // Swaps bit j of level k with bit k of level j, in 3 rounds of masked shifts (the masks keep every shifted bit
+  // within its byte, so 16-bit shifts serve).
+  template <int kShift>
+  void transpose_round(uint8_t mask) {
+    const VI m = set1_8(mask);
+    for (int k = 0; k < kLevels; ++k) {
+      if ((k & kShift) == 0) {
+        const VI t = and_i(xor_i(srli16<kShift>(level_[k]), level_[k + kShift]), m);
+        level_[k + kShift] = xor_i(level_[k + kShift], t);
+        level_[k] = xor_i(level_[k], slli16<kShift>(t));
+      }
+    }
+  }
+
+  void totals(uint32_t out[8]) {
+    transpose_round<1>(0x55);
+    transpose_round<2>(0x33);
+    transpose_round<4>(0x0f);
+    for (int j = 0; j < kLevels; ++j) {  // level j: each byte position's count of bit j
+      out[j] = static_cast<uint32_t>(sum_u8(level_[j]));
+    }
+  }
+
+  VI level_[kLevels] = {};
+};
+#endif
 
 struct SimdBlock {
   float sumsq;       // sum of squares (scaled by kTinyScale^2 with kScaled), meaningless if max_bits >= Inf bits
@@ -926,9 +1067,10 @@ class ExponentCounts {
     return counted;
   }
 #elif defined(TORCH_GRADSTATS_SIMD)
-  // Adds a block's fields: for each field from the smallest non-zero one to the largest, one byte compare per 64
-  // elements (a block of 4,096 gradients typically spans ~15 fields: ~15 compares per 64 elements instead of 64
-  // dependent increments of a table).
+  // Adds a block's fields, from the largest down to the smallest non-zero one (a block of 4,096 gradients typically
+  // spans ~15 fields, heavy-tailed ones ~20): 8 at a time bit-sliced (SlicedWindow) while at least kSlicedFields of
+  // them are left, the rest by one byte compare per field and register; both instead of a dependent increment of a
+  // table per element.
   void add_packed(const PackedFields& f) {
     const int lo = lowest_nonzero_field(f);
     const int hi = f.highest;
@@ -941,12 +1083,21 @@ class ExponentCounts {
     }
     touch(lo, hi);
     int64_t counted = 0;
+    int top = hi;  // fields [lo, top] are left to count
+    for (; top - lo + 1 >= kSlicedFields; top -= 8) {
+      uint32_t window[8];
+      SlicedWindow::count(f, top, window);
+      for (int d = 0; d < 8 && top - d >= lo; ++d) {  // lo >= 1: field 0 (zeros, subnormals, padding) is left out
+        table_[0][top - d] += window[d];
+        counted += window[d];
+      }
+    }
     // kFieldsPerPass fields per pass over the block: independent accumulators, one load per register.
-    for (int first = lo; first <= hi; first += kFieldsPerPass) {
+    for (int first = lo; first <= top; first += kFieldsPerPass) {
       VI want[kFieldsPerPass];
       ByteMatches matches[kFieldsPerPass];  // regs <= 64 registers each
       for (int k = 0; k < kFieldsPerPass; ++k) {
-        want[k] = set1_8(static_cast<uint8_t>(first + k));  // past hi (even wrapped past 255): counted, not used
+        want[k] = set1_8(static_cast<uint8_t>(first + k));  // past top (even wrapped past 255): counted, not used
       }
       for (int64_t r = 0; r < f.regs; ++r) {
         const VI v = loadi(f.bytes + r * kBytes);
@@ -954,7 +1105,7 @@ class ExponentCounts {
           matches[k].add(v, want[k]);
         }
       }
-      for (int k = 0; k < kFieldsPerPass && first + k <= hi; ++k) {
+      for (int k = 0; k < kFieldsPerPass && first + k <= top; ++k) {
         const int64_t count = matches[k].total();
         table_[0][first + k] += static_cast<uint32_t>(count);
         counted += count;
@@ -975,6 +1126,9 @@ class ExponentCounts {
   // Above this many distinct fields in a block, one increment per element costs less than a compare per field.
   static constexpr int kMaxCompareFields = 64;
   static constexpr int kFieldsPerPass = 4;
+  // From this many fields left, a bit-sliced window of 8 costs less than their byte compares (measured by
+  // bench/bench_histogram_cpu.py).
+  static constexpr int kSlicedFields = 5;
   static constexpr int64_t kBytes = sizeof(VI);
 #endif
 
@@ -1090,7 +1244,7 @@ const char* histogram_counting() {
 #if defined(TORCH_GRADSTATS_GFNI)
   return "16 exponent fields at once (GFNI, AVX512-BITALG), during the next block's read";
 #elif defined(TORCH_GRADSTATS_SIMD)
-  return "one byte compare per exponent field present in a block";
+  return "8 exponent fields at a time bit-sliced, the last few by byte compares";
 #else
   return "one table increment per element";
 #endif
