@@ -141,8 +141,9 @@ def test_an_empty_existing_file_gets_a_header(tmp_path: Path, cls: type) -> None
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_a_pipe_is_written_and_never_read_for_a_header(tmp_path: Path) -> None:
     """A path that is not a regular file (a named pipe here) is only written: reading a header from it would block
-    until another writer came, or read what the other end was never meant to give back."""
-    plain, _, _ = _reports()
+    until another writer came, or read what the other end was never meant to give back. New columns (clipping
+    starts) write the wider header again, as a line of its own."""
+    plain, clipped, _ = _reports()
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     received: list[str] = []
@@ -156,6 +157,7 @@ def test_a_pipe_is_written_and_never_read_for_a_header(tmp_path: Path) -> None:
         try:
             with CSVSink(fifo, mode="a", per_param=False) as sink:
                 sink.log(plain, 0)
+                sink.log(clipped, 1)
         except (OSError, ValueError) as exc:  # reported by the test thread
             errors.append(exc)
 
@@ -173,7 +175,51 @@ def test_a_pipe_is_written_and_never_read_for_a_header(tmp_path: Path) -> None:
                 pass
     assert not stuck, "the sink blocked on the pipe"
     assert not errors, errors
-    assert received[0].splitlines()[0].startswith("step,") and received[0].splitlines()[1].startswith("0,")
+    lines = received[0].splitlines()
+    assert len(lines) == 4 and lines[0].startswith("step,") and lines[1].startswith("0,")
+    assert lines[2].startswith(lines[0] + ",") and "clip_coef" in lines[2] and lines[3].startswith("1,")
+
+
+def test_a_device_is_never_replaced_by_a_file(tmp_path: Path) -> None:
+    """A character device (a private copy of /dev/null's) taking a row with new columns stays a device."""
+    import stat
+
+    plain, clipped, _ = _reports()
+    dev = tmp_path / "null"
+    try:
+        os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, OSError, AttributeError):
+        pytest.skip("cannot make a device node here")
+    with CSVSink(dev, per_param=False) as sink:
+        sink.log(plain, 0)
+        sink.log(clipped, 1)
+    assert stat.S_ISCHR(os.stat(dev).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["null"]
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_widening_through_a_symbolic_link_rewrites_the_file_it_names(tmp_path: Path) -> None:
+    plain, clipped, _ = _reports()
+    target, link = tmp_path / "target.csv", tmp_path / "link.csv"
+    target.touch()
+    os.symlink(target, link)
+    with CSVSink(link, per_param=False) as sink:
+        sink.log(plain, 0)
+        sink.log(clipped, 1)  # new columns: the file is rewritten
+        sink.log(plain, 2)
+    assert link.is_symlink()
+    header, rows = _csv_rows(target)
+    assert "clip_coef" in header and [r["step"] for r in rows] == ["0", "1", "2"]
+
+
+@pytest.mark.skipif(not hasattr(os, "link"), reason="needs hard links")
+def test_a_hard_link_to_an_open_sinks_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "grads.jsonl"
+    with JSONLSink(target):
+        os.link(target, tmp_path / "hard.jsonl")
+        with pytest.raises(ValueError, match="hard.jsonl is already written by an open JSONLSink"):
+            JSONLSink(tmp_path / "hard.jsonl")
+    JSONLSink(tmp_path / "hard.jsonl").close()  # freed with the first sink
 
 
 @pytest.mark.parametrize("cls", SINKS)

@@ -26,8 +26,12 @@ The file, and what is already in it:
   JSON Lines file continues the key order of its last line.
 * ``mode="w"`` overwrites the file when the sink is made.
 * The path is made absolute when the sink is made, so a later ``os.chdir`` changes nothing.
-* One file, one writer: making a sink for a file that an open sink of this process writes raises ``ValueError``
-  naming the path (close the first sink to free it).
+* One file, one writer: making a sink for a file that an open sink of this process writes (by any path to it:
+  symbolic or hard links included) raises ``ValueError`` naming the path (close the first sink to free it).
+* A pipe or a device (``/dev/stdout``) is only written to, never read nor rewritten: there a key that first appears
+  at a later step makes :class:`CSVSink` write its whole, wider header again, as a line of its own, before the row.
+  Widening a regular file replaces it with the rewritten copy (through a symbolic link, the file the link names);
+  another hard link to it keeps the rows written before.
 * Each sink flushes after every step unless ``flush_every`` says otherwise. :meth:`close` flushes and closes the
   file (also as a context manager); when that last flush fails (a full disk), the file is closed all the same and
   the error raised once; a second ``close`` does nothing.
@@ -46,6 +50,7 @@ import json
 import math
 import numbers
 import os
+import shutil
 import stat
 import threading
 import weakref
@@ -122,7 +127,8 @@ class _FileSink:
         self._known: set[str] = {"step"}
         self._file: IO[str] | None = None
         self._since_flush = 0
-        self._key: str | None = None
+        self._keys: list[str] = []  # what this sink holds in _WRITERS
+        self._regular = True  # the file is a regular file (a pipe or a device cannot be rewritten)
         #: whether this process writes (False on the ranks other than the logging rank; see the module docstring)
         self.writes = writes_here(who, stage_group, group, log_rank)
         if not self.writes:
@@ -133,6 +139,9 @@ class _FileSink:
             if resumed:
                 self._resume()
             self._file = open(self.path, mode, newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+            st = os.fstat(self._file.fileno())
+            self._regular = stat.S_ISREG(st.st_mode)
+            self._hold([f"inode:{st.st_dev}:{st.st_ino}"])  # a file made just now: its hard links are it too
             if resumed and not _ends_with_newline(self.path):
                 self._file.write("\n")  # a line cut short (a crash mid-write) stays a line of its own
         except BaseException:
@@ -144,22 +153,33 @@ class _FileSink:
             raise
 
     def _claim(self) -> None:
-        key = os.path.realpath(self.path)
+        """Claims the file for this sink, by real path and, where it exists, by inode (a hard link is another path to
+        the same file); refuses it when an open sink of this process holds either."""
+        keys = [os.path.realpath(self.path)]
+        with contextlib.suppress(OSError):
+            st = os.stat(self.path)
+            keys.append(f"inode:{st.st_dev}:{st.st_ino}")
+        self._hold(keys)
+
+    def _hold(self, keys: list[str]) -> None:
         with _WRITERS_LOCK:
-            other = _WRITERS.get(key)
-            if other is not None:
-                raise ValueError(
-                    f"{type(self).__name__}: {self.path} is already written by an open {type(other).__name__} of this "
-                    "process; close that sink first, or give this one another path"
-                )
-            _WRITERS[key] = self
-        self._key = key
+            for key in keys:
+                other = _WRITERS.get(key)
+                if other is not None and other is not self:
+                    raise ValueError(
+                        f"{type(self).__name__}: {self.path} is already written by an open {type(other).__name__} of "
+                        "this process; close that sink first, or give this one another path"
+                    )
+            for key in keys:
+                _WRITERS[key] = self
+        self._keys += [k for k in keys if k not in self._keys]
 
     def _release(self) -> None:
         with _WRITERS_LOCK:
-            if self._key is not None and _WRITERS.get(self._key) is self:
-                del _WRITERS[self._key]
-        self._key = None
+            for key in self._keys:
+                if _WRITERS.get(key) is self:
+                    del _WRITERS[key]
+        self._keys = []
 
     def _resume(self) -> None:
         """Read what the existing file says about its columns (appending to it)."""
@@ -251,7 +271,10 @@ class CSVSink(_FileSink):
         assert self._file is not None
         known = len(self.columns)
         if self._new_columns(row) and self._has_header:
-            self._widen(known)
+            if self._regular:
+                self._widen(known)
+            else:  # a pipe or a device cannot be rewritten: the wider header is written again, as a line of its own
+                self._has_header = False
         writer = csv.DictWriter(self._file, self.columns, restval="")
         if not self._has_header:
             writer.writeheader()
@@ -264,9 +287,10 @@ class CSVSink(_FileSink):
         row keeps its cells and gets empty ones in the new columns."""
         assert self._file is not None
         self._file.flush()
-        tmp = self.path + ".tmp"
+        target = os.path.realpath(self.path)  # through a symbolic link: the file it names is rewritten, not the link
+        tmp = target + ".tmp"
         try:
-            with open(self.path, newline="", encoding="utf-8") as old, \
+            with open(target, newline="", encoding="utf-8") as old, \
                     open(tmp, "w", newline="", encoding="utf-8") as new:
                 rows, writer = csv.reader(old), csv.writer(new)
                 next(rows, None)  # the old header
@@ -274,7 +298,8 @@ class CSVSink(_FileSink):
                 width = len(self.columns)
                 for row in rows:  # one at a time: the file may be large
                     writer.writerow(row + [""] * (width - len(row)))
-            os.replace(tmp, self.path)
+            shutil.copymode(target, tmp)
+            os.replace(tmp, target)
         except BaseException:
             if os.path.exists(tmp):
                 os.remove(tmp)
@@ -282,7 +307,9 @@ class CSVSink(_FileSink):
             self._known = set(self.columns)
             raise
         self._file.close()  # the replaced file's, already flushed
-        self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._file = open(target, "a", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        st = os.fstat(self._file.fileno())
+        self._hold([f"inode:{st.st_dev}:{st.st_ino}"])  # the new file's
         self._since_flush = 0
 
 
