@@ -25,8 +25,8 @@ namespace torch_gradstats::policies {
 constexpr int64_t kGuardCounters = 0, kGuardCount = 7, kGuardPos = 9, kGuardLast = 11, kGuardTrip = 19,
                   kGuardHist = 27, kGuardSeries = 2;
 enum GuardCounter { kSteps = 0, kSkipped, kConsecutive, kTripped, kTripStep, kStreak, kTripSeries };
-// AdaptiveClip: count, mean, var, last [3] (threshold, coef, z), warm-up norms [warmup].
-constexpr int64_t kClipCount = 0, kClipMean = 1, kClipVar = 2, kClipLast = 3, kClipWarm = 6;
+// AdaptiveClip: count, mean, var, last [3] (threshold, coef, z), clipped steps in a row, warm-up norms [warmup].
+constexpr int64_t kClipCount = 0, kClipMean = 1, kClipVar = 2, kClipLast = 3, kClipStreak = 6, kClipWarm = 7;
 constexpr int64_t kNoiseState = 3;  // NoiseScale: EMA of |G|^2, EMA of tr(Sigma), weight
 constexpr double kEps = 1e-6;       // ZClip's eps
 
@@ -112,6 +112,7 @@ TG_HD inline float guard_step(double* s, int64_t window, int k, const double* va
 struct ClipArgs {
   double alpha, z_thresh, clip_factor, max_norm;  // max_norm inf: none
   bool clip_to_mean, skip_update_on_spike;
+  int64_t adopt_after;  // 0: never (ZClip's rule)
 };
 
 // The first half of an AdaptiveClip step: a finite norm of the warm-up enters its slot. Returns whether it completes
@@ -137,9 +138,14 @@ TG_HD inline double clip_step(double* s, int64_t warmup, double g, bool init_now
   const double clip_value = a.clip_to_mean ? mean : (mean + a.z_thresh * stdev / (z / a.z_thresh)) * a.clip_factor;
   // clamp(max=): NaN stays NaN
   const double threshold = spike ? (clip_value > a.max_norm ? a.max_norm : clip_value) : a.max_norm;
+  // Clipped steps in a row (finite norms after the warm-up): a non-finite norm neither extends nor ends the streak.
+  // From the adopt_after-th on, the statistics take the norm itself, so a lasting change of level is adopted.
+  const bool judged = ready && finite;
+  const double streak = judged ? (spike ? s[kClipStreak] + 1 : 0.0) : s[kClipStreak];
+  const bool adopt = a.adopt_after > 0 && spike && judged && streak >= static_cast<double>(a.adopt_after);
   bool update = ready && finite;
-  if (a.skip_update_on_spike) update = update && !spike;
-  const double v = spike ? clip_value : g;
+  if (a.skip_update_on_spike) update = update && (!spike || adopt);
+  const double v = spike && !adopt ? clip_value : g;
   const double new_mean = a.alpha * mean + (1 - a.alpha) * v;
   const double new_var = a.alpha * var + (1 - a.alpha) * ((v - new_mean) * (v - new_mean));
   s[kClipCount] = collect ? n + 1 : n;
@@ -149,6 +155,7 @@ TG_HD inline double clip_step(double* s, int64_t warmup, double g, bool init_now
   s[kClipLast + 0] = threshold;
   s[kClipLast + 1] = ratio > 1.0 ? 1.0 : ratio;  // clamp(max=1): NaN stays NaN
   s[kClipLast + 2] = ready ? z : NAN;
+  s[kClipStreak] = streak;
   return threshold;
 }
 
@@ -179,6 +186,11 @@ inline int check_figure(const char* op, const char* name, const at::Tensor& t, c
   TORCH_CHECK_VALUE(t.device() == state.device(), op, ": ", name, " is on ", t.device(), " but the state is on ",
                     state.device());
   return dtype == at::kDouble ? kF64 : dtype == at::kFloat ? kF32 : dtype == at::kHalf ? kF16 : kBF16;
+}
+
+inline void check_adopt_after(int64_t adopt_after) {
+  TORCH_CHECK_VALUE(adopt_after >= 0, "adaptive_clip_step: adopt_after must be >= 0 (0: never adopt), got ",
+                    adopt_after);
 }
 
 inline int64_t guard_window(const at::Tensor& state) {

@@ -1,5 +1,6 @@
-"""AdaptiveClip against ZClip's z-score rule reimplemented in Python floats, the clip through the fused
-clip_grad_norm_ with a 0-d tensor max_norm, checkpoints, and no host reads."""
+"""AdaptiveClip against ZClip's z-score rule reimplemented in Python floats (with and without the adoption of a lasting
+change of level), the clip through the fused clip_grad_norm_ with a 0-d tensor max_norm, checkpoints, and no host
+reads."""
 
 from __future__ import annotations
 
@@ -24,15 +25,20 @@ from _host_reads import HostReads
 
 class ZClipRule:
     """ZClip's z-score mode (its zclip.py) on Python floats: a list during warm-up, then EMA mean and variance.
-    ``finite_only`` keeps non-finite norms out of the statistics, as AdaptiveClip does (ZClip folds them in)."""
+    ``finite_only`` keeps non-finite norms out of the statistics, as AdaptiveClip does (ZClip folds them in).
+    ``adopt_after`` (not ZClip's) feeds the statistics the norm itself from that many clipped finite norms in a row
+    on; a non-finite norm neither extends nor ends the streak."""
 
-    def __init__(self, alpha, z_thresh, warmup, clip_option, clip_factor, max_norm, skip_update, finite_only=False):
+    def __init__(self, alpha, z_thresh, warmup, clip_option, clip_factor, max_norm, skip_update, finite_only=False,
+                 adopt_after=None):
         self.alpha, self.z_thresh, self.warmup = alpha, z_thresh, warmup
         self.clip_option, self.clip_factor, self.max_norm = clip_option, clip_factor, max_norm
         self.skip_update, self.finite_only = skip_update, finite_only
+        self.adopt_after = adopt_after
         self.buffer: list[float] = []
         self.mean: float | None = None
         self.var = 0.0
+        self.streak = 0
 
     def step(self, norm: float) -> float:
         cap = math.inf if self.max_norm is None else self.max_norm
@@ -52,6 +58,12 @@ class ZClipRule:
             else:
                 clip_value = self.mean
         threshold = cap if clip_value is None else min(clip_value, cap)
+        adopt = False
+        if math.isfinite(norm):
+            self.streak = 0 if clip_value is None else self.streak + 1
+            adopt = clip_value is not None and self.adopt_after is not None and self.streak >= self.adopt_after
+        if adopt:
+            clip_value = None  # the statistics take the norm itself (the threshold is this step's clip value)
         if not (clip_value is not None and self.skip_update) and (math.isfinite(norm) or not self.finite_only):
             v = norm if clip_value is None else clip_value
             self.mean = self.alpha * self.mean + (1 - self.alpha) * v
@@ -59,17 +71,19 @@ class ZClipRule:
         return threshold
 
 
+# ZClip's rule exactly: adopt_after=None (the tests with adoption below add it).
 SETTINGS = {
-    "defaults": {},
-    "mean_capped": {"clip_option": "mean", "max_norm": 1.5, "warmup": 10},
-    "factor_skip": {"alpha": 0.9, "z_thresh": 2.0, "clip_factor": 0.7, "skip_update_on_spike": True, "warmup": 5},
+    "defaults": {"adopt_after": None},
+    "mean_capped": {"clip_option": "mean", "max_norm": 1.5, "warmup": 10, "adopt_after": None},
+    "factor_skip": {"alpha": 0.9, "z_thresh": 2.0, "clip_factor": 0.7, "skip_update_on_spike": True, "warmup": 5,
+                    "adopt_after": None},
 }
 
 
 def _rule(clip: AdaptiveClip, finite_only: bool) -> ZClipRule:
     return ZClipRule(
         clip.alpha, clip.z_thresh, clip.warmup, clip.clip_option, clip.clip_factor, clip.max_norm,
-        clip.skip_update_on_spike, finite_only,
+        clip.skip_update_on_spike, finite_only, clip.adopt_after,
     )
 
 
@@ -238,3 +252,4 @@ def test_threshold_launches_the_same_ops_every_step():
             clip.threshold(g)
         counts.append(sum(1 for e in prof.events() if e.name.startswith("aten::")))
     assert len(set(counts)) == 1, counts
+

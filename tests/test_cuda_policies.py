@@ -63,13 +63,13 @@ def test_guard_cuda_equals_cpu(window, args):
     _close(dev, cpu, "state")
 
 
-@pytest.mark.parametrize(("warmup", "args"), CLIP_SETTINGS, ids=[f"warmup{w}" for w, _ in CLIP_SETTINGS])
+@pytest.mark.parametrize(("warmup", "args"), CLIP_SETTINGS, ids=[f"warmup{w}-adopt{a[-1]}" for w, a in CLIP_SETTINGS])
 def test_clip_cuda_equals_cpu(warmup, args):
     values = figures(warmup + 600, seed=warmup)
     norms_cpu, norms = _inputs(values)
     halves_cpu, halves = _inputs(values, torch.bfloat16)
     cpu = torch.zeros(ops.clip_state_size(warmup), dtype=torch.float64)
-    cpu[ops.CLIP_LAST:ops.CLIP_WARM] = math.nan
+    cpu[ops.CLIP_LAST:ops.CLIP_STREAK] = math.nan
     dev = cpu.to("cuda", non_blocking=True)
     got, want = [], []
     for i in range(len(values)):

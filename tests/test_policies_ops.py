@@ -79,21 +79,24 @@ def test_guard_kernel_equals_the_fallback(window, args, series):
         assert 0 < compiled[ops.GUARD_COUNTERS + 1] < n  # some steps skipped, some taken
 
 
-# (warmup, then the op's settings: alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike)
+# (warmup, then the op's settings: alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike,
+# adopt_after (0: never))
 CLIP_SETTINGS = [
-    (25, (0.97, 2.5, 1.0, math.inf, False, False)),
-    (1, (0.0, 0.5, 0.7, 3.0, False, True)),
-    (3, (0.9, 1.0, 1.0, math.inf, True, False)),
-    (700, (0.5, 2.0, 2.0, 1.5, True, True)),
+    (25, (0.97, 2.5, 1.0, math.inf, False, False, 16)),
+    (25, (0.97, 2.5, 1.0, math.inf, False, False, 0)),
+    (1, (0.0, 0.5, 0.7, 3.0, False, True, 1)),
+    (3, (0.9, 1.0, 1.0, math.inf, True, False, 4)),
+    (700, (0.5, 2.0, 2.0, 1.5, True, True, 2)),
 ]
 
 
 @needs_kernel
-@pytest.mark.parametrize(("warmup", "args"), CLIP_SETTINGS, ids=[f"warmup{w}" for w, _ in CLIP_SETTINGS])
+@pytest.mark.parametrize(("warmup", "args"), CLIP_SETTINGS, ids=[f"warmup{w}-adopt{a[-1]}" for w, a in CLIP_SETTINGS])
 def test_clip_kernel_equals_the_fallback(warmup, args):
     compiled = torch.zeros(ops.clip_state_size(warmup), dtype=torch.float64)
-    compiled[ops.CLIP_LAST:ops.CLIP_WARM] = math.nan
+    compiled[ops.CLIP_LAST:ops.CLIP_STREAK] = math.nan
     fallback = compiled.clone()
+    longest = 0.0
     dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
     for i, g in enumerate(figures(warmup + 600, seed=warmup)):
         grad_norm = torch.tensor([g], dtype=dtypes[i % 4])  # any one-element shape, any float dtype
@@ -102,7 +105,9 @@ def test_clip_kernel_equals_the_fallback(warmup, args):
         assert got.dtype == torch.float64 and got.shape == ()
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0, equal_nan=True, msg=f"step {i}")
         _assert_same_state(compiled, fallback, i)
+        longest = max(longest, float(compiled[ops.CLIP_STREAK]))
     assert compiled[ops.CLIP_COUNT] == warmup
+    assert longest >= max(args[-1], 2)  # streaks of clipped steps, long enough to adopt where adoption is on
 
 
 @needs_kernel
@@ -142,8 +147,8 @@ def test_opcheck_spike_guard_step(loss):
 def test_opcheck_adaptive_clip_step():
     state = torch.zeros(ops.clip_state_size(3), dtype=torch.float64)
     for v in (1.0, 1.2, 0.8, 1.1):
-        ops.adaptive_clip_step(state, torch.tensor(v, dtype=torch.float64), 0.9, 2.0, 1.0, math.inf, False, False)
-    torch.library.opcheck(ops.adaptive_clip_step, (state, torch.tensor([9.0]), 0.9, 2.0, 1.0, 5.0, False, False))
+        ops.adaptive_clip_step(state, torch.tensor(v, dtype=torch.float64), 0.9, 2.0, 1.0, math.inf, False, False, 2)
+    torch.library.opcheck(ops.adaptive_clip_step, (state, torch.tensor([9.0]), 0.9, 2.0, 1.0, 5.0, False, False, 2))
 
 
 def test_opcheck_noise_scale_step():
@@ -160,7 +165,11 @@ def test_bad_states_and_figures_are_named():
     with pytest.raises(ValueError, match="spike_guard_step: loss must be a one-element"):
         ops.spike_guard_step(state, g, torch.ones(2), 3.0, 1, 4, 0, False)
     with pytest.raises(ValueError, match="adaptive_clip_step: grad_norm must be a one-element"):
-        ops.adaptive_clip_step(torch.zeros(9, dtype=torch.float64), torch.tensor(1), 0.9, 2.0, 1.0, 1.0, False, False)
+        ops.adaptive_clip_step(torch.zeros(9, dtype=torch.float64), torch.tensor(1), 0.9, 2.0, 1.0, 1.0, False, False,
+                               0)
+    for kernel in (ops.adaptive_clip_step, ops._adaptive_clip_step):  # the compiled kernel where there is one
+        with pytest.raises(ValueError, match="adaptive_clip_step: adopt_after must be >= 0"):
+            kernel(torch.zeros(9, dtype=torch.float64), g, 0.9, 2.0, 1.0, 1.0, False, False, -1)
     with pytest.raises(ValueError, match="noise_scale_step: state must be"):
         ops.noise_scale_step(torch.zeros(4, dtype=torch.float64), g, g, 4.0, 8.0, 0.9)
 

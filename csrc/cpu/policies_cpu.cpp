@@ -44,8 +44,10 @@ at::Tensor spike_guard_step_cpu(const at::Tensor& state, const at::Tensor& grad_
 }
 
 at::Tensor adaptive_clip_step_cpu(const at::Tensor& state, const at::Tensor& grad_norm, double alpha, double z_thresh,
-                                  double clip_factor, double max_norm, bool clip_to_mean, bool skip_update_on_spike) {
+                                  double clip_factor, double max_norm, bool clip_to_mean, bool skip_update_on_spike,
+                                  int64_t adopt_after) {
   check_state("adaptive_clip_step", state, state.numel() > kClipWarm);
+  check_adopt_after(adopt_after);
   const int64_t warmup = state.numel() - kClipWarm;
   const double g = read(grad_norm, check_figure("adaptive_clip_step", "grad_norm", grad_norm, state));
   double* s = state.data_ptr<double>();
@@ -58,7 +60,7 @@ at::Tensor adaptive_clip_step_cpu(const at::Tensor& state, const at::Tensor& gra
     for (int64_t j = 0; j < warmup; ++j) warm_var += (warm[j] - warm_mean) * (warm[j] - warm_mean);
     warm_var /= static_cast<double>(warmup);
   }
-  const ClipArgs args{alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike};
+  const ClipArgs args{alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike, adopt_after};
   at::Tensor threshold = at::detail::empty_cpu(c10::IntArrayRef(), at::kDouble);
   *threshold.data_ptr<double>() = clip_step(s, warmup, g, init_now, warm_mean, warm_var, args);
   return threshold;

@@ -98,12 +98,13 @@ at::Tensor spike_guard_step_cuda(const at::Tensor& state, const at::Tensor& grad
 
 at::Tensor adaptive_clip_step_cuda(const at::Tensor& state, const at::Tensor& grad_norm, double alpha,
                                    double z_thresh, double clip_factor, double max_norm, bool clip_to_mean,
-                                   bool skip_update_on_spike) {
+                                   bool skip_update_on_spike, int64_t adopt_after) {
   check_state("adaptive_clip_step", state, state.numel() > kClipWarm);
+  check_adopt_after(adopt_after);
   const int grad_type = check_figure("adaptive_clip_step", "grad_norm", grad_norm, state);
   const c10::cuda::CUDAGuard device_guard(state.device());
   at::Tensor threshold = at::empty({}, state.options());
-  const ClipArgs args{alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike};
+  const ClipArgs args{alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike, adopt_after};
   clip_kernel<<<1, kThreads, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
       state.data_ptr<double>(), state.numel() - kClipWarm, grad_norm.const_data_ptr(), grad_type, args,
       threshold.data_ptr<double>());

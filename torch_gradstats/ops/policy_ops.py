@@ -7,7 +7,8 @@ op                      state (float64, packed; offsets below)                  
 ======================  ==================================================================  ==========================
 ``spike_guard_step``    counters [7], count [2], position [2], last [2, 4], trip [2, 4],    float32 0-d: 1 take,
                         history [2, window]                                                 0 skip
-``adaptive_clip_step``  count, mean, var, last [3] (threshold, coef, z), warm-up [warmup]   float64 0-d: threshold
+``adaptive_clip_step``  count, mean, var, last [3] (threshold, coef, z), clipped in a row,   float64 0-d: threshold
+                        warm-up [warmup]
 ``noise_scale_step``    EMA of |G|^2, EMA of tr(Sigma), weight (the EMAs' bias correction)  nothing
 ======================  ==================================================================  ==========================
 
@@ -32,6 +33,7 @@ from torch import Tensor
 __all__ = [
     "CLIP_EMA",
     "CLIP_LAST",
+    "CLIP_STREAK",
     "CLIP_WARM",
     "GUARD_COUNT",
     "GUARD_COUNTERS",
@@ -52,7 +54,7 @@ GUARD_N_COUNTERS, GUARD_SERIES = 7, 2
 # Columns of the guard's counters: steps, skipped, skips in a row, tripped, trip step, streak of all-finite skips,
 # the series judged at the trip.
 STEPS, SKIPPED, CONSECUTIVE, TRIPPED, TRIP_STEP, STREAK, TRIP_SERIES = range(7)
-CLIP_COUNT, CLIP_EMA, CLIP_LAST, CLIP_WARM = 0, 1, 3, 6
+CLIP_COUNT, CLIP_EMA, CLIP_LAST, CLIP_STREAK, CLIP_WARM = 0, 1, 3, 6, 7
 NOISE_STATE = 3
 
 _EPS = 1e-6  # ZClip's eps in the z-score, and the eps of the clipping coefficient
@@ -135,10 +137,12 @@ def _spike_guard_step(state: Tensor, grad_norm: Tensor, loss: Tensor | None, sig
 
 # ----------------------------------------------------------------------------------------------- AdaptiveClip
 def _adaptive_clip_step(state: Tensor, grad_norm: Tensor, alpha: float, z_thresh: float, clip_factor: float,
-                        max_norm: float, clip_to_mean: bool, skip_update_on_spike: bool) -> Tensor:  # fmt: skip
+                        max_norm: float, clip_to_mean: bool, skip_update_on_spike: bool,
+                        adopt_after: int) -> Tensor:  # fmt: skip
     """The pure-PyTorch kernel of ``adaptive_clip_step`` (the rule of :mod:`torch_gradstats.policies.adaptive_clip`);
-    ``max_norm`` is ``inf`` for none."""
-    _fake_clip(state, grad_norm, alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike)
+    ``max_norm`` is ``inf`` for none, ``adopt_after`` 0 for never (ZClip's rule)."""
+    _fake_clip(state, grad_norm, alpha, z_thresh, clip_factor, max_norm, clip_to_mean, skip_update_on_spike,
+               adopt_after)
     warmup = state.numel() - CLIP_WARM
     g = _value(grad_norm)[0]
     count = state[CLIP_COUNT:CLIP_COUNT + 1]
@@ -164,16 +168,23 @@ def _adaptive_clip_step(state: Tensor, grad_norm: Tensor, alpha: float, z_thresh
     clip_value = mean if clip_to_mean else (mean + z_thresh * std / (z / z_thresh)) * clip_factor
     threshold = torch.where(spike, clip_value.clamp(max=max_norm), max_norm)
 
+    # Clipped steps in a row (finite norms after the warm-up): a non-finite norm neither extends nor ends the streak.
+    # From the adopt_after-th on, the statistics take the norm itself, so a lasting change of level is adopted.
+    streak = state[CLIP_STREAK]
+    judged = ready & finite
+    streak_out = torch.where(judged, torch.where(spike, streak + 1, 0.0), streak)
+    adopt = spike & judged & (streak_out >= (adopt_after if adopt_after > 0 else math.inf))
+
     update = ready & finite
     if skip_update_on_spike:
-        update = update & ~spike
-    v = torch.where(spike, clip_value, g)
+        update = update & (~spike | adopt)
+    v = torch.where(spike & ~adopt, clip_value, g)
     new_mean = alpha * mean + (1 - alpha) * v
     new_var = alpha * var + (1 - alpha) * (v - new_mean).square()
     mean_out = torch.where(init_now, warm_mean, torch.where(update, new_mean, mean))
     var_out = torch.where(init_now, warm_var, torch.where(update, new_var, var))
     coef = (threshold / (g + _EPS)).clamp(max=1.0)
-    head = torch.stack([n_new, mean_out, var_out, threshold, coef, torch.where(ready, z, math.nan)])
+    head = torch.stack([n_new, mean_out, var_out, threshold, coef, torch.where(ready, z, math.nan), streak_out])
     state[:CLIP_WARM].copy_(head)
     return threshold
 
@@ -201,7 +212,7 @@ _lib.define(
 )
 _lib.define(
     "adaptive_clip_step(Tensor(a!) state, Tensor grad_norm, float alpha, float z_thresh, float clip_factor, "
-    "float max_norm, bool clip_to_mean, bool skip_update_on_spike) -> Tensor"
+    "float max_norm, bool clip_to_mean, bool skip_update_on_spike, int adopt_after) -> Tensor"
 )
 _lib.define(
     "noise_scale_step(Tensor(a!) state, Tensor small_sq, Tensor big_sq, float b_small, float b_big, float ema) -> ()"
@@ -245,8 +256,10 @@ def _fake_guard(state: Tensor, grad_norm: Tensor, loss: Tensor | None, sigma: fl
 
 @torch.library.register_fake("torch_gradstats::adaptive_clip_step", lib=_lib)
 def _fake_clip(state: Tensor, grad_norm: Tensor, alpha: float, z_thresh: float, clip_factor: float, max_norm: float,
-               clip_to_mean: bool, skip_update_on_spike: bool) -> Tensor:  # fmt: skip
+               clip_to_mean: bool, skip_update_on_spike: bool, adopt_after: int) -> Tensor:  # fmt: skip
     _check("adaptive_clip_step", state, state.numel() > CLIP_WARM, {"grad_norm": grad_norm})
+    if adopt_after < 0:
+        raise ValueError(f"adaptive_clip_step: adopt_after must be >= 0 (0: never adopt), got {adopt_after}")
     return state.new_empty(())
 
 
