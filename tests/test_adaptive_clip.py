@@ -16,6 +16,7 @@ from torch import nn
 import torch_gradstats.policies.adaptive_clip as adaptive_clip_mod
 import torch_gradstats.policies.clip as clip_mod
 from torch_gradstats import HAS_EXTENSION, AdaptiveClip, clip_grad_norm_, grad_stats
+from torch_gradstats.ops import policy_ops as ops
 from torch_gradstats.policies.clip import clip_with_threshold_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -253,3 +254,205 @@ def test_threshold_launches_the_same_ops_every_step():
         counts.append(sum(1 for e in prof.events() if e.name.startswith("aten::")))
     assert len(set(counts)) == 1, counts
 
+
+# ------------------------------------------------------------------------------------- a lasting change of level
+def _level_change(n: int = 300, at: int = 150, factor: float = 10.0, seed: int = 0) -> list[float]:
+    """Gradient norms around 1 (lognormal, 10% spread) whose level rises by ``factor`` for good at step ``at``."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(n, generator=gen, dtype=torch.float64).mul(0.1).exp().tolist()
+    return [(factor if i >= at else 1.0) * v for i, v in enumerate(noise)]
+
+
+def _coefs(clip: AdaptiveClip, norms: list[float]) -> list[float]:
+    out = []
+    for g in norms:
+        clip.threshold(torch.tensor(g, dtype=torch.float64))
+        out.append(clip.last_coef.item())
+    return out
+
+
+@pytest.mark.parametrize("factor", [2.0, 10.0, 1e4])
+def test_a_lasting_rise_is_adopted_by_default_and_clipped_for_good_by_zclip(factor):
+    norms = _level_change(factor=factor)
+    adopted, zclip = _coefs(AdaptiveClip(), norms), _coefs(AdaptiveClip(adopt_after=None), norms)
+    assert adopted[:150] == zclip[:150]  # no streak of 16 clipped steps before the change: ZClip's thresholds
+    # ZClip: the threshold stays at the old level, every step after the change is clipped to it (about 1 / factor).
+    assert all(c < 1 for c in zclip[150:])
+    assert max(zclip[200:]) < 1.5 / factor
+    # Adopted: clipped for adopt_after steps as ZClip, then a few more while the statistics move (the first unclipped
+    # step: 166 to 172 here), then for a small rise a few milder clips while the band settles (up to step 178 for
+    # x2), then only noise, no more than at the old level (2 steps of 150).
+    stop = next(i for i in range(150, 300) if adopted[i] == 1.0)
+    assert 150 + 16 <= stop <= 150 + 25, stop
+    assert all(c < 1 for c in adopted[150:stop])
+    assert adopted[150:166] == zclip[150:166]  # the streak's first 15 steps, and the 16th's threshold, as ZClip
+    assert sum(c < 1 for c in adopted[150 + 35:]) <= 2
+    assert adopted[-1] == 1.0
+
+
+def test_a_spike_shorter_than_adopt_after_is_clipped_as_zclip_and_a_longer_one_is_adopted():
+    norms = _level_change(n=400, at=400)  # around 1, then spikes of 1 to 15 steps, and one of 20
+    starts, length = {}, 1
+    for start in range(60, 360, 20):
+        starts[start] = min(length, 15)
+        length += 1
+    spiky = list(norms)
+    for start, n in starts.items():
+        spiky[start:start + n] = [30.0 * v for v in spiky[start:start + n]]
+    zclip = [AdaptiveClip(adopt_after=None), ZClipRule(0.97, 2.5, 25, "adaptive_scaling", 1.0, None, False)]
+    adopted = AdaptiveClip()
+    got = [adopted.threshold(torch.tensor(g, dtype=torch.float64)).item() for g in spiky]
+    want = [zclip[0].threshold(torch.tensor(g, dtype=torch.float64)).item() for g in spiky]
+    assert got == want  # spikes of up to adopt_after - 1 = 15 steps: exactly ZClip's thresholds
+    _assert_thresholds(got, [zclip[1].step(g) for g in spiky])
+    assert all(got[s + i] < 30 for s, n in starts.items() for i in range(n))  # every spike step was clipped
+    # A burst of 20 steps: its first 15 clipped as ZClip, its 16th on enter the statistics.
+    burst = norms[:100] + [30.0 * v for v in norms[100:120]] + norms[120:]
+    a, z = AdaptiveClip(), AdaptiveClip(adopt_after=None)
+    got = [a.threshold(torch.tensor(g, dtype=torch.float64)).item() for g in burst]
+    want = [z.threshold(torch.tensor(g, dtype=torch.float64)).item() for g in burst]
+    assert got[:116] == want[:116] and got[116] != want[116]
+
+
+@pytest.mark.parametrize("setting", [{}, {"clip_option": "mean", "max_norm": 5.0}, {"skip_update_on_spike": True},
+                                     {"adopt_after": 1, "alpha": 0.9, "warmup": 5}])
+@pytest.mark.parametrize("kind", ["rising", "plateaus", "mixed", "levels"])
+def test_adoption_equals_the_reference_rule(kind, setting):
+    """The three ways of computing a step (the compiled kernel where there is one, the pure-PyTorch kernel, and the
+    rule on Python floats) agree with adoption on, NaN and inf inside streaks included."""
+    clip, fallback = AdaptiveClip(**setting), AdaptiveClip(**setting)
+    ref = _rule(clip, finite_only=True)
+    if kind == "levels":  # a rise x10, a fall x100, a rise x100; NaN and inf in the streaks of clipped steps
+        norms = _level_change(n=250, at=100) + [v * 0.1 for v in _level_change(n=250, at=150, factor=100.0)]
+        for i in (101, 103, 104, 401):
+            norms[i] = (math.nan, math.inf)[i % 2]
+    else:
+        norms = sequence(kind, 600, seed=14)
+    got, slow, streaks = [], [], []
+    for g in norms:
+        t = torch.tensor(g, dtype=torch.float64)
+        got.append(clip.threshold(t).item())
+        slow.append(ops._adaptive_clip_step(fallback._state, t, clip.alpha, clip.z_thresh, clip.clip_factor,
+                                            math.inf if clip.max_norm is None else clip.max_norm,
+                                            clip.clip_option == "mean", clip.skip_update_on_spike,
+                                            clip.adopt_after).item())
+        streaks.append(clip.consecutive.item())
+    want = [ref.step(g) for g in norms]
+    _assert_thresholds(got, want)
+    _assert_thresholds(slow, want)
+    torch.testing.assert_close(clip._state, fallback._state, rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert clip.consecutive.item() == ref.streak
+    if kind == "levels":  # the NaN and inf neither ended nor extended the streaks they fell in
+        assert all(streaks[i] == streaks[i - 1] for i in (101, 103, 104, 401))
+        assert streaks[100] == 1 and streaks[400] == 1  # each rise starts a streak
+        assert max(streaks) >= clip.adopt_after  # adoption happened
+
+
+def test_non_finite_norms_neither_extend_nor_end_the_streak():
+    clip = AdaptiveClip(warmup=3, adopt_after=3)
+    for g in (1.0, 1.1, 0.9, 1.0):
+        clip.threshold(torch.tensor(g, dtype=torch.float64))
+    streaks = []
+    for g in (50.0, math.nan, 50.0, math.inf, -math.inf, 50.0, 1.0):
+        clip.threshold(torch.tensor(g, dtype=torch.float64))
+        streaks.append(clip.consecutive.item())
+    assert streaks == [1, 1, 2, 2, 2, 3, 0]
+    assert clip.consecutive.dtype == torch.int64 and clip.consecutive.shape == ()
+
+
+def test_adopt_after_resumes_from_a_state_dict_mid_streak():
+    norms = _level_change(n=220, at=100)
+    whole = AdaptiveClip(adopt_after=8)
+    want, streaks = [], []
+    for g in norms:
+        want.append(whole.threshold(torch.tensor(g)).item())
+        streaks.append(whole.consecutive.item())
+    assert streaks[103] == 4 and streaks[108] == 9  # the streak runs on after its adoption
+    for cut in (104, 108, 109):  # inside the streak: before, at and after its adoption
+        first = AdaptiveClip(adopt_after=8)
+        got = [first.threshold(torch.tensor(g)).item() for g in norms[:cut]]
+        state = first.state_dict()
+        assert state["adopt_after"] == 8 and state["streak"].tolist() == [cut - 100]
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        buf.seek(0)
+        resumed = AdaptiveClip(adopt_after=None)  # other settings: the state's replace them
+        resumed.load_state_dict(torch.load(buf, weights_only=True))
+        assert resumed.adopt_after == 8 and resumed.consecutive.item() == cut - 100
+        got += [resumed.threshold(torch.tensor(g)).item() for g in norms[cut:]]
+        assert got == want, cut
+    none = AdaptiveClip(adopt_after=None)
+    none.threshold(1.0)
+    fresh = AdaptiveClip()
+    fresh.load_state_dict(none.state_dict())
+    assert fresh.adopt_after is None  # None (ZClip's rule) round-trips
+
+
+def test_a_state_saved_before_adopt_after_loads_with_the_default_and_no_streak():
+    norms = _level_change(n=200, at=100)
+    saved = AdaptiveClip(adopt_after=None)
+    for g in norms[:110]:  # 10 clipped steps in a row
+        saved.threshold(torch.tensor(g))
+    old = {k: v for k, v in saved.state_dict().items() if k not in ("adopt_after", "streak")}
+    clip = AdaptiveClip(adopt_after=3)
+    clip.load_state_dict(old)
+    assert clip.adopt_after == 16 and clip.consecutive.item() == 0
+    assert repr(clip).endswith("adopt_after=16, device=cpu)")
+    # It continues as a default clipper that saw the same statistics and no streak: it adopts 16 steps later.
+    ref = AdaptiveClip()
+    ref._state.copy_(saved._state)
+    ref._state[ops.CLIP_STREAK] = 0
+    assert [clip.threshold(torch.tensor(g)).item() for g in norms[110:]] == [
+        ref.threshold(torch.tensor(g)).item() for g in norms[110:]
+    ]
+    assert clip.last_coef.item() == 1.0
+
+
+def test_bad_adopt_after_is_named():
+    with pytest.raises(ValueError, match="adopt_after must be >= 1"):
+        AdaptiveClip(adopt_after=0)
+    with pytest.raises(TypeError, match="adopt_after must be an int"):
+        AdaptiveClip(adopt_after=4.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="adopt_after must be an int"):
+        AdaptiveClip(adopt_after=True)
+    with pytest.raises(ValueError, match="adopt_after must be <= .*or None for ZClip's rule"):
+        AdaptiveClip(adopt_after=2**60)
+    state = AdaptiveClip().state_dict()
+    with pytest.raises(ValueError, match="adopt_after must be >= 1"):
+        AdaptiveClip().load_state_dict({**state, "adopt_after": -2})
+    with pytest.raises(ValueError, match="'streak' must be a torch.int64 tensor of shape \\(1,\\)"):
+        AdaptiveClip().load_state_dict({**state, "streak": torch.zeros(1)})
+    with pytest.raises(ValueError, match="'streak' .the clipped steps in a row. must be in"):
+        AdaptiveClip().load_state_dict({**state, "streak": torch.tensor([-1])})
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_model_whose_loss_is_scaled_x10_halfway_is_clipped_again_only_briefly():
+    """A ResNet trained with Adam on random batches, its loss scaled x10 from step 50 of 100 (the gradient norm's level
+    rises x10; Adam's steps stay about the same): AdaptiveClip.clip_ every step. ZClip's rule clips every later step
+    to about 0.1; the default adopts the new level and the coefficient is back to 1.0 within a few dozen steps."""
+    from model_zoo import resnet
+
+    gen = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(128, 3, 4, 4, generator=gen), torch.randint(0, 5, (128,), generator=gen)
+    batches = [torch.randint(0, 128, (8,), generator=gen) for _ in range(100)]
+    coefs = {}
+    for adopt_after in (16, None):
+        model = resnet(0)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        clip = AdaptiveClip(warmup=10, adopt_after=adopt_after)
+        out = []
+        for step, batch in enumerate(batches):
+            loss = nn.functional.cross_entropy(model(images[batch]), labels[batch]) * (10.0 if step >= 50 else 1.0)
+            optimizer.zero_grad()
+            loss.backward()
+            out.append(clip.clip_(model.parameters()).clip_coef.item())
+            optimizer.step()
+        coefs[adopt_after] = out
+    adopted, zclip = coefs[16], coefs[None]
+    assert max(zclip[50:]) < 0.5  # held at the old scale to the end
+    # Clipped (about 0.1) from step 50 to 66, then 7 milder clips (coefficients 0.5 to 0.97) up to step 81, then
+    # none; ZClip's rule clips every step from 50 to about 0.1.
+    clipped = [i for i in range(50, 100) if adopted[i] < 1]
+    stop = next(i for i in range(50, 100) if adopted[i] == 1.0)
+    assert 50 + 16 <= stop <= 50 + 30 and clipped[-1] < 50 + 35, clipped
