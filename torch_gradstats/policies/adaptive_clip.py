@@ -23,10 +23,10 @@ Two differences, on purpose:
   row on, each further clipped step of the streak updates the statistics with ``g`` itself (and, with
   ``skip_update_on_spike``, updates them at all); the step is still clipped to this step's threshold. Mean and var
   then move to the new level at the EMA's rate, widening the band as they go, and the clipping stops a few steps
-  later, whatever the size of the jump: with the defaults, 20 to 22 steps after the change (4 to 6 adopted steps).
-  The streak counts the clipped finite norms after the warm-up; an unclipped finite norm ends it, and a non-finite
-  norm neither extends nor ends it (it says nothing about the level, and never enters the statistics). So a spike of
-  fewer than ``adopt_after`` steps is clipped exactly as ZClip clips it.
+  later, whatever the size of the jump: with the defaults, 20 to 22 steps after a x10 rise (the last 5 to 7 of
+  them adopted). The streak counts the clipped finite norms after the warm-up; an unclipped finite norm ends it, and
+  a non-finite norm neither extends nor ends it (it says nothing about the level, and never enters the statistics).
+  So a spike of fewer than ``adopt_after`` steps is clipped exactly as ZClip clips it.
 
   Why 16: it is about half the EMA's time constant ``1 / (1 - alpha)`` (33 steps at the default ``alpha``).
   Gradient-norm spikes last one to a few steps, far below it, and are clipped as ZClip clips them; a norm that has
