@@ -106,6 +106,23 @@ def test_group_stats_alone() -> None:
         assert same(row[key], want[key]) or math.isclose(row[key], want[key], rel_tol=1e-12), key  # type: ignore[arg-type]
 
 
+def test_group_stats_of_some_parameters_keeps_the_totals_of_all() -> None:
+    model, x, y = model_and_batch()
+    step(model, x, y, 0)
+    with torch.no_grad():
+        model[4].bias.grad[0] = 0.0  # a zero, in no group
+        model[4].bias.grad[1] = 50.0  # the largest |g|, in no group
+    stats = grad_stats(model.named_parameters())
+    groups = stats.grouped(lambda name: "weights" if name.endswith("weight") else None)  # biases in no group
+    rec = FlightRecorder()
+    rec.record(groups)
+    (row,) = rec.to_dicts()
+    want = stats.report(groups=groups).to_dict(per_param=False)
+    for key in set(row) - {"step", "loss"}:
+        assert same(row[key], want[key]), key
+    assert row["total_norm"] > row["group/weights/norm"] and row["inf_norm"] == 50.0 and row["zero_count"] >= 1
+
+
 class Reads(TorchDispatchMode):
     """Counts reads of a tensor value into Python (aten::_local_scalar_dense)."""
 

@@ -133,7 +133,8 @@ class FlightRecorder:
     def record(self, stats: GradStats | GroupStats, *, loss: Tensor | float | None = None,
                guard: Any = None, clip: Any = None, groups: GroupStats | None = None) -> None:
         """Append a step: ``stats``'s totals (and its per-group figures if it is a :class:`GroupStats`, or those of
-        ``groups``), the loss, and the figures of ``guard`` (a :class:`SpikeGuard`) and ``clip`` (an
+        ``groups``; a GroupStats from ``GradStats.grouped`` gives the totals of every parameter, grouped or not,
+        any other its groups' sums), the loss, and the figures of ``guard`` (a :class:`SpikeGuard`) and ``clip`` (an
         :class:`AdaptiveClip`) after their step. No host read; every step must give the same kinds of figures.
         """
         if isinstance(stats, GroupStats):
@@ -141,6 +142,8 @@ class FlightRecorder:
                 raise ValueError("FlightRecorder.record: stats is already a GroupStats; pass groups= only with a "
                                  "GradStats")
             groups = stats
+            if isinstance(stats.source, GradStats):  # from GradStats.grouped: the totals of every parameter
+                stats = stats.source
         elif not isinstance(stats, GradStats):
             raise TypeError(f"FlightRecorder.record: stats must be a GradStats or a GroupStats, got a "
                             f"{type(stats).__name__}")

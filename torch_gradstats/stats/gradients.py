@@ -225,7 +225,9 @@ class GradStats:
     def grouped(self, by: GroupBy = "layer") -> GroupStats:
         """Per-group figures (per layer, module, regex group...) from these per-parameter ones, on the device, no
         sync; see :mod:`torch_gradstats.stats.groups` for ``by``."""
-        return group_stats(self, by)
+        out = group_stats(self, by)
+        out.source = self  # its totals cover the parameters in no group too (a flight recorder takes them)
+        return out
 
     # ---- host side
     def check_layout(self) -> None:

@@ -33,7 +33,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -198,6 +198,8 @@ class GroupStats:
         lr_update_sumsq: float64 ``[G]``: ``sum(lr_p**2 * ||g_p||**2)``, the squared norm of the group's plain SGD
             update (a parameter the optimizer does not hold counts 0: it is not updated); with an optimizer.
         delta_sumsq, update_weight_sumsq: float64 ``[G]``: ``||Δw||²`` and ``||w_after||²`` of a measured update.
+        source: the per-parameter statistics the groups were made from (a ``GradStats``, by its ``grouped``), whose
+            totals cover the parameters no group holds too; None when made otherwise.
     """
 
     names: list[str]
@@ -210,6 +212,7 @@ class GroupStats:
     lr_update_sumsq: Tensor | None = None
     delta_sumsq: Tensor | None = None
     update_weight_sumsq: Tensor | None = None
+    source: object | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.names)
