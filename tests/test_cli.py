@@ -306,6 +306,8 @@ _MODULES = "one of ['embed', 'act1', 'hidden', 'act2', 'head']"
         (["--inject-spike", "-1"], ["demo: error: --inject-spike -1 is outside the run's optimizer steps 0..199"]),
         (["--steps", "30", "--inject-spike", "30"], ["--inject-spike 30 is outside the run's optimizer steps 0..29"]),
         (["--inject-spike", "3"], ["--inject-spike 3 falls in the spike guard's warm-up: it judges steps 11..199"]),
+        (["--steps", "10", "--inject-spike", "3"],
+         ["--inject-spike 3 falls in the spike guard's warm-up: with --steps 10 it judges none"]),
         (["--inject-spike", "2.5"], ["demo: error: argument --inject-spike: invalid int value: '2.5'"]),
         (["--inject-bad-example", "-1"], ["demo: error: --inject-bad-example -1 is outside the run's optimizer steps"]),
         (["--steps", "30", "--inject-bad-example", "30"],
@@ -319,9 +321,9 @@ _MODULES = "one of ['embed', 'act1', 'hidden', 'act2', 'head']"
         (["--inject-nan", "5", "--nan-module", "hidden", "--inject-param", "head.bias"],
          ["give --inject-param (a gradient) or --nan-module (a forward output) to poison, not both"]),
     ],
-    ids=["spike-negative", "spike-past-end", "spike-in-warm-up", "spike-not-int", "bad-example-negative",
-         "bad-example-past-end", "bad-example-in-warm-up", "bad-example-not-int", "bad-module", "module-no-step",
-         "nan-negative", "param-and-module"],
+    ids=["spike-negative", "spike-past-end", "spike-in-warm-up", "spike-run-too-short", "spike-not-int",
+         "bad-example-negative", "bad-example-past-end", "bad-example-in-warm-up", "bad-example-not-int",
+         "bad-module", "module-no-step", "nan-negative", "param-and-module"],
 )
 def test_cli_injection_errors_are_status_2_and_one_line(tmp_path, args, expected):
     out = tmp_path / "out"

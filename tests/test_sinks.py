@@ -116,6 +116,34 @@ def test_bad_arguments(tmp_path: Path) -> None:
         JSONLSink(tmp_path / "x", flush_every=0)
 
 
+def _make_sink(kind: str, tmp_path: Path, style: object) -> object:
+    if kind == "tensorboard":
+        pytest.importorskip("tensorboard")
+        from torch_gradstats.integrations.tensorboard import TensorBoardSink
+
+        return TensorBoardSink(tmp_path / "tb", key_style=style)  # type: ignore[arg-type]
+    if kind == "wandb":
+        from torch_gradstats.integrations.wandb import WandbSink
+
+        return WandbSink(key_style=style)  # type: ignore[arg-type]
+    if kind == "mlflow":
+        from torch_gradstats.integrations import MLflowSink
+
+        return MLflowSink(key_style=style)  # type: ignore[arg-type]
+    return {"csv": CSVSink, "jsonl": JSONLSink}[kind](tmp_path / "f", style=style)
+
+
+@pytest.mark.parametrize("kind", ["tensorboard", "wandb", "mlflow", "csv", "jsonl"])
+def test_a_bad_key_style_is_refused_when_the_sink_is_made(kind: str, tmp_path: Path) -> None:
+    name = {"tensorboard": "TensorBoardSink", "wandb": "WandbSink", "mlflow": "MLflowSink", "csv": "CSVSink",
+            "jsonl": "JSONLSink"}[kind]
+    with pytest.raises(ValueError, match=f"{name}: (key_)?style must be one of default, .*got 'hugginface'"):
+        _make_sink(kind, tmp_path, "hugginface")
+    with pytest.raises(TypeError, match=f"{name}: (key_)?style must be a str"):
+        _make_sink(kind, tmp_path, 3)
+    assert list(tmp_path.iterdir()) == []  # nothing made on the way
+
+
 def test_trainer_log_to_writes_one_row_per_logging_step(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))

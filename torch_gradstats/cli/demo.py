@@ -199,9 +199,11 @@ def run(
     guard = make_guard() if spike_guard or inject_spike is not None or per_example else None
     for flag, step in (("--inject-spike", inject_spike), ("--inject-bad-example", inject_bad_example)):
         if guard is not None and step is not None and step < guard.min_history:
+            judged = (f"it judges steps {guard.min_history}..{steps - 1}" if steps > guard.min_history
+                      else f"with --steps {steps} it judges none: give --steps above {guard.min_history}")
             raise ValueError(
-                f"{flag} {step} falls in the spike guard's warm-up: it judges steps {guard.min_history}..{steps - 1} "
-                f"(it takes every step until its history holds {guard.min_history} norms)"
+                f"{flag} {step} falls in the spike guard's warm-up: {judged} (it takes every step until its history "
+                f"holds {guard.min_history} norms)"
             )
     clip = make_clip() if adaptive_clip else None
     out_dir = Path(out)

@@ -57,8 +57,7 @@ import weakref
 from typing import IO, Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.integrations.sinks import AnyReport
-from torch_gradstats.stats.report import STYLES
+from torch_gradstats.integrations.sinks import AnyReport, check_style
 
 __all__ = ["CSVSink", "JSONLSink", "strict_json"]
 
@@ -110,10 +109,7 @@ class _FileSink:
             raise TypeError(f"{who}: prefix must be a str, got a {type(prefix).__name__}")
         if not isinstance(per_param, bool):
             raise TypeError(f"{who}: per_param must be a bool, got a {type(per_param).__name__}")
-        if not isinstance(style, str):
-            raise TypeError(f"{who}: style must be a str, one of {', '.join(STYLES)}")
-        if style not in STYLES:
-            raise ValueError(f"{who}: style must be one of {', '.join(STYLES)}; got {style!r}")
+        check_style(who, "style", style)
         if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"{who}: mode must be 'a' (append, the default) or 'w' (overwrite); got {mode!r}")
         #: the file, as an absolute path (fixed when the sink is made: a later os.chdir changes nothing)

@@ -49,8 +49,7 @@ import time
 from typing import Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
-from torch_gradstats.stats.report import STYLES
+from torch_gradstats.integrations.sinks import AnyReport, check_style, grad_report, metrics
 
 __all__ = ["MLflowSink", "mlflow_key"]
 
@@ -101,10 +100,7 @@ class MLflowSink:
             raise TypeError(f"MLflowSink: prefix must be a str, got a {type(prefix).__name__}")
         if not isinstance(per_param, bool):
             raise TypeError(f"MLflowSink: per_param must be a bool, got a {type(per_param).__name__}")
-        if not isinstance(key_style, str):
-            raise TypeError(f"MLflowSink: key_style must be a str, one of {', '.join(STYLES)}")
-        if key_style not in STYLES:
-            raise ValueError(f"MLflowSink: key_style must be one of {', '.join(STYLES)}; got {key_style!r}")
+        check_style("MLflowSink", "key_style", key_style)
         if synchronous is not None and not isinstance(synchronous, bool):
             raise TypeError(f"MLflowSink: synchronous must be a bool or None, got a {type(synchronous).__name__}")
         self.run_id = run_id

@@ -12,8 +12,10 @@ from typing import Protocol, runtime_checkable
 
 from torch_gradstats.monitors.updates import UpdateReport
 from torch_gradstats.stats.gradients import GradReport
+from torch_gradstats.stats.report import STYLES
 
-__all__ = ["AnyReport", "GradSink", "finite_values", "grad_report", "log_to", "metrics", "nonfinite_index"]
+__all__ = ["AnyReport", "GradSink", "check_style", "finite_values", "grad_report", "log_to", "metrics",
+           "nonfinite_index"]
 
 #: What a sink accepts: the gradient report alone, or the gradient + weight + update report.
 AnyReport = GradReport | UpdateReport
@@ -25,6 +27,16 @@ class GradSink(Protocol):
 
     def log(self, report: AnyReport, step: int) -> None:  # pragma: no cover - protocol
         ...
+
+
+def check_style(who: str, arg: str, style: object) -> str:
+    """``style`` when it is one of ``GradReport.to_dict``'s key styles; else the error a sink raises when it is made
+    (naming the sink and its argument), rather than at its first ``log``."""
+    if not isinstance(style, str):
+        raise TypeError(f"{who}: {arg} must be a str, one of {', '.join(STYLES)}; got a {type(style).__name__}")
+    if style not in STYLES:
+        raise ValueError(f"{who}: {arg} must be one of {', '.join(STYLES)}; got {style!r}")
+    return style
 
 
 def grad_report(report: AnyReport) -> GradReport:

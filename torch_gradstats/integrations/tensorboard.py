@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.integrations.sinks import AnyReport, finite_values, grad_report, metrics
+from torch_gradstats.integrations.sinks import AnyReport, check_style, finite_values, grad_report, metrics
 from torch_gradstats.monitors.updates import UpdateReport
 from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.stats.exponents import ExponentHistogram
@@ -63,6 +63,7 @@ class TensorBoardSink:
                  log_rank: int | None = None) -> None:
         #: whether this process writes (False on the ranks other than the logging rank)
         check_bool("TensorBoardSink: histograms", histograms)  # before a log directory is made
+        check_style("TensorBoardSink", "key_style", key_style)
         self.writes = writes_here("TensorBoardSink", stage_group, group, log_rank)
         if isinstance(writer, str) or hasattr(writer, "__fspath__"):
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
+from torch_gradstats.integrations.sinks import AnyReport, check_style, grad_report, metrics
 from torch_gradstats.ops.op import HISTOGRAM_MIN_EXPONENT
 from torch_gradstats.stats.exponents import ExponentHistogram
 
@@ -78,7 +78,7 @@ class WandbSink:
         self.prefix = prefix
         self.per_param = per_param
         self.commit = commit
-        self.key_style = key_style
+        self.key_style = check_style("WandbSink", "key_style", key_style)
         self._first_recorded = False
 
     def _run(self) -> Any:
