@@ -685,11 +685,7 @@ class SlicedWindow {
     };
     int64_t r = 0;
     for (; r + 16 <= f.regs; r += 16) {
-      VI x[16];
-      for (int k = 0; k < 16; ++k) {
-        x[k] = one_hot(r + k);
-      }
-      w.add16(x);
+      w.add16([&, k = r]() mutable { return one_hot(k++); });  // made as the adders take them: few live registers
     }
     for (; r < f.regs; ++r) {
       w.carry(one_hot(r), 0);
@@ -722,25 +718,31 @@ class SlicedWindow {
     }
   }
 
-  // Harley-Seal: 16 registers into levels 0-3 with 15 adders; the sixteens are carried from level 4 up.
-  void add16(const VI* x) {
+  // Harley-Seal: 16 registers (next() gives them in turn) into levels 0-3 with 15 adders; the sixteens are carried
+  // from level 4 up.
+  template <class Next>
+  void add16(Next&& next) {
     VI& ones = level_[0];
     VI& twos = level_[1];
     VI& fours = level_[2];
     VI& eights = level_[3];
     VI twos_a, twos_b, fours_a, fours_b, eights_a, eights_b, sixteens;
-    adder(twos_a, ones, ones, x[0], x[1]);
-    adder(twos_b, ones, ones, x[2], x[3]);
+    const auto pair = [&](VI& high) {
+      const VI a = next();
+      adder(high, ones, ones, a, next());
+    };
+    pair(twos_a);
+    pair(twos_b);
     adder(fours_a, twos, twos, twos_a, twos_b);
-    adder(twos_a, ones, ones, x[4], x[5]);
-    adder(twos_b, ones, ones, x[6], x[7]);
+    pair(twos_a);
+    pair(twos_b);
     adder(fours_b, twos, twos, twos_a, twos_b);
     adder(eights_a, fours, fours, fours_a, fours_b);
-    adder(twos_a, ones, ones, x[8], x[9]);
-    adder(twos_b, ones, ones, x[10], x[11]);
+    pair(twos_a);
+    pair(twos_b);
     adder(fours_a, twos, twos, twos_a, twos_b);
-    adder(twos_a, ones, ones, x[12], x[13]);
-    adder(twos_b, ones, ones, x[14], x[15]);
+    pair(twos_a);
+    pair(twos_b);
     adder(fours_b, twos, twos, twos_a, twos_b);
     adder(eights_b, fours, fours, fours_a, fours_b);
     adder(sixteens, eights, eights, eights_a, eights_b);
