@@ -16,7 +16,7 @@ from _dist_layout_workers import _expect_error
 from _host_reads import AllHostReads
 from torch import nn
 
-from torch_gradstats import clip_grad_norm_, grad_stats
+from torch_gradstats import AdaptiveClip, clip_grad_norm_, grad_stats
 from torch_gradstats.distributed.reduce import reduce_across_ranks
 from torch_gradstats.monitors.updates import grad_and_weight_stats
 from torch_gradstats.ops.op import multi_tensor_stats
@@ -128,6 +128,29 @@ def clip_with_given_statistics(rank: int, world: int) -> None:
     _expect_error(lambda: clip_grad_norm_(wrong, max_norm=1.0, group=pg, stats=stats), "'zzz'")
 
 
+def adaptive_clip_with_different_parameters(rank: int, world: int) -> None:
+    """AdaptiveClip.clip_(params, group=) where the ranks hold different parameters (and one rank none at a call):
+    every rank takes the same threshold from the global norm and clips by it, as clip_grad_norm_(group=)."""
+    pg = dist.group.WORLD
+    clipper = AdaptiveClip(warmup=2)
+    for call in range(4):
+        empty = rank == world - 1 and call == 3
+        params = [] if empty else [_p("a", torch.full((3,), 1.0 + call))] + (
+            [_p("b", torch.full((2,), 2.0))] if rank == 0 else [])
+        stats = clipper.clip_(params, group=pg)
+        a_holders = world - (call == 3)
+        want = math.sqrt(3.0 * (1.0 + call) ** 2 * a_holders + 8.0)
+        assert math.isclose(float(stats.clip_norm), want, rel_tol=1e-12), (call, float(stats.clip_norm), want)
+        coef = float(stats.clip_coef)
+        for name, p in params:  # scaled by the coefficient of the global norm
+            before = 1.0 + call if name == "a" else 2.0
+            assert p.grad is not None and torch.allclose(p.grad, torch.full_like(p.grad, before * coef)), call
+        coefs = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(coefs, torch.tensor(coef, dtype=torch.float64))
+        assert all(float(c) == coef for c in coefs), (call, [float(c) for c in coefs])  # one threshold everywhere
+        assert coef == 1.0 if call < 2 else coef < 1.0, (call, coef)  # the warm-up, then a rising norm clipped
+
+
 def report_summaries_with_unattributed(rank: int, world: int) -> None:
     """In a call with unattributed figures, report().health equals health() (per-parameter summaries leave them
     out on both sides) while the totals include them and the report lists them as one row."""
@@ -202,5 +225,6 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f for f in (unnamed_rows_raise_at_once, tied_copy_gained_late,  # type: ignore[misc]
                             tied_names_on_some_ranks, row_order_after_a_change, clip_with_given_statistics,
                             report_summaries_with_unattributed, pipeline_gain_one_report,
-                            rank_without_gradients_weights, two_call_sites_steady)
+                            rank_without_gradients_weights, two_call_sites_steady,
+                            adaptive_clip_with_different_parameters)
 }

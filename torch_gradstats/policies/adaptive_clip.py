@@ -198,8 +198,9 @@ class AdaptiveClip:
         if stats is None:
             stats = grad_stats(named, group=group)
         if not len(stats):
-            return clip_grad_norm_(named, math.inf, stats=stats)
-        return clip_with_threshold_(named, self.threshold(stats.total_norm), stats=stats)
+            return clip_grad_norm_(named, math.inf, group=group, stats=stats)
+        # group=: the statistics hold every rank's rows, which the clip checks against this rank's parameters
+        return clip_with_threshold_(named, self.threshold(stats.total_norm), group=group, stats=stats)
 
     # ------------------------------------------------------------------------------------------- figures
     @property
