@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from _host_reads import instrument
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from torch_gradstats.integrations.transformers import _unscaled, add_to_trainer
+from torch_gradstats.integrations.transformers import GradStatsCallback, _unscaled, add_to_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,6 +170,13 @@ def test_host_syncs_only_on_logging_steps(tmp_path: Path, on_nonfinite: str | No
     else:
         # One check per optimizer step, each a one-value transfer through torch_gradstats.ops._transfer (no .item()).
         assert counts["check"] == 6 and counts["reads"] == 0
+
+
+def test_add_to_trainer_refuses_options_beside_a_callback(tmp_path: Path) -> None:
+    trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=_data())
+    with pytest.raises(ValueError, match=r"add_to_trainer: options \(on_nonfinite\) are for the callback it makes"):
+        add_to_trainer(trainer, GradStatsCallback(), on_nonfinite="skip")
+    assert not any(isinstance(c, GradStatsCallback) for c in trainer.callback_handler.callbacks)  # nothing added
 
 
 def test_fp16_scaled_gradients_are_unscaled_on_the_device() -> None:

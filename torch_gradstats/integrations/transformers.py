@@ -475,7 +475,11 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
 
 def add_to_trainer(trainer: Any, callback: GradStatsCallback | None = None, **kwargs: Any) -> GradStatsCallback:
     """Add ``callback`` (or ``GradStatsCallback(**kwargs)``) to ``trainer`` as its *first* callback, so the
-    ``report_to`` integrations that log after it receive its figures. Returns the callback."""
+    ``report_to`` integrations that log after it receive its figures. Returns the callback. Options go to the
+    callback one makes here: given with a callback of your own, they raise a ``ValueError`` (they would be lost)."""
+    if callback is not None and kwargs:
+        raise ValueError(f"add_to_trainer: options ({', '.join(sorted(kwargs))}) are for the callback it makes; "
+                         "a GradStatsCallback given already has its own: give one or the other")
     cb = callback if callback is not None else GradStatsCallback(**kwargs)
     trainer.callback_handler.callbacks.insert(0, cb)
     return cb
