@@ -212,14 +212,6 @@ def test_widening_through_a_symbolic_link_rewrites_the_file_it_names(tmp_path: P
     assert "clip_coef" in header and [r["step"] for r in rows] == ["0", "1", "2"]
 
 
-@pytest.mark.skipif(not hasattr(os, "link"), reason="needs hard links")
-def test_a_hard_link_to_an_open_sinks_file_is_refused(tmp_path: Path) -> None:
-    target = tmp_path / "grads.jsonl"
-    with JSONLSink(target):
-        os.link(target, tmp_path / "hard.jsonl")
-        with pytest.raises(ValueError, match="hard.jsonl is already written by an open JSONLSink"):
-            JSONLSink(tmp_path / "hard.jsonl")
-    JSONLSink(tmp_path / "hard.jsonl").close()  # freed with the first sink
 
 
 @pytest.mark.parametrize("cls", SINKS)
@@ -317,13 +309,16 @@ def test_a_second_sink_on_an_open_sinks_file_is_refused(tmp_path: Path, monkeypa
     assert [r["step"] for r in rows] == ["0", "1", "2"]
 
 
-@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
-def test_a_link_to_an_open_sinks_file_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("make_link", ["symlink", "link"], ids=["symbolic", "hard"])
+def test_a_link_to_an_open_sinks_file_is_refused(tmp_path: Path, make_link: str) -> None:
+    if not hasattr(os, make_link):
+        pytest.skip(f"needs os.{make_link}")
     target = tmp_path / "grads.jsonl"
     with JSONLSink(target):
-        os.symlink(target, tmp_path / "link.jsonl")
+        getattr(os, make_link)(target, tmp_path / "link.jsonl")
         with pytest.raises(ValueError, match="link.jsonl is already written by an open JSONLSink"):
             JSONLSink(tmp_path / "link.jsonl")
+    JSONLSink(tmp_path / "link.jsonl").close()  # freed with the first sink
 
 
 def test_a_refused_sink_leaves_the_first_one_writing(tmp_path: Path) -> None:

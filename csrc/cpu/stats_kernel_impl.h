@@ -723,26 +723,25 @@ class SlicedWindow {
     VI& twos = level_[1];
     VI& fours = level_[2];
     VI& eights = level_[3];
-    VI twos_a, twos_b, fours_a, fours_b, eights_a, eights_b, sixteens;
-    const auto pair = [&](VI& high) {
+    const auto twos_of_2 = [&](VI& high) {  // 2 registers into ones; their carry
       const VI a = next();
       adder(high, ones, ones, a, next());
     };
-    pair(twos_a);
-    pair(twos_b);
-    adder(fours_a, twos, twos, twos_a, twos_b);
-    pair(twos_a);
-    pair(twos_b);
-    adder(fours_b, twos, twos, twos_a, twos_b);
-    adder(eights_a, fours, fours, fours_a, fours_b);
-    pair(twos_a);
-    pair(twos_b);
-    adder(fours_a, twos, twos, twos_a, twos_b);
-    pair(twos_a);
-    pair(twos_b);
-    adder(fours_b, twos, twos, twos_a, twos_b);
-    adder(eights_b, fours, fours, fours_a, fours_b);
-    adder(sixteens, eights, eights, eights_a, eights_b);
+    const auto fours_of_4 = [&](VI& high) {  // 4 registers into ones and twos; their carry
+      VI twos_a, twos_b;
+      twos_of_2(twos_a);
+      twos_of_2(twos_b);
+      adder(high, twos, twos, twos_a, twos_b);
+    };
+    VI eights_of_8[2];  // each half's 8 registers into ones, twos and fours; their carries
+    for (VI& high : eights_of_8) {
+      VI fours_a, fours_b;
+      fours_of_4(fours_a);
+      fours_of_4(fours_b);
+      adder(high, fours, fours, fours_a, fours_b);
+    }
+    VI sixteens;
+    adder(sixteens, eights, eights, eights_of_8[0], eights_of_8[1]);
     carry(sixteens, 4);
   }
 
