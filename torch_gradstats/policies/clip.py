@@ -7,19 +7,25 @@ Same clipping rule as PyTorch: ``coef = min(max_norm / (total_norm + 1e-6), 1.0)
 ``torch._foreach_mul_`` per (device, dtype) group, with no host sync. A NaN/Inf total norm gives a NaN/0 coefficient
 and therefore NaN gradients, exactly as in PyTorch (use ``error_if_nonfinite=True`` or skip the step instead).
 
-Where it differs from PyTorch, on purpose: for ``norm_type`` 2 and inf the total norm comes from the fused op,
-which squares and sums in float64, while PyTorch computes it in the gradients' dtype. So:
+Where it differs from PyTorch, on purpose: for ``norm_type`` 2 and inf the total norm is the fused op's float64 one
+(for norm_type 2 and depending on the kernel, squares of 16/32-bit gradients summed in float32 over stretches of
+at most a few thousand elements, and those partial sums added in float64; see docs/accuracy.md), and the
+coefficient stays float64 until the multiply, while PyTorch computes and rounds both in the gradients' dtype. So:
 
 * float32/float64 gradients whose norm PyTorch can represent: the same total norm and clipped gradients to a few
-  ulps (the rounding of PyTorch's float32 sum) for norm_type 2;
+  ulps (a few float32 roundings in the sums) for norm_type 2;
 * float32 gradients whose squares overflow float32 (some |g| above about 1.8e19, or a sum of squares above
   3.4e38, e.g. ``torch.full((4,), 1e20)``): PyTorch's total norm is inf, so it multiplies every gradient by 0
   (``error_if_nonfinite=True`` raises instead). Here the total norm is the true, finite one (2e20 in that example),
   ``error_if_nonfinite`` does not raise, and the gradients are scaled to ``max_norm`` (each 1e20 becomes 0.5);
 * float16 gradients whose norm exceeds 65504: the same, PyTorch's float16 norm is inf;
-* bfloat16 gradients: PyTorch's norm is rounded to bfloat16 (3 significant digits), ours is not, so the
-  coefficients can differ by that rounding (up to 0.2%);
-* ``norm_type=inf``: max |g| is exact in every dtype, so both agree.
+* float16 gradients: PyTorch rounds the norms, ``1 / norm`` and the coefficient to float16, we do not, so the
+  clipped gradients' norms can differ by up to about 0.2% (more when PyTorch's coefficient is a float16
+  subnormal, below 6.1e-5);
+* bfloat16 gradients: PyTorch rounds the same figures to bfloat16 (8 significant bits), we do not, so the clipped
+  gradients' norms can differ by up to about 0.9%;
+* ``norm_type=inf``: max |g| is exact in every dtype, so the total norms agree; PyTorch still rounds the
+  coefficient in the gradients' dtype, so float16 and bfloat16 clips differ by up to about 0.17% and 0.58%.
 
 A NaN or Inf *element* gives a non-finite norm in both, with the same effect (NaN gradients, or the error).
 """
