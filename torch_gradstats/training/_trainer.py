@@ -41,8 +41,9 @@ class Trainer:
         loss_fn: ``loss_fn(outputs, targets)`` returning the **mean** loss over the batch (a 0-d tensor), e.g.
             ``nn.CrossEntropyLoss()``; the helper weights it by batch size to average per sample.
         device: where to train; validated up front (default: the device of the model's first parameter).
-        stats_every: take gradient stats every this many optimizer steps (default 1: every step). Forced to 1 when
-            ``skip_nonfinite`` is set or a ``scaler`` is given, because skipped steps must then be seen.
+        stats_every: take gradient stats every this many optimizer steps (default 1: every step). Forced to 1 (an
+            INFO log names why) when ``skip_nonfinite``, ``scaler``, ``spike_guard``, ``adaptive_clip``,
+            ``per_example`` or ``flight_recorder`` is given: each acts on, or records, every step's statistics.
         accumulation_steps: micro-batches per optimizer step (gradient accumulation). An empty batch (0 samples)
             is counted as a batch and adds nothing; a window whose every batch is empty makes no optimizer step.
         scaler: a :class:`torch.amp.GradScaler` for mixed precision; the stats are taken after ``unscale_``. The
@@ -205,8 +206,12 @@ class Trainer:
                                             loss_reduction="sum", nonfinite_told=True)
         self.stats_every = 1 if self.must_check_every_step else stats_every
         if self.must_check_every_step and stats_every != 1:
-            logger.info("torch_gradstats: stats_every=%d ignored: skip_nonfinite/GradScaler need stats every step",
-                        stats_every)
+            forced_by = [name for name, on in (
+                ("skip_nonfinite", skip_nonfinite), ("scaler", scaler is not None),
+                ("spike_guard", spike_guard is not None), ("adaptive_clip", adaptive_clip is not None),
+                ("per_example", per_example), ("flight_recorder", self.flight_recorder is not None)) if on]
+            logger.info("torch_gradstats: stats_every=%d ignored: stats are taken every step for %s", stats_every,
+                        ", ".join(forced_by))
         self.accumulation_steps = accumulation_steps
         self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite or spike_guard is not None)
         if skip_nonfinite and scaler is None and not self._stepper.skips_on_device:
