@@ -194,11 +194,12 @@ class Trainer:
         self.flight_recorder = check_flight_recorder("Trainer", flight_recorder)
         if check_bool("per_example", per_example) and compile:
             raise ValueError("Trainer: per_example needs compile=False: its hooks cannot run in a compiled region")
-        # Skipped steps can only be counted if every step is looked at.
-        self.must_check_every_step = (
-            skip_nonfinite or scaler is not None or spike_guard is not None or adaptive_clip is not None
-            or per_example or self.flight_recorder is not None
-        )
+        # Skipped steps can only be counted if every step is looked at: what acts on, or records, every step.
+        every_step_for = [name for name, on in (
+            ("skip_nonfinite", skip_nonfinite), ("scaler", scaler is not None),
+            ("spike_guard", spike_guard is not None), ("adaptive_clip", adaptive_clip is not None),
+            ("per_example", per_example), ("flight_recorder", self.flight_recorder is not None)) if on]
+        self.must_check_every_step = bool(every_step_for)
         self._incidents: StepIncidents | None = None
         if per_example or self.flight_recorder is not None or self._nonfinite_flag_needed():
             # "sum": each micro-batch's loss is weighted by its share of the window (see _example_scale).
@@ -206,12 +207,8 @@ class Trainer:
                                             loss_reduction="sum", nonfinite_told=True)
         self.stats_every = 1 if self.must_check_every_step else stats_every
         if self.must_check_every_step and stats_every != 1:
-            forced_by = [name for name, on in (
-                ("skip_nonfinite", skip_nonfinite), ("scaler", scaler is not None),
-                ("spike_guard", spike_guard is not None), ("adaptive_clip", adaptive_clip is not None),
-                ("per_example", per_example), ("flight_recorder", self.flight_recorder is not None)) if on]
             logger.info("torch_gradstats: stats_every=%d ignored: stats are taken every step for %s", stats_every,
-                        ", ".join(forced_by))
+                        ", ".join(every_step_for))
         self.accumulation_steps = accumulation_steps
         self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite or spike_guard is not None)
         if skip_nonfinite and scaler is None and not self._stepper.skips_on_device:
