@@ -197,6 +197,66 @@ def test_a_device_is_never_replaced_by_a_file(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["null"]
 
 
+def test_sinks_widening_one_after_the_other_each_keep_their_file(tmp_path: Path) -> None:
+    """A widening frees the replaced file's inode, whose number the file system may give to the next file made
+    (the other sink's rewritten copy): each sink holds only its own file's."""
+    plain, clipped, _ = _reports()
+    with CSVSink(tmp_path / "a.csv", per_param=False) as a, CSVSink(tmp_path / "b.csv") as b:
+        for step, report in enumerate((plain, plain, clipped, plain)):
+            a.log(report, step)
+            b.log(report, step)
+        JSONLSink(tmp_path / "c.jsonl").close()  # a file made after the widenings is free too
+    for name in ("a.csv", "b.csv"):
+        header, rows = _csv_rows(tmp_path / name)
+        assert "clip_coef" in header and [r["step"] for r in rows] == ["0", "1", "2", "3"], name
+
+
+def test_widening_writes_no_file_but_its_own(tmp_path: Path) -> None:
+    """The rewritten copy takes a fresh name: a file named like a fixed temporary name (here another sink's) is left
+    as it is."""
+    plain, clipped, _ = _reports()
+    with CSVSink(tmp_path / "x.csv", per_param=False) as sink, JSONLSink(tmp_path / "x.csv.tmp") as other:
+        for step, report in enumerate((plain, clipped)):
+            sink.log(report, step)
+            other.log(report, step)
+    header, rows = _csv_rows(tmp_path / "x.csv")
+    assert "clip_coef" in header and [r["step"] for r in rows] == ["0", "1"]
+    assert [_strict(line)["step"] for line in (tmp_path / "x.csv.tmp").read_text().splitlines()] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.csv", "x.csv.tmp"]
+
+
+@pytest.mark.parametrize("how", ["cannot-write-beside", "rotated"])
+def test_a_file_that_cannot_be_rewritten_gets_the_wider_header_as_a_line(
+        tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No row is lost when the widening cannot rewrite the file: a directory where no file can be made (root ignores
+    permissions, so the refusal is simulated), or a file moved away under the sink (log rotation), whose new file at
+    the path is left alone."""
+    import tempfile
+
+    plain, clipped, _ = _reports()
+    path = tmp_path / "x.csv"
+    with CSVSink(path, per_param=False) as sink:
+        sink.log(plain, 0)
+        if how == "rotated":
+            os.rename(path, tmp_path / "x.csv.1")
+            path.write_text("someone else's\n")
+        else:
+            def refuse(*args: object, **kwargs: object) -> None:
+                raise PermissionError(13, "Permission denied")
+
+            monkeypatch.setattr(tempfile, "mkstemp", refuse)
+        with caplog.at_level("WARNING", logger="torch_gradstats"):
+            sink.log(clipped, 1)
+        sink.log(plain, 2)
+    written = tmp_path / ("x.csv.1" if how == "rotated" else "x.csv")
+    lines = written.read_text().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["step", "0", "step", "1", "2"]
+    assert "clip_coef" in lines[2] and lines[2].startswith(lines[0] + ",")
+    assert any("could not rewrite" in r.getMessage() for r in caplog.records)
+    if how == "rotated":
+        assert path.read_text() == "someone else's\n"
+
+
 @pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
 def test_widening_through_a_symbolic_link_rewrites_the_file_it_names(tmp_path: Path) -> None:
     plain, clipped, _ = _reports()

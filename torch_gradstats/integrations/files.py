@@ -31,7 +31,9 @@ The file, and what is already in it:
 * A pipe or a device (``/dev/stdout``) is only written to, never read nor rewritten: there a key that first appears
   at a later step makes :class:`CSVSink` write its whole, wider header again, as a line of its own, before the row.
   Widening a regular file replaces it with the rewritten copy (through a symbolic link, the file the link names);
-  another hard link to it keeps the rows written before.
+  another hard link to it keeps the rows written before. A file that cannot be rewritten then (a read-only
+  directory, a file moved or replaced since the sink opened it) gets the wider header as a line of its own too,
+  with a warning on the ``torch_gradstats`` logger: no row is lost.
 * Each sink flushes after every step unless ``flush_every`` says otherwise. :meth:`close` flushes and closes the
   file (also as a context manager); when that last flush fails (a full disk), the file is closed all the same and
   the error raised once; a second ``close`` does nothing.
@@ -47,11 +49,13 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import logging
 import math
 import numbers
 import os
 import shutil
 import stat
+import tempfile
 import threading
 import weakref
 from typing import IO, Any
@@ -62,6 +66,7 @@ from torch_gradstats.integrations.sinks import AnyReport, check_style
 __all__ = ["CSVSink", "JSONLSink", "strict_json"]
 
 MODES = ("a", "w")
+logger = logging.getLogger("torch_gradstats")
 
 #: The files open sinks of this process write (by real path), and their sinks: a second writer is refused. Weak, so
 #: a sink dropped without close() frees its path along with its file.
@@ -157,8 +162,14 @@ class _FileSink:
             keys.append(f"inode:{st.st_dev}:{st.st_ino}")
         self._hold(keys)
 
-    def _hold(self, keys: list[str]) -> None:
+    def _hold(self, keys: list[str], drop: str | None = None) -> None:
+        """Holds ``keys`` for this sink (and lets go of ``drop``), or raises when another open sink holds one."""
         with _WRITERS_LOCK:
+            if drop is not None and drop not in keys:
+                if _WRITERS.get(drop) is self:
+                    del _WRITERS[drop]
+                if drop in self._keys:
+                    self._keys.remove(drop)
             for key in keys:
                 other = _WRITERS.get(key)
                 if other is not None and other is not self:
@@ -266,11 +277,10 @@ class CSVSink(_FileSink):
         row = self._row(report, step)
         assert self._file is not None
         known = len(self.columns)
-        if self._new_columns(row) and self._has_header:
-            if self._regular:
-                self._widen(known)
-            else:  # a pipe or a device cannot be rewritten: the wider header is written again, as a line of its own
-                self._has_header = False
+        if self._new_columns(row) and self._has_header and not (self._regular and self._widen(known)):
+            # A pipe or a device, or a file that cannot be rewritten now: the wider header is written again, as a line
+            # of its own, so the row is not lost.
+            self._has_header = False
         writer = csv.DictWriter(self._file, self.columns, restval="")
         if not self._has_header:
             writer.writeheader()
@@ -278,16 +288,24 @@ class CSVSink(_FileSink):
         writer.writerow(row)
         self._wrote()
 
-    def _widen(self, known: int) -> None:
+    def _widen(self, known: int) -> bool:
         """Rewrite the file with the new columns (those from ``known`` on) at the end of its header; every earlier
-        row keeps its cells and gets empty ones in the new columns."""
+        row keeps its cells and gets empty ones in the new columns. False, with a warning, when the file cannot be
+        rewritten (a read-only directory, a file moved or replaced since the sink opened it)."""
         assert self._file is not None
         self._file.flush()
         target = os.path.realpath(self.path)  # through a symbolic link: the file it names is rewritten, not the link
-        tmp = target + ".tmp"
+        held = os.fstat(self._file.fileno())
+        tmp: str | None = None
         try:
+            now = os.stat(target)
+            if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+                raise OSError(f"{target} is no longer the file this sink writes (moved or replaced)")
+            # A fresh name beside it: no file of the user's (nor another sink's) is written through.
+            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=".tmp",
+                                       dir=os.path.dirname(target))
             with open(target, newline="", encoding="utf-8") as old, \
-                    open(tmp, "w", newline="", encoding="utf-8") as new:
+                    open(fd, "w", newline="", encoding="utf-8") as new:
                 rows, writer = csv.reader(old), csv.writer(new)
                 next(rows, None)  # the old header
                 writer.writerow(self.columns)
@@ -296,17 +314,27 @@ class CSVSink(_FileSink):
                     writer.writerow(row + [""] * (width - len(row)))
             shutil.copymode(target, tmp)
             os.replace(tmp, target)
+            tmp = None
+        except (OSError, ValueError, csv.Error) as exc:
+            logger.warning("torch_gradstats: CSVSink could not rewrite %s with its new columns (%s); the wider "
+                           "header is written again, as a line of its own", self.path, exc)
+            return False
         except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
             del self.columns[known:]  # the file keeps its old header: the next row tries again
             self._known = set(self.columns)
             raise
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
         self._file.close()  # the replaced file's, already flushed
         self._file = open(target, "a", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
         st = os.fstat(self._file.fileno())
-        self._hold([f"inode:{st.st_dev}:{st.st_ino}"])  # the new file's
+        # The new file's inode is this sink's; the replaced one's is free (the system may give its number to a file
+        # made next).
+        self._hold([f"inode:{st.st_dev}:{st.st_ino}"], drop=f"inode:{held.st_dev}:{held.st_ino}")
         self._since_flush = 0
+        return True
 
 
 def _last_object(path: str) -> dict[str, Any] | None:
