@@ -150,3 +150,46 @@ def test_trainer_with_autocast_per_example_norms_and_an_activation_watch() -> No
     assert summary.steps == 3 and summary.nonfinite_steps == 0 and math.isfinite(summary.loss)
     report = trainer.last_activation_report
     assert report is not None and not report.nonfinite
+
+
+def test_the_callers_own_torch_func_code_is_none_of_the_steps() -> None:
+    """PyTorch's per-sample-gradient recipe (vmap of grad over functional_call) run on a watched model between
+    forward and backward adds nothing to either monitor's step."""
+    model, x = _Attention(), torch.randn(B, 5, 8)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+        return torch.func.functional_call(model, p, (xi.unsqueeze(0),)).sum()
+
+    def step(func: bool) -> tuple[Tensor, dict]:
+        pe, watch = PerExampleNorms(model, loss_reduction="sum"), ActivationWatch(model)
+        with pe, watch:
+            model.zero_grad()
+            out = model(x).sum()
+            if func:
+                torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+            out.backward()
+            return pe.norms(), watch.report().to_dict(per_module=True)
+
+    (plain, plain_watch), (mixed, mixed_watch) = step(False), step(True)
+    assert plain.shape == (B,) and torch.equal(mixed, plain)
+    assert mixed_watch == plain_watch
+
+
+class _CheckpointsInside(nn.Module):
+    """A module with parameters of its own (replayed by torch.func) that checkpoints inside its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) * 0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda h: torch.tanh(h @ self.w), x, use_reentrant=False)
+
+
+def test_a_module_checkpointing_inside_its_forward_is_named() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), _CheckpointsInside())
+    with PerExampleNorms(model, loss_reduction="sum"):
+        out = model(torch.randn(3, 4)).sum()
+        with pytest.raises(RuntimeError, match=r"cannot replay the forward of module '1' \(_CheckpointsInside\)"):
+            out.backward()

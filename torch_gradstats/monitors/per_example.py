@@ -37,7 +37,7 @@ from torch_gradstats.monitors._per_example_math import (
     exact_contributions,
     func_grads,
 )
-from torch_gradstats.monitors.activations._reads import top_level
+from torch_gradstats.monitors.activations._reads import inside_transform, top_level
 from torch_gradstats.ops._transfer import to_device
 
 __all__ = ["PerExampleNorms"]
@@ -140,7 +140,7 @@ class PerExampleNorms:
 
     # ------------------------------------------------------------------------------------------- hooks
     def _forward(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        if self._replaying or not torch.is_grad_enabled():
+        if self._replaying or not torch.is_grad_enabled() or inside_transform():  # none of the step's forwards
             return
         layer = self._layers[m]
         self._check(layer.name, m)  # the module may have been put in training mode since
@@ -191,6 +191,12 @@ class PerExampleNorms:
             self._replaying = True
             try:
                 made = {k: Dense(v) for k, v in func_grads(m, params, args, kwargs, index, g, bd, b, amp).items()}
+            except RuntimeError as exc:  # torch.func's own message names no module
+                raise RuntimeError(
+                    f"PerExampleNorms: torch.func cannot replay the forward of {_what(layer.name, m)} for each "
+                    f"example ({str(exc).splitlines()[0]}); a module that checkpoints inside its own forward is one "
+                    "such: checkpoint around it instead"
+                ) from exc
             finally:
                 self._replaying = False
         for local, full, p in layer.params:

@@ -26,6 +26,7 @@ __all__ = [
     "boundary",
     "gather",
     "gather_call",
+    "inside_transform",
     "needing_grad",
     "on_gradient",
     "rebuild",
@@ -34,6 +35,13 @@ __all__ = [
 ]
 
 _COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
+
+
+def inside_transform() -> bool:
+    """Whether a torch.func transform (vmap, grad, vjp) is running: PerExampleNorms replaying a module for each
+    example, or the caller's own functional code. A forward there is none of the step's: its tensors are wrappers
+    without storage, and its backward is the transform's. The hooks of the monitors read nothing of it."""
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def _watched_dtype(t: Tensor) -> bool:

@@ -29,6 +29,7 @@ from torch_gradstats.monitors.activations._reads import (
     Reader,
     boundary,
     gather_call,
+    inside_transform,
     needing_grad,
     on_gradient,
     rebuild,
@@ -133,13 +134,6 @@ def _recomputing() -> bool:
     """A forward run by the autograd engine during a backward: activation checkpointing recomputing a region. It is
     no new call: its figures were read in the original forward, and only its backward nodes are needed again."""
     return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _transformed() -> bool:
-    """A forward run inside a torch.func transform (vmap, grad, vjp): PerExampleNorms replaying a module for each
-    example, or the caller's own functional code. Its tensors are wrappers without storage, and its backward is the
-    transform's, not the step's: nothing of it is read."""
-    return torch._C._functorch.maybe_current_level() is not None
 
 
 def _floating(t: Tensor) -> bool:
@@ -316,7 +310,7 @@ class ActivationWatch:
         opened, reader = self._open, self._reader
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if _transformed():
+            if inside_transform():
                 return None
             recompute = _recomputing()
             if i == 0:
@@ -368,7 +362,7 @@ class ActivationWatch:
         opened, reader, own_params = self._open, self._reader, module._parameters
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-            if _transformed():  # its pre-hook did nothing either
+            if inside_transform():  # its pre-hook did nothing either
                 return None
             if i == 0:
                 self._in_root = max(0, self._in_root - 1)
