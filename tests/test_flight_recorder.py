@@ -121,6 +121,11 @@ def test_group_stats_of_some_parameters_keeps_the_totals_of_all() -> None:
     for key in set(row) - {"step", "loss"}:
         assert same(row[key], want[key]), key
     assert row["total_norm"] > row["group/weights/norm"] and row["inf_norm"] == 50.0 and row["zero_count"] >= 1
+    # A GroupStats made otherwise has only its groups' sums for totals: a step of it is refused beside these.
+    from torch_gradstats.stats.groups import group_stats
+
+    with pytest.raises(ValueError, match="what the totals cover .* changed at step 1"):
+        rec.record(group_stats(stats, lambda name: "weights" if name.endswith("weight") else None))
 
 
 class Reads(TorchDispatchMode):

@@ -66,6 +66,7 @@ class _Layout:
                  clip: StepPolicy | None, floats: list[Tensor], ints: list[Tensor]) -> None:
         self.clipped = isinstance(stats, GradStats) and stats.clip_coef is not None and stats.clipped_norm is not None
         self.groups = list(groups.names) if groups is not None else None
+        self.group_totals = isinstance(stats, GroupStats)  # the totals are the groups' sums, not every parameter's
         self.guard = guard
         self.clip = clip
         self.policy_sizes = [
@@ -209,6 +210,8 @@ class FlightRecorder:
         clipped = isinstance(stats, GradStats) and stats.clip_coef is not None and stats.clipped_norm is not None
         changed = [what for what, now, then in (
             ("the clip figures of clip_grad_norm_", clipped, lay.clipped),
+            ("what the totals cover (every parameter, or the groups' own)", isinstance(stats, GroupStats),
+             lay.group_totals),
             ("guard", guard is not None, lay.guard is not None),
             ("clip", clip is not None, lay.clip is not None),
             ("the groups", None if groups is None else list(groups.names), lay.groups),
