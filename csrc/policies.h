@@ -143,11 +143,12 @@ TG_HD inline double clip_step(double* s, int64_t warmup, double g, bool init_now
   const bool judged = ready && finite;
   const double streak = judged ? (spike ? s[kClipStreak] + 1 : 0.0) : s[kClipStreak];
   const bool adopt = a.adopt_after > 0 && spike && judged && streak >= static_cast<double>(a.adopt_after);
-  bool update = ready && finite;
-  if (a.skip_update_on_spike) update = update && (!spike || adopt);
   const double v = spike && !adopt ? clip_value : g;
   const double new_mean = a.alpha * mean + (1 - a.alpha) * v;
   const double new_var = a.alpha * var + (1 - a.alpha) * ((v - new_mean) * (v - new_mean));
+  // A variance that would overflow float64 (a norm above ~1e154 adopted) leaves the statistics as they were.
+  bool update = ready && finite && is_finite(new_var);
+  if (a.skip_update_on_spike) update = update && (!spike || adopt);
   s[kClipCount] = collect ? n + 1 : n;
   s[kClipMean] = init_now ? warm_mean : (update ? new_mean : mean);
   s[kClipVar] = init_now ? warm_var : (update ? new_var : var);

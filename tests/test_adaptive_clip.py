@@ -360,6 +360,20 @@ def test_non_finite_norms_neither_extend_nor_end_the_streak():
     assert clip.consecutive.dtype == torch.int64 and clip.consecutive.shape == ()
 
 
+def test_an_adopted_norm_whose_variance_would_overflow_leaves_the_statistics_finite():
+    """float64 norms above ~1e154 square past float64's range: adopting one would make the variance infinite and
+    stop every later clip; it leaves the statistics as they were instead, so the threshold stays finite."""
+    clip = AdaptiveClip(warmup=3, adopt_after=2)
+    for g in (1.0, 1.1, 0.9):
+        clip.threshold(torch.tensor(g, dtype=torch.float64))
+    for _ in range(6):
+        threshold = clip.threshold(torch.tensor(1e160, dtype=torch.float64))
+    state = clip.state_dict()
+    assert math.isfinite(threshold.item()) and threshold.item() < 2.0
+    assert all(math.isfinite(v) for v in state["ema"].tolist())
+    AdaptiveClip().load_state_dict(state)  # its own state stays loadable
+
+
 def test_adopt_after_resumes_from_a_state_dict_mid_streak():
     norms = _level_change(n=220, at=100)
     whole = AdaptiveClip(adopt_after=8)

@@ -175,12 +175,13 @@ def _adaptive_clip_step(state: Tensor, grad_norm: Tensor, alpha: float, z_thresh
     streak_out = torch.where(judged, torch.where(spike, streak + 1, 0.0), streak)
     adopt = spike & judged & (streak_out >= (adopt_after if adopt_after > 0 else math.inf))
 
-    update = ready & finite
-    if skip_update_on_spike:
-        update = update & (~spike | adopt)
     v = torch.where(spike & ~adopt, clip_value, g)
     new_mean = alpha * mean + (1 - alpha) * v
     new_var = alpha * var + (1 - alpha) * (v - new_mean).square()
+    # A variance that would overflow float64 (a norm above ~1e154 adopted) leaves the statistics as they were.
+    update = ready & finite & torch.isfinite(new_var)
+    if skip_update_on_spike:
+        update = update & (~spike | adopt)
     mean_out = torch.where(init_now, warm_mean, torch.where(update, new_mean, mean))
     var_out = torch.where(init_now, warm_var, torch.where(update, new_var, var))
     coef = (threshold / (g + _EPS)).clamp(max=1.0)

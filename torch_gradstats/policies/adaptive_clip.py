@@ -15,7 +15,8 @@ The rule, per step, given the step's total gradient norm ``g`` (ZClip's ``zclip.
 Two differences, on purpose:
 
 * a non-finite norm never enters the statistics (nor the warm-up). ZClip folds it into its EMA, and a single NaN then
-  disables its clipping for the rest of the run;
+  disables its clipping for the rest of the run. Nor does an update whose variance would overflow float64 (a norm
+  above ~1e154 adopted, float64 gradients only): it would disable the clipping the same way;
 * **a lasting change of level is adopted** (``adopt_after``, 16 by default; ``None`` is ZClip's rule exactly). In
   ZClip a clipped step feeds the statistics its clip value, which for a large ``z`` sits just above the mean: after a
   lasting rise of the norm (a new loss scale, data mix or phase of training) the threshold never follows, and every
