@@ -316,13 +316,14 @@ def test_compile_fullgraph_without_recompiles():
         s = tg.multi_tensor_stats(grads)
         return s.sumsq.sum().sqrt(), s.counts[:, NAN].sum() + s.counts[:, INF].sum()
 
+    gen = torch.Generator().manual_seed(0)
     for step in range(3):
-        grads = [torch.randn(10, 3) * (step + 1), torch.randn(4, dtype=torch.bfloat16)]
+        grads = [torch.randn(10, 3, generator=gen) * (step + 1), torch.randn(4, generator=gen).bfloat16()]
         grads[0][0, 0] = float("nan") if step == 2 else 1.0
         norm, bad = global_norm_and_bad(grads)
         ref = reference_multi_tensor_stats(grads)
-        if step < 2:
-            torch.testing.assert_close(norm, ref[0].sum().sqrt())
+        if step < 2:  # float32 squares summed in float32 runs, then in float64 (docs/accuracy.md): a few ulps
+            torch.testing.assert_close(norm, ref[0].sum().sqrt(), rtol=1e-6, atol=0.0)
         assert bad.item() == (1 if step == 2 else 0)
     assert counter.frame_count == 1, "recompiled"
 
