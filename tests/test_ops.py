@@ -729,7 +729,7 @@ def _fallback_cases():
     return cases
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 16, 64, 4096, 1 << 18])
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 2, 16, 64, 4096, 1 << 18])
 def test_fallback_matches_the_reference_at_any_chunk_size(chunk):
     """Small chunks force every path: tensors cut into pieces (dense and not), padded rows, batches of rows."""
     tensors = _fallback_cases()
