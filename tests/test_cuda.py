@@ -293,7 +293,7 @@ def test_at_most_two_kernel_launches(shape, gen):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Utilities for the tests of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache).
+# Utilities for the tests of the compiled kernel's metadata cache (csrc/cuda/metadata_cache_cuda.cuh, MetadataCache).
 
 
 def cuda_activity(fn) -> list[str]:
@@ -318,7 +318,7 @@ def fills(names: list[str]) -> list[str]:
 
 
 def cache_info() -> dict[str, int]:
-    """State of the compiled kernel's metadata cache (csrc/cuda/multi_tensor_stats.cu, MetadataCache::info)."""
+    """State of the compiled kernel's metadata cache (csrc/cuda/metadata_cache_cuda.cuh, MetadataCache::info)."""
     values = torch.ops.torch_gradstats._cuda_metadata_cache_info()
     keys = ("entries", "bytes", "retired", "captured_calls", "fill_launches", "pool_reserved", "graph_buffers",
             "graph_buffer_bytes", "pinned", "capacity", "inline_items")  # fmt: skip

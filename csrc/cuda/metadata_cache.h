@@ -1,4 +1,4 @@
-// The bookkeeping of the CUDA kernel's metadata (csrc/cuda/multi_tensor_stats.cu; docs/cuda.md, "Metadata and CUDA
+// The bookkeeping of the CUDA kernel's metadata (csrc/cuda/metadata_cache_cuda.cuh; docs/cuda.md, "Metadata and CUDA
 // graphs"): where a call's metadata lives, and for long lists the cache: lookup, admission, pins, eviction and when
 // an evicted entry's memory may be freed. Plain C++ over a policy that does the device work, so that
 // tests/cpp/test_metadata_cache.cpp checks it on the CPU with a fake device (and under ThreadSanitizer,

@@ -1,5 +1,5 @@
 // Runs of float16/bfloat16 values read as packed 32-bit words (two elements per word): the per-element work of the
-// CUDA kernel's 16-bit path (csrc/cuda/multi_tensor_stats.cu; design: docs/cuda.md, "16-bit inputs").
+// CUDA kernel's 16-bit path (csrc/cuda/stats_kernels.cuh; design: docs/cuda.md, "16-bit inputs").
 //
 // Plain C++ as well as CUDA, so that tests/cpp/test_packed16.cpp checks every bit trick here against a per-element
 // reference on the CPU (the CUDA tests then check the kernel that uses it against the float64 reference).
