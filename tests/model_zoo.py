@@ -139,3 +139,15 @@ def classification_data(n: int = 8, batch: int = 4, seed: int = 0) -> torch.util
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(n * batch, 6, generator=g), torch.randint(0, 3, (n * batch,), generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+
+
+class GPT2LM(nn.Module):
+    """:func:`gpt2` behind a forward that takes token ids and returns the language-modelling loss GPT-2 computes
+    inside its own forward (``labels=`` the ids), so a loop or the Trainer can call ``model(ids)``."""
+
+    def __init__(self, seed: int = 0, n_layer: int = 2) -> None:
+        super().__init__()
+        self.gpt = gpt2(seed, n_layer)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.gpt(input_ids=ids, labels=ids).loss
