@@ -603,3 +603,47 @@ def test_collector_equals_float64_references_through_amp_evaluation_and_a_nan(ki
             assert close(dual.normalized_ratio, want_ratio)
         scaler.step(opt)
         scaler.update()
+
+
+@pytest.mark.parametrize("where", ["built", "loaded", "moved"])
+def test_policies_made_under_inference_mode_train_on_outside_it(where):
+    """A guard and a clip built, resumed from a checkpoint (with other settings, so their state is made anew) or
+    moved inside ``torch.inference_mode()`` (an evaluation loop, a checkpoint loaded by evaluation code) keep normal
+    state tensors: training goes on outside it, the guard raises its SpikeStreakError at check() (it clears a flag
+    in its state in place), and both decide as policies that never saw inference mode."""
+    t = task("resnet")
+    opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3, fused=True)
+
+    def make() -> tuple[tg.SpikeGuard, tg.AdaptiveClip]:
+        return tg.SpikeGuard(window=8, min_history=4, max_consecutive=2), tg.AdaptiveClip(warmup=4)
+
+    guard, clip = make()
+    plain_guard, plain_clip = make()
+    if where == "built":
+        with torch.inference_mode():
+            guard, clip = make()
+    elif where == "loaded":
+        with torch.inference_mode():
+            guard, clip = tg.SpikeGuard(window=3), tg.AdaptiveClip(warmup=9)
+            guard.load_state_dict(plain_guard.state_dict())
+            clip.load_state_dict(plain_clip.state_dict())
+    else:
+        with torch.inference_mode():
+            guard.to("cpu"), clip.to("cpu")
+    for step in range(10):
+        opt.zero_grad()
+        t.loss(step).backward()
+        if step >= 8:
+            for p in t.model.parameters():
+                p.grad.mul_(1000)
+        stats = tg.grad_stats(t.model.named_parameters())
+        factor = guard.observe(stats.total_norm)
+        threshold = clip.threshold(stats.total_norm)
+        assert float(factor) == float(plain_guard.observe(stats.total_norm)), step
+        assert float(threshold) == float(plain_clip.threshold(stats.total_norm)), step
+        tg.step_or_skip(opt, factor)
+        evaluate(t)
+    assert not any(s.is_inference() for s in (guard.state_dict()["history"], clip.state_dict()["ema"]))
+    with pytest.raises(tg.SpikeStreakError, match="2 steps in a row were skipped"):
+        guard.check()
+    assert guard.check()["guard/skipped"] == 2  # raised once, then read again

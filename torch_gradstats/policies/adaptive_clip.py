@@ -62,6 +62,7 @@ from torch_gradstats.policies._scalars import (
     check_real,
     load_state,
     moved,
+    state_tensors,
 )
 from torch_gradstats.policies.clip import clip_grad_norm_, clip_with_threshold_
 from torch_gradstats.stats._params import ParamsLike, named_params
@@ -134,8 +135,9 @@ class AdaptiveClip:
                            why=" (the streak is counted exactly in float64), or None for ZClip's rule")
         )
         dev = torch.device("cpu") if device is None else check_device("AdaptiveClip: device", device)
-        self._state = torch.zeros(ops.clip_state_size(self.warmup), dtype=torch.float64, device=dev)
-        self._state[ops.CLIP_LAST:ops.CLIP_STREAK].fill_(math.nan)
+        with state_tensors():
+            self._state = torch.zeros(ops.clip_state_size(self.warmup), dtype=torch.float64, device=dev)
+            self._state[ops.CLIP_LAST:ops.CLIP_STREAK].fill_(math.nan)
 
     def _last(self) -> Tensor:  # the last threshold, coefficient and z-score: a view of the packed state
         return self._state[ops.CLIP_LAST:ops.CLIP_STREAK]

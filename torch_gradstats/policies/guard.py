@@ -45,6 +45,7 @@ from torch_gradstats.policies._scalars import (
     check_real,
     load_state,
     moved,
+    state_tensors,
 )
 
 __all__ = ["SpikeGuard", "SpikeStreakError"]
@@ -140,8 +141,9 @@ class SpikeGuard:
         self._allocate(torch.device("cpu") if device is None else check_device("SpikeGuard: device", device))
 
     def _allocate(self, device: torch.device) -> None:
-        self._state = torch.zeros(ops.guard_state_size(self.window), dtype=torch.float64, device=device)
-        self._state[ops.GUARD_LAST:ops.GUARD_HIST].fill_(math.nan)  # the last and trip figures
+        with state_tensors():
+            self._state = torch.zeros(ops.guard_state_size(self.window), dtype=torch.float64, device=device)
+            self._state[ops.GUARD_LAST:ops.GUARD_HIST].fill_(math.nan)  # the last and trip figures
 
     # Views of the packed state (see torch_gradstats.ops.policy_ops).
     def _counters(self) -> Tensor:
