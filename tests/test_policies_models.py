@@ -647,3 +647,37 @@ def test_policies_made_under_inference_mode_train_on_outside_it(where):
     with pytest.raises(tg.SpikeStreakError, match="2 steps in a row were skipped"):
         guard.check()
     assert guard.check()["guard/skipped"] == 2  # raised once, then read again
+
+
+@pytest.mark.parametrize("kind", ZOO)
+def test_trainer_clipping_and_accumulating_under_a_scaler_equals_a_plain_torch_loop(kind):
+    """Trainer(max_grad_norm, accumulation_steps=2, scaler) against the loop people write with torch alone
+    (scale(loss / 2).backward() twice, unscale_, torch.nn.utils.clip_grad_norm_, scaler.step, update): the same
+    pre-clip norms and, after 4 steps of SGD with momentum, the same parameters."""
+    results = []
+    for use_trainer in (True, False):
+        t = task(kind)
+        loader = t.loader(8)
+        opt = torch.optim.SGD(t.model.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        torch.manual_seed(3)  # GPT-2's dropout; iterating the loader draws from the generator in both runs
+        if use_trainer:
+            tr = tg.Trainer(t.model, opt, t.loss_fn, scaler=scaler, max_grad_norm=0.5, accumulation_steps=2,
+                            progress=False)  # fmt: skip
+            norms = [r.total_norm for r in tr.train_epoch(loader).history]
+        else:
+            norms, batches = [], iter(loader)
+            for _ in range(4):
+                opt.zero_grad()
+                for x, y in (next(batches), next(batches)):
+                    scaler.scale(t.loss_fn(t.model(x), y) / 2).backward()
+                scaler.unscale_(opt)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(t.model.parameters(), 0.5)))
+                scaler.step(opt)
+                scaler.update()
+        results.append((norms, [p.detach().clone() for p in t.model.parameters()]))
+    (got, params), (want, torch_params) = results
+    assert len(got) == 4 and all(close(a, b, rel=1e-5) for a, b in zip(got, want)), (got, want)
+    for a, b in zip(params, torch_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
