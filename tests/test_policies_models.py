@@ -7,6 +7,7 @@ Python floats), never against the library itself."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -681,3 +682,44 @@ def test_trainer_clipping_and_accumulating_under_a_scaler_equals_a_plain_torch_l
     for a, b in zip(params, torch_params):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
+
+def test_trainer_per_example_norms_under_a_scaler_whose_scale_changes():
+    """Trainer(per_example=True) with a GradScaler that doubles its scale after every step (growth_interval=1) and
+    halves it at an overflow (step 2): each logging step's largest and median per-example gradient norms equal each
+    example's own float64 gradient norm, computed here on a copy of the model one example at a time, whatever the
+    scale did at that step (the ResNet's BatchNorm mixes the examples and GPT-2's position embedding sees one row
+    for all of them: PerExampleNorms refuses both)."""
+    t = task("encoder")
+    opt = torch.optim.SGD(t.model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    want: list[list[float]] = []
+
+    def after_backward(trainer: tg.Trainer) -> None:
+        copy_ = copy.deepcopy(t.model)
+        x, y = t.batch(trainer.global_step)
+        norms = []
+        for i in range(len(x)):
+            copy_.zero_grad()
+            t.loss_fn(copy_(x[i : i + 1]), y[i : i + 1]).backward()
+            norms.append(norm64(grads64(copy_)))
+        want.append(sorted(norms))
+        if trainer.global_step == 2:
+            next(t.model.parameters()).grad.view(-1)[0] = math.inf
+
+    class Sink:
+        def __init__(self) -> None:
+            self.rows: list[dict[str, float]] = []
+
+        def log(self, report: Any, step: int) -> None:
+            self.rows.append(dict(report.extra))
+
+    sink = Sink()
+    tr = tg.Trainer(t.model, opt, t.loss_fn, scaler=scaler, per_example=True, log_to=[sink], progress=False,
+                    after_backward=after_backward)  # fmt: skip
+    torch.manual_seed(0)
+    summary = tr.train_epoch(t.loader(4))
+    assert [r.skipped for r in summary.history] == [False, False, True, False]
+    assert scaler.get_scale() == 2.0**8 * 2 * 2 / 2 * 2
+    for step, (row, norms) in enumerate(zip(sink.rows, want)):
+        assert close(row["examples/max_norm"], norms[-1], rel=1e-5), (step, row, norms)
+        assert close(row["examples/median_norm"], norms[(len(norms) - 1) // 2], rel=1e-5), (step, row, norms)

@@ -307,6 +307,8 @@ class Trainer:
         flagged = None
         if self.spike_guard is not None and stats is not None:
             flagged = (self.spike_guard.observe(stats.total_norm, loss_sum / samples) == 0).to(torch.float64)
+        # Before the step: a GradScaler's update changes the scale the per-example norms were taken under.
+        example_scale = self._example_scale(samples) if self._incidents is not None else 1.0
         host_skipped = self._stepper.step(nonfinite, flagged)
         if host_skipped and nonfinite is not None and stats is not None:  # decided on the host: said at once
             self._warn_nonfinite_now(stats, step)
@@ -315,7 +317,7 @@ class Trainer:
             skipped = torch.maximum(skipped, flagged)
         state.add_step(skipped)
         if self._incidents is not None:
-            self._incidents.note(step, stats, skipped, scale=self._example_scale(samples), loss=loss_sum / samples,
+            self._incidents.note(step, stats, skipped, scale=example_scale, loss=loss_sum / samples,
                                  guard=self.spike_guard, clip=self.adaptive_clip)
             if host_skipped:  # decided on the host: said at once (one small transfer, on a skipped step only)
                 self._incidents.read_now()
