@@ -423,19 +423,24 @@ def _checkpoint(tr: tg.Trainer) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ZOO)
 def test_trainer_with_amp_guard_clip_evaluation_and_resume(kind):
     """Three epochs of 6 steps with autocast, a GradScaler, a SpikeGuard and an AdaptiveClip, evaluated between
-    epochs: each step's norm equals the float64 norm of the unscaled gradients, the x1000 step (8) and the inf one
-    (10) are the two skipped, the guard's and the clip's figures equal their rules, and a run resumed after epoch 1
-    from a torch.save'd checkpoint ends bitwise equal to the uninterrupted one."""
+    epochs, a block frozen for the last one: each step's norm equals the float64 norm of the unscaled gradients, the
+    x1000 step (8) and the inf one (10) are the two skipped, the frozen weights stay as they were, the guard's and
+    the clip's figures equal their rules, and a run resumed after epoch 1 from a torch.save'd checkpoint ends bitwise
+    equal to the uninterrupted one."""
     t, refs, losses = task(kind), [], []
     loader = t.loader(6)
     tr = _trainer(t, refs, losses)
     summaries, saved = [], None
     for epoch in range(3):
         torch.manual_seed(epoch)  # GPT-2's dropout: the same draws in the resumed run
+        if epoch == 2:  # a block frozen for the last epoch: its gradients None, its weights left as they are
+            freeze(t.model, t.block)
+            frozen = {n: p.detach().clone() for n, p in t.model.named_parameters() if not p.requires_grad}
         summaries.append(tr.train_epoch(loader))
         evaluate(t)
         if epoch == 0:
             saved = _checkpoint(tr)
+    assert frozen and all(torch.equal(p, dict(t.model.named_parameters())[n]) for n, p in frozen.items())
     history = [r for s in summaries for r in s.history]
     assert [r.step for r in history] == list(range(18))
     for r, ref in zip(history, refs):
@@ -463,6 +468,8 @@ def test_trainer_with_amp_guard_clip_evaluation_and_resume(kind):
     resumed.global_step, resumed.epoch = saved["step"], saved["epoch"]
     for epoch in (1, 2):
         torch.manual_seed(epoch)
+        if epoch == 2:
+            freeze(resumed_t.model, resumed_t.block)
         again = resumed.train_epoch(loader)
         evaluate(resumed_t)
     assert again.to_dict() == summaries[-1].to_dict()
@@ -723,3 +730,37 @@ def test_trainer_per_example_norms_under_a_scaler_whose_scale_changes():
     for step, (row, norms) in enumerate(zip(sink.rows, want)):
         assert close(row["examples/max_norm"], norms[-1], rel=1e-5), (step, row, norms)
         assert close(row["examples/median_norm"], norms[(len(norms) - 1) // 2], rel=1e-5), (step, row, norms)
+
+
+@pytest.mark.parametrize("kind", ZOO)
+def test_scaler_overflows_in_a_row_trip_the_guard_and_leave_its_level(kind):
+    """Two overflows in a row under a GradScaler (inf gradients at steps 5 and 6) with max_consecutive=2: both skipped
+    (parameters untouched, the scale halved twice), the streak raised at check() with the inf norm named, and the
+    next finite step judged against the history of the steps before the overflows (taken, as its rule says)."""
+    t = task(kind)
+    opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard, rule = tg.SpikeGuard(window=8, min_history=3, max_consecutive=2), GuardRule(8, 6.0, min_history=3)
+    for step in range(8):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = t.loss(step)
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        if step in (5, 6):
+            next(t.model.parameters()).grad.view(-1)[-1] = math.inf
+        ref = norm64(grads64(t.model, scale))
+        params = [p.detach().clone() for p in t.model.parameters()]
+        scaler.unscale_(opt)
+        factor = guard.observe(tg.grad_stats(t.model.named_parameters()).total_norm, loss.detach())
+        tg.step_or_skip(opt, factor, scaler)
+        assert float(factor) == rule.step(ref, float(loss.detach())) == (step not in (5, 6)), step
+        assert all(torch.equal(a, p) for a, p in zip(params, t.model.parameters())) == (step in (5, 6))
+        if step == 6:
+            assert scaler.get_scale() == 2.0**6
+            with pytest.raises(tg.SpikeStreakError) as info:
+                guard.check()
+            assert info.value.consecutive == 2 and info.value.step == 7 and info.value.values["grad_norm"] == math.inf
+            kept = guard.state_dict()["history"][0, :5].tolist()  # the five steps before
+            assert all(close(a, b) for a, b in zip(kept, rule.hist["g"], strict=True)), (kept, rule.hist["g"])
+    assert guard.check()["guard/skipped"] == 2
