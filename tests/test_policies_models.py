@@ -764,3 +764,40 @@ def test_scaler_overflows_in_a_row_trip_the_guard_and_leave_its_level(kind):
             kept = guard.state_dict()["history"][0, :5].tolist()  # the five steps before
             assert all(close(a, b) for a, b in zip(kept, rule.hist["g"], strict=True)), (kept, rule.hist["g"])
     assert guard.check()["guard/skipped"] == 2
+
+
+def test_trainer_activation_warning_names_the_optimizer_step_of_the_watched_forward(caplog):
+    """Trainer(watch_activations=...) on the ResNet with 2 micro-batches per optimizer step and an evaluation forward
+    before training: the watch counts forward calls (step 6 is the second micro-batch of optimizer step 2), so the
+    warning says which optimizer step its step belonged to, or that it was no training step."""
+    t = task("resnet")
+    poisoned = t.model.layer1[0].conv2
+
+    def poison(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        return out * math.nan if module.training and tr.global_step == 2 else None
+
+    poisoned.register_forward_hook(poison)
+    opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3, fused=True)
+    tr = tg.Trainer(t.model, opt, t.loss_fn, watch_activations=True, skip_nonfinite=True, accumulation_steps=2,
+                    sync_every=1, progress=False)  # fmt: skip
+    evaluate(t)  # two forwards: the watch's steps 0 and 1
+    with caplog.at_level("WARNING", logger="torch_gradstats"):
+        tr.train_epoch(t.loader(8))
+    said = [r.getMessage() for r in caplog.records if "non-finite activations" in r.getMessage()]
+    assert len(said) == 1 and "non-finite activations at step 7: forward origin layer1.0.conv2 (" in said[0], said
+    assert "(the watch's step 7, a forward call of optimizer step 2); first non-finite parameter" in said[0]
+
+    caplog.clear()  # a watch recording every other forward: its latest recorded step is the evaluation's
+    t = task("resnet")
+    watch = tg.ActivationWatch(t.model, every_n_steps=2)
+    tr = tg.Trainer(t.model, torch.optim.SGD(t.model.parameters(), lr=0.1), t.loss_fn, watch_activations=watch,
+                    sync_every=1, progress=False)  # fmt: skip
+    t.model.eval()
+    with torch.inference_mode():
+        t.model(torch.full_like(t.batch(0)[0], math.nan))  # the watch's step 0, recorded
+    t.model.train()
+    with caplog.at_level("WARNING", logger="torch_gradstats"):
+        tr.train_epoch(t.loader(1))  # the watch's step 1, not recorded
+    said = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]  # at the step's sync, the epoch's
+    assert said and all("at step 0: the model's inputs were non-finite (the watch's step 0 was no training step: a "
+                        "forward between optimizer steps)" in m for m in said), said

@@ -4,6 +4,7 @@ argument. Integers may be any ``numbers.Integral`` (numpy's included) except boo
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch_gradstats.monitors.activations import ActivationWatch
 from torch_gradstats.stats.report import GradReport
 
-__all__ = ["GradSink", "activation_watch", "check_int", "check_positive_number", "check_sinks"]
+__all__ = ["GradSink", "WatchSteps", "activation_watch", "check_int", "check_positive_number", "check_sinks"]
 
 
 def check_int(name: str, value: object, *, minimum: int = 1, or_none: bool = False) -> int:
@@ -51,6 +52,36 @@ def activation_watch(watch: ActivationWatch | bool | None, model: nn.Module, com
             "Trainer: watch_activations needs compile=False: the watch's hooks cannot run in a compiled region"
         )
     return ActivationWatch(model) if watch is True else watch
+
+
+class WatchSteps:
+    """Which optimizer step each of an ActivationWatch's steps (its count of the model's forward calls) belonged to.
+    The two counts part as soon as a window has several micro-batches or an evaluation forward runs between training
+    steps; the Trainer's warnings name both where they differ."""
+
+    KEEP = 4096  # the latest forward calls remembered (a report describes the latest recorded step)
+
+    def __init__(self) -> None:
+        self._steps: OrderedDict[int, int] = OrderedDict()
+        self._forgotten = -1  # the watch's steps up to this one are no longer remembered
+
+    def note(self, first: int, last: int, optimizer_step: int) -> None:
+        """The watch's steps ``first`` to ``last`` were the forwards of ``optimizer_step``."""
+        for s in range(first, last + 1):
+            self._steps[s] = optimizer_step
+        while len(self._steps) > self.KEEP:
+            self._forgotten = self._steps.popitem(last=False)[0]
+
+    def words(self, watch_step: int | None) -> str:
+        """What to add to a report of ``watch_step``: nothing where it is the optimizer step of that number."""
+        if watch_step is None or not self._steps or watch_step <= self._forgotten:
+            return ""
+        step = self._steps.get(watch_step)
+        if step == watch_step:
+            return ""
+        if step is None:
+            return f" (the watch's step {watch_step} was no training step: a forward between optimizer steps)"
+        return f" (the watch's step {watch_step}, a forward call of optimizer step {step})"
 
 
 class GradSink(Protocol):

@@ -19,7 +19,14 @@ from torch_gradstats.policies.clip import clip_grad_norm_
 from torch_gradstats.policies.guard import SpikeGuard, SpikeStreakError
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.stats.health import HealthPolicy
-from torch_gradstats.training._args import GradSink, activation_watch, check_int, check_positive_number, check_sinks
+from torch_gradstats.training._args import (
+    GradSink,
+    WatchSteps,
+    activation_watch,
+    check_int,
+    check_positive_number,
+    check_sinks,
+)
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
 from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
@@ -218,6 +225,7 @@ class Trainer:
                 type(optimizer).__name__,
             )
         self.activation_watch = activation_watch(watch_activations, model, compile)
+        self._watch_steps = WatchSteps()
         self.last_activation_report: ActivationReport | None = None
         self.epoch = 0  #: index of the next epoch
         self._staging = PinnedBuffer()  # reused by every host transfer of this trainer
@@ -293,7 +301,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self._incidents is not None:
             self._incidents.begin_step()
+        watched = self.activation_watch.step + 1 if self.activation_watch is not None else 0
         loss_sum = self._accumulate_gradients(batches, sizes, samples, bar)
+        if self.activation_watch is not None:
+            self._watch_steps.note(watched, self.activation_watch.step, step)
         state.add_window(len(batches), samples, loss_sum)
         if self.after_backward is not None:
             # Before unscale_, so a GradScaler sees whatever the callback did to the gradients.
@@ -466,5 +477,5 @@ class Trainer:
             if summary.first_nonfinite_step is None
             else f"{summary.first_nonfinite_param} at step {summary.first_nonfinite_step}"
         )
-        logger.warning("torch_gradstats: epoch %d: %s; first non-finite parameter gradient: %s",
-                       summary.epoch, report.summary(), param)  # fmt: skip
+        logger.warning("torch_gradstats: epoch %d: %s%s; first non-finite parameter gradient: %s", summary.epoch,
+                       report.summary(), self._watch_steps.words(report.step), param)  # fmt: skip
