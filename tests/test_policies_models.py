@@ -801,3 +801,20 @@ def test_trainer_activation_warning_names_the_optimizer_step_of_the_watched_forw
     said = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]  # at the step's sync, the epoch's
     assert said and all("at step 0: the model's inputs were non-finite (the watch's step 0 was no training step: a "
                         "forward between optimizer steps)" in m for m in said), said
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_trainer_warns_once_that_a_guard_with_a_non_fused_optimizer_reads_the_host_every_step(fused, caplog):
+    """docs/training.md: a SpikeGuard's skip costs one host sync per step unless the optimizer is fused, as
+    skip_nonfinite's does; the Trainer says so, once, for either (GPT-2, AdamW)."""
+    t = task("gpt2")
+    opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3, fused=fused)
+    with caplog.at_level("WARNING", logger="torch_gradstats"):
+        tr = tg.Trainer(t.model, opt, t.loss_fn, spike_guard=tg.SpikeGuard(window=4), progress=False)
+        tr.train_epoch(t.loader(2))
+    said = [r.getMessage() for r in caplog.records if "host sync per optimizer step" in r.getMessage()]
+    want = (
+        "torch_gradstats: spike_guard with AdamW (not fused) costs one host sync per optimizer step; create the "
+        "optimizer with fused=True for a device-side skip"
+    )
+    assert said == ([] if fused else [want])

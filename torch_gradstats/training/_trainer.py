@@ -218,12 +218,13 @@ class Trainer:
                         ", ".join(every_step_for))
         self.accumulation_steps = accumulation_steps
         self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite or spike_guard is not None)
-        if skip_nonfinite and scaler is None and not self._stepper.skips_on_device:
+        skipping = [name for name, on in (("skip_nonfinite", skip_nonfinite), ("spike_guard", spike_guard)) if on]
+        if skipping and scaler is None and not self._stepper.skips_on_device:
             logger.warning(
-                "torch_gradstats: skip_nonfinite with %s (not fused) costs one host sync per optimizer step; "
+                "torch_gradstats: %s with %s (not fused) costs one host sync per optimizer step; "
                 "create the optimizer with fused=True for a device-side skip",
-                type(optimizer).__name__,
-            )
+                " and ".join(skipping), type(optimizer).__name__,
+            )  # fmt: skip
         self.activation_watch = activation_watch(watch_activations, model, compile)
         self._watch_steps = WatchSteps()
         self.last_activation_report: ActivationReport | None = None
