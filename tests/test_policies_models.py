@@ -818,3 +818,41 @@ def test_trainer_warns_once_that_a_guard_with_a_non_fused_optimizer_reads_the_ho
         "optimizer with fused=True for a device-side skip"
     )
     assert said == ([] if fused else [want])
+
+
+@pytest.mark.parametrize("path", ["trainer", "step_or_skip"])
+@pytest.mark.parametrize("kind", ZOO)
+def test_a_scaler_overflow_on_the_first_step_of_a_fused_sgd_with_momentum(kind, path):
+    """A GradScaler whose first step overflows, with fused SGD and momentum: torch's fused kernel creates the
+    momentum buffers uninitialised and skips the step, so a plain scaler.step would train on garbage from then on.
+    Through the Trainer and step_or_skip the weights and momentum buffers equal those of the same loop with the
+    (unfused) foreach SGD, which never creates a buffer on a skipped step."""
+    finals = []
+    for fused in (True, False):
+        t = task(kind)
+        opt = torch.optim.SGD(t.model.parameters(), lr=0.05, momentum=0.9, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        torch.manual_seed(0)
+        if path == "trainer":
+
+            def after_backward(trainer: tg.Trainer) -> None:
+                if trainer.global_step == 0:
+                    next(trainer.model.parameters()).grad.view(-1)[0] = math.inf
+
+            tr = tg.Trainer(t.model, opt, t.loss_fn, scaler=scaler, after_backward=after_backward, progress=False)
+            assert [r.skipped for r in tr.train_epoch(t.loader(3)).history] == [True, False, False]
+        else:
+            guard = tg.SpikeGuard(window=4)
+            for step in range(3):
+                opt.zero_grad()
+                scaler.scale(t.loss(step)).backward()
+                if step == 0:
+                    next(t.model.parameters()).grad.view(-1)[0] = math.inf
+                scaler.unscale_(opt)
+                tg.step_or_skip(opt, guard.observe(tg.grad_stats(t.model.parameters()).total_norm), scaler)
+        assert scaler.get_scale() == 2.0**7
+        finals.append([p.detach().clone() for p in t.model.parameters()])
+        finals.append([opt.state[p]["momentum_buffer"].clone() for p in t.model.parameters()])
+    fused_params, fused_buffers, params, buffers = finals
+    for a, b in zip(fused_params + fused_buffers, params + buffers):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -109,10 +109,10 @@ class OptimizerStepper:
 
     def _scaler_step(self, scaler: torch.amp.GradScaler, skip: Tensor | None = None) -> None:
         with self._counted():
-            if skip is None:
+            if skip is None and not momentum_pending(self.optimizer):
                 scaler.step(self.optimizer)  # calls optimizer.step() unless a gradient is non-finite
-            else:
-                scaler_step(self.optimizer, scaler, skip.to(torch.float32))
+            else:  # a policy's skip, or the scaler's own to be kept from a fused SGD's first step (scaler_step)
+                scaler_step(self.optimizer, scaler, torch.zeros(()) if skip is None else skip.to(torch.float32))
         scaler.update()
 
     def _device_skipping_step(self, step: Callable[[Tensor], None], nonfinite: Tensor) -> None:
@@ -185,6 +185,11 @@ def scaler_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, 
     instance for this call adds ``skip`` there: merged into the ``found_inf`` the scaler hands a fused optimizer (on
     the device), or read on the host for any other. The scaler's own inf checks, which its ``update`` reads, are
     left as they are.
+
+    A fused SGD with momentum whose buffers do not exist yet (:func:`momentum_pending`) is handed its step only when
+    neither the scaler's ``found_inf`` nor ``skip`` is set, read on the host (one sync, normally on the first step
+    only): told to skip by ``found_inf`` it would create the buffers uninitialised and train on them from then on
+    (what torch's own ``scaler.step`` does after an overflow on the first step).
     """
     on_device = device_skip_step(optimizer) is not None and not momentum_pending(optimizer)
     instance_step = optimizer.__dict__.get("step")  # an LR scheduler may have wrapped step() on the instance
@@ -197,7 +202,9 @@ def scaler_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, 
             # Fused kernels skip where found_inf == 1 and subtract it from their step counts: exactly 0 or 1.
             optimizer.found_inf = torch.clamp(found + to_device(skip, found.device), max=1.0)  # type: ignore[attr-defined]
             return real_step(*args, **kwargs)
-        if host_skips(skip):
+        # Read on the host: a fused optimizer's found_inf too (a fused SGD whose momentum buffers do not exist yet).
+        either = skip if not isinstance(found, Tensor) else torch.maximum(to_device(skip, found.device), found)
+        if host_skips(either):
             return None
         return real_step(*args, **kwargs)
 
