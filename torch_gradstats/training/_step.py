@@ -109,7 +109,7 @@ class OptimizerStepper:
 
     def _scaler_step(self, scaler: torch.amp.GradScaler, skip: Tensor | None = None) -> None:
         with self._counted():
-            if skip is None and not momentum_pending(self.optimizer):
+            if skip is None and not self._state_pending():
                 scaler.step(self.optimizer)  # calls optimizer.step() unless a gradient is non-finite
             else:  # a policy's skip, or the scaler's own to be kept from a fused SGD's first step (scaler_step)
                 scaler_step(self.optimizer, scaler, torch.zeros(()) if skip is None else skip.to(torch.float32))
