@@ -856,3 +856,39 @@ def test_a_scaler_overflow_on_the_first_step_of_a_fused_sgd_with_momentum(kind, 
     fused_params, fused_buffers, params, buffers = finals
     for a, b in zip(fused_params + fused_buffers, params + buffers):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ZOO)
+def test_policies_resumed_in_the_middle_of_adopting_a_new_level_decide_as_uninterrupted(kind):
+    """A loss x10 from step 12 of 20 with SpikeGuard(window=10) and AdaptiveClip(warmup=5, adopt_after=3): both are
+    mid-streak at step 14. Their states saved there (torch.save, weights_only load) into fresh policies with other
+    settings, loaded under no_grad, make the rest of the run decide and clip exactly as the uninterrupted one."""
+
+    def run(cut: int | None) -> list[tuple[float, float]]:
+        t = task(kind)
+        opt = torch.optim.Adam(t.model.parameters(), lr=1e-4)
+        guard, clip = tg.SpikeGuard(window=10), tg.AdaptiveClip(warmup=5, adopt_after=3)
+        out = []
+        for step in range(20):
+            if step == cut:
+                buf = io.BytesIO()
+                torch.save({"guard": guard.state_dict(), "clip": clip.state_dict()}, buf)
+                buf.seek(0)
+                saved = torch.load(buf, weights_only=True)
+                assert int(saved["guard"]["counters"][5]) > 0 and int(saved["clip"]["streak"][0]) > 0  # mid-streak
+                guard, clip = tg.SpikeGuard(window=3, sigma=1.0), tg.AdaptiveClip()
+                with torch.no_grad():
+                    guard.load_state_dict(saved["guard"])
+                    clip.load_state_dict(saved["clip"])
+            opt.zero_grad()
+            loss = t.loss(step) * (10.0 if step >= 12 else 1.0)
+            loss.backward()
+            stats = clip.clip_(t.model.named_parameters())
+            factor = guard.observe(stats.total_norm, loss.detach())
+            tg.step_or_skip(opt, factor)
+            out.append((float(factor), float(stats.clip_coef)))
+        return out
+
+    whole = run(None)
+    assert [i for i, (f, _) in enumerate(whole) if f == 0][:4] == [12, 13, 14, 15]
+    assert run(14) == whole
