@@ -156,9 +156,10 @@ class FlightRecorder:
         floats, ints = self._row(stats, groups, loss, guard_p, clip_p, device)
         if self._layout is None:
             self._layout = _Layout(stats, groups, guard_p, clip_p, floats, ints)
-            self._floats = torch.full((self.capacity, self._layout.n_floats), math.nan, dtype=torch.float64,
-                                      device=device)
-            self._ints = torch.zeros((self.capacity, self._layout.n_ints), dtype=torch.int64, device=device)
+            with torch.inference_mode(False):  # ordinary tensors: every later record writes them, in any mode
+                self._floats = torch.full((self.capacity, self._layout.n_floats), math.nan, dtype=torch.float64,
+                                          device=device)
+                self._ints = torch.zeros((self.capacity, self._layout.n_ints), dtype=torch.int64, device=device)
         else:
             self._same_layout(stats, groups, guard_p, clip_p, floats, ints)
         assert self._floats is not None and self._ints is not None

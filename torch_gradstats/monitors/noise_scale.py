@@ -209,6 +209,9 @@ class NoiseScale:
         self.steps += 1
 
     def _set_state(self, state: Tensor) -> None:
+        if state.is_inference():  # made under torch.inference_mode: every later step updates it, in any mode
+            with torch.inference_mode(False):
+                state = state.clone()
         self._state = state
         self._grad_sq_ema, self._trace_ema, self._weight = state[0], state[1], state[2]
 

@@ -170,7 +170,8 @@ class UpdateRatio:
         local = [_local(p, dt) for _, p in self._named]
         if self._buffers is None or any(b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
                                         for b, t in zip(self._buffers, local)):
-            self._buffers = [torch.empty_like(t) for t in local]
+            with torch.inference_mode(False):  # ordinary tensors: every later snapshot writes them, in any mode
+                self._buffers = [torch.empty_like(t) for t in local]
         torch._foreach_copy_(self._buffers, local)
         self._armed = True
 
