@@ -5,6 +5,8 @@ figure is compared with a float64 reference computed here from the gradients and
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +18,7 @@ from torch import nn
 
 import torch_gradstats as tg
 from torch_gradstats import FlightRecorder, NoiseScale
-from torch_gradstats.updates import UpdateRatio
+from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
 
 MODELS = ["resnet", "gpt2", "encoder", "encoder_reentrant"]
 LossFn = Callable[[nn.Module, int], torch.Tensor]
@@ -75,7 +77,168 @@ def ratio_of(num: float, den: float) -> float:
     return (0.0 if num == 0 else math.inf) if den == 0 else num / den
 
 
+# ================================================================================================= UpdateRatio
+def check_update(report: Any, before: dict[str, torch.Tensor], model: nn.Module, rel: float = 1e-6) -> None:
+    """The measured ||Δw|| and ||Δw|| / ||w_after|| of every parameter against float64."""
+    after = weights64(model)
+    assert set(report.update_ratios) == set(after)
+    for n, w in after.items():
+        delta = float((before[n] - w).norm())
+        want = ratio_of(delta, float(w.norm()))
+        assert report.delta_norms[n] == pytest.approx(delta, rel=rel, abs=1e-30), n
+        assert report.update_ratios[n] == pytest.approx(want, rel=rel, abs=1e-30), n
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_update_ratio_in_training_with_evaluation_between_steps(name: str) -> None:
+    model, loss_fn = zoo(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ratio = UpdateRatio(model.named_parameters())
+    for step in range(3):
+        optimizer.zero_grad()
+        loss_fn(model, step).backward()
+        grads, before = grads64(model), weights64(model)
+        stats = grad_and_weight_stats(model.named_parameters(), optimizer=optimizer)
+        with ratio:
+            optimizer.step()
+        kept = (ratio.stats.delta_sumsq.clone(), ratio.stats.weight_sumsq.clone())
+        evaluate(model, loss_fn)  # must not touch the measurement
+        assert torch.equal(ratio.stats.delta_sumsq, kept[0]) and torch.equal(ratio.stats.weight_sumsq, kept[1])
+        stats.update = ratio.stats
+        report = stats.report()
+        check_update(report, before, model)
+        assert report.grads.total_norm == pytest.approx(math.sqrt(sq(grads.values())), rel=1e-6)
+        for n, g in grads.items():  # lr * ||g|| / ||w||, the weights as they were when the stats were taken
+            assert report.weight_norms[n] == pytest.approx(float(before[n].norm()), rel=1e-6)
+            want = 1e-2 * ratio_of(float(g.norm()), float(before[n].norm()))
+            assert report.lr_update_ratios[n] == pytest.approx(want, rel=1e-6)
+        # Adam's update is normalised per element: the measured ratio is not the SGD estimate
+        assert report.update_ratios != pytest.approx(report.lr_update_ratios, rel=0.1)
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt2", "encoder"])
+def test_update_ratio_with_amp_and_a_grad_scaler_and_a_skipped_step(name: str) -> None:
+    """bfloat16 autocast and a GradScaler: figures taken after unscale_ are the true ones; the step the scaler
+    skips (an Inf in the scaled gradients) changes no weight, so its measured ratio is exactly 0 everywhere."""
+    model, loss_fn = zoo(name)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    ratio = UpdateRatio(model.named_parameters())
+    reference = copy.deepcopy(model)
+    for step in range(3):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(model, step)
+        scaler.scale(loss).backward()
+        reference.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_fn(reference, step).backward()  # the same forward, no loss scale
+        want = {n: p.grad.to(torch.float64) for n, p in reference.named_parameters()}
+        if step == 1:
+            with torch.no_grad():
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+        scale = scaler.get_scale()
+        scaler.unscale_(optimizer)
+        stats = grad_and_weight_stats(model.named_parameters(), optimizer=optimizer)
+        before = weights64(model)
+        with ratio:
+            scaler.step(optimizer)
+        scaler.update()
+        stats.update = ratio.stats
+        report = stats.report()
+        check_update(report, before, model)
+        if step == 1:
+            assert scaler.get_scale() == scale / 2
+            assert set(report.update_ratios.values()) == {0.0} and set(report.delta_norms.values()) == {0.0}
+            assert report.grads.inf_count == 1
+        else:
+            assert min(report.update_ratios.values()) > 0
+            for n, g in want.items():  # unscaled: the scaled gradients are the true ones times a power of two
+                assert report.grads.norms[n] == pytest.approx(float(g.norm()), rel=1e-5), n
+                want = 0.05 * ratio_of(float(g.norm()), float(before[n].norm()))
+                assert report.lr_update_ratios[n] == pytest.approx(want, rel=1e-5)
+        # keep the reference on the same weights
+        reference.load_state_dict(model.state_dict())
+
+
+@pytest.mark.slow
+def test_update_ratio_follows_a_lasting_ten_fold_learning_rate_change() -> None:
+    """Plain SGD on the checkpointed encoder for 240 steps, the learning rate x10 from step 120 on: every step's
+    measured ratio against float64, and the ratio's level after the change is 10x the level before it."""
+    model, loss_fn = zoo("encoder")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ratio = UpdateRatio(model.named_parameters())
+    head: list[float] = []
+    for step in range(240):
+        if step == 120:
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-2
+        optimizer.zero_grad()
+        loss_fn(model, step).backward()
+        g = model.head.weight.grad.to(torch.float64).clone()
+        with ratio:
+            optimizer.step()
+        r = ratio.stats.ratios[ratio.names.index("head.weight")].item()
+        want = optimizer.param_groups[0]["lr"] * float(g.norm()) / float(model.head.weight.to(torch.float64).norm())
+        assert r == pytest.approx(want, rel=1e-5), step
+        head.append(r / float(g.norm()))  # the ratio per unit of gradient: lr / ||w_after||
+    before, after = sum(head[100:120]) / 20, sum(head[121:141]) / 20
+    assert after / before == pytest.approx(10, rel=0.05)
+
+
+def test_update_ratio_with_a_parameter_frozen_mid_run_and_one_without_a_gradient() -> None:
+    """GPT-2: the position embedding is frozen after step 1 (its .grad None from then on) and the last block's
+    final projection gets no gradient at step 2 (grad None though it requires grad): both keep a ratio of exactly
+    0, the report's gradient figures leave them out, and every other parameter matches float64."""
+    model, loss_fn = zoo("gpt2")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ratio = UpdateRatio(model.named_parameters())
+    frozen, idle = "transformer.wpe.weight", "transformer.h.1.mlp.c_proj.weight"
+    params = dict(model.named_parameters())
+    for step in range(4):
+        if step == 2:
+            params[frozen].requires_grad_(False)
+        optimizer.zero_grad()
+        loss_fn(model, step).backward()
+        if step == 2:
+            params[idle].grad = None
+        before = weights64(model)
+        stats = grad_and_weight_stats(model.named_parameters(), optimizer=optimizer)
+        with ratio:
+            optimizer.step()
+        stats.update = ratio.stats
+        report = stats.report()
+        check_update(report, before, model)
+        if step >= 2:
+            assert report.update_ratios[frozen] == 0.0 and frozen not in report.grads.norms
+        if step == 2:
+            assert report.update_ratios[idle] == 0.0 and idle not in report.lr_update_ratios
+        if step < 2:
+            assert report.update_ratios[frozen] > 0
+        assert set(report.grads.norms) == set(grads64(model))
+
+
 # ================================================================================================= NoiseScale
+def reference_pair(reference: nn.Module, loss_fn: LossFn, batches: list[int],
+                   autocast: bool = False) -> tuple[float, float]:
+    """(k * sum_j |g_j / k|^2, |sum_j g_j / k|^2) in float64, each micro-batch's gradient from its own backward on a
+    copy of the model."""
+    k = len(batches)
+    total: dict[str, torch.Tensor] = {}
+    small = 0.0
+    for j in batches:
+        reference.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(reference, j) / k
+        loss.backward()
+        g = grads64(reference)
+        small += sq(g.values())
+        for n, t in g.items():
+            total[n] = total[n] + t if n in total else t
+    reference.zero_grad()
+    return k * small, sq(total.values())
+
+
 def reference_estimates(pairs: list[tuple[float, float]], b_small: int, k: int, ema: float) -> dict[str, float]:
     """The EMAs of docs/noise_scale.md in float64, bias-corrected, over the finite pairs."""
     b_big = k * b_small
@@ -88,6 +251,238 @@ def reference_estimates(pairs: list[tuple[float, float]], b_small: int, k: int, 
         eg, et, weight = ema * eg + (1 - ema) * g2, ema * et + (1 - ema) * tr, ema * weight + (1 - ema)
     return {"noise/b_simple": et / eg, "noise/grad_sq": eg / weight, "noise/trace_sigma": et / weight}
 
+
+def assert_estimates(ns: NoiseScale, pairs: list[tuple[float, float]], k: int, rel: float = 1e-5) -> None:
+    want = reference_estimates(pairs, ns.local_batch_size, k, ns.ema)
+    got = ns.to_dict()
+    # |G|^2 is a difference of two near numbers: its error is relative to them, not to itself
+    size = max(max(abs(s), abs(b)) for s, b in pairs if math.isfinite(s) and math.isfinite(b))
+    assert got["noise/grad_sq"] == pytest.approx(want["noise/grad_sq"], rel=rel, abs=rel * size)
+    assert got["noise/trace_sigma"] == pytest.approx(want["noise/trace_sigma"], rel=rel, abs=rel * size * 4)
+    assert got["noise/b_simple"] == pytest.approx(want["noise/b_simple"], rel=rel * 100)
+
+
+def window(ns: NoiseScale, model: nn.Module, loss_fn: LossFn, batches: list[int],
+           scaler: Any = None) -> None:
+    k = len(batches)
+    for j in batches:
+        with ns.micro_batch(model):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
+                loss = loss_fn(model, j) / k
+            (loss if scaler is None else scaler.scale(loss)).backward()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_noise_scale_accumulation_with_evaluation_between_steps(name: str) -> None:
+    model, loss_fn = zoo(name)
+    reference = copy.deepcopy(model)
+    ns = NoiseScale(2, ema=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    pairs = []
+    for step in range(3):
+        batches = [10 * step, 10 * step + 1]
+        pairs.append(reference_pair(reference, loss_fn, batches))
+        window(ns, model, loss_fn, batches)
+        ns.step(model)
+        state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ns.state_dict().items()}
+        evaluate(model, loss_fn)
+        with torch.inference_mode():
+            ns.to_dict()  # reading in evaluation changes nothing
+        assert {k: v for k, v in ns.state_dict().items()}.keys() == state.keys()
+        for k, v in ns.state_dict().items():
+            assert torch.equal(v, state[k]) if isinstance(v, torch.Tensor) else v == state[k]
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.load_state_dict(model.state_dict())
+    assert ns.steps == 3
+    assert_estimates(ns, pairs, 2)
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt2", "encoder_reentrant"])
+def test_noise_scale_with_amp_and_a_grad_scaler(name: str) -> None:
+    """bfloat16 autocast and a GradScaler given to NoiseScale: the micro-batches are read as gradients of the
+    scaled loss and divided by the scale's square, ``step`` reads the unscaled ``.grad``: the figures are those of
+    the unscaled gradients (float64 reference without a scaler). A window with an Inf is left out and the scaler
+    halves its scale: the estimates go on at the new scale as if nothing had happened."""
+    model, loss_fn = zoo(name)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: one reference model suffices
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14)
+    ns = NoiseScale(2, ema=0.5, scaler=scaler)
+    pairs = []
+    for step in range(3):
+        batches = [10 * step, 10 * step + 1]
+        window(ns, model, loss_fn, batches, scaler)
+        if step == 1:  # an Inf in the accumulated gradient: the scaler skips the step and backs off
+            with torch.no_grad():
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+            pairs.append((math.inf, math.inf))
+        else:
+            pairs.append(reference_pair(reference, loss_fn, batches, autocast=True))
+        if step == 0:
+            with pytest.raises(ValueError, match=r"after scaler.unscale_\(optimizer\)"):
+                ns.step(model)  # .grad is still scaled here; the window is kept
+        scaler.unscale_(optimizer)
+        ns.step(model)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert scaler.get_scale() == 2.0**13
+    assert ns.steps == 3
+    assert_estimates(ns, pairs, 2)
+
+
+def test_noise_scale_state_dict_saved_and_loaded_mid_run_continues_the_same_run() -> None:
+    model, loss_fn = zoo("gpt2")
+    ns, resumed = NoiseScale(2, ema=0.9), None
+    reference = copy.deepcopy(model)
+    pairs = []
+    saved = io.BytesIO()
+    for step in range(6):
+        batches = [10 * step, 10 * step + 1]
+        pairs.append(reference_pair(reference, loss_fn, batches))
+        window(ns, model, loss_fn, batches)
+        ns.step(model)
+        model.zero_grad()
+        if step == 2:
+            torch.save(ns.state_dict(), saved)
+            saved.seek(0)
+            resumed = NoiseScale(2, ema=0.9)
+            resumed.load_state_dict(torch.load(saved))  # weights_only: plain numbers and tensors
+        elif step > 2:
+            assert resumed is not None
+            window(resumed, model, loss_fn, batches)
+            resumed.step(model)
+            model.zero_grad()
+    assert resumed is not None and resumed.steps == ns.steps == 6
+    assert resumed.to_dict() == ns.to_dict()
+    assert_estimates(resumed, pairs, 2)
+
+
+def test_noise_scale_with_a_parameter_frozen_mid_run() -> None:
+    """ResNet: the stem's conv is frozen from the second window on; the estimates are those of the parameters
+    still training (float64 reference over the same parameters)."""
+    model, loss_fn = zoo("resnet")
+    reference = copy.deepcopy(model)
+    ns = NoiseScale(2, ema=0.5)
+    pairs = []
+    for step in range(3):
+        if step == 1:
+            model.conv1.weight.requires_grad_(False)
+            reference.conv1.weight.requires_grad_(False)
+        batches = [10 * step, 10 * step + 1]
+        pairs.append(reference_pair(reference, loss_fn, batches))
+        window(ns, model, loss_fn, batches)
+        ns.step(model)
+        model.zero_grad()
+    assert model.conv1.weight.grad is None
+    assert_estimates(ns, pairs, 2)
+
+
+@pytest.mark.slow
+def test_noise_scale_follows_a_lasting_ten_fold_change_of_the_loss() -> None:
+    """300 windows on the checkpointed encoder, the loss x10 from window 150 on (its gradients x10, |G|^2 and
+    tr(Sigma) x100, B_simple unchanged): the EMAs against float64 all along, then the level after the change."""
+    model, base = zoo("encoder")
+    reference = copy.deepcopy(model)
+
+    def loss_fn(m: nn.Module, j: int) -> torch.Tensor:
+        return base(m, j % 1000) * (10.0 if j >= 1000 else 1.0)
+
+    ns = NoiseScale(2, ema=0.9)
+    pairs = []
+    for step in range(300):
+        batches = [(2 * step + i) + (1000 if step >= 150 else 0) for i in range(2)]
+        pairs.append(reference_pair(reference, loss_fn, batches))
+        window(ns, model, loss_fn, batches)
+        ns.step(model)
+        model.zero_grad()
+        if step in (149, 299):
+            assert_estimates(ns, pairs, 2, rel=1e-4)
+            level = ns.to_dict()
+            if step == 149:
+                low = level
+    assert level["noise/trace_sigma"] / low["noise/trace_sigma"] == pytest.approx(100, rel=0.5)
+
+
+# ================================================================================================= FlightRecorder
+def check_rows(rows: list[dict[str, Any]], want: list[tuple[float, float, float, int, int]]) -> None:
+    """Rows against (total norm, max |g|, loss, NaN count, Inf count) from float64."""
+    assert len(rows) == len(want)
+    for row, (norm, amax, loss, nans, infs) in zip(rows, want):
+        if math.isfinite(norm):
+            assert row["total_norm"] == pytest.approx(norm, rel=1e-6)
+            assert row["inf_norm"] == amax
+        assert (row["nan_count"], row["inf_count"]) == (nans, infs)
+        assert row["loss"] == pytest.approx(loss, rel=1e-12)
+
+
+def figures(model: nn.Module, loss: torch.Tensor) -> tuple[float, float, float, int, int]:
+    g = list(grads64(model).values())
+    return (math.sqrt(sq(g)), max(float(t.abs().max()) for t in g), float(loss),
+            sum(int(t.isnan().sum()) for t in g), sum(int(t.isinf().sum()) for t in g))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_flight_recorder_in_training_with_evaluation_between_steps(name: str) -> None:
+    model, loss_fn = zoo(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    recorder = FlightRecorder(capacity=3)
+    want = []
+    for step in range(5):
+        optimizer.zero_grad()
+        loss = loss_fn(model, step)
+        loss.backward()
+        want.append(figures(model, loss))
+        stats = tg.clip_grad_norm_(model.named_parameters(), max_norm=0.5)  # figures before the clip
+        recorder.record(stats, loss=loss)
+        evaluate(model, loss_fn)
+        with torch.inference_mode():
+            rows = recorder.to_dicts()  # reading in evaluation changes nothing
+        check_rows(rows, want[-3:])
+        coef = min(0.5 / (want[-1][0] + 1e-6), 1.0)
+        assert rows[-1]["clip_coef"] == pytest.approx(coef, rel=1e-6)
+        assert math.sqrt(sq(grads64(model).values())) == pytest.approx(want[-1][0] * coef, rel=1e-6)
+        optimizer.step()
+    assert recorder.steps == 5 and [r["step"] for r in recorder.to_dicts()] == [2, 3, 4]
+    check_rows(recorder.to_dicts(), want[-3:])
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt2", "encoder"])
+def test_flight_recorder_with_amp_a_grad_scaler_and_a_skipped_step(name: str) -> None:
+    """Statistics recorded after unscale_ are the unscaled figures (float64 reference without a scaler); the step
+    the scaler skips is recorded with its Inf; the scale's changes (growth after every good step, a back-off at
+    the Inf) never show."""
+    model, loss_fn = zoo(name)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    recorder = FlightRecorder(capacity=8)
+    want, scales = [], []
+    for step in range(4):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(model, step)
+        scaler.scale(loss).backward()
+        reference.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = loss_fn(reference, step)
+        ref_loss.backward()
+        if step == 1:
+            with torch.no_grad():
+                next(model.parameters()).grad.view(-1)[0] = math.inf
+                next(reference.parameters()).grad.view(-1)[0] = math.inf
+        want.append(figures(reference, ref_loss))
+        scales.append(scaler.get_scale())
+        scaler.unscale_(optimizer)
+        recorder.record(tg.grad_stats(model.named_parameters()), loss=loss)
+        scaler.step(optimizer)
+        scaler.update()
+        reference.load_state_dict(model.state_dict())
+    assert scales == [2.0**10, 2.0**11, 2.0**10, 2.0**11]  # grown, backed off at the Inf, grown
+    rows = recorder.to_dicts()
+    check_rows(rows, want)
+    assert rows[1]["inf_count"] == 1 and rows[1]["total_norm"] == math.inf
 
 
 # ================================================================================================= all three

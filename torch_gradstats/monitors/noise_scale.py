@@ -93,13 +93,18 @@ class NoiseScale:
             estimates are not finite (a NaN or Inf gradient) is left out, on the device: it changes nothing.
         process_group: the group given to ``DistributedDataParallel`` (None: the default group). The hook
             all-reduces over it in DDP's place, so it must be DDP's own. Used by :func:`noise_scale_hook` only.
+        scaler: the ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward passes run on, or None. The hook
+            and :meth:`micro_batch` then read gradients of the scaled loss and divide their squared norms by the
+            scale's square, on the device (the scale as it is during that backward); :meth:`step` reads the
+            true gradients, so it must run after ``scaler.unscale_(optimizer)`` and before ``scaler.update()``.
 
     Reading: :attr:`b_simple`, :attr:`grad_sq`, :attr:`trace_sigma` are 0-d float64 tensors on the gradients'
     device (NaN before the first step); reading one as a number is the one host sync. :meth:`to_dict` gives all
     three as floats in one transfer.
     """
 
-    def __init__(self, local_batch_size: int, *, ema: float = 0.99, process_group: Any = None) -> None:
+    def __init__(self, local_batch_size: int, *, ema: float = 0.99, process_group: Any = None,
+                 scaler: Any = None) -> None:
         if isinstance(local_batch_size, bool) or not isinstance(local_batch_size, (int, numbers.Integral)):
             raise TypeError(f"NoiseScale: local_batch_size must be an int, got a {type(local_batch_size).__name__}")
         if local_batch_size < 1:
@@ -108,7 +113,10 @@ class NoiseScale:
             raise TypeError(f"NoiseScale: ema must be a float, got a {type(ema).__name__}")
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"NoiseScale: ema must be in [0, 1), got {ema}")
+        if scaler is not None and not callable(getattr(scaler, "is_enabled", None)):
+            raise TypeError(f"NoiseScale: scaler must be a torch.amp.GradScaler or None, got a {type(scaler).__name__}")
         self.local_batch_size: int = int(local_batch_size)
+        self.scaler = scaler
         self.ema: float = float(ema)
         self.process_group = process_group
         self.steps: int = 0  # steps given to update (a host counter: no sync)
@@ -215,6 +223,34 @@ class NoiseScale:
         self._state = state
         self._grad_sq_ema, self._trace_ema, self._weight = state[0], state[1], state[2]
 
+    # ------------------------------------------------------------------------------------------- the loss scale
+    def _loss_scale(self) -> Tensor | None:
+        """The scaler's scale as a device tensor (no sync), None without an enabled scaler that has scaled."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        scale = getattr(self.scaler, "_scale", None)  # get_scale() would sync; None until its first scale()
+        return scale if isinstance(scale, Tensor) else None
+
+    def _unscaled(self, sq: Tensor) -> Tensor:
+        """``sq``, a squared norm of gradients of the scaled loss, divided by the scale's square (on the device)."""
+        scale = self._loss_scale()
+        if scale is None:
+            return sq
+        return sq / to_device(scale.detach().reshape(()).to(torch.float64), sq.device).square()
+
+    def _check_unscaled(self) -> None:
+        """With a scaler, :meth:`step` reads ``.grad`` as the true gradient: the scaler must have unscaled it."""
+        if self._loss_scale() is None:
+            return
+        states = getattr(self.scaler, "_per_optimizer_states", None)  # the stage GradScaler keeps per optimizer
+        if isinstance(states, dict) and not any(
+                getattr(s.get("stage"), "name", None) in ("UNSCALED", "STEPPED") for s in states.values()):
+            raise ValueError(
+                "NoiseScale.step: the scaler has not unscaled the gradients of this step, so .grad holds the "
+                "gradient of the scaled loss; call step() after scaler.unscale_(optimizer) (or scaler.step) and "
+                "before scaler.update()"
+            )
+
     # ------------------------------------------------------------------------------------------- DDP buckets
     def _bucket_launched(self, local_sq: Tensor, is_last: bool) -> None:
         with self._lock:
@@ -284,6 +320,7 @@ class NoiseScale:
             sums.append(_sumsq(chunk))
         held.clear()
         total = torch.stack([to_device(t, sums[0].device) for t in sums]).sum() if len(sums) > 1 else sums[0]
+        total = self._unscaled(total)  # the block's backward ran on the scaled loss
         with self._lock:
             self._micro_sq = total if self._micro_sq is None else self._micro_sq + total
             self._micro_batches += 1
@@ -294,9 +331,12 @@ class NoiseScale:
 
         With ``k`` micro-batches whose losses were scaled by ``1/k``, micro-batch ``j`` contributed ``g_j / k``, so
         the mean of ``|g_j|^2`` is ``k`` times the sum of the contributions' squared norms, and B_big is
-        ``k * local_batch_size``. One op call on the accumulated gradients, no host sync.
+        ``k * local_batch_size``. One op call on the accumulated gradients, no host sync. With a ``scaler``, call it
+        after ``scaler.unscale_(optimizer)`` and before ``scaler.update()`` (``ValueError`` otherwise, the window
+        kept).
         """
         grads = [p.grad for p in _params_of(params, "NoiseScale.step") if p.grad is not None]
+        self._check_unscaled()
         with self._lock:
             k, micro = self._micro_batches, self._micro_sq
             self._micro_batches, self._micro_sq = 0, None
@@ -399,7 +439,7 @@ def noise_scale_hook(state: NoiseScale, bucket: dist.GradBucket) -> torch.future
         )
     buffer = bucket.buffer()
     # Read before the all-reduce: the default hook divides the buffer in place.
-    state._bucket_launched(multi_tensor_stats(buffer).sumsq.sum(), bucket.is_last())
+    state._bucket_launched(state._unscaled(multi_tensor_stats(buffer).sumsq.sum()), bucket.is_last())
     # A CUDA future runs its callbacks on streams of its own; the readings after the all-reduce go back to the
     # backward's stream (after a wait for the callback's), so the sums and the EMAs only ever see one stream.
     stream = torch.cuda.current_stream(buffer.device) if buffer.device.type == "cuda" else None
@@ -408,11 +448,11 @@ def noise_scale_hook(state: NoiseScale, bucket: dist.GradBucket) -> torch.future
     def after(f: torch.futures.Future[torch.Tensor]) -> Tensor:
         reduced = f.value()
         if stream is None:
-            state._bucket_reduced(multi_tensor_stats(reduced).sumsq.sum(), world)
+            state._bucket_reduced(state._unscaled(multi_tensor_stats(reduced).sumsq.sum()), world)
         else:
             stream.wait_stream(torch.cuda.current_stream(reduced.device))
             with torch.cuda.stream(stream):
-                state._bucket_reduced(multi_tensor_stats(reduced).sumsq.sum(), world)
+                state._bucket_reduced(state._unscaled(multi_tensor_stats(reduced).sumsq.sum()), world)
         return reduced
 
     return fut.then(after)
