@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import math
+import multiprocessing
+import os
+import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -377,6 +382,51 @@ def test_noise_scale_with_a_parameter_frozen_mid_run() -> None:
         model.zero_grad()
     assert model.conv1.weight.grad is None
     assert_estimates(ns, pairs, 2)
+
+
+@pytest.fixture(scope="module")
+def ddp_amp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, str]]]:
+    """Two gloo ranks running tests/_monitors_ddp_worker.py on the zoo's models (ResNet, GPT-2, encoder)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    pytest.importorskip("transformers")
+    import _monitors_ddp_worker as worker
+    import torch.multiprocessing as mp
+
+    outdir = str(tmp_path_factory.mktemp("ddp_amp"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    multiprocessing.set_forkserver_preload(["torch", "torch.nn.parallel", "_monitors_ddp_worker"])
+    ctx = mp.start_processes(worker.run_worker, args=(2, port, outdir, ["resnet", "gpt2", "encoder"], 60.0),
+                             nprocs=2, join=False, start_method="forkserver")
+    deadline = time.monotonic() + 300
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the 2-rank run did not finish in 300 s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    results = []
+    for rank in range(2):
+        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["resnet", "gpt2", "encoder"])
+def test_noise_scale_hook_under_ddp_with_amp_and_a_grad_scaler(ddp_amp_results: Any, name: str) -> None:
+    """noise_scale_hook on 2 gloo ranks, bfloat16 autocast and a GradScaler given to the NoiseScale, one step
+    skipped at an Inf: each rank's figures are those of the unscaled gradients (float64 reference in the worker)
+    and DDP's gradients the mean of the ranks' own."""
+    outcomes = [r.get(name, {"status": "fail", "detail": "not reached"}) for r in ddp_amp_results]
+    failed = [f"--- rank {rank}:\n{o['detail']}" for rank, o in enumerate(outcomes) if o["status"] != "ok"]
+    assert not failed, "\n".join(failed)
 
 
 @pytest.mark.slow
