@@ -565,3 +565,48 @@ def test_monitors_first_used_under_inference_mode_keep_working_in_training() -> 
         loaded.load_state_dict(ns.state_dict())
     loaded.update(4.0, 1.0, big_batch_size=4)
     assert not loaded._state.is_inference()
+
+
+def gpt2_group(name: str) -> str:
+    """GPT-2's parameters by block (``h.0``, ``h.1``) or by embedding / final norm (``wte``, ``wpe``, ``ln_f``)."""
+    parts = name.split(".")
+    return ".".join(parts[1:3]) if parts[1] == "h" else parts[1]
+
+
+def test_flight_recorder_groups_when_a_layer_is_frozen_mid_run_and_unfrozen() -> None:
+    """GPT-2 grouped by block and embedding: the position embedding frozen at step 2 is recorded as None while
+    it has no gradient and again once unfrozen; every other group's figures match float64 at every step. (It made
+    the recorder raise at the first step without the frozen group.) A group the first step did not have is an
+    error that names it."""
+    model, loss_fn = zoo("gpt2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    recorder = FlightRecorder(capacity=8)
+    wpe = model.transformer.wpe.weight
+    want: list[dict[str, tuple[float, float]]] = []
+    for step in range(5):
+        wpe.requires_grad_(step not in (2, 3))
+        optimizer.zero_grad()
+        loss = loss_fn(model, step)
+        loss.backward()
+        stats = tg.grad_stats(model.named_parameters())
+        recorder.record(stats.grouped(gpt2_group), loss=loss)
+        by_group: dict[str, list[torch.Tensor]] = {}
+        for n, g in grads64(model).items():
+            by_group.setdefault(gpt2_group(n), []).append(g)
+        want.append({k: (math.sqrt(sq(v)), max(float(t.abs().max()) for t in v)) for k, v in by_group.items()})
+        optimizer.step()
+    rows = recorder.to_dicts()
+    groups = ["wte", "wpe", "h.0", "h.1", "ln_f"]
+    assert sorted(k.split("/")[1] for k in rows[0] if k.endswith("/norm")) == sorted(groups)
+    for row, figures_of in zip(rows, want):
+        for g in groups:
+            if g not in figures_of:
+                assert (row[f"group/{g}/norm"], row[f"group/{g}/max_abs"], row[f"group/{g}/nonfinite"]) == (None,) * 3
+                continue
+            assert row[f"group/{g}/norm"] == pytest.approx(figures_of[g][0], rel=1e-6), (row["step"], g)
+            assert row[f"group/{g}/max_abs"] == figures_of[g][1] and row[f"group/{g}/nonfinite"] == 0
+        assert row["total_norm"] == pytest.approx(math.sqrt(sum(n * n for n, _ in figures_of.values())), rel=1e-6)
+    assert [r["group/wpe/norm"] is None for r in rows] == [False, False, True, True, False]
+    with pytest.raises(ValueError, match=r"group\(s\) \['lm'\] at step 5 were not among the first step's groups"):
+        recorder.record(tg.grad_stats(model.named_parameters()).grouped(lambda n: "lm" if "wte" in n else None))
+    assert recorder.steps == 5

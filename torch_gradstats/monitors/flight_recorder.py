@@ -76,8 +76,9 @@ class _Layout:
         self.n_floats = sum(t.numel() for t in floats)
         self.n_ints = sum(t.numel() for t in ints)
 
-    def read(self, f: list[float], i: list[int]) -> dict[str, Figure]:
-        """A row's host values as named figures (total norm from the sum of squares, as a report makes it)."""
+    def read(self, f: list[float], i: list[int], present: frozenset[str] | None = None) -> dict[str, Figure]:
+        """A row's host values as named figures (total norm from the sum of squares, as a report makes it);
+        ``present``: the groups the step had, when some had no gradient (the others' figures are None)."""
         out: dict[str, Figure] = {"total_norm": math.sqrt(f[0]) if not math.isnan(f[0]) else math.nan,
                                   "inf_norm": f[1]}
         out.update(zip(_COUNTS, i[:3]))
@@ -96,6 +97,9 @@ class _Layout:
         if self.groups is not None:
             g = len(self.groups)
             for k, name in enumerate(self.groups):
+                if present is not None and name not in present:
+                    out[f"group/{name}/norm"] = out[f"group/{name}/max_abs"] = out[f"group/{name}/nonfinite"] = None
+                    continue
                 out[f"group/{name}/norm"] = math.sqrt(f[k]) if not math.isnan(f[k]) else math.nan
                 out[f"group/{name}/max_abs"] = f[g + k]
                 out[f"group/{name}/nonfinite"] = i[3 * k + NAN] + i[3 * k + INF]
@@ -122,6 +126,9 @@ class FlightRecorder:
         self._floats: Tensor | None = None  # [capacity, n_floats] float64
         self._ints: Tensor | None = None  # [capacity, n_ints] int64
         self._has_loss: list[bool] = [False] * capacity  # known on the host: no device value needed
+        # per slot, the groups the step had when some of the first step's had no gradient (None: all of them)
+        self._present: list[frozenset[str] | None] = [None] * capacity
+        self._group_index: tuple[tuple[str, ...], Tensor] | None = None  # the last such step's slots, kept
 
     def __len__(self) -> int:
         return min(self.steps, self.capacity)
@@ -136,7 +143,9 @@ class FlightRecorder:
         """Append a step: ``stats``'s totals (and its per-group figures if it is a :class:`GroupStats`, or those of
         ``groups``; a GroupStats from ``GradStats.grouped`` gives the totals of every parameter, grouped or not,
         any other its groups' sums), the loss, and the figures of ``guard`` (a :class:`SpikeGuard`) and ``clip`` (an
-        :class:`AdaptiveClip`) after their step. No host read; every step must give the same kinds of figures.
+        :class:`AdaptiveClip`) after their step. No host read; every step must give the same kinds of figures, but
+        a group of the first step may lack later (its parameters frozen or without a gradient): its figures are then
+        None for that step.
         """
         if isinstance(stats, GroupStats):
             if groups is not None:
@@ -153,6 +162,10 @@ class FlightRecorder:
                             f"{type(groups).__name__}")
         guard_p, clip_p = _policy("guard", guard), _policy("clip", clip)
         device = self.device or (stats.device if isinstance(stats, GradStats) else stats.sumsq.device)
+        present = None
+        if (groups is not None and self._layout is not None and self._layout.groups is not None
+                and list(groups.names) != self._layout.groups):
+            groups, present = self._in_first_groups(groups, self._layout.groups), frozenset(groups.names)
         floats, ints = self._row(stats, groups, loss, guard_p, clip_p, device)
         if self._layout is None:
             self._layout = _Layout(stats, groups, guard_p, clip_p, floats, ints)
@@ -167,7 +180,31 @@ class FlightRecorder:
         self._floats[slot].copy_(torch.cat([to_device(t.reshape(-1).to(torch.float64), device) for t in floats]))
         self._ints[slot].copy_(torch.cat([to_device(t.reshape(-1).to(torch.int64), device) for t in ints]))
         self._has_loss[slot] = loss is not None
+        self._present[slot] = present
         self.steps += 1
+
+    def _in_first_groups(self, groups: GroupStats, first: list[str]) -> GroupStats:
+        """``groups`` laid out as the first step's groups, when some of those have no gradient now (their parameters
+        frozen or unused: their slots hold zeros, read back as None). A group the first step did not have is an
+        error naming it: the ring's columns are fixed by the first record."""
+        new = [name for name in groups.names if name not in first]
+        if new:
+            raise ValueError(
+                f"FlightRecorder.record: group(s) {new} at step {self.steps} were not among the first step's groups "
+                f"{first}; the groups are fixed by the first record (a group that later has no gradient is recorded "
+                f"as None): map those parameters into one of its groups (a callable by=), or start a new recorder")
+        names = tuple(groups.names)
+        if self._group_index is None or self._group_index[0] != names:  # moved once per change of the groups
+            where = torch.tensor([first.index(name) for name in names], dtype=torch.int64)
+            self._group_index = (names, to_device(where, groups.sumsq.device))
+        index = self._group_index[1]
+        g = len(first)
+
+        def placed(t: Tensor) -> Tensor:
+            return t.new_zeros((g, *t.shape[1:])).index_copy_(0, index, t)
+
+        return GroupStats(list(first), placed(groups.sumsq), placed(groups.amax), placed(groups.counts),
+                          placed(groups.numel), dict(groups.members))
 
     @staticmethod
     def _row(stats: GradStats | GroupStats, groups: GroupStats | None, loss: Tensor | float | None,
@@ -236,7 +273,7 @@ class FlightRecorder:
             slot = step % self.capacity
             f, i = floats[slot * nf:(slot + 1) * nf], ints[slot * ni:(slot + 1) * ni]
             row: dict[str, Figure] = {"step": step, "loss": f[2] if self._has_loss[slot] else None}
-            row.update(self._layout.read(f[:2] + f[3:], i))  # f[2]: the loss
+            row.update(self._layout.read(f[:2] + f[3:], i, self._present[slot]))  # f[2]: the loss
             out.append(row)
         return out
 
