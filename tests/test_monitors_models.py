@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -606,7 +607,7 @@ def gpt2_group(name: str) -> str:
     return ".".join(parts[1:3]) if parts[1] == "h" else parts[1]
 
 
-def test_flight_recorder_groups_when_a_layer_is_frozen_mid_run_and_unfrozen() -> None:
+def test_flight_recorder_groups_when_a_layer_is_frozen_mid_run_and_unfrozen(tmp_path: Path) -> None:
     """GPT-2 grouped by block and embedding: the position embedding frozen at step 2 is recorded as None while
     it has no gradient and again once unfrozen; every other group's figures match float64 at every step. (It made
     the recorder raise at the first step without the frozen group.) A group the first step did not have is an
@@ -640,6 +641,10 @@ def test_flight_recorder_groups_when_a_layer_is_frozen_mid_run_and_unfrozen() ->
             assert row[f"group/{g}/max_abs"] == figures_of[g][1] and row[f"group/{g}/nonfinite"] == 0
         assert row["total_norm"] == pytest.approx(math.sqrt(sum(n * n for n, _ in figures_of.values())), rel=1e-6)
     assert [r["group/wpe/norm"] is None for r in rows] == [False, False, True, True, False]
+    with open(recorder.dump(tmp_path / "flight.jsonl")) as f:  # strict JSON: the missing group's figures are null
+        dumped = [json.loads(line) for line in f]
+    assert [d["group/wpe/nonfinite"] for d in dumped] == [0, 0, None, None, 0]
+    assert dumped[1]["group/h.0/norm"] == pytest.approx(rows[1]["group/h.0/norm"], rel=1e-15)
     with pytest.raises(ValueError, match=r"group\(s\) \['lm'\] at step 5 were not among the first step's groups"):
         recorder.record(tg.grad_stats(model.named_parameters()).grouped(lambda n: "lm" if "wte" in n else None))
     assert recorder.steps == 5
