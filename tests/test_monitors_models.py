@@ -398,23 +398,44 @@ def test_noise_scale_state_dict_saved_and_loaded_mid_run_continues_the_same_run(
     assert_estimates(resumed, pairs, 2)
 
 
+def test_noise_scale_rolled_back_to_a_saved_state_mid_window() -> None:
+    """GPT-2: a state saved after the first window, a failure after one micro-batch of the second (the window is
+    given up, the gradients cleared), a rollback to the saved state and the second window again: the estimates
+    are those of the two windows, not of the given-up micro-batch counted with the second window's."""
+    model, loss_fn = zoo("gpt2")
+    reference = copy.deepcopy(model)
+    ns = NoiseScale(2, ema=0.5)
+    pairs = [reference_pair(reference, loss_fn, [0, 1]), reference_pair(reference, loss_fn, [2, 3])]
+    window(ns, model, loss_fn, [0, 1])
+    ns.step(model)
+    model.zero_grad()
+    saved = ns.state_dict()
+    window(ns, model, loss_fn, [2])  # ...and the step fails here
+    model.zero_grad()
+    ns.load_state_dict(saved)
+    window(ns, model, loss_fn, [2, 3])
+    ns.step(model)
+    assert ns.steps == 2
+    assert_estimates(ns, pairs, 2)
+
+
 def test_noise_scale_with_a_parameter_frozen_mid_run() -> None:
-    """The checkpointed encoder (reentrant): its input embedding is frozen from the second window on; the
-    estimates are those of the parameters still training (float64 reference over the same parameters)."""
+    """The checkpointed encoder (reentrant): the first layer's first linear map is frozen from the second window
+    on; the estimates are those of the parameters still training (float64 reference over the same parameters)."""
     model, loss_fn = zoo("encoder_reentrant")
     reference = copy.deepcopy(model)
     ns = NoiseScale(2, ema=0.5)
     pairs = []
     for step in range(3):
         if step == 1:
-            model.embed.weight.requires_grad_(False)
-            reference.embed.weight.requires_grad_(False)
+            model.encoder.layers[0].linear1.weight.requires_grad_(False)
+            reference.encoder.layers[0].linear1.weight.requires_grad_(False)
         batches = [10 * step, 10 * step + 1]
         pairs.append(reference_pair(reference, loss_fn, batches))
         window(ns, model, loss_fn, batches)
         ns.step(model)
         model.zero_grad()
-    assert model.embed.weight.grad is None
+    assert model.encoder.layers[0].linear1.weight.grad is None
     assert_estimates(ns, pairs, 2)
 
 

@@ -362,7 +362,8 @@ class NoiseScale:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; the decay must be this instance's."""
+        """Restore :meth:`state_dict`'s output; the decay must be this instance's. A window of micro-batches in
+        progress is dropped (after a rollback to the state, the window is read again from its start)."""
         if not isinstance(state, dict):
             raise TypeError(f"NoiseScale.load_state_dict: state must be a dict, got a {type(state).__name__}")
         missing = {"ema", "steps", "grad_sq_ema", "trace_sigma_ema"} - state.keys()
@@ -405,6 +406,9 @@ class NoiseScale:
             )
         with self._lock:
             self.steps = steps
+            # The accumulation window in progress is not part of a state: micro-batches read before a rollback to
+            # this state would otherwise be counted in the next step with the ones read again after it.
+            self._micro_batches, self._micro_sq = 0, None
             if g is None or tr is None:
                 self._state = self._grad_sq_ema = self._trace_ema = self._weight = None
                 return
