@@ -669,3 +669,18 @@ def test_flight_recorder_groups_when_a_layer_is_frozen_mid_run_and_unfrozen(tmp_
     with pytest.raises(ValueError, match=r"group\(s\) \['lm'\] at step 5 were not among the first step's groups"):
         recorder.record(tg.grad_stats(model.named_parameters()).grouped(lambda n: "lm" if "wte" in n else None))
     assert recorder.steps == 5
+
+
+def test_noise_scale_errors_name_the_parameter_whose_gradient_the_op_refuses() -> None:
+    """A sparse gradient (nn.Embedding(sparse=True)) is refused by name in micro_batch and in step, not as the
+    op's 'tensors[0]'."""
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    ns = NoiseScale(2)
+    refused = r"NoiseScale.micro_batch: parameter '0.weight' has a torch.sparse_coo"
+    with pytest.raises(ValueError, match=refused), ns.micro_batch(model):
+        model(torch.tensor([1, 2])).sum().backward()
+    for _ in range(2):
+        with ns.micro_batch(model[1]):
+            model(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match=r"NoiseScale.step: parameter '0.weight' has a torch.sparse_coo"):
+        ns.step(model)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch_gradstats.ops import policy_ops as ops
 from torch_gradstats.ops._transfer import fetch, to_device, to_host
 from torch_gradstats.ops.op import multi_tensor_stats
-from torch_gradstats.stats._params import named_params, stats_on_home
+from torch_gradstats.stats._params import check_grads, named_params, stats_on_home
 
 __all__ = ["NoiseScale", "noise_scale_hook"]
 
@@ -69,16 +69,28 @@ def _as_sq(value: Tensor | float, what: str) -> Tensor:
     raise TypeError(f"NoiseScale.update: {what} must be a tensor or a float, got a {type(value).__name__}")
 
 
-def _params_of(params: Any, caller: str) -> list[Tensor]:
-    """The distinct tensors of ``params`` (a module, or what grad_stats accepts), in order: a tied one once."""
+def _params_of(params: Any, caller: str) -> list[tuple[str, Tensor]]:
+    """The distinct tensors of ``params`` (a module, or what grad_stats accepts) with their names, in order: a tied
+    one once, under its first name."""
     if isinstance(params, nn.Module):
-        params = params.parameters()
-    return list({id(p): p for _, p in named_params(params, caller=caller)}.values())
+        params = params.named_parameters()
+    out: dict[int, tuple[str, Tensor]] = {}
+    for name, p in named_params(params, caller=caller):
+        out.setdefault(id(p), (name, p))
+    return list(out.values())
 
 
-def _sumsq(tensors: list[Tensor]) -> Tensor:
-    """Sum of squares of every element of ``tensors`` (0-d float64): one op call per device."""
-    return stats_on_home(tensors, False)[0][0].sum()
+def _sumsq(tensors: list[Tensor], names: list[str], caller: str) -> Tensor:
+    """Sum of squares of every element of ``tensors`` (0-d float64): one op call per device. When the op refuses a
+    gradient (sparse, an integer dtype), the error names its parameter."""
+    try:
+        return stats_on_home(tensors, False)[0][0].sum()
+    except (TypeError, ValueError, RuntimeError):
+        try:
+            check_grads(names, tensors)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(str(exc).replace("grad_stats:", f"{caller}:", 1)) from None
+        raise
 
 
 class NoiseScale:
@@ -286,7 +298,8 @@ class NoiseScale:
         instead of moved, while held). Scale each micro-batch's loss by ``1 / micro-batches`` as usual (``.grad`` is
         then the mean gradient of the window). The block counts as a micro-batch when it exits without an exception.
         """
-        tensors = [p for p in _params_of(params, "NoiseScale.micro_batch") if p.requires_grad]
+        named = [(n, p) for n, p in _params_of(params, "NoiseScale.micro_batch") if p.requires_grad]
+        tensors = [p for _, p in named]
         if not tensors:
             raise ValueError("NoiseScale.micro_batch: params holds no tensor that requires grad")
         held: dict[int, Tensor] = {}  # parameter index -> the sum of its contributions in this block
@@ -308,16 +321,17 @@ class NoiseScale:
         if not held:
             logger.warning("NoiseScale.micro_batch: no gradient reached the parameters in this block")
             return
-        sums, chunk, chunk_bytes = [], [], 0
+        sums, chunk, chunk_names, chunk_bytes = [], [], [], 0
         for index in sorted(held):
             grad = held[index]
             chunk.append(grad)
+            chunk_names.append(named[index][0])
             chunk_bytes += grad.numel() * grad.element_size()
             if chunk_bytes >= _MICRO_FLUSH_BYTES:
-                sums.append(_sumsq(chunk))
-                chunk, chunk_bytes = [], 0
+                sums.append(_sumsq(chunk, chunk_names, "NoiseScale.micro_batch"))
+                chunk, chunk_names, chunk_bytes = [], [], 0
         if chunk:
-            sums.append(_sumsq(chunk))
+            sums.append(_sumsq(chunk, chunk_names, "NoiseScale.micro_batch"))
         held.clear()
         total = torch.stack([to_device(t, sums[0].device) for t in sums]).sum() if len(sums) > 1 else sums[0]
         total = self._unscaled(total)  # the block's backward ran on the scaled loss
@@ -335,7 +349,8 @@ class NoiseScale:
         after ``scaler.unscale_(optimizer)`` and before ``scaler.update()`` (``ValueError`` otherwise, the window
         kept).
         """
-        grads = [p.grad for p in _params_of(params, "NoiseScale.step") if p.grad is not None]
+        named = [(n, p.grad) for n, p in _params_of(params, "NoiseScale.step") if p.grad is not None]
+        grads = [g for _, g in named]
         self._check_unscaled()
         with self._lock:
             k, micro = self._micro_batches, self._micro_sq
@@ -346,7 +361,7 @@ class NoiseScale:
             )
         if not grads:
             raise ValueError("NoiseScale.step: no parameter in params has a gradient")
-        big = _sumsq(grads)
+        big = _sumsq(grads, [n for n, _ in named], "NoiseScale.step")
         self.update(micro * k, big, big_batch_size=k * self.local_batch_size)
 
     # ------------------------------------------------------------------------------------------- checkpoints
