@@ -684,3 +684,13 @@ def test_noise_scale_errors_name_the_parameter_whose_gradient_the_op_refuses() -
             model(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match=r"NoiseScale.step: parameter '0.weight' has a torch.sparse_coo"):
         ns.step(model)
+
+
+def test_update_ratio_error_names_the_parameter_the_op_refuses() -> None:
+    """ResNet with an integer parameter registered beside its weights (a step counter): the measurement names it,
+    not the op's index into the list of differences and weights."""
+    model = resnet()
+    model.fc.register_parameter("steps", nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False))
+    ratio = UpdateRatio(model.named_parameters())
+    with pytest.raises(TypeError, match=r"UpdateRatio: parameter 'fc.steps' has a torch.int64 tensor"), ratio:
+        pass

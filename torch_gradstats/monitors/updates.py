@@ -186,7 +186,11 @@ class UpdateRatio:
         self._armed = False
         n = len(local)
         tensors = self._buffers + local
-        (sumsq, amax, counts), _ = stats_on_home(tensors, False)  # buffers and weights share devices and order
+        try:
+            (sumsq, amax, counts), _ = stats_on_home(tensors, False)  # buffers and weights share devices and order
+        except (TypeError, ValueError, RuntimeError):
+            _check_named("UpdateRatio", list(zip(self.names, local)))  # the same failure, named by parameter
+            raise
         originals = [p for _, p in self._named]
         any_dt = bool(dt) and any(isinstance(p, dt) for p in originals)
         sumsq, *_ = _reduce(originals + originals, sumsq, amax, counts, self.group, any_dt)
