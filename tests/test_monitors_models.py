@@ -108,6 +108,8 @@ def test_update_ratio_in_training_with_evaluation_between_steps(name: str) -> No
         with ratio:
             optimizer.step()
         kept = (ratio.stats.delta_sumsq.clone(), ratio.stats.weight_sumsq.clone())
+        after = grads64(model)  # the monitors read the gradients and never write them
+        assert all(torch.equal(after[n], g) for n, g in grads.items()) and after.keys() == grads.keys()
         evaluate(model, loss_fn)  # must not touch the measurement
         assert torch.equal(ratio.stats.delta_sumsq, kept[0]) and torch.equal(ratio.stats.weight_sumsq, kept[1])
         stats.update = ratio.stats
@@ -283,7 +285,7 @@ def window(ns: NoiseScale, model: nn.Module, loss_fn: LossFn, batches: list[int]
 @pytest.mark.parametrize("name", MODELS)
 def test_noise_scale_accumulation_with_evaluation_between_steps(name: str) -> None:
     model, loss_fn = zoo(name)
-    reference = copy.deepcopy(model)
+    reference, plain = copy.deepcopy(model), copy.deepcopy(model)
     ns = NoiseScale(2, ema=0.5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     pairs = []
@@ -292,6 +294,11 @@ def test_noise_scale_accumulation_with_evaluation_between_steps(name: str) -> No
         pairs.append(reference_pair(reference, loss_fn, batches))
         window(ns, model, loss_fn, batches)
         ns.step(model)
+        if step == 0:  # the hooks read the contributions and leave .grad as it is without them, bit for bit
+            for j in batches:
+                (loss_fn(plain, j) / 2).backward()
+            want, got = grads64(plain), grads64(model)
+            assert got.keys() == want.keys() and all(torch.equal(g, want[n]) for n, g in got.items())
         state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ns.state_dict().items()}
         evaluate(model, loss_fn)
         with torch.inference_mode():
