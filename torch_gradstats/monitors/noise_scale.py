@@ -20,6 +20,11 @@ Where the two norms come from:
   gradient (B_small = ``local_batch_size``, the micro-batch size), and :meth:`NoiseScale.step` reads the
   accumulated gradient (B_big = micro-batches x ``local_batch_size``) and folds the step in.
 
+Under AMP, ``NoiseScale(..., scaler=scaler)`` divides the readings of gradients of the scaled loss (the hook's,
+:meth:`NoiseScale.micro_batch`'s) by the scale's square on the device; :meth:`NoiseScale.step` then reads the
+unscaled ``.grad``, after ``scaler.unscale_``. (GradScaler keeps its scale and its per-optimizer stage in private
+attributes, ``_scale`` and ``_per_optimizer_states``, read here with ``getattr``: the public ``get_scale()`` syncs.)
+
 Every figure stays on the device; ``to_dict()`` brings the three to the host in one transfer. The state (the two
 EMAs and their bias correction) is one float64 tensor, and :meth:`NoiseScale.update` folds a step in with one op,
 ``torch_gradstats::noise_scale_step`` (:mod:`torch_gradstats.ops.policy_ops`), which updates it in place.
