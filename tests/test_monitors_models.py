@@ -271,11 +271,14 @@ def assert_estimates(ns: NoiseScale, pairs: list[tuple[float, float]], k: int, r
 
 
 def window(ns: NoiseScale, model: nn.Module, loss_fn: LossFn, batches: list[int],
-           scaler: Any = None, autocast: bool | None = None) -> None:
-    """One accumulation window read by ``ns`` (bfloat16 autocast with a scaler unless told)."""
+           scaler: Any = None, autocast: bool | None = None, between: Callable[[], None] | None = None) -> None:
+    """One accumulation window read by ``ns`` (bfloat16 autocast with a scaler unless told); ``between`` runs
+    between its micro-batches."""
     k = len(batches)
     amp = scaler is not None if autocast is None else autocast
-    for j in batches:
+    for i, j in enumerate(batches):
+        if i and between is not None:
+            between()
         with ns.micro_batch(model):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 loss = loss_fn(model, j) / k
@@ -292,7 +295,7 @@ def test_noise_scale_accumulation_with_evaluation_between_steps(name: str) -> No
     for step in range(3):
         batches = [10 * step, 10 * step + 1]
         pairs.append(reference_pair(reference, loss_fn, batches))
-        window(ns, model, loss_fn, batches)
+        window(ns, model, loss_fn, batches, between=lambda: evaluate(model, loss_fn))  # evaluation mid-window too
         ns.step(model)
         if step == 0:  # the hooks read the contributions and leave .grad as it is without them, bit for bit
             for j in batches:
