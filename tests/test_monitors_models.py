@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -705,3 +706,39 @@ def test_update_ratio_error_names_the_parameter_the_op_refuses() -> None:
     ratio = UpdateRatio(model.named_parameters())
     with pytest.raises(TypeError, match=r"UpdateRatio: parameter 'fc.steps' has a torch.int64 tensor"), ratio:
         pass
+
+
+def test_flight_recorder_in_the_trainer_with_amp_on_resnet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Trainer(flight_recorder=, scaler=, amp_dtype=bfloat16) on the ResNet: each recorded norm is the unscaled
+    gradient's (float64 reference from the scaled gradients divided by the scale, read in after_backward), the step
+    the scaler skips at an Inf is recorded with it, and the ring is dumped at that incident, the WARNING naming the
+    file (docs/training.md, "At a spike")."""
+    model = resnet()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 5, (12,), generator=g)
+    data = torch.utils.data.TensorDataset(x, y)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    recorder = FlightRecorder(capacity=8, dump_dir=tmp_path)
+    want: list[float] = []
+
+    def after_backward(trainer: Any) -> None:
+        if len(want) == 3:
+            with torch.no_grad():
+                model.fc.weight.grad[0, 0] = math.inf
+        scale = scaler.get_scale()
+        want.append(math.sqrt(sq(p.grad.to(torch.float64) / scale for p in model.parameters())))
+
+    trainer = tg.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), nn.CrossEntropyLoss(), scaler=scaler,
+                         amp_dtype=torch.bfloat16, flight_recorder=recorder, after_backward=after_backward,
+                         progress=False)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        summary = trainer.fit(torch.utils.data.DataLoader(data, batch_size=2), epochs=1)[0]
+    assert summary.skipped_steps == 1 and scaler.get_scale() == 2.0**11
+    rows = recorder.to_dicts()
+    assert [r["step"] for r in rows] == list(range(6))
+    for row, norm in zip(rows, want):
+        if math.isfinite(norm):
+            assert row["total_norm"] == pytest.approx(norm, rel=1e-6)
+    assert rows[3]["inf_count"] == 1 and [r["inf_count"] for r in rows].count(0) == 5
+    dumps = sorted(tmp_path.glob("flight-*.jsonl"))
+    assert dumps and any(d.name in rec.getMessage() for rec in caplog.records for d in dumps)
