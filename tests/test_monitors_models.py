@@ -27,6 +27,9 @@ import torch_gradstats as tg
 from torch_gradstats import FlightRecorder, NoiseScale
 from torch_gradstats.updates import UpdateRatio, grad_and_weight_stats
 
+# A reentrant checkpoint run under no_grad (evaluation) warns that its inputs need no gradient: expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True:UserWarning")
+
 MODELS = ["resnet", "gpt2", "encoder", "encoder_reentrant"]
 LossFn = Callable[[nn.Module, int], torch.Tensor]
 
