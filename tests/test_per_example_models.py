@@ -193,3 +193,19 @@ def test_a_module_checkpointing_inside_its_forward_is_named() -> None:
         out = model(torch.randn(3, 4)).sum()
         with pytest.raises(RuntimeError, match=r"cannot replay the forward of module '1' \(_CheckpointsInside\)"):
             out.backward()
+
+
+def test_gpt2_without_position_ids_names_the_shared_position_embedding_and_the_fix() -> None:
+    """Without position_ids, GPT-2's positions are one [1, T] row broadcast over the batch: the position embedding's
+    gradient is summed over the examples before any hook sees it. The error names the module and says what to pass;
+    the gradients are left as the backward made them."""
+    model, batch = _gpt2(), _batch()
+    del batch["position_ids"]
+    reference = copy.deepcopy(model)
+    reference(**batch).loss.backward()
+    with pytest.raises(RuntimeError, match=r"'transformer\.wpe' \(Embedding\) got an input of shape \(1, 6\).*"
+                                           r"shared by the batch.*position_ids of shape \[B, T\]"):
+        _step(model, batch, PerExampleNorms(model))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name

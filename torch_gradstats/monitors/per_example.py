@@ -173,10 +173,14 @@ class PerExampleNorms:
         x = args[0]
         dim = 0 if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.GroupNorm)) else bd
         if x.dim() <= dim or (self._batch is not None and x.shape[dim] != self._batch):
+            shared = x.dim() > dim and x.shape[dim] == 1
             raise RuntimeError(
                 f"PerExampleNorms: {_what(layer.name, m)} got an input of shape {tuple(x.shape)}, without "
                 f"{self._batch or 'any'} examples along its batch dimension {dim}, which this backward's other "
-                "modules had"
+                "modules had" + (
+                    ": one row shared by the batch has no per-example gradient (Hugging Face models make their "
+                    "positions so without position_ids: pass position_ids of shape [B, T]; docs/per_example.md)"
+                    if shared else "")
             )
         b = x.shape[dim]
         self._batch = b
