@@ -4,6 +4,7 @@ CUDA graph, and one kernel per step. Skipped without a CUDA device and the compi
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -162,3 +163,41 @@ def test_one_kernel_per_policy_step():
             torch.cuda.synchronize()
         kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         assert len(kernels) == 1, kernels
+
+
+def _noise_scale_with_a_scaler_and_without(device: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Three windows of two micro-batches: NoiseScale(scaler=) on ``device`` under a GradScaler, and a plain
+    NoiseScale on a float64 copy of the model on the CPU without one."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    reference = copy.deepcopy(model).double()
+    model = model.to(device)
+    data = [(torch.randn(8, 16), torch.randn(8, 1)) for _ in range(6)]
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**12)  # a power of two: float32 scaling is exact
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaled, plain = NoiseScale(8, ema=0.5, scaler=scaler), NoiseScale(8, ema=0.5)
+    for step in range(3):
+        for x, y in data[2 * step:2 * step + 2]:
+            with scaled.micro_batch(model):
+                loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)) / 2
+                scaler.scale(loss).backward()
+            with plain.micro_batch(reference):
+                (torch.nn.functional.mse_loss(reference(x.double()), y.double()) / 2).backward()
+        scaler.unscale_(optimizer)
+        scaled.step(model)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        plain.step(reference)
+        reference.zero_grad()
+    return scaled.to_dict(), plain.to_dict()
+
+
+def test_noise_scale_with_a_grad_scaler_on_cuda_reads_the_unscaled_gradients():
+    """The micro-batches' readings of the scaled loss's gradients are divided by the scale's square on the device
+    (the DDP hook does the same on its callback's stream), ``step`` reads the unscaled ``.grad``: the estimates are
+    those of a float64 run without a scaler."""
+    torch.cuda.set_sync_debug_mode(0)  # the scaler's own step reads found_inf on the host
+    got, want = _noise_scale_with_a_scaler_and_without("cuda")
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-4), (key, got[key], value)
