@@ -1,0 +1,522 @@
+"""The callbacks in the settings people train with: real ``transformers.Trainer`` and ``lightning.pytorch.Trainer`` runs
+on the models of ``model_zoo`` with gradient accumulation, clipping, bf16, gradient checkpointing, evaluation between
+steps, manual optimization and resumed runs, the logged values read back from the files the loggers wrote
+(TensorBoard event files, Lightning's CSV).
+
+References are independent of the callback: the gradients the framework itself reads at each optimizer step
+(captured where the Hugging Face Trainer measures its ``grad_norm``, by a Lightning callback placed before ours),
+their norms taken in float64, and for the first accumulated step a float64 copy of the model recomputing the step's
+gradient from the captured micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import model_zoo
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REL = 1e-5  # float32 gradients, float64 references: the logged norms agree to a few float32 ulps
+
+
+def _total(norms: dict[str, float]) -> float:
+    return math.sqrt(sum(v * v for v in norms.values()))
+
+
+def _no_dropout(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+# ================================================================================================ Hugging Face Trainer
+def _hf() -> Any:
+    pytest.importorskip("accelerate")
+    return pytest.importorskip("transformers")
+
+
+def _lm_data(n: int = 64, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def _hf_trainer(tmp_path: Path, model: nn.Module | None = None, eval_dataset: Any = None, callbacks: Any = None,
+                **kw: Any) -> Any:
+    """A Trainer that records, at every optimizer step, the float64 norms of the gradients the Trainer is about to
+    clip (or to measure, with ``max_grad_norm=0``), keyed by the global step the step ends on."""
+    transformers = _hf()
+
+    class RefTrainer(transformers.Trainer):
+        def _record(self) -> None:
+            step = self.state.global_step + 1
+            if step not in self.ref:
+                self.ref[step] = {n: float(p.grad.double().norm()) for n, p in self.model.named_parameters()
+                                  if p.grad is not None}
+
+        def _clip_grad_norm(self, model: Any) -> Any:
+            self._record()
+            return super()._clip_grad_norm(model)
+
+        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+            if grad_norm is None:  # max_grad_norm=0: the Trainer measures without clipping
+                self._record()
+            return super()._get_grad_norm(model, grad_norm)
+
+    args: dict[str, Any] = {
+        "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "max_grad_norm": 1.0, "max_steps": 4, "logging_steps": 1, "report_to": [], "use_cpu": True,
+        "save_strategy": "no", "learning_rate": 1e-3, "disable_tqdm": True, "seed": 0,
+    }
+    args.update(kw)
+    with warnings.catch_warnings():  # gradient_checkpointing's new name (activation_checkpointing) is not in older
+        warnings.simplefilter("ignore", FutureWarning)  # versions
+        targs = transformers.TrainingArguments(**args)
+    trainer = RefTrainer(model=model if model is not None else _no_dropout(model_zoo.gpt2()),
+                         args=targs, train_dataset=_lm_data(),
+                         eval_dataset=eval_dataset, callbacks=callbacks)
+    trainer.ref = {}
+    return trainer
+
+
+def _hf_train(trainer: Any, **kw: Any) -> dict[int, dict[str, Any]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(**kw)
+    return {e["step"]: e for e in trainer.state.log_history if "loss" in e}
+
+
+def _assert_hf_matches(logged: dict[str, Any], ref: dict[str, float], rel: float = REL) -> None:
+    per_param = {k[len("grad/norm/"):]: v for k, v in logged.items() if k.startswith("grad/norm/")}
+    assert set(per_param) == set(ref)
+    for name, norm in ref.items():
+        assert per_param[name] == pytest.approx(norm, rel=rel), name
+    assert logged["grad/total_norm"] == pytest.approx(_total(ref), rel=rel)
+    assert logged["grad/nan_count"] == 0 and logged["grad/health"] == 1.0
+
+
+def test_hf_accumulation_logs_the_accumulated_gradient_at_its_global_step(tmp_path: Path) -> None:
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    model = _no_dropout(model_zoo.gpt2())
+    initial = copy.deepcopy(model).double()
+    micro: list[dict[str, Any]] = []  # the first optimizer step's micro-batches, as the model received them
+
+    def keep(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if module.training and torch.is_grad_enabled() and len(micro) < 3:
+            micro.append({k: kwargs[k] for k in ("input_ids", "labels", "num_items_in_batch") if k in kwargs})
+
+    model.register_forward_pre_hook(keep, with_kwargs=True)
+    trainer = _hf_trainer(tmp_path, model, gradient_accumulation_steps=3, max_steps=4, logging_steps=2,
+                          logging_first_step=True)
+    add_to_trainer(trainer)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2, 4]  # logging_first_step, then every 2nd optimizer step (not micro-batch)
+    for step in (1, 2, 4):
+        _assert_hf_matches(logs[step], trainer.ref[step])
+        assert logs[step]["grad/total_norm"] == pytest.approx(logs[step]["grad_norm"], rel=REL)
+    # Step 1 from scratch in float64, from the three micro-batches and the loss normalisation the model was given
+    # (the Trainer passes the step's token count as num_items_in_batch, or else divides each mean loss by 3).
+    assert len(micro) == 3
+    for kwargs in micro:
+        loss = initial(**kwargs).loss
+        (loss if "num_items_in_batch" in kwargs else loss / 3).backward()
+    for name, p in initial.named_parameters():
+        assert logs[1][f"grad/norm/{name}"] == pytest.approx(float(p.grad.norm()), rel=1e-5), name
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "clip"])
+def test_hf_figures_are_before_clipping(tmp_path: Path, max_grad_norm: float) -> None:
+    transformers = _hf()
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    class AfterClip(transformers.TrainerCallback):
+        """The global norm the optimizer steps with (after the Trainer's clip)."""
+
+        def __init__(self) -> None:
+            self.norms: dict[int, float] = {}
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            self.norms[state.global_step + 1] = _total(
+                {n: float(p.grad.double().norm()) for n, p in model.named_parameters() if p.grad is not None})
+
+    after = AfterClip()
+    trainer = _hf_trainer(tmp_path, max_grad_norm=max_grad_norm, max_steps=3, callbacks=[after])
+    add_to_trainer(trainer)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2, 3]
+    for step, logged in logs.items():
+        _assert_hf_matches(logged, trainer.ref[step])
+        if max_grad_norm:  # the optimizer saw clipped gradients; the logged figures are of the ones before
+            assert after.norms[step] == pytest.approx(max_grad_norm, rel=1e-4)
+            assert logged["grad/total_norm"] > 10 * max_grad_norm
+        else:
+            assert after.norms[step] == pytest.approx(logged["grad/total_norm"], rel=REL)
+
+
+@pytest.mark.parametrize("setting", [
+    {"bf16": True},
+    {"gradient_checkpointing": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+], ids=["bf16", "checkpointing", "checkpointing_reentrant"])
+def test_hf_bf16_and_gradient_checkpointing(tmp_path: Path, setting: dict[str, Any]) -> None:
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    model = _no_dropout(model_zoo.gpt2())
+    trainer = _hf_trainer(tmp_path, model, max_steps=3, **setting)
+    add_to_trainer(trainer)
+    logs = _hf_train(trainer)
+    if setting.get("gradient_checkpointing"):
+        active = [m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        assert active and all(active)
+    assert sorted(logs) == [1, 2, 3]
+    for step, logged in logs.items():
+        _assert_hf_matches(logged, trainer.ref[step])
+
+
+def test_hf_evaluation_between_steps_logs_nothing_and_changes_nothing(tmp_path: Path) -> None:
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    trainer = _hf_trainer(tmp_path, max_steps=5, logging_steps=2, eval_strategy="steps", eval_steps=1,
+                          eval_dataset=_lm_data(8, seed=1), per_device_eval_batch_size=4)
+    cb = add_to_trainer(trainer, on_nonfinite="skip")
+    logs = _hf_train(trainer)
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [1, 2, 3, 4, 5]  # an evaluation after every optimizer step
+    assert not any(k.startswith("grad/") for e in evals for k in e)  # no gradient figures on evaluation entries
+    assert sorted(logs) == [2, 4]
+    for step in (2, 4):
+        _assert_hf_matches(logs[step], trainer.ref[step])
+    assert cb.skipped_steps == []
+
+
+def test_hf_resumed_run_logs_the_same_steps_and_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resume from checkpoint-2 of a 4-step run: the resumed run logs steps 3 and 4, with the figures of the
+    uninterrupted run, into its own TensorBoard event file."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    common = {"max_steps": 4, "logging_steps": 1, "save_strategy": "steps", "save_steps": 2,
+              "report_to": ["tensorboard"], "save_only_model": False}
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb_full"))
+    full = _hf_trainer(tmp_path / "full", **common)
+    add_to_trainer(full)
+    full_logs = _hf_train(full)
+    assert sorted(full_logs) == [1, 2, 3, 4]
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb_resumed"))
+    resumed = _hf_trainer(tmp_path / "resumed", **common)
+    cb = add_to_trainer(resumed)
+    resumed_logs = _hf_train(resumed, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert sorted(resumed.ref) == [3, 4]  # the resumed run's own optimizer steps
+    for step in (3, 4):
+        _assert_hf_matches(resumed_logs[step], resumed.ref[step])
+        assert resumed_logs[step]["grad/total_norm"] == pytest.approx(full_logs[step]["grad/total_norm"], rel=1e-6)
+    assert cb.last_report is not None and cb._pending is None
+    files = list((tmp_path / "tb_resumed").rglob("events.out.tfevents.*"))
+    assert len(files) == 1
+    acc = EventAccumulator(str(files[0].parent))
+    acc.Reload()
+    written = {e.step: e.value for e in acc.Scalars("train/grad/total_norm")}
+    assert sorted(written) == [3, 4]
+    for step in (3, 4):
+        assert written[step] == pytest.approx(_total(resumed.ref[step]), rel=REL)
+
+
+@pytest.mark.slow
+def test_hf_torch_compile(tmp_path: Path) -> None:
+    """``torch_compile=True`` compiles the model's forward (about a minute on two CPU cores): the hooks on the
+    parameters still fire and the figures match."""
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    trainer = _hf_trainer(tmp_path, torch_compile=True, max_steps=2, gradient_accumulation_steps=2)
+    add_to_trainer(trainer)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2]
+    for step, logged in logs.items():
+        _assert_hf_matches(logged, trainer.ref[step])
+
+
+# ================================================================================================ Lightning
+def _pl() -> Any:
+    return pytest.importorskip("lightning.pytorch")
+
+
+def _reference_callback() -> Any:
+    L = _pl()
+
+    class Ref(L.Callback):
+        """Float64 norms of every gradient at each optimizer step, read before our callback (list order), keyed by
+        the logger step (Lightning's ``_batches_that_stepped``); each entry is a list, one per optimizer step."""
+
+        def __init__(self) -> None:
+            self.by_logger_step: dict[int, list[dict[str, float]]] = {}
+            self.after_clip: dict[int, float] = {}
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            self.by_logger_step.setdefault(step, []).append(
+                {n: float(p.grad.double().norm()) for n, p in pl_module.named_parameters() if p.grad is not None})
+
+            def after(opt: Any, args: Any, kwargs: Any) -> None:  # what the optimizer stepped with: after the clip
+                self.after_clip[step] = _total({n: float(p.grad.double().norm())
+                                                for n, p in pl_module.named_parameters() if p.grad is not None})
+                handle.remove()
+
+            handle = optimizer.register_step_post_hook(after)
+
+    return Ref()
+
+
+def _pl_fit(module: Any, tmp_path: Path, cb: Any, data: Any = None, logger: str = "csv", ckpt_path: str | None = None,
+            **kw: Any) -> tuple[Any, Any]:
+    L = _pl()
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    ref = _reference_callback()
+    lg = CSVLogger(str(tmp_path), name="csv") if logger == "csv" else TensorBoardLogger(str(tmp_path), name="tb")
+    args: dict[str, Any] = {
+        "accelerator": "cpu", "devices": 1, "max_steps": 4, "callbacks": [ref, cb], "logger": lg,
+        "enable_progress_bar": False, "enable_checkpointing": False, "enable_model_summary": False,
+        "log_every_n_steps": 1, "default_root_dir": str(tmp_path), "num_sanity_val_steps": 0,
+    }
+    args.update(kw)
+    trainer = L.Trainer(**args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data if data is not None else model_zoo.classification_data(8), ckpt_path=ckpt_path)
+    return trainer, ref
+
+
+def _csv(trainer: Any) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update(
+                {k: float(v) for k, v in row.items() if v not in ("", None) and k != "step"})
+    return {s: r for s, r in rows.items() if "grad_2.0_norm_total" in r}
+
+
+def _assert_pl_matches(row: dict[str, float], ref: dict[str, float], rel: float = REL) -> None:
+    per_param = {k[len("grad_2.0_norm/"):]: v for k, v in row.items() if k.startswith("grad_2.0_norm/")}
+    assert set(per_param) == set(ref)
+    for name, norm in ref.items():
+        assert per_param[name] == pytest.approx(norm, rel=rel), name
+    assert row["grad_2.0_norm_total"] == pytest.approx(_total(ref), rel=rel)
+    assert row["grad_stats/total_norm"] == pytest.approx(_total(ref), rel=rel)
+    assert row["grad_stats/nan_count"] == 0 and row["grad_stats/health"] == 1.0
+
+
+def _wrapped(net: nn.Module, lr: float = 0.01) -> Any:
+    """A LightningModule training ``net`` with cross-entropy on its outputs (flattened over any sequence axis)."""
+    L = _pl()
+
+    class Wrapped(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            out = self.net(x)
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    return Wrapped()
+
+
+def _loader(x: torch.Tensor, y: torch.Tensor, batch: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
+
+
+def test_lightning_accumulation_logs_the_accumulated_gradient(tmp_path: Path) -> None:
+    """accumulate_grad_batches=3 on the checkpointed TransformerEncoder (reentrant checkpoints): the figures are of
+    the gradient summed over the three micro-batches, logged at Lightning's logger step of that optimizer step."""
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    net = model_zoo.CheckpointedEncoder(use_reentrant=True)
+    initial = copy.deepcopy(net).double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 5, 8, generator=g), torch.randint(0, 4, (24, 5), generator=g)
+    trainer, ref = _pl_fit(_wrapped(net), tmp_path, GradStatsCallback(every_n_steps=1), data=_loader(x, y, 4),
+                           accumulate_grad_batches=3, max_steps=2)
+    rows = _csv(trainer)
+    assert sorted(rows) == [0, 1] and sorted(ref.by_logger_step) == [0, 1]
+    for step in (0, 1):
+        _assert_pl_matches(rows[step], ref.by_logger_step[step][0])
+    # optimizer step 0 from scratch in float64: Lightning divides each micro-batch's loss by 3
+    for i in range(3):
+        xb, yb = x[4 * i:4 * i + 4].double(), y[4 * i:4 * i + 4]
+        (nn.functional.cross_entropy(initial(xb).reshape(-1, 4), yb.reshape(-1)) / 3).backward()
+    for name, p in initial.named_parameters():
+        assert rows[0][f"grad_2.0_norm/net.{name}"] == pytest.approx(float(p.grad.norm()), rel=1e-5), name
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_lightning_figures_are_before_gradient_clip_val(tmp_path: Path, algorithm: str) -> None:
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    clip = 0.02 if algorithm == "norm" else 0.001
+    trainer, ref = _pl_fit(model_zoo.lightning_module(), tmp_path, GradStatsCallback(), gradient_clip_val=clip,
+                           gradient_clip_algorithm=algorithm)
+    rows = _csv(trainer)
+    assert sorted(rows) == [0, 1, 2, 3]
+    for step, row in rows.items():
+        _assert_pl_matches(row, ref.by_logger_step[step][0])
+        assert row["grad_stats/total_norm" if algorithm == "norm" else "grad_stats/inf_norm"] > 10 * clip
+        if algorithm == "norm":  # the optimizer stepped with clipped gradients
+            assert ref.after_clip[step] == pytest.approx(clip, rel=1e-4)
+        else:
+            assert ref.after_clip[step] < row["grad_2.0_norm_total"] / 10
+
+
+def test_lightning_bf16_mixed_resnet_to_tensorboard(tmp_path: Path) -> None:
+    """precision="bf16-mixed" on the ResNet (BatchNorm, in-place residuals), read back from the TensorBoard event
+    file the TensorBoardLogger wrote."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    g = torch.Generator().manual_seed(0)
+    data = _loader(torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 5, (12,), generator=g), 4)
+    trainer, ref = _pl_fit(_wrapped(model_zoo.resnet()), tmp_path, GradStatsCallback(), data=data,
+                           logger="tensorboard", precision="bf16-mixed", max_steps=3)
+    files = list(Path(trainer.logger.log_dir).glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    acc = EventAccumulator(str(files[0]))
+    acc.Reload()
+    for key in ("grad_2.0_norm_total", "grad_2.0_norm/net.layer2.0.downsample.0.weight", "grad_2.0_norm/net.fc.bias"):
+        written = {e.step: e.value for e in acc.Scalars(key)}
+        assert sorted(written) == [0, 1, 2], key
+        for step, value in written.items():
+            r = ref.by_logger_step[step][0]
+            want = _total(r) if key == "grad_2.0_norm_total" else r[key[len("grad_2.0_norm/"):]]
+            assert value == pytest.approx(want, rel=REL), (key, step)  # event files keep float32
+
+
+def _eval_module() -> Any:
+    m = model_zoo.lightning_module()
+
+    def test_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("test_loss", loss)
+        return loss
+
+    def predict_step(self: Any, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+    m.test_step = test_step.__get__(m)
+    m.predict_step = predict_step.__get__(m)
+    return m
+
+
+def test_lightning_validation_test_and_predict_leave_the_figures_alone(tmp_path: Path) -> None:
+    """Validation every 2 training batches, and trainer.validate / test / predict (under inference_mode) before and
+    after fit, with a callback that judges every step: only the training steps are read, judged and logged."""
+    L = _pl()
+    from torch_gradstats import SpikeGuard
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    module = _eval_module()
+    guard = SpikeGuard(min_history=2)
+    cb = GradStatsCallback(every_n_steps=2, on_nonfinite="skip", spike_guard=guard, watch_activations=True,
+                           per_example=True)
+    data = model_zoo.classification_data(8)
+    other = L.Trainer(accelerator="cpu", logger=False, callbacks=[cb], enable_progress_bar=False,
+                      enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other.validate(module, data)
+        other.test(module, data)
+        other.predict(module, data)
+    ref = _reference_callback()
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[ref, cb],
+                        logger=CSVLogger(str(tmp_path), name="csv"), enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
+                        val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data, data)
+        trainer.validate(module, data)
+        trainer.test(module, data)
+        trainer.predict(module, data)
+    rows = _csv(trainer)
+    assert sorted(rows) == [1, 3, 5]
+    for step, row in rows.items():
+        _assert_pl_matches(row, ref.by_logger_step[step][0])
+        assert row["act/nonfinite"] == 0 and row["guard/skipped"] == 0
+    assert int(guard.steps) == 6  # the six training steps, not the evaluation batches
+    assert cb.skipped_steps == []
+
+
+def test_lightning_manual_optimization(tmp_path: Path) -> None:
+    """automatic_optimization=False, stepping every 2nd batch (manual accumulation): the figures at each
+    ``opt.step()``, logged at the logger step of that batch, as ``self.log`` values are."""
+    L = _pl()
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    class Manual(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            opt = self.optimizers()
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            self.manual_backward(loss / 2)
+            if batch_idx % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+            self.log("loss", loss)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer, ref = _pl_fit(Manual(), tmp_path, GradStatsCallback(every_n_steps=1), max_steps=3)
+    rows = _csv(trainer)
+    assert sorted(rows) == [1, 3, 5] == sorted(ref.by_logger_step)
+    for step, row in rows.items():
+        assert len(ref.by_logger_step[step]) == 1
+        _assert_pl_matches(row, ref.by_logger_step[step][0])
+
+
+def test_lightning_resumed_fit_logs_at_the_resumed_steps(tmp_path: Path) -> None:
+    import glob
+
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    first, _ = _pl_fit(model_zoo.lightning_module(), tmp_path / "first", GradStatsCallback(), max_steps=3,
+                       log_every_n_steps=2, enable_checkpointing=True)
+    assert sorted(_csv(first)) == [1]
+    (ckpt,) = glob.glob(str(tmp_path / "first" / "**" / "*.ckpt"), recursive=True)
+    trainer, ref = _pl_fit(model_zoo.lightning_module(), tmp_path / "resumed", GradStatsCallback(), max_steps=6,
+                           log_every_n_steps=2, ckpt_path=ckpt)
+    rows = _csv(trainer)
+    assert sorted(ref.by_logger_step) == [3, 4, 5]  # the steps after the checkpoint
+    assert sorted(rows) == [3, 5]  # every 2nd counting from one, as before the checkpoint
+    for step, row in rows.items():
+        _assert_pl_matches(row, ref.by_logger_step[step][0])
+
