@@ -520,3 +520,35 @@ def test_lightning_resumed_fit_logs_at_the_resumed_steps(tmp_path: Path) -> None
     for step, row in rows.items():
         _assert_pl_matches(row, ref.by_logger_step[step][0])
 
+
+def test_lightning_two_optimizers_are_refused_by_name(tmp_path: Path) -> None:
+    """Two optimizers (manual optimization, as GANs do): each ``opt.step()`` would log the whole module's figures at
+    the same logger step, one row mixing the per-parameter norms of one step with the total of the other. Refused
+    when training starts, naming configure_optimizers, before any step is taken."""
+    L = _pl()
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    class TwoOptimizers(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.manual_backward(nn.functional.cross_entropy(self.net(x), y))
+            for opt in self.optimizers():
+                opt.step()
+                opt.zero_grad()
+
+        def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.01),
+                    torch.optim.SGD(self.net[2].parameters(), lr=0.01)]
+
+    module = TwoOptimizers()
+    before = copy.deepcopy(module.state_dict())
+    with pytest.raises(ValueError, match=r"GradStatsCallback: configure_optimizers returned 2 optimizers"):
+        _pl_fit(module, tmp_path, GradStatsCallback(every_n_steps=1), max_steps=2)
+    for name, w in module.state_dict().items():
+        assert torch.equal(w, before[name]), name  # refused before the first step

@@ -85,6 +85,10 @@ which Lightning guarantees). With FSDP1 (``FSDPStrategy``) pass ``group=torch.di
 every rank; only global rank 0 transfers them to the host and logs (Lightning's loggers write on rank 0 only); with
 ``on_nonfinite`` every rank makes its own check, so all ranks agree on skipping or stopping.
 
+One optimizer: manual optimization works (figures at each ``opt.step()``, logged at that batch's step); with two or
+more optimizers a ValueError naming ``configure_optimizers`` is raised when training starts, since each one's step
+would log the whole module's figures under the same keys at the same step.
+
 Both namespaces work: the callback subclasses ``lightning.pytorch.Callback`` when the ``lightning`` package is
 installed, else ``pytorch_lightning.Callback``; ``PLGradStatsCallback`` is the ``pytorch_lightning`` one when both
 are installed.
@@ -261,6 +265,15 @@ class _GradStatsMixin(ActivationReporting):
             self.taker.incidents = StepIncidents(pl_module, per_example=self._per_example,
                                                  recorder=self.flight_recorder, who="GradStatsCallback",
                                                  nonfinite_told=True)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Each optimizer step reads and logs every gradient of the module at the batch's logger step: with several
+        # optimizers (manual optimization) their steps would log different figures under the same keys and step.
+        n = len(getattr(trainer, "optimizers", []) or [])
+        if n > 1:
+            raise ValueError(f"GradStatsCallback: configure_optimizers returned {n} optimizers; the callback reads "
+                             "the whole LightningModule's gradients once per optimizer step and logs them at the "
+                             "batch's step, so it takes one optimizer (use param groups for different settings)")
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for optimizer in getattr(trainer, "optimizers", []):
