@@ -552,3 +552,42 @@ def test_lightning_two_optimizers_are_refused_by_name(tmp_path: Path) -> None:
         _pl_fit(module, tmp_path, GradStatsCallback(every_n_steps=1), max_steps=2)
     for name, w in module.state_dict().items():
         assert torch.equal(w, before[name]), name  # refused before the first step
+
+
+def test_lightning_resumed_fit_keeps_the_guard_and_clip_statistics(tmp_path: Path) -> None:
+    """The SpikeGuard's and AdaptiveClip's statistics go into Lightning's checkpoint with the callback's state: a
+    fit resumed from a checkpoint judges and clips exactly as the uninterrupted fit, its logged figures included.
+    (Every batch is the same one, so the comparison does not depend on where Lightning restarts the epoch.)"""
+    import glob
+
+    from torch_gradstats import AdaptiveClip, SpikeGuard
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    def callback() -> Any:
+        return GradStatsCallback(spike_guard=SpikeGuard(min_history=2), adaptive_clip=AdaptiveClip(warmup=2))
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+    data = _loader(x.repeat(3, 1), y.repeat(3), 4)  # 3 equal batches: one epoch is 3 optimizer steps
+    full_cb = callback()
+    full, _ = _pl_fit(model_zoo.lightning_module(), tmp_path / "full", full_cb, data=data, max_steps=6,
+                      log_every_n_steps=2)
+    _pl_fit(model_zoo.lightning_module(), tmp_path / "first", callback(), data=data, max_steps=3,
+            log_every_n_steps=2, enable_checkpointing=True)
+    (ckpt,) = glob.glob(str(tmp_path / "first" / "**" / "*.ckpt"), recursive=True)
+    resumed_cb = callback()
+    resumed, ref = _pl_fit(model_zoo.lightning_module(), tmp_path / "resumed", resumed_cb, data=data, max_steps=6,
+                           log_every_n_steps=2, ckpt_path=ckpt)
+    assert sorted(ref.by_logger_step) == [3, 4, 5]
+    full_rows, resumed_rows = _csv(full), _csv(resumed)
+    assert sorted(resumed_rows) == [3, 5]
+    for step in (3, 5):
+        for key in ("grad_2.0_norm_total", "clip/threshold", "clip/coef", "guard/grad_norm_z", "guard/loss_z"):
+            assert resumed_rows[step][key] == pytest.approx(full_rows[step][key], rel=1e-5), (step, key)
+    assert int(resumed_cb.spike_guard.steps) == int(full_cb.spike_guard.steps) == 6
+    for name, value in full_cb.adaptive_clip.state_dict().items():
+        got = resumed_cb.adaptive_clip.state_dict()[name]
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-7, msg=name)
+        else:
+            assert got == value, name

@@ -70,6 +70,10 @@ Step policies (``spike_guard=``, ``adaptive_clip=``; both look at every optimize
   step after the streak was reached (up to ``every_n_steps - 1`` optimizer steps later, all of them skipped too
   while the spikes go on), before that step's optimizer step.
 
+Checkpoints: the guard's and the clip's statistics are the callback's ``state_dict``, which Lightning saves in its
+checkpoints and restores on ``trainer.fit(..., ckpt_path=...)``: a resumed fit judges and clips as one that never
+stopped.
+
 Activations (``watch_activations=``, an :class:`~torch_gradstats.ActivationWatch` or True for one of the whole
 LightningModule): on logging steps the watch's report (one more transfer) gives ``act/nonfinite`` (0 or 1) and
 ``act/origin_index`` (the origin's position in ``watch.module_names``; -1 all finite, -2 non-finite inputs), and
@@ -339,6 +343,27 @@ class _GradStatsMixin(ActivationReporting):
             self._log(trainer, self.taker.report(stats), logger_step)
         else:
             self.taker.check_layout(stats)
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What Lightning saves in its checkpoints for this callback: the spike guard's and the adaptive clip's
+        statistics, so a fit resumed with ``ckpt_path=`` judges and clips as one that never stopped."""
+        state: dict[str, Any] = {}
+        if self.spike_guard is not None:
+            state["spike_guard"] = self.spike_guard.state_dict()
+        if self.adaptive_clip is not None:
+            state["adaptive_clip"] = self.adaptive_clip.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
+            if key not in state_dict:
+                continue
+            if policy is None:
+                logger.warning("torch_gradstats: the checkpoint holds GradStatsCallback's %s statistics, but this "
+                               "callback has no %s: they are not restored", key, key)
+            else:
+                policy.load_state_dict(state_dict[key])
 
     # ----------------------------------------------------------------------------------------------- internals
     def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> bool | None:
