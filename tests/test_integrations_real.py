@@ -591,3 +591,70 @@ def test_lightning_resumed_fit_keeps_the_guard_and_clip_statistics(tmp_path: Pat
             torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-7, msg=name)
         else:
             assert got == value, name
+
+
+# ================================================================================================ other backends
+@pytest.mark.slow
+def test_hf_report_to_mlflow_file_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """report_to=["mlflow"] with a local file store, gradient accumulation and an activation watch (whose
+    ``act/origin`` name MLflow's integration must skip, not choke on): every figure is in the run, at its step."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:" + str(tmp_path / "mlruns"))
+    trainer = _hf_trainer(tmp_path / "out", report_to=["mlflow"], max_steps=3)
+    add_to_trainer(trainer, watch_activations=True)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2, 3]
+    client = MlflowClient()
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    for name in ("grad/total_norm", "grad/norm/transformer.h.1.mlp.c_fc.weight", "act/nonfinite"):
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+        assert sorted(history) == [1, 2, 3], name
+        for step in (1, 2, 3):
+            assert history[step] == pytest.approx(logs[step][name], rel=1e-12), (name, step)
+    for step in (1, 2, 3):
+        ref = trainer.ref[step]
+        _assert_hf_matches(logs[step], ref)
+
+
+@pytest.mark.slow
+def test_lightning_wandb_logger_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's WandbLogger, offline: the run file's history records hold the figures at Lightning's steps."""
+    pytest.importorskip("wandb")
+    import json
+
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+    from test_integrations_wandb import _key, _read_records
+
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    L = _pl()
+    ref = _reference_callback()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[ref, GradStatsCallback(every_n_steps=2)],
+                        logger=WandbLogger(offline=True, save_dir=str(tmp_path), project="gradstats"),
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model_zoo.lightning_module(), model_zoo.classification_data(8))
+    wandb.finish()
+    (path,) = tmp_path.rglob("*.wandb")
+    rows = {}
+    for rec in _read_records(path):
+        if rec.WhichOneof("record_type") == "history":
+            row = {_key(i): json.loads(i.value_json) for i in rec.history.item}
+            if "grad_2.0_norm_total" in row:
+                rows[row["trainer/global_step"]] = row
+    assert sorted(rows) == [1, 3]
+    for step, row in rows.items():
+        r = ref.by_logger_step[step][0]
+        assert row["grad_2.0_norm_total"] == pytest.approx(_total(r), rel=REL)
+        assert row["grad_2.0_norm/net.2.weight"] == pytest.approx(r["net.2.weight"], rel=REL)
+        assert row["grad_stats/health"] == 1
