@@ -54,7 +54,7 @@ def _lm_data(n: int = 64, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 
 def _hf_trainer(tmp_path: Path, model: nn.Module | None = None, eval_dataset: Any = None, callbacks: Any = None,
-                **kw: Any) -> Any:
+                optimizers: Any = (None, None), train_dataset: Any = None, **kw: Any) -> Any:
     """A Trainer that records, at every optimizer step, the float64 norms of the gradients the Trainer is about to
     clip (or to measure, with ``max_grad_norm=0``), keyed by the global step the step ends on."""
     transformers = _hf()
@@ -85,8 +85,8 @@ def _hf_trainer(tmp_path: Path, model: nn.Module | None = None, eval_dataset: An
         warnings.simplefilter("ignore", FutureWarning)  # versions
         targs = transformers.TrainingArguments(**args)
     trainer = RefTrainer(model=model if model is not None else _no_dropout(model_zoo.gpt2()),
-                         args=targs, train_dataset=_lm_data(),
-                         eval_dataset=eval_dataset, callbacks=callbacks)
+                         args=targs, train_dataset=_lm_data() if train_dataset is None else train_dataset,
+                         eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers)
     trainer.ref = {}
     return trainer
 
@@ -235,6 +235,37 @@ def test_hf_resumed_run_logs_the_same_steps_and_figures(tmp_path: Path, monkeypa
     assert sorted(written) == [3, 4]
     for step in (3, 4):
         assert written[step] == pytest.approx(_total(resumed.ref[step]), rel=REL)
+
+
+def test_hf_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: Path) -> None:
+    """GPT-2 takes the Trainer's ``num_items_in_batch``, so each micro-batch's loss is its share of the step's loss
+    (its token sum over the step's token count): the step's loss is their sum, not their mean. 10 batches with
+    ``gradient_accumulation_steps=4`` make steps of 4, 4 and 2 micro-batches; the guard must judge the step's own
+    loss, the one the Trainer logs (the mean of the micro-batches' shares was a quarter of it on full steps and half
+    of it on the short ones: a loss spike at the end of every epoch)."""
+    from torch_gradstats import SpikeGuard
+    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
+
+    guard = SpikeGuard(min_history=2)
+    judged: list[float] = []
+    observe = guard.observe
+
+    def recording(grad_norm: torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
+        judged.append(float(loss))
+        return observe(grad_norm, loss)
+
+    guard.observe = recording  # type: ignore[method-assign]
+    cb = GradStatsCallback(spike_guard=guard)
+    model = _no_dropout(model_zoo.gpt2())
+    opt = cb.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    trainer = _hf_trainer(tmp_path, model, max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=4,
+                          train_dataset=_lm_data(40), optimizers=(opt, None))
+    add_to_trainer(trainer, cb)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2, 3, 4, 5, 6]
+    assert judged == pytest.approx([logs[s]["loss"] for s in range(1, 7)], rel=1e-3)  # the Trainer rounds to 4 digits
+    for step, logged in logs.items():
+        _assert_hf_matches(logged, trainer.ref[step])
 
 
 @pytest.mark.slow

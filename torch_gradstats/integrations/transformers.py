@@ -52,11 +52,12 @@ how many more, and the NaN and Inf counts (one more small transfer, made only on
 Step policies (``spike_guard=``, ``adaptive_clip=``): both look at every optimizer step, at the end of its last
 backward, on the norm before any clipping. ``adaptive_clip`` clips the gradients in place to an
 :class:`~torch_gradstats.AdaptiveClip`'s threshold (before the Trainer's own ``max_grad_norm`` clip: set it to 0
-to clip with the adaptive threshold alone). ``spike_guard`` judges the gradient norm and the loss (the ``loss`` of
-the model's outputs, averaged over the step's micro-batches; a custom ``compute_loss`` that the model does not
-return leaves the gradient norm alone judged; under DDP the loss is averaged over the ranks by one all-reduce per
-step, so every rank decides alike). A callback cannot skip ``optimizer.step()``, so the guard needs the
-Trainer's optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`, whose ``step`` then goes through
+to clip with the adaptive threshold alone). ``spike_guard`` judges the gradient norm and the loss (the step's loss
+from the ``loss`` of the model's outputs: their mean over the step's micro-batches, or their sum where the Trainer
+passed the model ``num_items_in_batch``, each being then its share of the step's; a custom ``compute_loss`` that
+the model does not return leaves the gradient norm alone judged; under DDP the loss is averaged over the ranks by
+one all-reduce per step, so every rank decides alike). A callback cannot skip ``optimizer.step()``, so the guard
+needs the Trainer's optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`, whose ``step`` then goes through
 :func:`~torch_gradstats.training.step_or_skip` (device-side for fused optimizers; one 0-d read per step
 otherwise)::
 
@@ -166,9 +167,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         group_by: also log per-group figures, ``grad/group/<g>/norm`` ... (see
             :meth:`torch_gradstats.GradStats.grouped`), from the same transfer.
         spike_guard: a :class:`~torch_gradstats.SpikeGuard` judging every step's gradient norm (before clipping)
-            and loss (the model output's ``loss``, averaged over the micro-batches). A callback cannot skip
-            ``optimizer.step()``: give the Trainer an optimizer wrapped by :meth:`wrap_optimizer` (checked when
-            training starts).
+            and loss (the step's loss from the model outputs' ``loss``, see the module docstring). A callback
+            cannot skip ``optimizer.step()``: give the Trainer an optimizer wrapped by :meth:`wrap_optimizer`
+            (checked when training starts).
         adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` clipping every step's gradients to its threshold,
             before the Trainer's own ``max_grad_norm`` clip (set ``max_grad_norm=0`` to clip with it alone).
         watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole model (made
@@ -238,6 +239,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         self._judged: tuple[int, GradStats | GradWeightStats] | None = None  # its step number and statistics
         self._loss_sum: Tensor | None = None  # the micro-batches' losses of this step, on the device
         self._loss_n = 0
+        # Whether those losses were each normalised by the step's item count (num_items_in_batch): then the step's
+        # loss is their sum, else (each a micro-batch's own mean) their mean.
+        self._loss_of_step = False
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (main process)
         self._handles: list[Any] = []
@@ -268,7 +272,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         for _, p in StatsTaker.trainable(model):
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
         if self.taker.spike_guard is not None and self.taker.spike_guard.watch_loss:
-            self._handles.append(model.register_forward_hook(self._on_forward))
+            self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
         if self._watch_option is True and self.activation_watch is None:
             self.activation_watch = ActivationWatch(model)
         if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
@@ -385,8 +389,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         self.last_report = report
 
     # ----------------------------------------------------------------------------------------------- internals
-    def _on_forward(self, module: Any, args: Any, output: Any) -> None:
-        # The training forwards' losses (eval runs without grad), kept on the device for the guard.
+    def _on_forward(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        # The training forwards' losses (eval runs without grad), kept on the device for the guard. Given the
+        # Trainer's num_items_in_batch, a model's loss is its token sum over the whole step's count: its share.
         if not (module.training and torch.is_grad_enabled()):
             return
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
@@ -394,6 +399,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
             loss = loss.detach().reshape(())
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
             self._loss_n += 1
+            self._loss_of_step = kwargs.get("num_items_in_batch") is not None
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
@@ -431,7 +437,9 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         self._queued = False
         next_step = self._state.global_step + 1  # the global step once this optimizer step is done
         log_now = self._will_log(next_step)
-        loss = None if self._loss_sum is None else self._loss_sum / self._loss_n
+        loss = self._loss_sum
+        if loss is not None and not self._loss_of_step:
+            loss = loss / self._loss_n  # each micro-batch's own mean: the step's is their mean
         self._loss_sum, self._loss_n = None, 0
         if not log_now and self.on_nonfinite is None and not self.taker.every_step:
             return
