@@ -268,6 +268,25 @@ def test_hf_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: 
         _assert_hf_matches(logged, trainer.ref[step])
 
 
+def test_hf_per_example_norms_on_a_short_last_accumulation(tmp_path: Path) -> None:
+    """per_example=True with every example the same sequence: each example's gradient is then the step's whole
+    gradient, so every per-example norm equals the logged total norm, on the epoch's short last step (2 micro-batches
+    of ``gradient_accumulation_steps=4``) too, where the Trainer normalises the loss by 2 micro-batches, not 4."""
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(0))
+    same = [{"input_ids": ids, "labels": ids, "position_ids": torch.arange(16)} for _ in range(40)]
+    trainer = _hf_trainer(tmp_path, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=4,
+                          train_dataset=same)
+    add_to_trainer(trainer, per_example=True)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2, 3]
+    for step, logged in logs.items():
+        _assert_hf_matches(logged, trainer.ref[step])
+        for key in ("examples/median_norm", "examples/max_norm"):
+            assert logged[key] == pytest.approx(logged["grad/total_norm"], rel=1e-4), (step, key)
+
+
 @pytest.mark.slow
 def test_hf_torch_compile(tmp_path: Path) -> None:
     """``torch_compile=True`` compiles the model's forward (about a minute on two CPU cores): the hooks on the

@@ -185,10 +185,11 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
             fp16/bf16/fp8 underflow and overflow fractions (``grad/underflow/fp16`` ...; see docs/histograms.md),
             of the unscaled gradients under a GradScaler. Not with ``log_weight_norms`` / ``log_update_ratio``.
         per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of the model (made when training starts,
-            reset every optimizer step; the Trainer's division of the loss by ``gradient_accumulation_steps`` and the
-            loss scale are undone): logging steps get ``examples/max_norm``, ``examples/median_norm``,
-            ``examples/max_over_median``, and the warning of a skipped step, at the next report, names its top 3
-            batch positions with their norms and the batch median.
+            reset every optimizer step; the Trainer's division of the loss by the step's micro-batch count, fewer
+            than ``gradient_accumulation_steps`` on an epoch's short last step, and the loss scale are undone):
+            logging steps get ``examples/max_norm``, ``examples/median_norm``, ``examples/max_over_median``, and the
+            warning of a skipped step, at the next report, names its top 3 batch positions with their norms and
+            the batch median.
         flight_recorder: a :class:`~torch_gradstats.FlightRecorder` (or its capacity) recording every step, dumped
             into its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png`` at an incident (a skipped step, a
             non-finite gradient, a ``SpikeStreakError``); the warning names the file.
@@ -242,6 +243,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         # Whether those losses were each normalised by the step's item count (num_items_in_batch): then the step's
         # loss is their sum, else (each a micro-batch's own mean) their mean.
         self._loss_of_step = False
+        self._micro_n = 0  # the training forwards (micro-batches) of this step, for the per-example norms' scale
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (main process)
         self._handles: list[Any] = []
@@ -271,7 +273,8 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         self._remove_hooks()
         for _, p in StatsTaker.trainable(model):
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
-        if self.taker.spike_guard is not None and self.taker.spike_guard.watch_loss:
+        if ((self.taker.spike_guard is not None and self.taker.spike_guard.watch_loss) or self._per_example
+                or self.flight_recorder is not None):
             self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
         if self._watch_option is True and self.activation_watch is None:
             self.activation_watch = ActivationWatch(model)
@@ -394,6 +397,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         # Trainer's num_items_in_batch, a model's loss is its token sum over the whole step's count: its share.
         if not (module.training and torch.is_grad_enabled()):
             return
+        self._micro_n += 1
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if isinstance(loss, Tensor) and loss.numel() == 1:
             loss = loss.detach().reshape(())
@@ -441,6 +445,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         if loss is not None and not self._loss_of_step:
             loss = loss / self._loss_n  # each micro-batch's own mean: the step's is their mean
         self._loss_sum, self._loss_n = None, 0
+        micro, self._micro_n = self._micro_n, 0
         if not log_now and self.on_nonfinite is None and not self.taker.every_step:
             return
         with torch.no_grad():
@@ -452,8 +457,10 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
             # Clipping the still loss-scaled gradients by the coefficient of the unscaled norm is the same clip.
             self._factor = self.taker.apply_policies(self._model, stats, loss)
             self._judged = (next_step - 1, stats)
-            # The Trainer divides each micro-batch's mean loss by the accumulation steps; a GradScaler scales it.
-            pe_scale: Tensor | float = float(getattr(self._args, "gradient_accumulation_steps", 1) or 1)
+            # The Trainer divides each micro-batch's mean loss by the step's micro-batch count (or the model by the
+            # step's item count: the same for equal lengths), fewer on an epoch's short last step; a GradScaler
+            # scales it.
+            pe_scale: Tensor | float = float(micro or getattr(self._args, "gradient_accumulation_steps", 1) or 1)
             if scale is not None:
                 pe_scale = pe_scale / scale.reshape(()).to(torch.float64)
             self.taker.note_step(stats, self._factor, next_step - 1, loss, pe_scale, None)
