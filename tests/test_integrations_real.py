@@ -643,6 +643,57 @@ def test_lightning_resumed_fit_keeps_the_guard_and_clip_statistics(tmp_path: Pat
             assert got == value, name
 
 
+# ======================================================================================= sinks in a training loop
+def test_trainer_sinks_with_accumulation_and_bf16_read_back_from_their_files(tmp_path: Path) -> None:
+    """torch_gradstats.Trainer on the ResNet with accumulation over 2 micro-batches (each epoch's last window ends
+    with a short batch of 2), bf16 autocast, and the CSV, JSON Lines and TensorBoard sinks every 2nd optimizer step:
+    the three files hold the same steps and the figures of the gradients the optimizer stepped with (no clipping
+    here)."""
+    pytest.importorskip("tensorboard")
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    import torch_gradstats as tg
+    from torch_gradstats.integrations import CSVSink, JSONLSink
+    from torch_gradstats.integrations.tensorboard import TensorBoardSink
+
+    net = model_zoo.resnet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    ref: list[dict[str, float]] = []
+    opt.register_step_pre_hook(lambda o, a, k: ref.append(
+        {n: float(p.grad.double().norm()) for n, p in net.named_parameters() if p.grad is not None}))
+    g = torch.Generator().manual_seed(0)
+    # 5 batches of 4, then one of 2
+    data = _loader(torch.randn(22, 3, 8, 8, generator=g), torch.randint(0, 5, (22,), generator=g), 4)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    sinks = [CSVSink(tmp_path / "g.csv"), JSONLSink(tmp_path / "g.jsonl"), TensorBoardSink(writer)]
+    trainer = tg.Trainer(net, opt, nn.functional.cross_entropy, accumulation_steps=2, amp_dtype=torch.bfloat16,
+                         log_to=sinks, log_every=2, progress=False)
+    trainer.fit(data, epochs=2)
+    sinks[0].close()
+    sinks[1].close()
+    writer.close()
+    assert len(ref) == 6  # 3 optimizer steps per epoch
+    with open(tmp_path / "g.csv") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    with open(tmp_path / "g.jsonl") as f:
+        lines = {d["step"]: d for d in map(json.loads, f)}
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    events = {e.step: e.value for e in acc.Scalars("grad/total_norm")}
+    assert sorted(rows) == sorted(lines) == sorted(events) == [0, 2, 4]
+    for step in (0, 2, 4):
+        want = ref[step]
+        assert float(rows[step]["total_norm"]) == pytest.approx(_total(want), rel=REL)
+        assert lines[step]["total_norm"] == pytest.approx(_total(want), rel=REL)
+        assert events[step] == pytest.approx(_total(want), rel=REL)
+        for name, norm in want.items():
+            assert float(rows[step][f"norm/{name}"]) == pytest.approx(norm, rel=REL), (step, name)
+            assert lines[step][f"norm/{name}"] == pytest.approx(norm, rel=REL), (step, name)
+
+
 # ================================================================================================ other backends
 @pytest.mark.slow
 def test_hf_report_to_mlflow_file_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
