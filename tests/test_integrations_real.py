@@ -186,6 +186,41 @@ def test_hf_bf16_and_gradient_checkpointing(tmp_path: Path, setting: dict[str, A
         _assert_hf_matches(logged, trainer.ref[step])
 
 
+def test_hf_reentrant_checkpointing_with_every_trainable_parameter_inside(tmp_path: Path) -> None:
+    """Adapter-style fine-tuning: only the blocks' attention weights train (embeddings, norms and head frozen) and
+    every block runs under a reentrant checkpoint, so each block's gradients arrive in a backward of its own, nested
+    in the Trainer's. The figures must be taken once per optimizer step, at the end of the outer backward, when every
+    gradient is there: the guard judges each step once, on the whole step's norm."""
+    from torch_gradstats import SpikeGuard
+    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
+
+    model = _no_dropout(model_zoo.gpt2())
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("attn.c_attn.weight"))
+    model.enable_input_require_grads()  # what adapter fine-tuning with reentrant checkpoints needs
+    guard = SpikeGuard(min_history=2)
+    norms: list[float] = []
+    observe = guard.observe
+
+    def recording(grad_norm: torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
+        norms.append(float(grad_norm))
+        return observe(grad_norm, loss)
+
+    guard.observe = recording  # type: ignore[method-assign]
+    cb = GradStatsCallback(spike_guard=guard, on_nonfinite="skip")
+    opt = cb.wrap_optimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    trainer = _hf_trainer(tmp_path, model, max_steps=3, gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs={"use_reentrant": True}, optimizers=(opt, None))
+    add_to_trainer(trainer, cb)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2, 3]
+    for step, logged in logs.items():
+        assert len(trainer.ref[step]) == 2  # the two blocks' c_attn weights
+        _assert_hf_matches(logged, trainer.ref[step])
+    assert norms == pytest.approx([_total(trainer.ref[s]) for s in (1, 2, 3)], rel=REL)  # once a step, all of it
+    assert int(guard.steps) == 3
+
+
 def test_hf_evaluation_between_steps_logs_nothing_and_changes_nothing(tmp_path: Path) -> None:
     from torch_gradstats.integrations.transformers import add_to_trainer
 

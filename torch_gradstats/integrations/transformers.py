@@ -15,9 +15,11 @@ gradient by the coefficient, so a NaN anywhere turns every gradient into NaN). F
 clipped gradients and could not name the parameter that went bad. So the callback reads the gradients at the end of
 the backward pass of the **last micro-batch** of each optimizer step (gradient accumulation complete, found through
 accelerate's ``GradientState.sync_gradients``, which the Trainer sets before each micro-batch), from a
-``register_post_accumulate_grad_hook`` on each trainable parameter that queues one autograd-engine callback. That is
-**before clipping** (the Trainer's ``max_grad_norm``): the logged ``grad/total_norm`` equals the Trainer's own
-``grad_norm`` log entry (its pre-clip norm). Under DDP the callback is queued to run after DDP's own end-of-backward
+``register_post_accumulate_grad_hook`` on each trainable parameter that queues one autograd-engine callback (with
+reentrant ``torch.utils.checkpoint`` segments, whose gradients arrive in backward passes of their own nested in the
+Trainer's, it runs at the end of the outermost one, once every gradient is there). That is **before clipping** (the
+Trainer's ``max_grad_norm``): the logged ``grad/total_norm`` equals the Trainer's own ``grad_norm`` log entry (its
+pre-clip norm). Under DDP the callback is queued to run after DDP's own end-of-backward
 callback, so the gradients are already averaged. Under ``fp16`` (a ``GradScaler``), gradients are still multiplied
 by the loss scale at that point: norms are divided by the scaler's current scale on the device (no sync); counts
 need no unscaling (an overflow shows as Inf, exactly what makes the scaler skip the step). DeepSpeed keeps its
@@ -421,6 +423,16 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         # end-of-backward reduction included.
         engine.queue_callback(lambda: engine.queue_callback(self._after_backward))
 
+    def _after_node(self, node: Any) -> None:
+        engine = torch.autograd.Variable._execution_engine
+        handle: Any = None
+
+        def queue(grad_inputs: Any, grad_outputs: Any) -> None:
+            handle.remove()
+            engine.queue_callback(lambda: engine.queue_callback(self._after_backward))
+
+        handle = node.register_hook(queue)  # runs in the outer backward, right after the node
+
     def _will_log(self, next_step: int) -> bool:
         args, state = self._args, self._state
         strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
@@ -438,6 +450,13 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         return getattr(scaler, "_scale", None)  # the scale as a device tensor (get_scale() would sync)
 
     def _after_backward(self) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            # The end of a backward nested in a node of the Trainer's (a reentrant torch.utils.checkpoint segment):
+            # the step's other gradients are still to come. Queue again from the outer backward once that node is
+            # done (nested again, the same happens one level up), so the figures are taken once, at its end.
+            self._after_node(node)
+            return
         self._queued = False
         next_step = self._state.global_step + 1  # the global step once this optimizer step is done
         log_now = self._will_log(next_step)
