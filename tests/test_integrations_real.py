@@ -221,6 +221,29 @@ def test_hf_reentrant_checkpointing_with_every_trainable_parameter_inside(tmp_pa
     assert int(guard.steps) == 3
 
 
+def test_hf_per_example_with_reentrant_checkpointing_and_every_trainable_parameter_inside(tmp_path: Path) -> None:
+    """per_example=True in the adapter setting above, every example the same sequence: each per-example norm is the
+    step's whole gradient norm, every block's contribution counted (a reentrant segment's nested backward ends
+    before the others' gradients exist)."""
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    model = _no_dropout(model_zoo.gpt2())
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("attn.c_attn.weight"))
+    model.enable_input_require_grads()
+    ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(0))
+    same = [{"input_ids": ids, "labels": ids, "position_ids": torch.arange(16)} for _ in range(16)]
+    trainer = _hf_trainer(tmp_path, model, max_steps=2, gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs={"use_reentrant": True}, train_dataset=same)
+    add_to_trainer(trainer, per_example=True)
+    logs = _hf_train(trainer)
+    assert sorted(logs) == [1, 2]
+    for step, logged in logs.items():
+        _assert_hf_matches(logged, trainer.ref[step])
+        for key in ("examples/median_norm", "examples/max_norm"):
+            assert logged[key] == pytest.approx(logged["grad/total_norm"], rel=1e-4), (step, key)
+
+
 def test_hf_evaluation_between_steps_logs_nothing_and_changes_nothing(tmp_path: Path) -> None:
     from torch_gradstats.integrations.transformers import add_to_trainer
 

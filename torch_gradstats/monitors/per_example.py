@@ -217,6 +217,10 @@ class PerExampleNorms:
 
     def _finish(self) -> None:
         """End of a backward: the micro-batch's per-example squared norms, scaled for the loss's reduction."""
+        node = torch._C._current_autograd_node()
+        if node is not None:  # a reentrant checkpoint's own backward ended, inside a node of the outer one
+            self._finish_after(node)
+            return
         try:
             for full, pending in self._pending.items():
                 numel = next(p.numel() for layer in self._layers.values() for _, n, p in layer.params if n == full)
@@ -237,6 +241,17 @@ class PerExampleNorms:
             self._batches.append((total, per))
         finally:
             self._clear_backward()
+
+    def _finish_after(self, node: Any) -> None:
+        """Queue :meth:`_finish` in the outer backward once ``node`` is done: its other gradients are still to come
+        (nested again, the same happens one level up)."""
+        handle: Any = None
+
+        def queue(grad_inputs: Any, grad_outputs: Any) -> None:
+            handle.remove()
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+        handle = node.register_hook(queue)
 
     # ------------------------------------------------------------------------------------------- results
     def norms(self) -> Tensor:
