@@ -4,9 +4,11 @@ steps, manual optimization and resumed runs, the logged values read back from th
 (TensorBoard event files, Lightning's CSV).
 
 References are independent of the callback: the gradients the framework itself reads at each optimizer step
-(captured where the Hugging Face Trainer measures its ``grad_norm``, by a Lightning callback placed before ours),
-their norms taken in float64, and for the first accumulated step a float64 copy of the model recomputing the step's
-gradient from the captured micro-batches.
+(captured where the Hugging Face Trainer measures its ``grad_norm``, by a Lightning callback placed before ours, by
+an optimizer step hook), their norms taken in float64, and for the first accumulated step a float64 copy of the model
+recomputing the step's gradient from the captured micro-batches. Also: the spike guard's judged loss and the
+per-example norms on an epoch's short last accumulation step, reentrant checkpointing with every trainable parameter
+inside a segment, MLflow and W&B run files (slow tier), and torch_gradstats.Trainer's file sinks.
 """
 
 from __future__ import annotations
@@ -55,26 +57,10 @@ def _lm_data(n: int = 64, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 def _hf_trainer(tmp_path: Path, model: nn.Module | None = None, eval_dataset: Any = None, callbacks: Any = None,
                 optimizers: Any = (None, None), train_dataset: Any = None, **kw: Any) -> Any:
-    """A Trainer that records, at every optimizer step, the float64 norms of the gradients the Trainer is about to
-    clip (or to measure, with ``max_grad_norm=0``), keyed by the global step the step ends on."""
+    """A Trainer that records, at every optimizer step, the float64 norms of the gradients it hands to its
+    accelerator's ``clip_grad_norm_`` (to clip, or with ``max_grad_norm=0`` to measure its ``grad_norm``), before
+    clipping, keyed by the global step the optimizer step ends on (``trainer.ref``)."""
     transformers = _hf()
-
-    class RefTrainer(transformers.Trainer):
-        def _record(self) -> None:
-            step = self.state.global_step + 1
-            if step not in self.ref:
-                self.ref[step] = {n: float(p.grad.double().norm()) for n, p in self.model.named_parameters()
-                                  if p.grad is not None}
-
-        def _clip_grad_norm(self, model: Any) -> Any:
-            self._record()
-            return super()._clip_grad_norm(model)
-
-        def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-            if grad_norm is None:  # max_grad_norm=0: the Trainer measures without clipping
-                self._record()
-            return super()._get_grad_norm(model, grad_norm)
-
     args: dict[str, Any] = {
         "output_dir": str(tmp_path), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
         "max_grad_norm": 1.0, "max_steps": 4, "logging_steps": 1, "report_to": [], "use_cpu": True,
@@ -84,10 +70,22 @@ def _hf_trainer(tmp_path: Path, model: nn.Module | None = None, eval_dataset: An
     with warnings.catch_warnings():  # gradient_checkpointing's new name (activation_checkpointing) is not in older
         warnings.simplefilter("ignore", FutureWarning)  # versions
         targs = transformers.TrainingArguments(**args)
-    trainer = RefTrainer(model=model if model is not None else _no_dropout(model_zoo.gpt2()),
-                         args=targs, train_dataset=_lm_data() if train_dataset is None else train_dataset,
-                         eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers)
+    model = model if model is not None else _no_dropout(model_zoo.gpt2())
+    trainer = transformers.Trainer(model=model, args=targs,
+                                   train_dataset=_lm_data() if train_dataset is None else train_dataset,
+                                   eval_dataset=eval_dataset, callbacks=callbacks, optimizers=optimizers)
+    names = {id(p): n for n, p in model.named_parameters()}
     trainer.ref = {}
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def recording(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        params = list(parameters)
+        step = trainer.state.global_step + 1
+        if step not in trainer.ref:
+            trainer.ref[step] = {names[id(p)]: float(p.grad.double().norm()) for p in params if p.grad is not None}
+        return clip(params, *args, **kwargs)
+
+    trainer.accelerator.clip_grad_norm_ = recording
     return trainer
 
 
