@@ -372,18 +372,22 @@ def _reference_callback() -> Any:
         def __init__(self) -> None:
             self.by_logger_step: dict[int, list[dict[str, float]]] = {}
             self.after_clip: dict[int, float] = {}
+            self._step = -1
+            self._module: Any = None
+            self._hooked: set[int] = set()
+
+        def _norms(self) -> dict[str, float]:
+            return {n: float(p.grad.double().norm()) for n, p in self._module.named_parameters() if p.grad is not None}
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
-            self.by_logger_step.setdefault(step, []).append(
-                {n: float(p.grad.double().norm()) for n, p in pl_module.named_parameters() if p.grad is not None})
+            self._step, self._module = trainer.fit_loop.epoch_loop._batches_that_stepped, pl_module
+            self.by_logger_step.setdefault(self._step, []).append(self._norms())
+            if id(optimizer) not in self._hooked:  # what the optimizer stepped with: after the clip
+                self._hooked.add(id(optimizer))
+                optimizer.register_step_post_hook(self._after_step)
 
-            def after(opt: Any, args: Any, kwargs: Any) -> None:  # what the optimizer stepped with: after the clip
-                self.after_clip[step] = _total({n: float(p.grad.double().norm())
-                                                for n, p in pl_module.named_parameters() if p.grad is not None})
-                handle.remove()
-
-            handle = optimizer.register_step_post_hook(after)
+        def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.after_clip[self._step] = _total(self._norms())
 
     return Ref()
 
