@@ -343,6 +343,34 @@ def test_hf_per_example_norms_on_a_short_last_accumulation(tmp_path: Path) -> No
             assert logged[key] == pytest.approx(logged["grad/total_norm"], rel=1e-4), (step, key)
 
 
+def test_hf_resumed_run_warns_that_the_guard_starts_afresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The Trainer's checkpoints hold no tensors of callbacks: a run resumed with a spike guard or an adaptive clip
+    says once, by name, that their statistics start afresh unless loaded; a run from scratch says nothing."""
+    import logging
+
+    from torch_gradstats import AdaptiveClip, SpikeGuard
+    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
+
+    def run(**kw: Any) -> None:
+        cb = GradStatsCallback(spike_guard=SpikeGuard(), adaptive_clip=AdaptiveClip())
+        model = _no_dropout(model_zoo.gpt2())
+        opt = cb.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+        trainer = _hf_trainer(tmp_path / "out", model, max_steps=3, save_strategy="steps", save_steps=2,
+                              optimizers=(opt, None), logging_steps=10)
+        add_to_trainer(trainer, cb)
+        _hf_train(trainer, **kw)
+
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        run()
+    assert not [r for r in caplog.records if r.name == "torch_gradstats"]
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        run(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    said = [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"]
+    assert said == [("torch_gradstats: GradStatsCallback resumed at step 2: the spike_guard's and the adaptive_clip's "
+                     "statistics are not in the Trainer's checkpoints and start afresh, unless you restored them "
+                     "with load_state_dict")]
+
+
 @pytest.mark.slow
 def test_hf_torch_compile(tmp_path: Path) -> None:
     """``torch_compile=True`` compiles the model's forward (about a minute on two CPU cores): the hooks on the

@@ -271,6 +271,12 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
                     "wrap_optimizer(), e.g. Trainer(..., optimizers=(callback.wrap_optimizer(opt), None)): a callback "
                     "cannot skip optimizer.step() itself"
                 )
+        policies = [n for n, p in (("spike_guard", self.taker.spike_guard), ("adaptive_clip", self.taker.adaptive_clip))
+                    if p is not None]
+        if policies and state.global_step > 0:  # resumed: the Trainer's checkpoints keep no callback tensors
+            logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: %s statistics are not in the "
+                           "Trainer's checkpoints and start afresh, unless you restored them with load_state_dict",
+                           state.global_step, " and ".join(f"the {n}'s" for n in policies))
         self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
         self._remove_hooks()
         for _, p in StatsTaker.trainable(model):
