@@ -6,78 +6,24 @@ Example::
     from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
 
     trainer = Trainer(model=model, args=args, train_dataset=ds)
-    add_to_trainer(trainer, GradStatsCallback(on_nonfinite="skip"))   # first in line, see "Logging" below
+    add_to_trainer(trainer, GradStatsCallback(on_nonfinite="skip"))   # first in line: report_to loggers see it
     trainer.train()
 
-When the figures are taken. The Trainer calls ``on_pre_optimizer_step`` *after* it has clipped the gradients (and,
-in recent versions, after computing ``grad_norm`` with ``clip_grad_norm_(params, inf)``, which multiplies every
-gradient by the coefficient, so a NaN anywhere turns every gradient into NaN). Figures taken there would be of
-clipped gradients and could not name the parameter that went bad. So the callback reads the gradients at the end of
-the backward pass of the **last micro-batch** of each optimizer step (gradient accumulation complete, found through
-accelerate's ``GradientState.sync_gradients``, which the Trainer sets before each micro-batch), from a
-``register_post_accumulate_grad_hook`` on each trainable parameter that queues one autograd-engine callback (with
-reentrant ``torch.utils.checkpoint`` segments, whose gradients arrive in backward passes of their own nested in the
-Trainer's, it runs at the end of the outermost one, once every gradient is there). That is **before clipping** (the
-Trainer's ``max_grad_norm``): the logged ``grad/total_norm`` equals the Trainer's own ``grad_norm`` log entry (its
-pre-clip norm). Under DDP the callback is queued to run after DDP's own end-of-backward
-callback, so the gradients are already averaged. Under ``fp16`` (a ``GradScaler``), gradients are still multiplied
-by the loss scale at that point: norms are divided by the scaler's current scale on the device (no sync); counts
-need no unscaling (an overflow shows as Inf, exactly what makes the scaler skip the step). DeepSpeed keeps its
-gradients outside ``param.grad``, so it is not supported.
+What it logs, on which steps, its host syncs, ``on_nonfinite``, the step policies (``spike_guard=`` needs
+:meth:`GradStatsCallback.wrap_optimizer`), activations, per-example norms and checkpoints: docs/integrations.md,
+"Hugging Face Trainer". The design in short:
 
-Which steps: the ones the Trainer logs (``logging_strategy="steps"``: every ``logging_steps``, and the first with
-``logging_first_step``); with ``logging_strategy="epoch"`` every step is read on the device and the last one is
-reported when the Trainer logs. ``on_nonfinite`` reads every step.
-
-Logging: in ``on_log`` the figures of the step being logged are added to the Trainer's ``logs`` dict (the one
-every ``report_to`` integration receives) and to ``trainer.state.log_history``, under ``grad/``: ``total_norm``,
-``inf_norm``, ``zero_count``, ``nan_count``, ``inf_count``, ``zero_fraction``, ``health``, ``min_norm``,
-``max_norm``, ``num_nonfinite_tensors``, ..., ``first_nonfinite_index`` (-1 if all finite; the name goes to the
-Python log) and ``norm/<parameter>``; with ``log_weight_norms=True`` also ``weight_norm/<parameter>``,
-``weight_norm_total``, ``lr_update_ratio/<parameter>``; with ``log_update_ratio=True`` also
-``update_ratio/<parameter>`` (measured around ``optimizer.step()``, in ``on_optimizer_step``; one copy of the
-weights is kept). The Trainer calls callbacks in order and puts ``report_to`` integrations (TensorBoard, W&B, ...)
-before the ones passed as ``callbacks=[...]``; :func:`add_to_trainer` puts this one first so they all see the
-figures (passed through ``callbacks=``, the figures reach ``log_history`` and the callbacks after it only).
-
-Host syncs: exactly one device-to-host transfer per logging step (in ``on_log``, only on the main process; the
-figures are the same on every rank), none on other steps; with ``on_nonfinite`` one small transfer per optimizer
-step on every rank (so all ranks agree), and one more on a step found non-finite, to name the parameter.
-
-Non-finite gradients (``on_nonfinite``): ``"skip"`` sets every gradient to None before the Trainer clips and
-steps, so the optimizer leaves every parameter untouched (the LR scheduler still steps, as it does when AMP skips);
-under fp16 the ``GradScaler`` already skips such steps and nothing more is done. ``"stop"`` skips the step too and
-sets ``control.should_training_stop``. Skipped steps are in ``callback.skipped_steps``. Each non-finite step is
-named in one warning on the ``torch_gradstats`` logger, logged or not: the first non-finite parameter (model order),
-how many more, and the NaN and Inf counts (one more small transfer, made only on such a step).
-
-Step policies (``spike_guard=``, ``adaptive_clip=``): both look at every optimizer step, at the end of its last
-backward, on the norm before any clipping. ``adaptive_clip`` clips the gradients in place to an
-:class:`~torch_gradstats.AdaptiveClip`'s threshold (before the Trainer's own ``max_grad_norm`` clip: set it to 0
-to clip with the adaptive threshold alone). ``spike_guard`` judges the gradient norm and the loss (the step's loss
-from the ``loss`` of the model's outputs: their mean over the step's micro-batches, or their sum where the Trainer
-passed the model ``num_items_in_batch``, each being then its share of the step's; a custom ``compute_loss`` that
-the model does not return leaves the gradient norm alone judged; under DDP the loss is averaged over the ranks by
-one all-reduce per step, so every rank decides alike). A callback cannot skip ``optimizer.step()``, so the guard
-needs the Trainer's optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`, whose ``step`` then goes through
-:func:`~torch_gradstats.training.step_or_skip` (device-side for fused optimizers; one 0-d read per step
-otherwise)::
-
-    callback = GradStatsCallback(spike_guard=SpikeGuard(), adaptive_clip=AdaptiveClip())
-    opt = callback.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
-    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
-    add_to_trainer(trainer, callback)
-
-Their figures (``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``,
-``clip/threshold``, ``clip/coef``) come in the logging step's one transfer; a ``max_consecutive`` streak raises
-:class:`~torch_gradstats.SpikeStreakError` in ``on_log`` of the first logging step after it (up to
-``logging_steps - 1`` optimizer steps later).
-
-Activations (``watch_activations=``, an :class:`~torch_gradstats.ActivationWatch` or True for one of the model): on
-logging steps ``act/nonfinite``, ``act/origin_index`` and, when something was non-finite, ``act/origin`` (the module
-name; kept in ``log_history``, dropped by scalar-only loggers) are logged (the watch's report: one more transfer),
-and each warning about a non-finite step names the forward/backward origin module beside the first non-finite
-parameter.
+* The figures are taken at the end of the backward of the **last micro-batch** of each optimizer step (accelerate's
+  ``GradientState.sync_gradients``), from a post-accumulate-grad hook per trainable parameter that queues one
+  engine callback: before the Trainer clips (its ``on_pre_optimizer_step`` comes after its ``clip_grad_norm_``,
+  which would have spread a NaN to every gradient), after DDP's own end-of-backward reduction, and with reentrant
+  checkpoint segments at the end of the outermost backward. Under fp16 the norms are divided by the scaler's scale
+  on the device. DeepSpeed keeps its gradients outside ``param.grad``: not supported.
+* Exactly one device-to-host transfer per logging step (on the main process), none on other steps; with
+  ``on_nonfinite`` one small transfer per optimizer step on every rank, so all ranks agree.
+* A callback cannot skip ``optimizer.step()``: ``"skip"`` sets every gradient to None, and the spike guard goes
+  through the optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`
+  (:func:`~torch_gradstats.training.step_or_skip`).
 """
 
 from __future__ import annotations
@@ -106,6 +52,7 @@ from torch_gradstats.integrations._common import (
     styled_keys,
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
+from torch_gradstats.monitors._backward_end import requeue_if_nested
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.updates import GradWeightStats
@@ -429,16 +376,6 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         # end-of-backward reduction included.
         engine.queue_callback(lambda: engine.queue_callback(self._after_backward))
 
-    def _after_node(self, node: Any) -> None:
-        engine = torch.autograd.Variable._execution_engine
-        handle: Any = None
-
-        def queue(grad_inputs: Any, grad_outputs: Any) -> None:
-            handle.remove()
-            engine.queue_callback(lambda: engine.queue_callback(self._after_backward))
-
-        handle = node.register_hook(queue)  # runs in the outer backward, right after the node
-
     def _will_log(self, next_step: int) -> bool:
         args, state = self._args, self._state
         strategy = str(getattr(args.logging_strategy, "value", args.logging_strategy))
@@ -456,12 +393,11 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         return getattr(scaler, "_scale", None)  # the scale as a device tensor (get_scale() would sync)
 
     def _after_backward(self) -> None:
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            # The end of a backward nested in a node of the Trainer's (a reentrant torch.utils.checkpoint segment):
-            # the step's other gradients are still to come. Queue again from the outer backward once that node is
-            # done (nested again, the same happens one level up), so the figures are taken once, at its end.
-            self._after_node(node)
+        engine = torch.autograd.Variable._execution_engine
+        # The end of a backward nested in a node of the Trainer's (a reentrant torch.utils.checkpoint segment): the
+        # step's other gradients are still to come, so the figures are taken at the end of the outer one (queued
+        # from a queued callback there, after DDP's end-of-backward reduction, as in _on_param_grad).
+        if requeue_if_nested(lambda: engine.queue_callback(self._after_backward)):
             return
         self._queued = False
         next_step = self._state.global_step + 1  # the global step once this optimizer step is done

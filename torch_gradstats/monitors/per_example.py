@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats.monitors._backward_end import requeue_if_nested
 from torch_gradstats.monitors._per_example_math import (
     EXACT,
     Autocast,
@@ -217,9 +218,7 @@ class PerExampleNorms:
 
     def _finish(self) -> None:
         """End of a backward: the micro-batch's per-example squared norms, scaled for the loss's reduction."""
-        node = torch._C._current_autograd_node()
-        if node is not None:  # a reentrant checkpoint's own backward ended, inside a node of the outer one
-            self._finish_after(node)
+        if requeue_if_nested(self._finish):  # a reentrant checkpoint's own backward ended, not the outer one
             return
         try:
             for full, pending in self._pending.items():
@@ -241,17 +240,6 @@ class PerExampleNorms:
             self._batches.append((total, per))
         finally:
             self._clear_backward()
-
-    def _finish_after(self, node: Any) -> None:
-        """Queue :meth:`_finish` in the outer backward once ``node`` is done: its other gradients are still to come
-        (nested again, the same happens one level up)."""
-        handle: Any = None
-
-        def queue(grad_inputs: Any, grad_outputs: Any) -> None:
-            handle.remove()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-
-        handle = node.register_hook(queue)
 
     # ------------------------------------------------------------------------------------------- results
     def norms(self) -> Tensor:
