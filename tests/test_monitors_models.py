@@ -745,3 +745,44 @@ def test_flight_recorder_in_the_trainer_with_amp_on_resnet(tmp_path: Path, caplo
     assert rows[3]["inf_count"] == 1 and [r["inf_count"] for r in rows].count(0) == 5
     dumps = sorted(tmp_path.glob("flight-*.jsonl"))
     assert dumps and any(d.name in rec.getMessage() for rec in caplog.records for d in dumps)
+
+
+@pytest.mark.parametrize("by", ["layer", 1])
+def test_update_ratio_groups_cover_the_parameters_with_a_gradient(by: Any) -> None:
+    """GPT-2 with its first block frozen and the last block's final projection without a gradient (grad None,
+    though it requires grad): a group's weight norm, SGD update ratio and measured update ratio all cover the
+    group's parameters that have a gradient (the optimizer skips the others), each against float64. By layer the
+    frozen block is no group at all and ``h.1`` lacks its projection; by depth 1 the one group ``transformer`` holds
+    both. (The measured ratio once divided by the weights of every measured parameter of the group.)"""
+    model, loss_fn = zoo("gpt2")
+    lr = 1e-2
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for p in model.transformer.h[0].parameters():
+        p.requires_grad_(False)
+    idle = "transformer.h.1.mlp.c_proj.weight"
+    ratio = UpdateRatio(model.named_parameters())
+    group_of = tg.stats.groups._resolver(by)
+    for step in range(2):
+        optimizer.zero_grad()
+        loss_fn(model, step).backward()
+        dict(model.named_parameters())[idle].grad = None
+        before, grads = weights64(model), grads64(model)
+        stats = grad_and_weight_stats(model.named_parameters(), optimizer=optimizer)
+        with ratio:
+            optimizer.step()
+        stats.update = ratio.stats
+        after = weights64(model)
+        report = stats.report(groups=stats.grouped(by)).grads.groups
+        members: dict[str, list[str]] = {}
+        for n in grads:  # the parameters with a gradient, by group
+            members.setdefault(group_of(n), []).append(n)
+        assert set(report.norms) == set(report.weight_norms) == set(report.update_ratios) == set(members)
+        assert "transformer.h.0" not in members and idle not in grads
+        for g, names in members.items():
+            w_before = math.sqrt(sq(before[n] for n in names))
+            assert report.weight_norms[g] == pytest.approx(w_before, rel=1e-6), g
+            sgd = lr * math.sqrt(sq(grads[n] for n in names))
+            assert report.lr_update_ratios[g] == pytest.approx(sgd / w_before, rel=1e-6), g
+            delta = math.sqrt(sq(before[n] - after[n] for n in names))
+            want = delta / math.sqrt(sq(after[n] for n in names))
+            assert report.update_ratios[g] == pytest.approx(want, rel=1e-6), g

@@ -326,7 +326,12 @@ class GradWeightStats:
     def grouped(self, by: GroupBy = "layer") -> GroupStats:
         """:meth:`GradStats.grouped` plus, per group, the weights' sum of squares, with an optimizer the squared
         norm of plain SGD's update (``sum(lr_p**2 * ||g_p||**2)``, 0 for a parameter it does not hold) and with a
-        measured update its ``||Δw||²`` and ``||w_after||²``: device tensors, no sync; ratios in the report."""
+        measured update its ``||Δw||²`` and ``||w_after||²``: device tensors, no sync; ratios in the report.
+
+        Every figure of a group covers the same parameters: those of the group that have a gradient (``self.names``).
+        A parameter without one (frozen, or unused by the step) is skipped by PyTorch's optimizers, so it did not
+        update: it is left out of the group's weights, SGD update and measured update alike (its own measured ratio,
+        0, stays in the per-parameter ``update_ratios``)."""
         out = self.grads.grouped(by)
         out.weight_sumsq = group_sums(self.names, self.weight_sumsq, by, out.names)
         lr = self._lr_tensor()
@@ -334,8 +339,12 @@ class GradWeightStats:
             sgd = torch.nan_to_num(lr, nan=0.0).square() * self.grads.sumsq
             out.lr_update_sumsq = group_sums(self.names, sgd, by, out.names)
         if self.update is not None:
-            out.delta_sumsq = group_sums(self.update.names, self.update.delta_sumsq, by, out.names)
-            out.update_weight_sumsq = group_sums(self.update.names, self.update.weight_sumsq, by, out.names)
+            # The parameters with a gradient, as for the weights and the SGD update: one without (frozen, or unused
+            # by this step) is skipped by the optimizer, so its weights would only dilute the group's ratio.
+            kept = set(self.names)
+            out.delta_sumsq = group_sums(self.update.names, self.update.delta_sumsq, by, out.names, only=kept)
+            out.update_weight_sumsq = group_sums(self.update.names, self.update.weight_sumsq, by, out.names,
+                                                 only=kept)
         return out
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None,

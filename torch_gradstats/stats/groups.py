@@ -32,7 +32,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -197,7 +197,8 @@ class GroupStats:
         weight_sumsq: float64 ``[G]``, sum of squares of the group's weights (from ``grad_and_weight_stats``).
         lr_update_sumsq: float64 ``[G]``: ``sum(lr_p**2 * ||g_p||**2)``, the squared norm of the group's plain SGD
             update (a parameter the optimizer does not hold counts 0: it is not updated); with an optimizer.
-        delta_sumsq, update_weight_sumsq: float64 ``[G]``: ``||Δw||²`` and ``||w_after||²`` of a measured update.
+        delta_sumsq, update_weight_sumsq: float64 ``[G]``: ``||Δw||²`` and ``||w_after||²`` of a measured update,
+            over the same parameters as ``weight_sumsq`` (those with a gradient).
         source: the per-parameter statistics the groups were made from (a ``GradStats``, by its ``grouped``), whose
             totals cover the parameters no group holds too; None when made otherwise.
     """
@@ -326,11 +327,17 @@ def group_stats(stats: PerParam, by: GroupBy, *, names: Sequence[str] | None = N
     )
 
 
-def group_sums(names: Sequence[str], values: Tensor, by: GroupBy, groups: Sequence[str]) -> Tensor:
+def group_sums(names: Sequence[str], values: Tensor, by: GroupBy, groups: Sequence[str], *,
+               only: Collection[str] | None = None) -> Tensor:
     """Sum ``values`` ``[P]`` (one per name in ``names``) into ``groups`` (those of a :func:`group_stats` result);
-    a name whose group is not among them is left out. No sync."""
-    own, index, _ = _index(names, by, values.device)
-    if list(own) != list(groups):  # names of another set (a measured update): its groups mapped onto ``groups``
+    a name whose group is not among them is left out, and so is a name not in ``only`` when it is given. No sync."""
+    own, index, members = _index(names, by, values.device)
+    if only is not None and any(n not in only for n in names):  # a per-name index: the names left out to the spare
+        where = {grp: i for i, grp in enumerate(groups)}
+        spare = len(groups)
+        index = host_int64([where.get(members[n], spare) if n in only and n in members else spare for n in names],
+                           values.device)
+    elif list(own) != list(groups):  # names of another set (a measured update): its groups mapped onto ``groups``
         where = {grp: i for i, grp in enumerate(groups)}
         table = host_int64([where.get(grp, len(groups)) for grp in own] + [len(groups)], values.device)
         index = table.index_select(0, index)

@@ -288,6 +288,8 @@ class GroupReport:
         lr_update_ratios: group -> ``sqrt(sum lr_p² ||g_p||²) / ||w||``, plain SGD's update over the weights
             (None without an optimizer).
         update_ratios: group -> measured ``||Δw|| / ||w_after||`` (None without a measured update).
+
+    The weight and update figures of a group cover the same parameters: the group's parameters with a gradient.
     """
 
     norms: dict[str, float]
