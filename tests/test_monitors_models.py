@@ -786,3 +786,31 @@ def test_update_ratio_groups_cover_the_parameters_with_a_gradient(by: Any) -> No
             delta = math.sqrt(sq(before[n] - after[n] for n in names))
             want = delta / math.sqrt(sq(after[n] for n in names))
             assert report.update_ratios[g] == pytest.approx(want, rel=1e-6), g
+
+
+def test_noise_scale_discard_window_after_a_micro_batch_that_raised() -> None:
+    """GPT-2: the second window's first micro-batch is read, the second raises inside its block (as an
+    out-of-memory error would), and the loop gives the window up: gradients cleared, ``discard_window()``. The
+    window run again gives the estimates of the two clean windows against float64, not of the given-up
+    micro-batch counted with the retried ones (which step() would then count as a window of three)."""
+    model, loss_fn = zoo("gpt2")
+    reference = copy.deepcopy(model)
+    ns = NoiseScale(2, ema=0.5)
+    pairs = [reference_pair(reference, loss_fn, [0, 1]), reference_pair(reference, loss_fn, [2, 3])]
+    window(ns, model, loss_fn, [0, 1])
+    ns.step(model)
+    model.zero_grad()
+    assert ns.discard_window() == 0  # nothing in progress: nothing dropped
+    window(ns, model, loss_fn, [2])
+    with pytest.raises(RuntimeError, match="out of memory"), ns.micro_batch(model):
+        (loss_fn(model, 3) / 2).backward()
+        raise RuntimeError("CUDA out of memory (simulated)")
+    model.zero_grad()
+    assert ns.discard_window() == 1  # the micro-batch read before the failure; the one that raised never counted
+    assert ns.steps == 1
+    with pytest.raises(ValueError, match="got 0"):  # the window is empty now
+        ns.step(model)
+    window(ns, model, loss_fn, [2, 3])
+    ns.step(model)
+    assert ns.steps == 2
+    assert_estimates(ns, pairs, 2)

@@ -329,3 +329,28 @@ def test_ddp(ddp_results, scenario: str) -> None:
     for rank, o in enumerate(outcomes):
         if o["detail"]:
             print(f"rank {rank}: {o['detail']} ({o['seconds']} s)")
+
+
+def test_discard_window_drops_the_window_under_the_lock() -> None:
+    """discard_window() empties the window (the next step needs its own micro-batches) and returns how many it
+    dropped; it takes the lock the micro-batches' exits and step() take, so it waits for one in progress."""
+    import threading
+
+    w = torch.nn.Parameter(torch.ones(4))
+    ns = NoiseScale(2)
+    for _ in range(3):
+        with ns.micro_batch([w]):
+            (w * 2).sum().backward()
+    ns._lock.acquire()  # a micro-batch's exit (or a step) holding the lock
+    dropped: list[int] = []
+    t = threading.Thread(target=lambda: dropped.append(ns.discard_window()))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not dropped  # waiting for the lock
+    ns._lock.release()
+    t.join(10)
+    assert dropped == [3]
+    assert ns.discard_window() == 0
+    with pytest.raises(ValueError, match="got 0"):
+        ns.step([w])
+    assert ns.steps == 0

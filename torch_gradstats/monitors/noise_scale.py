@@ -18,7 +18,8 @@ Where the two norms come from:
   every bucket of the step has been reduced. No host sync, no extra collective.
 * gradient accumulation: :meth:`NoiseScale.micro_batch` around each micro-batch's backward reads that micro-batch's
   gradient (B_small = ``local_batch_size``, the micro-batch size), and :meth:`NoiseScale.step` reads the
-  accumulated gradient (B_big = micro-batches x ``local_batch_size``) and folds the step in.
+  accumulated gradient (B_big = micro-batches x ``local_batch_size``) and folds the step in;
+  :meth:`NoiseScale.discard_window` gives up a window after an exception.
 
 Under AMP, ``NoiseScale(..., scaler=scaler)`` divides the readings of gradients of the scaled loss (the hook's,
 :meth:`NoiseScale.micro_batch`'s) by the scale's square on the device; :meth:`NoiseScale.step` then reads the
@@ -369,6 +370,21 @@ class NoiseScale:
         big = _sumsq(grads, [n for n, _ in named], "NoiseScale.step")
         self.update(micro * k, big, big_batch_size=k * self.local_batch_size)
 
+    def discard_window(self) -> int:
+        """Drop the accumulation window in progress: the micro-batches read by :meth:`micro_batch` since the last
+        :meth:`step` are forgotten, and the next window starts empty. Returns how many were dropped (a host
+        counter: no sync). Call it when a loop gives a window up after an exception (a micro-batch that raised, an
+        out-of-memory error it skips past) and clears the gradients: the micro-batches read before the failure
+        would otherwise be counted with the next window's. The EMAs and :attr:`steps` are untouched. Thread-safe,
+        like :meth:`micro_batch` and :meth:`step`; a DDP step in flight (:func:`noise_scale_hook`) is not a window
+        and is left alone."""
+        with self._lock:
+            dropped = self._micro_batches
+            self._micro_batches, self._micro_sq = 0, None
+        if dropped:
+            logger.debug("NoiseScale.discard_window: %d micro-batch(es) dropped", dropped)
+        return dropped
+
     # ------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The EMAs, their bias correction (``weight``), the step count and the decay (the bias correction needs
@@ -427,7 +443,8 @@ class NoiseScale:
         with self._lock:
             self.steps = steps
             # The accumulation window in progress is not part of a state: micro-batches read before a rollback to
-            # this state would otherwise be counted in the next step with the ones read again after it.
+            # this state would otherwise be counted in the next step with the ones read again after it (as
+            # discard_window() drops them; here under the same lock as the new state).
             self._micro_batches, self._micro_sq = 0, None
             if g is None or tr is None:
                 self._state = self._grad_sq_ema = self._trace_ema = self._weight = None
