@@ -142,6 +142,7 @@ class Reads(TorchDispatchMode):
 
 
 def test_record_reads_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not even at the step where a layer unfrozen later adds its group to the ring."""
     model, x, y = model_and_batch()
     guard, clip = SpikeGuard(window=4, min_history=1), AdaptiveClip(warmup=2)
     rec = FlightRecorder(capacity=3)
@@ -157,6 +158,7 @@ def test_record_reads_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(torch.Tensor, name, counted)
     reads = Reads()
     for k in range(5):
+        model[0].requires_grad_(k >= 2)  # a layer unfrozen at step 2: the ring gains its group's columns
         loss = step(model, x, y, k)
         stats = grad_stats(model.named_parameters())
         guard.observe(stats.total_norm, loss)
@@ -167,7 +169,8 @@ def test_record_reads_nothing_on_the_host(monkeypatch: pytest.MonkeyPatch) -> No
             rec.record(stats, loss=loss, guard=guard, clip=clip, groups=groups)
         recording[0] = False
     assert reads.count == 0 and calls == {"item": 0, "tolist": 0}
-    assert len(rec.to_dicts()) == 3
+    rows = rec.to_dicts()
+    assert len(rows) == 3 and rows[0]["group/0/norm"] is not None and rec.steps == 5
 
 
 def strict_lines(path: Path) -> list[dict[str, Any]]:

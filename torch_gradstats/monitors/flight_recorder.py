@@ -60,7 +60,8 @@ def _policy(what: str, policy: Any) -> StepPolicy | None:
 
 
 class _Layout:
-    """What one row holds, fixed by the first record: the float and int slots, and how to name their values."""
+    """What one row holds, fixed by the first record but for the groups (a new one adds its columns at the end):
+    the float and int slots, and how to name their values."""
 
     def __init__(self, stats: GradStats | GroupStats, groups: GroupStats | None, guard: StepPolicy | None,
                  clip: StepPolicy | None, floats: list[Tensor], ints: list[Tensor]) -> None:
@@ -126,7 +127,7 @@ class FlightRecorder:
         self._floats: Tensor | None = None  # [capacity, n_floats] float64
         self._ints: Tensor | None = None  # [capacity, n_ints] int64
         self._has_loss: list[bool] = [False] * capacity  # known on the host: no device value needed
-        # per slot, the groups the step had when some of the first step's had no gradient (None: all of them)
+        # per slot, the groups the step had when some of the ring's groups had no gradient (None: all of them)
         self._present: list[frozenset[str] | None] = [None] * capacity
         self._group_index: tuple[tuple[str, ...], Tensor] | None = None  # the last such step's slots, kept
 
@@ -144,8 +145,9 @@ class FlightRecorder:
         ``groups``; a GroupStats from ``GradStats.grouped`` gives the totals of every parameter, grouped or not,
         any other its groups' sums), the loss, and the figures of ``guard`` (a :class:`SpikeGuard`) and ``clip`` (an
         :class:`AdaptiveClip`) after their step. No host read; every step must give the same kinds of figures, but
-        a group of the first step may lack later (its parameters frozen or without a gradient): its figures are then
-        None for that step.
+        the groups may change: a group without a gradient at a step (its parameters frozen or unused) has None
+        figures for that step, and a group seen for the first time (a layer unfrozen later) is added to the ring,
+        with None figures for the steps before it (a one-time reallocation of the ring, on the device).
         """
         if isinstance(stats, GroupStats):
             if groups is not None:
@@ -165,6 +167,9 @@ class FlightRecorder:
         present = None
         if (groups is not None and self._layout is not None and self._layout.groups is not None
                 and list(groups.names) != self._layout.groups):
+            new = [name for name in groups.names if name not in self._layout.groups]
+            if new:  # a layer unfrozen (or first given a gradient) after the first record: the ring gains columns
+                self._widen(new)
             groups, present = self._in_first_groups(groups, self._layout.groups), frozenset(groups.names)
         floats, ints = self._row(stats, groups, loss, guard_p, clip_p, device)
         if self._layout is None:
@@ -183,16 +188,33 @@ class FlightRecorder:
         self._present[slot] = present
         self.steps += 1
 
+    def _widen(self, new: list[str]) -> None:
+        """Add columns for groups seen for the first time (appended after the known ones, whose columns keep their
+        places): a new ring, the old one's values copied in on the device (no host read), once per new group. The
+        steps already recorded did not have them: they read back as None there."""
+        lay, old_floats, old_ints = self._layout, self._floats, self._ints
+        assert lay is not None and lay.groups is not None and old_floats is not None and old_ints is not None
+        g, g2 = len(lay.groups), len(lay.groups) + len(new)
+        pf, pi = lay.n_floats - 2 * g, lay.n_ints - 3 * g  # the figures before the groups' (which come last)
+        with torch.inference_mode(False):
+            floats = old_floats.new_full((self.capacity, pf + 2 * g2), math.nan)
+            ints = old_ints.new_zeros((self.capacity, pi + 3 * g2))
+        floats[:, :pf + g].copy_(old_floats[:, :pf + g])  # the figures before the groups', the sums of squares
+        floats[:, pf + g2:pf + g2 + g].copy_(old_floats[:, pf + g:])  # max |g|
+        ints[:, :pi + 3 * g].copy_(old_ints)  # the counts: 3 per group, the new groups' after
+        for slot in range(len(self)):
+            if self._present[slot] is None:
+                self._present[slot] = frozenset(lay.groups)
+        logger.info("FlightRecorder: group(s) %s first recorded at step %d (the steps before it record None for "
+                    "them)", new, self.steps)
+        self._floats, self._ints = floats, ints
+        lay.groups = [*lay.groups, *new]
+        lay.n_floats, lay.n_ints = pf + 2 * g2, pi + 3 * g2
+        self._group_index = None
+
     def _in_first_groups(self, groups: GroupStats, first: list[str]) -> GroupStats:
-        """``groups`` laid out as the first step's groups, when some of those have no gradient now (their parameters
-        frozen or unused: their slots hold zeros, read back as None). A group the first step did not have is an
-        error naming it: the ring's columns are fixed by the first record."""
-        new = [name for name in groups.names if name not in first]
-        if new:
-            raise ValueError(
-                f"FlightRecorder.record: group(s) {new} at step {self.steps} were not among the first step's groups "
-                f"{first}; the groups are fixed by the first record (a group that later has no gradient is recorded "
-                f"as None): map those parameters into one of its groups (a callable by=), or start a new recorder")
+        """``groups`` laid out as the ring's groups (``first``), when some of those have no gradient now (their
+        parameters frozen or unused: their slots hold zeros, read back as None)."""
         names = tuple(groups.names)
         if self._group_index is None or self._group_index[0] != names:  # moved once per change of the groups
             where = torch.tensor([first.index(name) for name in names], dtype=torch.int64)
