@@ -854,3 +854,32 @@ def test_flight_recorder_records_layers_unfrozen_after_the_first_step(tmp_path: 
     assert [r["group/wte/norm"] is None for r in rows] == [True, True, True, False, False]
     # the layout of the ring: the groups of the first step, then those first seen later
     assert [k.split("/")[1] for k in rows[0] if k.endswith("/norm")] == ["h.0", "h.1", "ln_f", "wpe", "wte"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_update_ratio_of_16_bit_weights_within_the_documented_rounding(dtype: torch.dtype) -> None:
+    """GPT-2 in pure bfloat16 / float16 with Adam: Δw is taken in the weights' dtype, so each measured ||Δw|| and
+    ratio is within the dtype's unit roundoff (2^-8, 2^-11; docs/integrations.md) of float64's, plus the op's own
+    float32 sums; and the whole model's ||Δw|| within 1e-4 (the page gives the 4e-5 measured)."""
+    unit = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    model, loss_fn = zoo("gpt2")
+    model.to(dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+    ratio = UpdateRatio(model.named_parameters())
+    assert ratio.nbytes == sum(p.numel() * 2 for p in model.parameters())  # the weights' dtype: 2 bytes each
+    for step in range(3):
+        optimizer.zero_grad()
+        loss_fn(model, step).backward()
+        before = weights64(model)
+        with ratio:
+            optimizer.step()
+        report = grad_and_weight_stats(model.named_parameters(), update=ratio.stats).report()
+        after = weights64(model)
+        total = 0.0
+        for n, w in after.items():
+            delta = float((before[n] - w).norm())
+            total += delta * delta
+            assert report.delta_norms[n] == pytest.approx(delta, rel=unit + 1e-5, abs=1e-30), n
+            assert report.update_ratios[n] == pytest.approx(ratio_of(delta, float(w.norm())), rel=unit + 1e-5), n
+        got = math.sqrt(math.fsum(d * d for d in report.delta_norms.values()))
+        assert got == pytest.approx(math.sqrt(total), rel=1e-4)

@@ -12,6 +12,9 @@ once (one ``torch._foreach_copy_`` into buffers it keeps between steps), after t
 ``w_before - w_after`` in place (one ``torch._foreach_sub_``) and reads the differences and the new weights in one
 op call. Memory cost: one copy of the measured parameters (``UpdateRatio.nbytes``: the sum of their sizes, in their
 own dtypes, on their own devices), kept between steps to avoid reallocating it; :meth:`UpdateRatio.release` frees it.
+Since the buffers have the weights' dtype, a float16/bfloat16 ``Δw`` is rounded to it: each ``||Δw||`` is within the
+dtype's unit roundoff (2^-11, 2^-8) of the exact one, and much closer in practice (docs/integrations.md); float32
+buffers would double the snapshot of 16-bit weights.
 
 Everything stays on the device until :meth:`GradWeightStats.report`, which makes exactly one device-to-host
 transfer for the gradient statistics, the weight norms, the learning rates and the measured updates together.
