@@ -116,11 +116,14 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         group_by: also log per-group figures, ``grad/group/<g>/norm`` ... (see
             :meth:`torch_gradstats.GradStats.grouped`), from the same transfer.
         spike_guard: a :class:`~torch_gradstats.SpikeGuard` judging every step's gradient norm (before clipping)
-            and loss (the step's loss from the model outputs' ``loss``, see the module docstring). A callback
-            cannot skip ``optimizer.step()``: give the Trainer an optimizer wrapped by :meth:`wrap_optimizer`
-            (checked when training starts).
+            and loss (the step's loss from the model outputs' ``loss``: their mean over the micro-batches, or
+            their sum where the Trainer passes the model ``num_items_in_batch``). A callback cannot skip
+            ``optimizer.step()``: give the Trainer an optimizer wrapped by :meth:`wrap_optimizer` (checked when
+            training starts). The Trainer's checkpoints do not hold its statistics: a run resumed past step 0
+            warns that they start afresh unless restored with its ``load_state_dict`` (docs/integrations.md).
         adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` clipping every step's gradients to its threshold,
-            before the Trainer's own ``max_grad_norm`` clip (set ``max_grad_norm=0`` to clip with it alone).
+            before the Trainer's own ``max_grad_norm`` clip (set ``max_grad_norm=0`` to clip with it alone); not
+            kept in the Trainer's checkpoints either.
         watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole model (made
             when training starts, removed when it ends): ``act/`` figures on logging steps, and the origin module
             named in the warning of a non-finite step.
