@@ -13,8 +13,12 @@ away its squared norm:
 * any other module that owns parameters directly: ``torch.func`` (``vmap`` of ``vjp``) over its own forward.
 
 A parameter used more than once in a forward (tied embeddings) adds the cross terms between its uses. The backward
-ends with one callback that turns the micro-batch's figures into per-example squared norms; results accumulate over
-backwards until :meth:`PerExampleNorms.reset`. Nothing here reads a value on the host.
+ends with one callback that turns the micro-batch's figures into per-example squared norms (with reentrant
+checkpointing, at the end of the outermost backward, so every segment's nested backward counts); results accumulate
+over backwards until :meth:`PerExampleNorms.reset`. Nothing here reads a value on the host.
+
+The norms are those of the loss each backward differentiates: a loss divided by the micro-batch count, or scaled by
+a GradScaler, gives norms divided or multiplied alike (the Trainer and the callbacks undo both; docs/per_example.md).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class PerExampleNorms:
     Args:
         model: the model; every module that owns parameters is hooked.
         loss_reduction: how each backward's loss is made from its examples' losses: ``"mean"`` or ``"sum"``. Both
-            give the same norms: those of each example's own loss gradient.
+            give the same norms: those of each example's own loss gradient (times any factor the loss was
+            multiplied by, such as ``1 / micro-batches`` or a GradScaler's scale).
         batch_dim: the batch dimension of the inputs and outputs of the hooked modules (convolutions and GroupNorm
             always take it first).
         max_materialize: the most elements one intermediate may hold: Gram matrices are made a slice of the batch at

@@ -30,7 +30,10 @@ def step_or_skip(
 
     Args:
         optimizer: any ``torch.optim.Optimizer``; those with a device-side ``found_inf`` (``fused=True``) skip
-            without a host sync.
+            without a host sync, except a fused SGD with momentum whose momentum buffers do not exist yet (its
+            first step): it is stepped or not from the host (with a scaler, the scaler's overflow check is read
+            with the factor), so a skipped first step leaves no uninitialised buffer. Any other optimizer is
+            stepped or not from the host: one 0-d read of the factor per call.
         factor: one-element tensor, 1.0 to take the step and 0.0 to skip it (:meth:`SpikeGuard.observe`). Only
             zero skips: any other value (0.5, NaN) takes the whole step, unscaled. Its value is not checked, which
             would take a host read on every call.
