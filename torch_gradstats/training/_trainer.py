@@ -83,31 +83,34 @@ class Trainer:
             (``grad_stats(..., histogram=True)``): every sink gets the fp16/bf16/fp8 underflow and overflow
             fractions, and ``TensorBoardSink(histograms=True)`` and ``WandbSink`` draw the histogram.
         spike_guard: a :class:`~torch_gradstats.SpikeGuard` that judges every step's gradient norm (before
-            clipping) and mean loss and skips the step it flags, on the device with a fused optimizer (with a
-            scaler: a step skipped by either is skipped once). Non-finite gradients are then skipped too.
+            clipping) and mean loss and skips the step it flags, on the device with a fused optimizer, else with
+            one host sync per optimizer step (a warning says so once); with a scaler, a step skipped by either is
+            skipped once. Non-finite gradients are then skipped too.
         adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` that clips every step to its threshold (from the
             same read as the stats; instead of ``max_grad_norm``: give it ``max_norm=`` for a cap).
-
-    With ``spike_guard`` or ``adaptive_clip``, each sync and each ``log_to`` logging step also reads their figures
-    (``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``, ``clip/threshold``,
-    ``clip/coef``) in the same transfer, into :attr:`policy_figures` (and, on a logging step, into the report's
-    ``extra``, which every sink writes), and raises :class:`~torch_gradstats.SpikeStreakError` there when the
-    guard's ``max_consecutive`` was reached since the last read.
         watch_activations: an :class:`~torch_gradstats.ActivationWatch` of ``model``, or True for
             ``ActivationWatch(model)``. At each sync its report (one more transfer) is kept as
             ``last_activation_report``, and a WARNING names the forward/backward origin module and the first
             non-finite parameter when the watched step or the epoch's gradients were non-finite. The report describes
-            the watch's latest recorded step (a forward call): once a NaN reaches the weights, later steps name the
-            first poisoned layer, so hunt with ``skip_nonfinite=True`` or ``sync_every=1``. Not with
-            ``compile=True`` (the hooks cannot run in a compiled region).
+            the watch's latest recorded step (a forward call; where its number is not the optimizer step's, the
+            warning says which optimizer step it was a forward of, or that it was none): once a NaN reaches the
+            weights, later steps name the first poisoned layer, so hunt with ``skip_nonfinite=True`` or
+            ``sync_every=1``. Not with ``compile=True`` (the hooks cannot run in a compiled region).
         per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of ``model`` (reset before each optimizer
-            step's first micro-batch): each logging step's report gets ``examples/max_norm``,
+            step's first micro-batch; each example's own norm, the micro-batches' weighting and the step's loss
+            scale undone): each logging step's report gets ``examples/max_norm``,
             ``examples/median_norm`` and ``examples/max_over_median`` in its one transfer, and the warning of a
             skipped step names its top 3 batch positions (0-based, over the step's micro-batches in order) with
             their norms and the batch median. Not with ``compile=True``.
         flight_recorder: a :class:`~torch_gradstats.FlightRecorder`, or its capacity (an int), recording every
             step; at an incident (a skipped step, a non-finite gradient, a ``SpikeStreakError``) it is dumped into
             its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png``, and the warning names the file.
+
+    With ``spike_guard`` or ``adaptive_clip``, each sync and each ``log_to`` logging step also reads their figures
+    (``guard/skipped``, ``guard/consecutive``, ``guard/grad_norm_z``, ``guard/loss_z``, ``clip/threshold``,
+    ``clip/coef``) in the same transfer, into :attr:`policy_figures` (and, on a logging step, into the report's
+    ``extra``, which every sink writes), and raises :class:`~torch_gradstats.SpikeStreakError` there when the
+    guard's ``max_consecutive`` was reached since the last read.
 
     Every skipped step (a spike or a non-finite gradient) is named in a WARNING on the ``torch_gradstats`` logger
     at the next host read (the sync, or a logging step's transfer; at once where the skip was decided on the host).
