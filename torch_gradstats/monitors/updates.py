@@ -143,8 +143,12 @@ class UpdateRatio:
     Or without ``with``: :meth:`snapshot` before the step, :meth:`measure` after it. The ratio's denominator is the
     norm of the weights *after* the step (so a zero-initialised bias gets a finite ratio after its first update).
 
-    Memory: :attr:`nbytes`, one copy of the parameters, kept between steps (:meth:`release` frees it).
-    Parameters are read through ``.detach()`` (DTensors through their local shard) and never modified.
+    Memory: :attr:`nbytes`, one copy of the parameters in their own dtypes, kept between steps (:meth:`release`
+    frees it). So ``w_before - w_after`` is rounded to the weights' dtype: for float16/bfloat16 weights each ``||Δw||``
+    is within that dtype's unit roundoff (2^-11, 2^-8) of the exact one (docs/integrations.md). A step that changes no
+    weight (skipped by a GradScaler or a guard), and a parameter the optimizer skips (no ``.grad``), measure 0.
+    Parameters are read through ``.detach()`` (DTensors through their local shard) and never modified. ``group``:
+    the process group over which plain-tensor parameters are shards of one set (as in ``grad_and_weight_stats``).
     """
 
     def __init__(self, params: ParamsLike, *, group: Any = None) -> None:
