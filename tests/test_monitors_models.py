@@ -860,7 +860,7 @@ def test_flight_recorder_records_layers_unfrozen_after_the_first_step(tmp_path: 
 def test_update_ratio_of_16_bit_weights_within_the_documented_rounding(dtype: torch.dtype) -> None:
     """GPT-2 in pure bfloat16 / float16 with Adam: Δw is taken in the weights' dtype, so each measured ||Δw|| and
     ratio is within the dtype's unit roundoff (2^-8, 2^-11; docs/integrations.md) of float64's, plus the op's own
-    float32 sums; and the whole model's ||Δw|| within 1e-4 (the page gives the 4e-5 measured)."""
+    float32 sums; and the whole model's ||Δw|| within 1e-4 (the bounds docs/integrations.md states)."""
     unit = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     model, loss_fn = zoo("gpt2")
     model.to(dtype)
