@@ -354,3 +354,18 @@ def test_discard_window_drops_the_window_under_the_lock() -> None:
     with pytest.raises(ValueError, match="got 0"):
         ns.step([w])
     assert ns.steps == 0
+
+
+def test_bench_noise_scale_ema_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/noise_scale_ema.py (the table of docs/noise_scale.md) folds its steps as NoiseScale.update does."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "noise_scale_ema.py"
+    spec = importlib.util.spec_from_file_location("_bench_noise_scale_ema", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--steps", "40", "--seeds", "8"]) == 0  # checks itself against NoiseScale on each setup
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split()[0] for row in rows] == ["2", "2", "2", "2", "4", "4"]
