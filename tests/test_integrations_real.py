@@ -371,6 +371,61 @@ def test_hf_resumed_run_warns_that_the_guard_starts_afresh(tmp_path: Path, caplo
                      "with load_state_dict")]
 
 
+def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """docs/integrations.md's resume recipe as written: the callback's ``state_dict()`` (its ``spike_guard``'s and
+    ``adaptive_clip``'s statistics) saved beside each Trainer checkpoint in ``on_save``, a new Trainer resumed with
+    ``resume_from_checkpoint`` from the middle of the run, the state loaded into its new callback before
+    ``train()``: steps 3 and 4 are judged and clipped as in the uninterrupted run (the same z-scores, thresholds and
+    decisions), and the policies end with its state. Without the restore they start afresh (the guard with no history
+    has no z-scores): the comparison tells the two apart."""
+    transformers = _hf()
+    from torch_gradstats import AdaptiveClip, SpikeGuard
+    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
+
+    class SavePolicies(transformers.TrainerCallback):
+        def __init__(self, gradstats: GradStatsCallback) -> None:
+            self.gradstats = gradstats
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.save(self.gradstats.state_dict(), Path(args.output_dir, f"checkpoint-{state.global_step}",
+                                                         "gradstats.pt"))
+
+    def run(out: str, resume: bool = False, restore: bool = True) -> tuple[dict[int, dict[str, Any]], Any, Any]:
+        cb = GradStatsCallback(spike_guard=SpikeGuard(min_history=2), adaptive_clip=AdaptiveClip(warmup=2))
+        model = _no_dropout(model_zoo.gpt2())
+        opt = cb.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+        trainer = _hf_trainer(tmp_path / out, model, max_steps=4, save_strategy="steps", save_steps=2,
+                              save_only_model=False, max_grad_norm=0.0, optimizers=(opt, None),
+                              callbacks=[SavePolicies(cb)])
+        add_to_trainer(trainer, cb)
+        checkpoint = tmp_path / "full" / "checkpoint-2"
+        if resume and restore:
+            cb.load_state_dict(torch.load(checkpoint / "gradstats.pt", weights_only=True))
+        return _hf_train(trainer, **({"resume_from_checkpoint": str(checkpoint)} if resume else {})), cb, trainer
+
+    full, full_cb, _ = run("full")
+    assert sorted(full) == [1, 2, 3, 4] and (tmp_path / "full" / "checkpoint-2" / "gradstats.pt").is_file()
+    assert math.isfinite(full[3]["guard/grad_norm_z"]) and math.isfinite(full[3]["guard/loss_z"])  # past min_history
+    resumed, resumed_cb, trainer = run("resumed", resume=True)
+    assert sorted(trainer.ref) == [3, 4]  # the resumed run's own optimizer steps (log_history keeps 1 and 2 too)
+    keys = ("grad/total_norm", "guard/skipped", "guard/consecutive", "guard/grad_norm_z", "guard/loss_z",
+            "clip/threshold", "clip/coef")
+    for step in (3, 4):
+        for key in keys:
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
+    assert resumed_cb.spike_guard is not None and resumed_cb.adaptive_clip is not None
+    for policy in ("spike_guard", "adaptive_clip"):
+        want = full_cb.state_dict()[policy]
+        for name, got in resumed_cb.state_dict()[policy].items():
+            if isinstance(got, torch.Tensor):
+                torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-7, equal_nan=True,
+                                           msg=f"{policy}.{name}")
+            else:
+                assert got == want[name], (policy, name)
+    afresh, _, _ = run("afresh", resume=True, restore=False)
+    assert not all(afresh[3][key] == pytest.approx(full[3][key], rel=1e-5) for key in keys)
+
+
 @pytest.mark.slow
 def test_hf_torch_compile(tmp_path: Path) -> None:
     """``torch_compile=True`` compiles the model's forward (about a minute on two CPU cores): the hooks on the

@@ -150,6 +150,48 @@ class ActivationReporting:
         return "" if act is None else f"; {act.summary()}"
 
 
+class PolicyState:
+    """What both callbacks share about their step policies: the :class:`~torch_gradstats.SpikeGuard` and
+    :class:`~torch_gradstats.AdaptiveClip` given to them (``spike_guard``, ``adaptive_clip``; None where not given),
+    and their statistics as the callback's ``state_dict`` (Lightning saves it in its checkpoints; with the Hugging
+    Face Trainer, whose checkpoints hold no callback tensors, save it yourself)."""
+
+    taker: StatsTaker
+
+    @property
+    def spike_guard(self) -> SpikeGuard | None:
+        """The :class:`~torch_gradstats.SpikeGuard` given as ``spike_guard=``, or None."""
+        return self.taker.spike_guard
+
+    @property
+    def adaptive_clip(self) -> AdaptiveClip | None:
+        """The :class:`~torch_gradstats.AdaptiveClip` given as ``adaptive_clip=``, or None."""
+        return self.taker.adaptive_clip
+
+    def state_dict(self) -> dict[str, Any]:
+        """The spike guard's and the adaptive clip's statistics (``{"spike_guard": ..., "adaptive_clip": ...}``, each
+        present where given; Python scalars and tensors, loadable with ``torch.load(weights_only=True)``): restored
+        by :meth:`load_state_dict`, a resumed run judges and clips as one that never stopped."""
+        state: dict[str, Any] = {}
+        if self.spike_guard is not None:
+            state["spike_guard"] = self.spike_guard.state_dict()
+        if self.adaptive_clip is not None:
+            state["adaptive_clip"] = self.adaptive_clip.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved into this callback's policies; a policy saved that this callback
+        lacks is named in a warning and left out."""
+        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
+            if key not in state_dict:
+                continue
+            if policy is None:
+                logger.warning("torch_gradstats: the checkpoint holds GradStatsCallback's %s statistics, but this "
+                               "callback has no %s: they are not restored", key, key)
+            else:
+                policy.load_state_dict(state_dict[key])
+
+
 class StatsTaker:
     """Takes the statistics of one optimizer step, applies the step policies, and turns them into one report (one
     host transfer)."""

@@ -110,6 +110,7 @@ from torch import Tensor
 from torch_gradstats.integrations._common import (
     ActivationReporting,
     OnNonfinite,
+    PolicyState,
     StatsTaker,
     activation_metrics,
     check_histogram,
@@ -152,7 +153,7 @@ def lightning_keys(report: AnyReport, per_param: bool = True) -> dict[str, float
     return out
 
 
-class _GradStatsMixin(ActivationReporting):
+class _GradStatsMixin(ActivationReporting, PolicyState):
     """The callback's logic, independent of which Lightning package provides the base class."""
 
     def __init__(
@@ -250,14 +251,6 @@ class _GradStatsMixin(ActivationReporting):
         self._per_example = check_bool("per_example", per_example)
         self.flight_recorder = check_flight_recorder("GradStatsCallback", flight_recorder)
 
-    @property
-    def spike_guard(self) -> SpikeGuard | None:
-        return self.taker.spike_guard
-
-    @property
-    def adaptive_clip(self) -> AdaptiveClip | None:
-        return self.taker.adaptive_clip
-
     # ----------------------------------------------------------------------------------------------- hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.adaptive_clip is not None and getattr(trainer, "gradient_clip_val", None):
@@ -343,27 +336,6 @@ class _GradStatsMixin(ActivationReporting):
             self._log(trainer, self.taker.report(stats), logger_step)
         else:
             self.taker.check_layout(stats)
-
-    # ----------------------------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """What Lightning saves in its checkpoints for this callback: the spike guard's and the adaptive clip's
-        statistics, so a fit resumed with ``ckpt_path=`` judges and clips as one that never stopped."""
-        state: dict[str, Any] = {}
-        if self.spike_guard is not None:
-            state["spike_guard"] = self.spike_guard.state_dict()
-        if self.adaptive_clip is not None:
-            state["adaptive_clip"] = self.adaptive_clip.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
-            if key not in state_dict:
-                continue
-            if policy is None:
-                logger.warning("torch_gradstats: the checkpoint holds GradStatsCallback's %s statistics, but this "
-                               "callback has no %s: they are not restored", key, key)
-            else:
-                policy.load_state_dict(state_dict[key])
 
     # ----------------------------------------------------------------------------------------------- internals
     def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> bool | None:

@@ -41,6 +41,7 @@ from transformers import TrainerCallback
 from torch_gradstats.integrations._common import (
     ActivationReporting,
     OnNonfinite,
+    PolicyState,
     StatsTaker,
     activation_metrics,
     check_histogram,
@@ -99,7 +100,7 @@ def _unscaled(stats: GradStats | GradWeightStats, scale: torch.Tensor) -> GradSt
     return unscaled
 
 
-class GradStatsCallback(ActivationReporting, TrainerCallback):
+class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
     """Gradient statistics of each logged optimizer step, added to the Trainer's logs (see the module docstring).
 
     Args:
@@ -119,11 +120,13 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
             and loss (the step's loss from the model outputs' ``loss``: their mean over the micro-batches, or
             their sum where the Trainer passes the model ``num_items_in_batch``). A callback cannot skip
             ``optimizer.step()``: give the Trainer an optimizer wrapped by :meth:`wrap_optimizer` (checked when
-            training starts). The Trainer's checkpoints do not hold its statistics: a run resumed past step 0
-            warns that they start afresh unless restored with its ``load_state_dict`` (docs/integrations.md).
+            training starts). Reached as ``callback.spike_guard``. The Trainer's checkpoints do not hold its
+            statistics: a run resumed past step 0 warns that they start afresh unless restored, the callback's
+            ``state_dict()`` saved with the checkpoint and given to the new callback's ``load_state_dict``
+            (docs/integrations.md).
         adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` clipping every step's gradients to its threshold,
-            before the Trainer's own ``max_grad_norm`` clip (set ``max_grad_norm=0`` to clip with it alone); not
-            kept in the Trainer's checkpoints either.
+            before the Trainer's own ``max_grad_norm`` clip (set ``max_grad_norm=0`` to clip with it alone); reached
+            as ``callback.adaptive_clip``, and not kept in the Trainer's checkpoints either.
         watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole model (made
             when training starts, removed when it ends): ``act/`` figures on logging steps, and the origin module
             named in the warning of a non-finite step.
@@ -213,7 +216,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
                        **kwargs: Any) -> None:
         if model is None:
             raise ValueError("GradStatsCallback: the Trainer passed no model to on_train_begin")
-        if self.taker.spike_guard is not None:
+        if self.spike_guard is not None:
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the Trainer's optimizer
             if getattr(inner, _WRAPPED_BY, None) is not self:
                 raise ValueError(
@@ -221,7 +224,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
                     "wrap_optimizer(), e.g. Trainer(..., optimizers=(callback.wrap_optimizer(opt), None)): a callback "
                     "cannot skip optimizer.step() itself"
                 )
-        policies = [n for n, p in (("spike_guard", self.taker.spike_guard), ("adaptive_clip", self.taker.adaptive_clip))
+        policies = [n for n, p in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip))
                     if p is not None]
         if policies and state.global_step > 0:  # resumed: the Trainer's checkpoints keep no callback tensors
             logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: %s statistics are not in the "
@@ -231,7 +234,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         self._remove_hooks()
         for _, p in StatsTaker.trainable(model):
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
-        if ((self.taker.spike_guard is not None and self.taker.spike_guard.watch_loss) or self._per_example
+        if ((self.spike_guard is not None and self.spike_guard.watch_loss) or self._per_example
                 or self.flight_recorder is not None):
             self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
         if self._watch_option is True and self.activation_watch is None:
@@ -253,7 +256,7 @@ class GradStatsCallback(ActivationReporting, TrainerCallback):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"wrap_optimizer: optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        if self.taker.spike_guard is None:
+        if self.spike_guard is None:
             raise ValueError("wrap_optimizer: this callback has no spike_guard; there is nothing to apply")
         if getattr(optimizer, _WRAPPED_BY, None) is self:
             return optimizer
