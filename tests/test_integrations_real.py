@@ -786,6 +786,52 @@ def test_lightning_resumed_fit_keeps_the_guard_and_clip_statistics(tmp_path: Pat
             assert got == value, name
 
 
+def test_lightning_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: Path) -> None:
+    """Lightning divides every micro-batch's loss by ``accumulate_grad_batches``, the epoch's short last window
+    included (its ``ClosureResult`` normalises by the setting, not by the window's size). 5 batches of 4 with
+    ``accumulate_grad_batches=2`` make windows of 2, 2 and 1 micro-batches, for 2 epochs: the guard must judge each
+    step's mean loss over its examples, the float64 loss of each batch taken with the weights of its forward (the
+    window of 1 was judged at half its loss, a loss dip at the end of every epoch)."""
+    L = _pl()
+    from torch_gradstats import SpikeGuard
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    class BatchLoss(L.Callback):
+        """The float64 mean loss of each training batch, with the weights of its forward, by (epoch, batch)."""
+
+        def __init__(self) -> None:
+            self.losses: dict[tuple[int, int], float] = {}
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            net = copy.deepcopy(pl_module.net).double()
+            with torch.no_grad():
+                loss = nn.functional.cross_entropy(net(x.double()), y)
+            self.losses[(trainer.current_epoch, batch_idx)] = float(loss)
+
+    guard = SpikeGuard(min_history=2)
+    judged: list[float] = []
+    observe = guard.observe
+
+    def recording(grad_norm: torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
+        judged.append(float(loss))
+        return observe(grad_norm, loss)
+
+    guard.observe = recording  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 6, generator=g), torch.randint(0, 3, (20,), generator=g)
+    batch_loss = BatchLoss()
+    cb = GradStatsCallback(spike_guard=guard)
+    trainer, _ = _pl_fit(_wrapped(net, lr=0.1), tmp_path, cb, data=_loader(x, y, 4), accumulate_grad_batches=2,
+                         max_steps=-1, max_epochs=2, callbacks=[batch_loss, cb])
+    assert trainer.global_step == 6 and len(batch_loss.losses) == 10
+    windows = [(0, 1), (2, 3), (4,)]
+    want = [sum(batch_loss.losses[(e, b)] for b in w) / len(w) for e in (0, 1) for w in windows]
+    assert judged == pytest.approx(want, rel=1e-5)
+
+
 # ======================================================================================= sinks in a training loop
 def test_trainer_sinks_with_accumulation_and_bf16_read_back_from_their_files(tmp_path: Path) -> None:
     """torch_gradstats.Trainer on the ResNet with accumulation over 2 micro-batches (each epoch's last window ends

@@ -55,9 +55,11 @@ Step policies (``spike_guard=``, ``adaptive_clip=``; both look at every optimize
 * ``adaptive_clip``: an :class:`~torch_gradstats.AdaptiveClip` computes the step's threshold on the device and the
   gradients are clipped to it in place (:func:`~torch_gradstats.clip_grad_norm_` reusing the statistics' read). Not
   with the trainer's ``gradient_clip_val`` (a ValueError at setup): give the clip ``max_norm=`` for a fixed cap.
-* ``spike_guard``: a :class:`~torch_gradstats.SpikeGuard` judges the step's gradient norm and its loss (the
-  micro-batches' losses Lightning passes to ``on_before_backward``, summed: their mean over the accumulation
-  window; under DDP averaged over the ranks by one all-reduce per step, so every rank decides alike). A flagged
+* ``spike_guard``: a :class:`~torch_gradstats.SpikeGuard` judges the step's gradient norm and its loss (the mean
+  of the micro-batches' losses over the accumulation window, from those Lightning passes to ``on_before_backward``,
+  each divided by ``accumulate_grad_batches``: their sum, scaled up on an epoch's short last window, whose fewer
+  micro-batches Lightning still divides by the setting; under DDP averaged over the ranks by one all-reduce per
+  step, so every rank decides alike). A flagged
   step (a spike, or non-finite gradients) is skipped as ``step_or_skip`` skips it: with a fused
   optimizer (``fused=True`` Adam, AdamW, SGD, Adagrad) and no GradScaler, on the device, with no host sync, through
   the ``found_inf`` the optimizer's ``step()`` reads right after this hook: parameters, optimizer state and step
@@ -245,6 +247,7 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
         self.last_report: AnyReport | None = None  #: the last report logged (rank 0)
         self._pending: tuple[GradStats | GradWeightStats, int, int] | None = None  # stats, logger step, opt step
         self._loss: Tensor | None = None  # the loss of this optimizer step's micro-batches, summed on the device
+        self._loss_n = 0  # how many micro-batch losses that sum holds
         self._found_inf_set: set[int] = set()  # optimizers given a guard's found_inf for this step (ids)
         self._hooked: set[int] = set()  # optimizers with our step post-hook
         self._warned_host_skip = False
@@ -283,9 +286,22 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
             self.taker.incidents = None
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
-        # Lightning divides each micro-batch's loss by accumulate_grad_batches: their sum is the step's mean loss.
+        # The micro-batches' losses of this optimizer step, summed on the device, and their count (see _step_loss).
         if self.spike_guard is not None and self.spike_guard.watch_loss:
             self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
+            self._loss_n += 1
+
+    def _step_loss(self, trainer: Any, pl_module: Any) -> Tensor | None:
+        """The step's loss, the mean of its micro-batches' losses, from their sum. Automatic optimization divides
+        each by ``accumulate_grad_batches``, the epoch's short last window too (fewer micro-batches): the sum is
+        scaled by ``accumulate_grad_batches / count`` (1 on a full window). Manual optimization divides nothing:
+        the sum of the step's ``manual_backward`` losses, as given."""
+        loss, n = self._loss, self._loss_n
+        self._loss, self._loss_n = None, 0
+        if loss is None or not getattr(pl_module, "automatic_optimization", True):
+            return loss
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        return loss if n == accumulate else loss * (accumulate / n)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         step = trainer.global_step
@@ -295,7 +311,7 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
             return  # nothing read, nothing synced
         stats = self.taker.take(pl_module, optimizer, histogram=self.histogram and log_now)
         if self.taker.every_step:
-            loss, self._loss = self._loss, None
+            loss = self._step_loss(trainer, pl_module)
             factor = self.taker.apply_policies(pl_module, stats, loss)
             host_skipped = None
             if factor is not None:
