@@ -832,6 +832,46 @@ def test_lightning_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp
     assert judged == pytest.approx(want, rel=1e-5)
 
 
+def test_lightning_guard_judges_the_unscaled_loss_under_16_mixed(tmp_path: Path) -> None:
+    """Under ``precision="16-mixed"`` Lightning hands ``on_before_backward`` the loss already multiplied by the
+    GradScaler's scale: the guard must judge the loss itself (the one ``training_step`` returned), not the loss
+    times a scale that doubles every ``growth_interval`` steps (here 2, from 1024: the judged loss doubled with it,
+    and was 1024 times too large to begin with). fp16 autocast on the CPU, through Lightning's own plugin."""
+    L = _pl()
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from torch_gradstats import SpikeGuard
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    class Returned(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+    guard = SpikeGuard(min_history=2)
+    judged: list[float] = []
+    observe = guard.observe
+
+    def recording(grad_norm: torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
+        judged.append(float(loss))
+        return observe(grad_norm, loss)
+
+    guard.observe = recording  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    returned = Returned()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    cb = GradStatsCallback(spike_guard=guard)
+    trainer, _ = _pl_fit(_wrapped(net), tmp_path, cb, data=_loader(x, y, 4), callbacks=[returned, cb],
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert trainer.global_step == 4 and float(scaler.get_scale()) == 4096.0  # doubled twice
+    assert judged == pytest.approx(returned.losses, rel=1e-6)
+
+
 # ======================================================================================= sinks in a training loop
 def test_trainer_sinks_with_accumulation_and_bf16_read_back_from_their_files(tmp_path: Path) -> None:
     """torch_gradstats.Trainer on the ResNet with accumulation over 2 micro-batches (each epoch's last window ends

@@ -58,8 +58,9 @@ Step policies (``spike_guard=``, ``adaptive_clip=``; both look at every optimize
 * ``spike_guard``: a :class:`~torch_gradstats.SpikeGuard` judges the step's gradient norm and its loss (the mean
   of the micro-batches' losses over the accumulation window, from those Lightning passes to ``on_before_backward``,
   each divided by ``accumulate_grad_batches``: their sum, scaled up on an epoch's short last window, whose fewer
-  micro-batches Lightning still divides by the setting; under DDP averaged over the ranks by one all-reduce per
-  step, so every rank decides alike). A flagged
+  micro-batches Lightning still divides by the setting; under ``precision="16-mixed"`` divided by the GradScaler's
+  scale, which Lightning has multiplied them by; under DDP averaged over the ranks by one all-reduce per step, so
+  every rank decides alike). A flagged
   step (a spike, or non-finite gradients) is skipped as ``step_or_skip`` skips it: with a fused
   optimizer (``fused=True`` Adam, AdamW, SGD, Adagrad) and no GradScaler, on the device, with no host sync, through
   the ``found_inf`` the optimizer's ``step()`` reads right after this hook: parameters, optimizer state and step
@@ -287,8 +288,15 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
         # The micro-batches' losses of this optimizer step, summed on the device, and their count (see _step_loss).
+        # Under precision="16-mixed" Lightning passes the loss already multiplied by the GradScaler's scale: divided
+        # by it here, on the device (no sync), so the guard judges the loss and not the scale's changes.
         if self.spike_guard is not None and self.spike_guard.watch_loss:
-            self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
+            value = loss.detach()
+            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+            scale = getattr(scaler, "_scale", None)
+            if isinstance(scale, Tensor) and scaler is not None and scaler.is_enabled():
+                value = value / scale.reshape(()).to(value.device)
+            self._loss = value if self._loss is None else self._loss + value
             self._loss_n += 1
 
     def _step_loss(self, trainer: Any, pl_module: Any) -> Tensor | None:
