@@ -180,6 +180,41 @@ def test_lightning_policy_arguments_are_checked() -> None:
         GradStatsCallback(watch_activations="yes")  # type: ignore[arg-type]
 
 
+def test_both_callbacks_give_back_their_policies_and_their_state_under_the_same_names(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``spike_guard``, ``adaptive_clip`` (None where not given), ``state_dict()`` and ``load_state_dict()``, the same
+    on the Lightning and the Hugging Face callback: a state saved by one restores into the other's fresh policies,
+    and a saved policy the callback lacks is named in a warning."""
+    pytest.importorskip("transformers")
+    from torch_gradstats.integrations.transformers import GradStatsCallback as HFCallback
+
+    for cls in (GradStatsCallback, HFCallback):
+        guard, clip = SpikeGuard(min_history=2), AdaptiveClip(warmup=2)
+        cb = cls(spike_guard=guard, adaptive_clip=clip)
+        assert cb.spike_guard is guard and cb.adaptive_clip is clip, cls
+        bare = cls()
+        assert bare.spike_guard is None and bare.adaptive_clip is None and bare.state_dict() == {}, cls
+        for norm, loss in ((1.0, 2.0), (1.1, 2.1), (0.9, 1.9)):
+            guard.observe(torch.tensor(norm, dtype=torch.float64), torch.tensor(loss))
+            clip.threshold(torch.tensor(norm, dtype=torch.float64))
+        state = cb.state_dict()
+        assert set(state) == {"spike_guard", "adaptive_clip"}, cls
+        other = (HFCallback if cls is GradStatsCallback else GradStatsCallback)(
+            spike_guard=SpikeGuard(), adaptive_clip=AdaptiveClip())
+        other.load_state_dict(state)
+        assert other.spike_guard is not None and other.adaptive_clip is not None
+        assert int(other.spike_guard.steps) == 3, cls
+        for name, value in clip.state_dict().items():
+            got = other.adaptive_clip.state_dict()[name]
+            assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, (cls, name)
+        with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+            caplog.clear()
+            bare.load_state_dict(state)
+        assert [r.getMessage() for r in caplog.records].count(
+            "torch_gradstats: the checkpoint holds GradStatsCallback's spike_guard statistics, but this callback has "
+            "no spike_guard: they are not restored") == 1, cls
+
+
 def test_lightning_watch_names_the_origin_and_the_parameter(tmp_path: Path,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     module = Tiny(spike_at=None)
