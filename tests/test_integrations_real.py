@@ -6,9 +6,10 @@ steps, manual optimization and resumed runs, the logged values read back from th
 References are independent of the callback: the gradients the framework itself reads at each optimizer step
 (captured where the Hugging Face Trainer measures its ``grad_norm``, by a Lightning callback placed before ours, by
 an optimizer step hook), their norms taken in float64, and for the first accumulated step a float64 copy of the model
-recomputing the step's gradient from the captured micro-batches. Also: the spike guard's judged loss and the
-per-example norms on an epoch's short last accumulation step, reentrant checkpointing with every trainable parameter
-inside a segment, MLflow and W&B run files (slow tier), and torch_gradstats.Trainer's file sinks.
+recomputing the step's gradient from the captured micro-batches. Also: the spike guard's judged loss on an epoch's
+short last accumulation step (both callbacks) and under Lightning's fp16 GradScaler, the per-example norms on a short
+last step, a Hugging Face run resumed with the callback's policies' state restored, reentrant checkpointing with every
+trainable parameter inside a segment, MLflow and W&B run files (slow tier), and torch_gradstats.Trainer's file sinks.
 """
 
 from __future__ import annotations
