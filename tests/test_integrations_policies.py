@@ -201,8 +201,9 @@ def test_both_callbacks_give_back_their_policies_and_their_state_under_the_same_
         assert set(state) == {"spike_guard", "adaptive_clip"}, cls
         other = (HFCallback if cls is GradStatsCallback else GradStatsCallback)(
             spike_guard=SpikeGuard(), adaptive_clip=AdaptiveClip())
+        assert not other.policies_restored
         other.load_state_dict(state)
-        assert other.spike_guard is not None and other.adaptive_clip is not None
+        assert other.policies_restored and other.spike_guard is not None and other.adaptive_clip is not None
         assert int(other.spike_guard.steps) == 3, cls
         for name, value in clip.state_dict().items():
             got = other.adaptive_clip.state_dict()[name]

@@ -372,13 +372,17 @@ def test_hf_resumed_run_warns_that_the_guard_starts_afresh(tmp_path: Path, caplo
                      "with load_state_dict")]
 
 
-def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_uninterrupted_run(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """docs/integrations.md's resume recipe as written: the callback's ``state_dict()`` (its ``spike_guard``'s and
     ``adaptive_clip``'s statistics) saved beside each Trainer checkpoint in ``on_save``, a new Trainer resumed with
     ``resume_from_checkpoint`` from the middle of the run, the state loaded into its new callback before
     ``train()``: steps 3 and 4 are judged and clipped as in the uninterrupted run (the same z-scores, thresholds and
-    decisions), and the policies end with its state. Without the restore they start afresh (the guard with no history
-    has no z-scores): the comparison tells the two apart."""
+    decisions), and the policies end with its state; the warning that they start afresh is not given. Without the
+    restore they do start afresh (the guard with no history has no z-scores), with the warning: the comparison tells
+    the two apart."""
+    import logging
+
     transformers = _hf()
     from torch_gradstats import AdaptiveClip, SpikeGuard
     from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
@@ -407,7 +411,10 @@ def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_unin
     full, full_cb, _ = run("full")
     assert sorted(full) == [1, 2, 3, 4] and (tmp_path / "full" / "checkpoint-2" / "gradstats.pt").is_file()
     assert math.isfinite(full[3]["guard/grad_norm_z"]) and math.isfinite(full[3]["guard/loss_z"])  # past min_history
-    resumed, resumed_cb, trainer = run("resumed", resume=True)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        resumed, resumed_cb, trainer = run("resumed", resume=True)
+    assert resumed_cb.policies_restored
+    assert not [r for r in caplog.records if "start afresh" in r.getMessage()]
     assert sorted(trainer.ref) == [3, 4]  # the resumed run's own optimizer steps (log_history keeps 1 and 2 too)
     keys = ("grad/total_norm", "guard/skipped", "guard/consecutive", "guard/grad_norm_z", "guard/loss_z",
             "clip/threshold", "clip/coef")
@@ -423,7 +430,9 @@ def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_unin
                                            msg=f"{policy}.{name}")
             else:
                 assert got == want[name], (policy, name)
-    afresh, _, _ = run("afresh", resume=True, restore=False)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        afresh, _, _ = run("afresh", resume=True, restore=False)
+    assert len([r for r in caplog.records if "start afresh" in r.getMessage()]) == 1
     assert not all(afresh[3][key] == pytest.approx(full[3][key], rel=1e-5) for key in keys)
 
 

@@ -190,6 +190,12 @@ class PolicyState:
                                "callback has no %s: they are not restored", key, key)
             else:
                 policy.load_state_dict(state_dict[key])
+                self._policies_restored = True
+
+    @property
+    def policies_restored(self) -> bool:
+        """Whether :meth:`load_state_dict` restored a policy's statistics into this callback."""
+        return bool(getattr(self, "_policies_restored", False))
 
 
 class StatsTaker:

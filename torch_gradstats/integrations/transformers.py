@@ -121,9 +121,9 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             their sum where the Trainer passes the model ``num_items_in_batch``). A callback cannot skip
             ``optimizer.step()``: give the Trainer an optimizer wrapped by :meth:`wrap_optimizer` (checked when
             training starts). Reached as ``callback.spike_guard``. The Trainer's checkpoints do not hold its
-            statistics: a run resumed past step 0 warns that they start afresh unless restored, the callback's
-            ``state_dict()`` saved with the checkpoint and given to the new callback's ``load_state_dict``
-            (docs/integrations.md).
+            statistics: save the callback's ``state_dict()`` with the checkpoint and give it to the new callback's
+            ``load_state_dict`` (docs/integrations.md); a run resumed past step 0 without that warns that they
+            start afresh.
         adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` clipping every step's gradients to its threshold,
             before the Trainer's own ``max_grad_norm`` clip (set ``max_grad_norm=0`` to clip with it alone); reached
             as ``callback.adaptive_clip``, and not kept in the Trainer's checkpoints either.
@@ -226,7 +226,8 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
                 )
         policies = [n for n, p in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip))
                     if p is not None]
-        if policies and state.global_step > 0:  # resumed: the Trainer's checkpoints keep no callback tensors
+        if policies and state.global_step > 0 and not self.policies_restored:
+            # resumed: the Trainer's checkpoints keep no callback tensors, and none were loaded into this callback
             logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: %s statistics are not in the "
                            "Trainer's checkpoints and start afresh, unless you restored them with load_state_dict",
                            state.global_step, " and ".join(f"the {n}'s" for n in policies))
