@@ -524,6 +524,33 @@ def test_skip_at_first_step_with_fused_sgd_momentum_keeps_the_model_finite():
     assert all(torch.equal(a, b) for a, b in zip(buffers_skip, buffers_drop))
 
 
+def test_skip_at_first_step_of_a_param_group_added_later_keeps_fused_sgd_momentum_finite():
+    """A param group added mid-run (layers unfrozen) has no momentum buffers until its first step, which fused SGD
+    allocates uninitialised: a device-side skip of that step left garbage in them and the next step moved the
+    weights by ~1e14. The check that the buffers exist is made again when the param groups change."""
+    x, y = _data(32)
+    model = _mlp()
+    head = model[2]
+    for p in head.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.05, momentum=0.9, fused=True)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True, progress=False,
+                      after_backward=_nan_at(2, "0.weight"))
+    trainer.train_epoch(_loader(x[:16], y[:16], 8))  # two steps: the first group's buffers exist
+    for p in head.parameters():
+        p.requires_grad_(True)
+    opt.add_param_group({"params": list(head.parameters())})
+    s = trainer.train_epoch(_loader(x[16:24], y[16:24], 8))  # the group's first step (global step 2): skipped
+    assert s.skipped_steps == 1
+    # Skipped without a step: no buffer was made (a device-side skip made them with empty_like, left unwritten).
+    assert all("momentum_buffer" not in opt.state.get(p, {}) for p in head.parameters())
+    before = [p.detach().clone() for p in head.parameters()]
+    trainer.train_epoch(_loader(x[24:], y[24:], 8))  # the group's first step taken: buffer = grad
+    for p, b in zip(head.parameters(), before):
+        assert torch.equal(opt.state[p]["momentum_buffer"], p.grad)
+        assert torch.allclose(p.detach(), b - 0.05 * p.grad)
+
+
 def test_each_architecture_compiles_under_its_own_recompile_limit():
     """Architectures used to share one code object, hence dynamo's recompile limit, then ran eagerly unannounced."""
     from torch._dynamo.testing import CompileCounter
