@@ -344,3 +344,35 @@ def test_megatron_compat_hostile_inputs() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.tensor([0.0, 1.0, 0.0])
     assert megatron.count_zeros_fp32([p], None) == 2.0
+
+
+# ------------------------------------------------------------------------------------------- copies mid-run
+def test_noise_scale_deepcopies_and_pickles_mid_window() -> None:
+    # Its lock made copy.deepcopy and pickle fail ("cannot pickle '_thread.lock' object").
+    import copy
+    import pickle
+
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    ns = NoiseScale(2, ema=0.5)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 3, generator=gen, dtype=torch.float64) for _ in range(4)]
+
+    def micro(n: NoiseScale, x: torch.Tensor) -> None:
+        with n.micro_batch([w]):
+            ((x * w).sum(1).mean() / 2).backward()
+
+    micro(ns, xs[0]), micro(ns, xs[1])
+    ns.step([w])
+    w.grad = None
+    micro(ns, xs[2])  # a window in progress
+    grad = w.grad.clone()
+    copies = [copy.deepcopy(ns), pickle.loads(pickle.dumps(ns))]
+    for n in (ns, *copies):
+        w.grad = grad.clone()
+        micro(n, xs[3])
+        n.step([w])
+    want = ns.to_dict()
+    assert ns.steps == 2 and math.isfinite(want["noise/b_simple"])
+    for c in copies:
+        assert c.steps == 2 and c.to_dict() == want
+        assert c._state is not ns._state  # independent: a step of one leaves the other as it was

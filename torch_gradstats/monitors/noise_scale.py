@@ -453,6 +453,24 @@ class NoiseScale:
             parts = [t.detach().reshape(1).to(device=g.device, dtype=torch.float64) for t in (g, tr, w)]
             self._set_state(torch.cat(parts))
 
+    # ------------------------------------------------------------------------------------------- copies
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the lock (which cannot be pickled) and the views of the state: ``copy.deepcopy`` and
+        pickling give an independent NoiseScale with the same EMAs, window in progress and scaler (a copy of it)."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        for view in ("_grad_sq_ema", "_trace_ema", "_weight"):  # views of _state: made again from the copy's
+            del state[view]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        if self._state is None:
+            self._grad_sq_ema = self._trace_ema = self._weight = None
+        else:
+            self._set_state(self._state)
+
     def __repr__(self) -> str:
         return f"NoiseScale(local_batch_size={self.local_batch_size}, ema={self.ema}, steps={self.steps})"
 
