@@ -376,3 +376,36 @@ def test_noise_scale_deepcopies_and_pickles_mid_window() -> None:
     for c in copies:
         assert c.steps == 2 and c.to_dict() == want
         assert c._state is not ns._state  # independent: a step of one leaves the other as it was
+
+
+# ------------------------------------------------------------------------------------------- inference tensors
+def _model_with_inference_grads(index: int) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model(torch.randn(16, 4)).pow(2).mean().backward()
+    p = list(model.parameters())[index]
+    with torch.inference_mode():
+        p.grad = p.grad.clone()
+    return model, [q.grad.clone() for q in model.parameters()]
+
+
+@pytest.mark.parametrize("index", [0, 2])
+def test_clipping_an_inference_gradient_names_it_and_scales_nothing(index: int) -> None:
+    # Scaling failed part-way (the gradients before it in the list already scaled) with torch's message, no name.
+    from torch_gradstats import clip_grad_norm_
+
+    model, before = _model_with_inference_grads(index)
+    name = ["0.weight", "0.bias", "2.weight", "2.bias"][index]
+    clip = AdaptiveClip(warmup=1, max_norm=1e-3)
+    state = clip.state_dict()
+    for call in (lambda: clip_grad_norm_(model.named_parameters(), 1e-3), lambda: clip.clip_(model.named_parameters())):
+        with pytest.raises(ValueError, match=f"'{name}' is an inference tensor"):
+            call()
+        assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    for a, b in zip(clip.state_dict().values(), state.values()):  # the threshold's step was not taken
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    with torch.inference_mode():  # inside the mode it is scaled as any other
+        stats = clip_grad_norm_(model.named_parameters(), 1e-3)
+    want = 1e-3 / (float(stats.total_norm) + 1e-6)
+    assert all(torch.allclose(p.grad, b * want) for p, b in zip(model.parameters(), before))

@@ -64,7 +64,7 @@ from torch_gradstats.policies._scalars import (
     moved,
     state_tensors,
 )
-from torch_gradstats.policies.clip import clip_grad_norm_, clip_with_threshold_
+from torch_gradstats.policies.clip import check_writable, clip_grad_norm_, clip_with_threshold_
 from torch_gradstats.stats._params import ParamsLike, named_params
 from torch_gradstats.stats.gradients import GradStats, grad_stats
 
@@ -198,6 +198,7 @@ class AdaptiveClip:
             if id(p) not in seen:
                 seen.add(id(p))
                 named.append((name, p))
+        check_writable(named, "AdaptiveClip.clip_")  # before the threshold's step changes the state
         if stats is None:
             stats = grad_stats(named, group=group)
         if not len(stats):

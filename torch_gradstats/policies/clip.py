@@ -86,6 +86,21 @@ def scale_grads_(grads: Sequence[Tensor], coef: Tensor, foreach: bool | None) ->
                 g.mul_(c)
 
 
+def check_writable(named: Sequence[tuple[str, Tensor]], caller: str) -> None:
+    """Refuse, before anything is read or written, a gradient that cannot be scaled in place: an inference tensor
+    (made under ``torch.inference_mode()``) outside that mode. Scaling it fails part-way, after the gradients before
+    it in the list were scaled, with an error that names no parameter. Metadata only."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name, p in named:
+        if p.grad is not None and p.grad.is_inference():
+            raise ValueError(
+                f"{caller}: the gradient of {name!r} is an inference tensor (made under torch.inference_mode()), "
+                "which cannot be scaled in place outside that mode; set it as an ordinary tensor "
+                "(p.grad = p.grad.clone() outside inference_mode) or clip inside torch.inference_mode()"
+            )
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     params: ParamsLike,
@@ -174,6 +189,7 @@ def clip_with_threshold_(
     never negative and stay unread on the device (a one-element floating-point tensor, or a checked float)."""
     norm_type = float(norm_type)
     named = named_params(params)
+    check_writable(named, "clip_grad_norm_")
     if (group is not None or stage_group is not None) and norm_type not in (2.0, math.inf):
         arg = "group" if group is not None else "stage_group"
         raise ValueError(f"clip_grad_norm_: with {arg}=, norm_type must be 2 or inf, got {norm_type}")
