@@ -238,3 +238,22 @@ def test_bad_input() -> None:
         rec.record(stats, guard=SpikeGuard())
     with pytest.raises(ValueError, match="the groups changed at step 1"):
         rec.record(stats, groups=stats.grouped("layer"))
+
+
+def test_loss_of_any_real_kind_and_refused_losses() -> None:
+    # A numpy float (a metric's) was a TypeError, a complex loss lost its imaginary part silently, and a meta loss
+    # failed with an internal error; a numpy capacity was refused.
+    np = pytest.importorskip("numpy")
+    model, x, y = model_and_batch()
+    step(model, x, y, 0)
+    stats = grad_stats(model.named_parameters())
+    rec = FlightRecorder(np.int64(3))
+    assert rec.capacity == 3 and type(rec.capacity) is int
+    for loss in (np.float32(1.5), np.float64(2.25), torch.tensor(3, dtype=torch.int32)):
+        rec.record(stats, loss=loss)
+    assert [r["loss"] for r in rec.to_dicts()] == [1.5, 2.25, 3.0]
+    with pytest.raises(TypeError, match="loss must be a real tensor, got torch.complex64"):
+        rec.record(stats, loss=torch.tensor(1 + 2j))
+    with pytest.raises(ValueError, match="loss is a meta tensor"):
+        rec.record(stats, loss=torch.ones((), device="meta"))
+    assert rec.steps == 3

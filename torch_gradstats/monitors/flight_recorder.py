@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -116,19 +117,19 @@ class FlightRecorder:
     """
 
     def __init__(self, capacity: int = 256, *, dump_dir: str | os.PathLike[str] = ".") -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, numbers.Integral)) or capacity < 1:
             raise ValueError(f"FlightRecorder: capacity must be an int >= 1, got {capacity!r}")
         if not isinstance(dump_dir, (str, os.PathLike)):
             raise TypeError(f"FlightRecorder: dump_dir must be a str or path, got a {type(dump_dir).__name__}")
-        self.capacity = capacity
+        self.capacity: int = int(capacity)
         self.dump_dir = Path(dump_dir)
         self.steps = 0  #: record() calls so far (the next step's number)
         self._layout: _Layout | None = None
         self._floats: Tensor | None = None  # [capacity, n_floats] float64
         self._ints: Tensor | None = None  # [capacity, n_ints] int64
-        self._has_loss: list[bool] = [False] * capacity  # known on the host: no device value needed
+        self._has_loss: list[bool] = [False] * self.capacity  # known on the host: no device value needed
         # per slot, the groups the step had when some of the ring's groups had no gradient (None: all of them)
-        self._present: list[frozenset[str] | None] = [None] * capacity
+        self._present: list[frozenset[str] | None] = [None] * self.capacity
         self._group_index: tuple[tuple[str, ...], Tensor] | None = None  # the last such step's slots, kept
 
     def __len__(self) -> int:
@@ -244,8 +245,13 @@ class FlightRecorder:
             if loss.numel() != 1:
                 raise ValueError(f"FlightRecorder.record: loss must be one value, got a tensor of shape "
                                  f"{tuple(loss.shape)}")
+            if loss.dtype == torch.bool or loss.is_complex():
+                raise TypeError(f"FlightRecorder.record: loss must be a real tensor, got {loss.dtype}")
+            if loss.device.type == "meta":
+                raise ValueError("FlightRecorder.record: loss is a meta tensor, which has no value; pass the step's "
+                                 "loss")
             loss_t = loss.detach()
-        elif loss is None or (isinstance(loss, (int, float)) and not isinstance(loss, bool)):
+        elif loss is None or (isinstance(loss, numbers.Real) and not isinstance(loss, bool)):  # numpy's too
             loss_t = torch.full((), math.nan if loss is None else float(loss), dtype=torch.float64)
         else:
             raise TypeError(f"FlightRecorder.record: loss must be a tensor, a number or None, got a "
