@@ -257,3 +257,21 @@ def test_loss_of_any_real_kind_and_refused_losses() -> None:
     with pytest.raises(ValueError, match="loss is a meta tensor"):
         rec.record(stats, loss=torch.ones((), device="meta"))
     assert rec.steps == 3
+
+
+def test_meta_statistics_are_refused_and_the_recorder_stays_usable() -> None:
+    # The ring was made on the meta device, and every to_dicts() and dump() failed after it.
+    with torch.device("meta"):
+        meta = nn.Linear(4, 1)
+    meta(torch.randn(2, 4, device="meta")).sum().backward()
+    rec = FlightRecorder(2)
+    meta_stats = grad_stats(meta.named_parameters())
+    for call in (lambda: rec.record(meta_stats), lambda: rec.record(meta_stats.grouped("layer"))):
+        with pytest.raises(ValueError, match="statistics are of meta tensors"):
+            call()
+    assert rec.device is None and rec.steps == 0
+    model, x, y = model_and_batch()
+    step(model, x, y, 0)
+    stats = grad_stats(model.named_parameters())
+    rec.record(stats)
+    assert rec.to_dicts()[0]["total_norm"] == pytest.approx(float(stats.total_norm), rel=1e-12)

@@ -409,3 +409,22 @@ def test_clipping_an_inference_gradient_names_it_and_scales_nothing(index: int) 
         stats = clip_grad_norm_(model.named_parameters(), 1e-3)
     want = 1e-3 / (float(stats.total_norm) + 1e-6)
     assert all(torch.allclose(p.grad, b * want) for p, b in zip(model.parameters(), before))
+
+
+# ------------------------------------------------------------------------------------------- the meta device
+def test_noise_scale_refuses_meta_figures_and_stays_usable() -> None:
+    # A window on a meta model (a dry run before to_empty) made the state on the meta device: every later step and
+    # read then failed with "Cannot copy out of meta tensor".
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 1)
+    ns = NoiseScale(2, ema=0.5)
+    for _ in range(2):
+        with ns.micro_batch(model):
+            model(torch.randn(2, 4, device="meta")).sum().backward()
+    with pytest.raises(ValueError, match="small_sq is a meta tensor"):
+        ns.step(model)
+    with pytest.raises(ValueError, match="big_sq is a meta tensor"):
+        ns.update(1.0, torch.ones((), device="meta"), big_batch_size=4)
+    assert ns._state is None and ns.steps == 0
+    ns.update(1.0, 0.5, big_batch_size=4)  # |G|^2 = (4 * 0.5 - 2 * 1) / 2 = 0, tr = 0.5 / (1/2 - 1/4) = 2
+    assert ns.to_dict() == {"noise/b_simple": math.inf, "noise/grad_sq": 0.0, "noise/trace_sigma": 2.0}

@@ -165,6 +165,10 @@ class FlightRecorder:
                             f"{type(groups).__name__}")
         guard_p, clip_p = _policy("guard", guard), _policy("clip", clip)
         device = self.device or (stats.device if isinstance(stats, GradStats) else stats.sumsq.device)
+        if device.type == "meta" or (groups is not None and groups.sumsq.device.type == "meta"):
+            raise ValueError("FlightRecorder.record: these statistics are of meta tensors, which have no values (a "
+                             "model on the meta device); the ring would be made there and never read back: record "
+                             "the statistics of gradients with data")
         present = None
         if (groups is not None and self._layout is not None and self._layout.groups is not None
                 and list(groups.names) != self._layout.groups):

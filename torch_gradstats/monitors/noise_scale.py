@@ -69,6 +69,9 @@ def _as_sq(value: Tensor | float, what: str) -> Tensor:
                 f"NoiseScale.update: {what} must be a floating-point tensor of one element, got dtype "
                 f"{value.dtype} and shape {tuple(value.shape)}"
             )
+        if value.device.type == "meta":  # the state would be made there, and every later step and read would fail
+            raise ValueError(f"NoiseScale.update: {what} is a meta tensor, which has no value (gradients of a model on "
+                             f"the meta device); pass the squared norms of a real step")
         return value.detach().reshape(()).to(torch.float64)  # the EMAs must not chain every step's autograd graph
     if isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool):
         return torch.tensor(float(value), dtype=torch.float64)
