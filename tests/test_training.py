@@ -551,6 +551,26 @@ def test_skip_at_first_step_of_a_param_group_added_later_keeps_fused_sgd_momentu
         assert torch.allclose(p.detach(), b - 0.05 * p.grad)
 
 
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_a_disabled_grad_scaler_skips_as_no_scaler_would(skip_nonfinite):
+    """GradScaler(enabled=False) (the usual `enabled=use_amp`) steps the optimizer whatever the gradients: an Inf step
+    was counted and warned as skipped while it was taken, and skip_nonfinite was ignored (the weights went Inf)."""
+    x, y = _data(32)
+    runs = []
+    for scaler in (None, torch.amp.GradScaler("cpu", enabled=False)):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        trainer = Trainer(model, opt, nn.CrossEntropyLoss(), scaler=scaler, skip_nonfinite=skip_nonfinite,
+                          after_backward=_nan_at(1, "0.weight"), progress=False)
+        s = trainer.train_epoch(_loader(x, y, 8))
+        runs.append((s.skipped_steps, s.first_nonfinite_step, _params(model)))
+    (skipped, first, params), (skipped_d, first_d, params_d) = runs
+    assert (skipped_d, first_d) == (skipped, first) == (int(skip_nonfinite), 1)
+    assert all(torch.isfinite(p).all() for p in params_d) == skip_nonfinite
+    for p, q in zip(params, params_d):
+        assert torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
 def test_each_architecture_compiles_under_its_own_recompile_limit():
     """Architectures used to share one code object, hence dynamo's recompile limit, then ran eagerly unannounced."""
     from torch._dynamo.testing import CompileCounter

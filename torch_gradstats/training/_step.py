@@ -88,7 +88,7 @@ class OptimizerStepper:
             Whether the step was skipped, where that was decided on the host; None where it was decided on the
             device (or nothing could skip it).
         """
-        if self.scaler is not None:
+        if self.scaler is not None and self.scaler.is_enabled():  # a disabled scaler steps as no scaler would
             self._scaler_step(self.scaler, skip)
             return None
         flag = nonfinite if self.skip_nonfinite else None

@@ -54,7 +54,8 @@ class Trainer:
         accumulation_steps: micro-batches per optimizer step (gradient accumulation). An empty batch (0 samples)
             is counted as a batch and adds nothing; a window whose every batch is empty makes no optimizer step.
         scaler: a :class:`torch.amp.GradScaler` for mixed precision; the stats are taken after ``unscale_``. The
-            scaler skips non-finite steps itself.
+            scaler skips non-finite steps itself; a disabled one (``enabled=False``) skips nothing, as without a
+            scaler (``skip_nonfinite`` then applies).
         amp_dtype: run the forward under ``torch.autocast(device.type, dtype=amp_dtype)`` (e.g. ``torch.bfloat16``).
         max_grad_norm: clip the global L2 norm to this with :func:`torch_gradstats.clip_grad_norm_` (the stats
             come from the same read). Stats report the norm before clipping.
@@ -211,7 +212,7 @@ class Trainer:
             ("per_example", per_example), ("flight_recorder", self.flight_recorder is not None)) if on]
         self.must_check_every_step = bool(every_step_for)
         self._incidents: StepIncidents | None = None
-        if per_example or self.flight_recorder is not None or self._nonfinite_flag_needed():
+        if per_example or self.flight_recorder is not None or self._nonfinite_flag_needed() or scaler is not None:
             # "sum": each micro-batch's loss is weighted by its share of the window (see _example_scale).
             self._incidents = StepIncidents(model, per_example=per_example, recorder=self.flight_recorder,
                                             loss_reduction="sum", nonfinite_told=True)
@@ -468,7 +469,10 @@ class Trainer:
                            "(%d non-finite in all); step skipped", step, stats.names[first], n_bad)
 
     def _nonfinite_flag_needed(self) -> bool:
-        return self.skip_nonfinite or self.scaler is not None or self.spike_guard is not None
+        # A disabled scaler (GradScaler(enabled=False), or disabled mid-run) skips nothing: its step is the
+        # optimizer's, so a non-finite step is skipped only as it would be without a scaler.
+        scaling = self.scaler is not None and self.scaler.is_enabled()
+        return self.skip_nonfinite or scaling or self.spike_guard is not None
 
     def _report_activations(self, summary: EpochSummary) -> None:
         """Keep the watch's report (its own one transfer) and warn, naming the origin, when something was non-finite."""
