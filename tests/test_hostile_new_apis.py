@@ -428,3 +428,31 @@ def test_noise_scale_refuses_meta_figures_and_stays_usable() -> None:
     assert ns._state is None and ns.steps == 0
     ns.update(1.0, 0.5, big_batch_size=4)  # |G|^2 = (4 * 0.5 - 2 * 1) / 2 = 0, tr = 0.5 / (1/2 - 1/4) = 2
     assert ns.to_dict() == {"noise/b_simple": math.inf, "noise/grad_sq": 0.0, "noise/trace_sigma": 2.0}
+
+
+# ------------------------------------------------------------------------------------------- UpdateRatio
+def test_update_ratio_names_a_parameter_that_the_subtraction_refuses() -> None:
+    # A float8 weight, or one whose .data was replaced by another shape after snapshot(), failed measure() with
+    # torch's "add_stub not implemented for 'Float8_e4m3fn'" or a size mismatch, naming nothing.
+    from torch_gradstats.updates import UpdateRatio
+
+    w = torch.nn.Parameter(torch.ones(4))
+    f8 = torch.nn.Parameter(torch.ones(4).to(torch.float8_e4m3fn), requires_grad=False)
+    ratio = UpdateRatio([("w", w), ("scale8", f8)])
+    ratio.snapshot()
+    with pytest.raises(TypeError, match="parameter 'scale8' has a torch.float8_e4m3fn tensor"):
+        ratio.measure()
+    with pytest.raises(RuntimeError, match="without a snapshot"):  # not measured again from half-subtracted buffers
+        ratio.measure()
+
+    resized = torch.nn.Parameter(torch.ones(4))
+    ratio = UpdateRatio([("w", w), ("resized", resized)])
+    ratio.snapshot()
+    resized.data = torch.ones(5)
+    with pytest.raises(ValueError, match=r"'resized' changed between snapshot\(\) and measure\(\), from \(4,\)"):
+        ratio.measure()
+    ratio.snapshot()  # a new snapshot measures again
+    with torch.no_grad():
+        resized.mul_(3.0)
+    stats = ratio.measure()
+    assert stats.delta_sumsq.tolist() == [0.0, 20.0] and stats.weight_sumsq.tolist() == [4.0, 45.0]

@@ -189,8 +189,12 @@ class UpdateRatio:
             raise RuntimeError("UpdateRatio.measure() called without a snapshot() before the optimizer step")
         dt = dtensor_types()
         local = [_local(p, dt) for _, p in self._named]
-        torch._foreach_sub_(self._buffers, local)  # buffers := w_before - w_after
         self._armed = False
+        try:
+            torch._foreach_sub_(self._buffers, local)  # buffers := w_before - w_after
+        except RuntimeError:  # NotImplementedError too: a dtype without subtraction (float8)
+            self._named_failure(local)
+            raise
         n = len(local)
         tensors = self._buffers + local
         try:
@@ -206,6 +210,18 @@ class UpdateRatio:
         self.names = _names_like_grad_stats(self._named)
         self.stats = UpdateStats(self.names, sumsq[:n], sumsq[n:])
         return self.stats
+
+    def _named_failure(self, local: list[Tensor]) -> None:
+        """After the subtraction failed: the parameter that changed shape or device since the snapshot, or has a
+        dtype the op refuses, named (metadata only; only on failure, so a step pays no loop over the parameters)."""
+        assert self._buffers is not None
+        for name, b, t in zip(self.names, self._buffers, local):
+            if b.shape != t.shape or b.device != t.device:
+                raise ValueError(
+                    f"UpdateRatio.measure: parameter {name!r} changed between snapshot() and measure(), from "
+                    f"{tuple(b.shape)} on {b.device} to {tuple(t.shape)} on {t.device}; snapshot() again"
+                )
+        _check_named("UpdateRatio", list(zip(self.names, local)))
 
     def release(self) -> None:
         """Free the snapshot buffers (the next snapshot allocates them again)."""
