@@ -353,6 +353,21 @@ def test_meta_gradients_report_a_clear_error():
         stats.report()
 
 
+def test_meta_model_grad_and_weight_report_a_clear_error():
+    # GradWeightStats.report failed with torch's "Cannot copy out of meta tensor; no data!".
+    from torch_gradstats.updates import grad_and_weight_stats
+
+    with torch.device("meta"):
+        model = nn.Linear(3, 2)
+    model(torch.ones(4, 3, device="meta")).sum().backward()
+    with pytest.raises(ValueError, match="GradWeightStats.report: these statistics are of meta tensors"):
+        grad_and_weight_stats(model.named_parameters()).report()
+    real = nn.Linear(3, 2)
+    real(torch.ones(4, 3)).sum().backward()
+    report = grad_and_weight_stats(real.named_parameters()).report()
+    assert report.weight_norms["bias"] == pytest.approx(float(real.bias.detach().double().norm()), rel=1e-6)
+
+
 @pytest.mark.parametrize("k,error", [(2.5, TypeError), ("3", TypeError), (True, TypeError), (None, TypeError),
                                      (-1, ValueError)])
 def test_report_k_is_validated(k, error):

@@ -376,6 +376,12 @@ class GradWeightStats:
         per-group figures of ``groups`` (:meth:`grouped`) as ``report.grads.groups``, and the figures of ``extra``
         (see :meth:`GradStats.report`) as ``report.grads.extra``."""
         g = self.grads
+        if g.device.type == "meta":
+            raise ValueError(
+                "GradWeightStats.report: these statistics are of meta tensors, which have shapes but no values, so "
+                "there are no numbers to report; compute them on a model with data (e.g. after "
+                "model.to_empty(device=...) and a backward pass)"
+            )
         p = len(g.names)
         floats: list[Tensor] = [g.sumsq, g.amax, self.weight_sumsq]
         tensor_lrs = [i for i, v in enumerate(self.lrs or []) if isinstance(v, Tensor)]
