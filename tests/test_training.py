@@ -571,6 +571,26 @@ def test_a_disabled_grad_scaler_skips_as_no_scaler_would(skip_nonfinite):
         assert torch.equal(p.nan_to_num(), q.nan_to_num())
 
 
+def test_a_loss_that_does_not_require_grad_is_named():
+    """A model whose parameters are all frozen failed in backward() with torch's 'element 0 of tensors does not
+    require grad and does not have a grad_fn', which names neither the frozen model nor the loss."""
+    x, y = _data(16)
+    model = _mlp()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    before = _params(model)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), progress=False)
+    with pytest.raises(ValueError, match="every parameter of the model is frozen"):
+        trainer.train_epoch(_loader(x, y, 8))
+    assert trainer.global_step == 0 and all(torch.equal(p, q) for p, q in zip(_params(model), before))
+    model = _mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      lambda out, target: nn.functional.cross_entropy(out.detach(), target), progress=False)
+    with pytest.raises(ValueError, match="does not depend on a parameter that requires grad"):
+        trainer.train_epoch(_loader(x, y, 8))
+    assert trainer.global_step == 0
+
+
 def test_each_architecture_compiles_under_its_own_recompile_limit():
     """Architectures used to share one code object, hence dynamo's recompile limit, then ran eagerly unannounced."""
     from torch._dynamo.testing import CompileCounter

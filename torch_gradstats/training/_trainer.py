@@ -361,6 +361,14 @@ class Trainer:
                     raise ValueError(
                         f"loss_fn must return a 0-d (mean) loss, got shape {tuple(loss.shape)}; use reduction='mean'"
                     )
+                if not loss.requires_grad:  # torch's own error says only "element 0 of tensors does not require grad"
+                    frozen = not any(p.requires_grad for p in self.model.parameters())
+                    raise ValueError(
+                        "Trainer: the loss does not require grad, so there is no gradient to train on: "
+                        + ("every parameter of the model is frozen (requires_grad=False); unfreeze the ones to train"
+                           if frozen else "it does not depend on a parameter that requires grad (a loss_fn that "
+                           "detaches, or a forward under torch.no_grad?)")
+                    )
                 # Weight each micro-batch by its share of the window's samples: per-sample averaging.
                 scaled = loss if n == samples else loss * (n / samples)
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
