@@ -117,7 +117,9 @@ class NoiseScale:
         scaler: the ``torch.amp.GradScaler`` whose ``scale(loss)`` the backward passes run on, or None. The hook
             and :meth:`micro_batch` then read gradients of the scaled loss and divide their squared norms by the
             scale's square, on the device (the scale as it is during that backward); :meth:`step` reads the
-            true gradients, so it must run after ``scaler.unscale_(optimizer)`` and before ``scaler.update()``.
+            true gradients, so it must run after ``scaler.unscale_(optimizer)`` and before ``scaler.update()`` (with
+            several optimizers, after the ``unscale_`` of each one holding a parameter of ``params``: the check sees
+            only that the scaler unscaled one of them).
 
     Reading: :attr:`b_simple`, :attr:`grad_sq`, :attr:`trace_sigma` are 0-d float64 tensors on the gradients'
     device (NaN before the first step); reading one as a number is the one host sync. :meth:`to_dict` gives all
