@@ -456,3 +456,28 @@ def test_update_ratio_names_a_parameter_that_the_subtraction_refuses() -> None:
         resized.mul_(3.0)
     stats = ratio.measure()
     assert stats.delta_sumsq.tolist() == [0.0, 20.0] and stats.weight_sumsq.tolist() == [4.0, 45.0]
+
+
+def test_noise_scale_step_leaves_out_a_frozen_parameters_stale_gradient() -> None:
+    # micro_batch reads the parameters that require grad, step read every .grad: a layer frozen mid-run kept its
+    # last gradient, which step counted in the big batch alone (here b_simple -3.98 instead of 3.74).
+    def run(stale: bool) -> dict[str, float]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+        x = torch.randn(4, 8, 4, dtype=torch.float64)
+        model(x[0]).sum().backward()  # an earlier step: every parameter has a gradient
+        model[0].requires_grad_(False)  # the first layer frozen from here on
+        for p in model.parameters():
+            if p.requires_grad or not stale:
+                p.grad = None
+        ns = NoiseScale(4, ema=0.5)
+        for s in range(1, 4):
+            for i in range(2):
+                with ns.micro_batch(model):
+                    (model(x[s, i * 4:(i + 1) * 4]).pow(2).mean() / 2).backward()
+            ns.step(model)
+            model[2].zero_grad(set_to_none=True)
+        return ns.to_dict()
+
+    fresh, stale = run(False), run(True)
+    assert stale == fresh and fresh["noise/b_simple"] == pytest.approx(3.7445, abs=1e-4)

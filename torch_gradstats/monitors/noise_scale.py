@@ -352,7 +352,8 @@ class NoiseScale:
 
     def step(self, params: Any) -> None:
         """Fold an accumulation window in: ``.grad`` of ``params`` is the big batch, the micro-batches read by
-        :meth:`micro_batch` since the last call are the small ones. Call it before ``optimizer.zero_grad()``.
+        :meth:`micro_batch` since the last call are the small ones. Call it before ``optimizer.zero_grad()``. As in
+        :meth:`micro_batch`, only the tensors that require grad are read (a frozen one's stale ``.grad`` is not).
 
         With ``k`` micro-batches whose losses were scaled by ``1/k``, micro-batch ``j`` contributed ``g_j / k``, so
         the mean of ``|g_j|^2`` is ``k`` times the sum of the contributions' squared norms, and B_big is
@@ -360,7 +361,10 @@ class NoiseScale:
         after ``scaler.unscale_(optimizer)`` and before ``scaler.update()`` (``ValueError`` otherwise, the window
         kept).
         """
-        named = [(n, p.grad) for n, p in _params_of(params, "NoiseScale.step") if p.grad is not None]
+        # The parameters micro_batch reads (those that require grad): a frozen one's .grad, left from before it was
+        # frozen, is no part of this window's big batch.
+        named = [(n, p.grad) for n, p in _params_of(params, "NoiseScale.step")
+                 if p.requires_grad and p.grad is not None]
         grads = [g for _, g in named]
         self._check_unscaled()
         with self._lock:
@@ -371,7 +375,7 @@ class NoiseScale:
                 f"NoiseScale.step: needs at least 2 micro-batches read by micro_batch() since the last step, got {k}"
             )
         if not grads:
-            raise ValueError("NoiseScale.step: no parameter in params has a gradient")
+            raise ValueError("NoiseScale.step: no parameter in params that requires grad has a gradient")
         big = _sumsq(grads, [n for n, _ in named], "NoiseScale.step")
         self.update(micro * k, big, big_batch_size=k * self.local_batch_size)
 
