@@ -986,3 +986,28 @@ def test_mixed_device_outputs_are_read_after_their_copy_lands():
             report = watch.report()
             assert report.modules["1"].input_max_abs == pytest.approx(1.0, rel=1e-4)
             assert report.modules["1"].max_abs == 1.0
+
+
+def test_a_deep_copy_of_the_model_is_not_watched_but_a_replica_is():
+    """copy.deepcopy of a watched model (an EMA or teacher copy) carries the hooks: its forwards were counted as the
+    watched model's steps, so a NaN in the copy's evaluation was reported as the model's incident (and the model's
+    backward warned as late). DataParallel's replicas stay the model's own."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    watch = ActivationWatch(model)
+    ema = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "the backward of step 0 ran after step 1 began"
+        out = model(torch.randn(6, 4))
+        with torch.no_grad():
+            ema(torch.full((3, 4), math.nan))
+        out.pow(2).mean().backward()
+    report = watch.report()
+    assert report.step == 0 and not report.nonfinite and not report.inputs_nonfinite
+    replica = model._replicate_for_data_parallel()  # what nn.DataParallel runs on each device, hooks shared
+    replica(torch.full((3, 4), math.nan))
+    report = watch.report()
+    assert report.step == 1 and report.inputs_nonfinite
+    watch.remove()

@@ -136,6 +136,13 @@ def _recomputing() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+def _foreign(called: nn.Module, module: nn.Module) -> bool:
+    """A hook called for another module than the one it was put on: a copy of the model (``copy.deepcopy``: an EMA
+    or teacher model) carries the hooks, and its calls are not the watched model's steps. DataParallel's replicas
+    (shallow copies made for each forward, marked ``_is_replica``) are the watched model's own."""
+    return called is not module and not getattr(called, "_is_replica", False)
+
+
 def _floating(t: Tensor) -> bool:
     return t.dtype in SUPPORTED_DTYPES or t.is_complex()
 
@@ -306,11 +313,11 @@ class ActivationWatch:
 
     # ------------------------------------------------------------------------------------------ hooks
     def _pre_hook(self, i: int) -> Callable[..., Any]:
-        with_backward = self._with_backward[i]
+        module, with_backward = self._modules[i], self._with_backward[i]
         opened, reader = self._open, self._reader
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if inside_transform():
+            if _foreign(_m, module) or inside_transform():
                 return None
             recompute = _recomputing()
             if i == 0:
@@ -362,7 +369,7 @@ class ActivationWatch:
         opened, reader, own_params = self._open, self._reader, module._parameters
 
         def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-            if inside_transform():  # its pre-hook did nothing either
+            if _foreign(_m, module) or inside_transform():  # its pre-hook did nothing either
                 return None
             if i == 0:
                 self._in_root = max(0, self._in_root - 1)
