@@ -481,3 +481,22 @@ def test_noise_scale_step_leaves_out_a_frozen_parameters_stale_gradient() -> Non
 
     fresh, stale = run(False), run(True)
     assert stale == fresh and fresh["noise/b_simple"] == pytest.approx(3.7445, abs=1e-4)
+
+
+@pytest.mark.parametrize("cls", [SpikeGuard, AdaptiveClip])
+def test_policies_refuse_the_meta_device_for_their_state(cls: type) -> None:
+    # A policy built with device=<a meta model's device> (deferred init) or moved there held no values: its
+    # decisions were meta tensors, and the first real step failed with "Cannot copy out of meta tensor".
+    name = cls.__name__
+    with pytest.raises(ValueError, match=f"{name}: device is the meta device"):
+        cls(device=torch.device("meta"))
+    policy = cls()
+    first = policy.observe(1.0) if cls is SpikeGuard else policy.threshold(1.0)
+    with pytest.raises(ValueError, match=rf"{name}.to: device is the meta device"):
+        policy.to("meta")
+    assert policy.device == torch.device("cpu")
+    assert float(first) == (1.0 if cls is SpikeGuard else math.inf)
+    if cls is SpikeGuard:  # still readable: the step taken before is there
+        assert policy.check()["guard/skipped"] == 0.0 and int(policy.steps) == 1
+    else:
+        assert policy.figures() == {"clip/threshold": math.inf, "clip/coef": 1.0}

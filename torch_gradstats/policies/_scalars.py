@@ -47,14 +47,18 @@ def check_int(where: str, value: object, *, low: int, high: int | None = None, w
 
 
 def check_device(where: str, device: object) -> torch.device:
-    """``device`` (a torch.device or a str such as ``"cuda:0"``) as a torch.device, or a TypeError/ValueError naming
-    ``where`` (torch's own errors name neither; an int would pick an accelerator)."""
+    """``device`` (a torch.device or a str such as ``"cuda:0"``, not ``"meta"``) as a torch.device, or a
+    TypeError/ValueError naming ``where`` (torch's own errors name neither; an int would pick an accelerator)."""
     if not isinstance(device, (torch.device, str)):
         raise TypeError(f"{where} must be a torch.device or a str, got {device!r} ({type(device).__name__})")
     try:
-        return torch.device(device)
+        out = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"{where} is not a device: {device!r} ({exc})") from None
+    if out.type == "meta":  # the state would have no values: every decision unreadable, no move off it possible
+        raise ValueError(f"{where} is the meta device, which holds no values; keep the state where the gradient "
+                         "norms are computed (by default it moves to the first one's device)")
+    return out
 
 
 def as_figure(where: str, value: object, device: torch.device) -> Tensor:
