@@ -500,3 +500,22 @@ def test_policies_refuse_the_meta_device_for_their_state(cls: type) -> None:
         assert policy.check()["guard/skipped"] == 0.0 and int(policy.steps) == 1
     else:
         assert policy.figures() == {"clip/threshold": math.inf, "clip/coef": 1.0}
+
+
+def test_numpy_integers_where_ints_are_taken() -> None:
+    # Trainer(flight_recorder=np.int64(8)) and a NoiseScale state whose step count went through numpy were refused
+    # ("must be an int").
+    np = pytest.importorskip("numpy")
+    from torch_gradstats import Trainer
+
+    model = torch.nn.Linear(2, 1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(),
+                      flight_recorder=np.int64(8), progress=False)
+    assert trainer.flight_recorder is not None and trainer.flight_recorder.capacity == 8
+    ns = NoiseScale(2, ema=0.5)
+    ns.update(1.0, 0.5, big_batch_size=4)
+    state = ns.state_dict()
+    state["steps"] = np.int64(state["steps"])
+    other = NoiseScale(2, ema=0.5)
+    other.load_state_dict(state)
+    assert other.steps == 1 and type(other.steps) is int and other.to_dict() == ns.to_dict()

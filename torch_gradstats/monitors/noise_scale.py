@@ -423,8 +423,9 @@ class NoiseScale:
                 f"ema={self.ema} (the bias correction assumes one decay)"
             )
         steps, g, tr = state["steps"], state["grad_sq_ema"], state["trace_sigma_ema"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        if isinstance(steps, bool) or not isinstance(steps, (int, numbers.Integral)) or steps < 0:  # numpy's too
             raise ValueError(f"NoiseScale.load_state_dict: steps must be an int >= 0, got {steps!r}")
+        steps = int(steps)
         if (g is None) != (tr is None) or (g is None) != (steps == 0):
             raise ValueError("NoiseScale.load_state_dict: grad_sq_ema and trace_sigma_ema must be set iff steps > 0")
         for name, t in (("grad_sq_ema", g), ("trace_sigma_ema", tr)):

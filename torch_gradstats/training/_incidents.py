@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,10 @@ def check_flight_recorder(who: str, value: Any) -> FlightRecorder | None:
     """``flight_recorder=``: None, a capacity (int >= 1: ``FlightRecorder(value)``) or a FlightRecorder."""
     if value is None or isinstance(value, FlightRecorder):
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, (int, numbers.Integral)) or value < 1:  # numpy ints too
         raise TypeError(f"{who}: flight_recorder must be None, a capacity (an int >= 1) or a FlightRecorder, "
                         f"got {value!r}")
-    return FlightRecorder(value)
+    return FlightRecorder(int(value))
 
 
 class StepIncidents:
