@@ -519,3 +519,44 @@ def test_numpy_integers_where_ints_are_taken() -> None:
     other = NoiseScale(2, ema=0.5)
     other.load_state_dict(state)
     assert other.steps == 1 and type(other.steps) is int and other.to_dict() == ns.to_dict()
+
+
+def test_noise_scale_deep_copy_reads_through_the_same_grad_scaler() -> None:
+    # The copy got a copy of the GradScaler, which starts with no scale: its readings of scaled gradients were no
+    # longer unscaled (the window's sum 833947 instead of 0.983), and a copy made after unscale_ failed on the
+    # scaler's "may only be pickled at the beginning of an iteration".
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ns = NoiseScale(2, ema=0.5, scaler=scaler)
+    x = torch.randn(4, 4, dtype=torch.float64)
+
+    def micro(n: NoiseScale, xb: torch.Tensor) -> None:
+        with n.micro_batch(model):
+            scaler.scale(model(xb).pow(2).mean() / 2).backward()
+
+    micro(ns, x[:2])
+    grads = [p.grad.clone() for p in model.parameters()]
+    copies = []
+    for n in (ns, copy.deepcopy(ns)):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        micro(n, x[2:])
+        scaler.unscale_(opt)
+        n.step(model)
+        copies.append(copy.deepcopy(n))  # mid-iteration: after unscale_, before update
+        scaler._per_optimizer_states.clear()  # the same iteration again for the copy
+    ns, twin = copies
+    assert twin.scaler is scaler and ns.scaler is scaler
+    reference = NoiseScale(2, ema=0.5)  # the same window without a loss scale
+    for p in model.parameters():
+        p.grad = None
+    for xb in (x[:2], x[2:]):
+        with reference.micro_batch(model):
+            (model(xb).pow(2).mean() / 2).backward()
+    reference.step(model)
+    want = reference.to_dict()  # the scale is a power of two: the unscaled readings are exact
+    assert twin.to_dict() == ns.to_dict() == want and twin.steps == ns.steps == 1

@@ -31,6 +31,7 @@ EMAs and their bias correction) is one float64 tensor, and :meth:`NoiseScale.upd
 ``torch_gradstats::noise_scale_step`` (:mod:`torch_gradstats.ops.policy_ops`), which updates it in place.
 """
 
+import copy
 import logging
 import math
 import numbers
@@ -464,9 +465,21 @@ class NoiseScale:
             self._set_state(torch.cat(parts))
 
     # ------------------------------------------------------------------------------------------- copies
+    def __deepcopy__(self, memo: dict[int, Any]) -> "NoiseScale":
+        """An independent NoiseScale with copies of the EMAs and of the window in progress, reading through the same
+        ``scaler`` and ``process_group``: those are the training loop's own (a copied GradScaler would start with
+        no scale, and the copy's readings of scaled gradients would no longer be unscaled)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = self.__getstate__()
+        shared = {key: state.pop(key) for key in ("scaler", "process_group")}
+        new.__setstate__({**copy.deepcopy(state, memo), **shared})
+        return new
+
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the lock (which cannot be pickled) and the views of the state: ``copy.deepcopy`` and
-        pickling give an independent NoiseScale with the same EMAs, window in progress and scaler (a copy of it)."""
+        """Everything but the lock (which cannot be pickled) and the views of the state: pickling gives a NoiseScale
+        with the same EMAs, window in progress and scaler (pickled with it: a GradScaler pickles only between
+        iterations, with its scale kept as a number until its next ``scale()``)."""
         state = self.__dict__.copy()
         del state["_lock"]
         for view in ("_grad_sq_ema", "_trace_ema", "_weight"):  # views of _state: made again from the copy's
