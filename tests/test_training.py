@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import sys
@@ -547,6 +548,28 @@ def test_skip_at_first_step_of_a_param_group_added_later_keeps_fused_sgd_momentu
     before = [p.detach().clone() for p in head.parameters()]
     trainer.train_epoch(_loader(x[24:], y[24:], 8))  # the group's first step taken: buffer = grad
     for p, b in zip(head.parameters(), before):
+        assert torch.equal(opt.state[p]["momentum_buffer"], p.grad)
+        assert torch.allclose(p.detach(), b - 0.05 * p.grad)
+
+
+def test_skip_after_a_rollback_to_an_optimizer_state_without_momentum_buffers_keeps_fused_sgd_finite():
+    """A rollback to a checkpoint saved before the first step (optimizer.load_state_dict of an empty state) removes
+    the momentum buffers; the first skipped step after it was skipped on the device, leaving the buffers fused SGD
+    made with empty_like unwritten (the weights reached ~2e9 two steps later)."""
+    x, y = _data(32)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    start = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True, progress=False,
+                      after_backward=_nan_at(2, "0.weight"))
+    trainer.train_epoch(_loader(x[:16], y[:16], 8))  # two steps: the buffers exist
+    model.load_state_dict(start[0])
+    opt.load_state_dict(start[1])  # the rollback: no buffers
+    s = trainer.train_epoch(_loader(x[16:24], y[16:24], 8))  # global step 2: skipped
+    assert s.skipped_steps == 1 and all("momentum_buffer" not in opt.state.get(p, {}) for p in model.parameters())
+    before = _params(model)
+    trainer.train_epoch(_loader(x[24:], y[24:], 8))  # the first step after the rollback: buffer = grad
+    for p, b in zip(model.parameters(), before):
         assert torch.equal(opt.state[p]["momentum_buffer"], p.grad)
         assert torch.allclose(p.detach(), b - 0.05 * p.grad)
 

@@ -63,7 +63,7 @@ class OptimizerStepper:
         self.skip_nonfinite = skip_nonfinite
         self.count = 0  #: optimizer steps taken or skipped
         self._device_skip = device_skip_step(optimizer)
-        self._state_ready: int | None = None  # see _state_pending: the number of param groups then
+        self._state_ready: tuple[int, int, int] | None = None  # see _state_pending: the optimizer's layout then
         self._armed = False  # a counted call is in progress
         self._stepped = False  # ... and optimizer.step() has completed inside it
         register = getattr(optimizer, "register_step_post_hook", None)
@@ -146,15 +146,18 @@ class OptimizerStepper:
             self.count += 1
 
     def _state_pending(self) -> bool:
-        """:func:`momentum_pending`, until it is False once for the optimizer's param groups: a group added later
-        (``add_param_group``, e.g. layers unfrozen mid-run) has no momentum buffers yet, and a fused SGD's first step
-        of that group, skipped on the device, would leave them uninitialised as on the very first step."""
-        groups = len(self.optimizer.param_groups)
-        if self._state_ready == groups:
+        """:func:`momentum_pending`, until it is False once for the optimizer's param groups and state: a group added
+        later (``add_param_group``, e.g. layers unfrozen mid-run), or a state loaded or cleared (a rollback to a
+        checkpoint saved before the first step), has no momentum buffers yet, and a fused SGD's step that creates
+        them, skipped on the device, would leave them uninitialised as on the very first step. Asked again only
+        when the number of groups, or the state dict or its size, changed (no walk over the parameters per step)."""
+        opt = self.optimizer
+        layout = (len(opt.param_groups), id(opt.state), len(opt.state))
+        if self._state_ready == layout:
             return False
-        if momentum_pending(self.optimizer):
+        if momentum_pending(opt):
             return True
-        self._state_ready = groups
+        self._state_ready = layout
         return False
 
 
