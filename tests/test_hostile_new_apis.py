@@ -560,3 +560,27 @@ def test_noise_scale_deep_copy_reads_through_the_same_grad_scaler() -> None:
     reference.step(model)
     want = reference.to_dict()  # the scale is a power of two: the unscaled readings are exact
     assert twin.to_dict() == ns.to_dict() == want and twin.steps == ns.steps == 1
+
+
+@pytest.mark.parametrize("cls", [SpikeGuard, AdaptiveClip])
+def test_policy_state_loaded_on_the_meta_device_is_named(cls: type) -> None:
+    # torch.load(map_location="meta") gives shapes without values: the load failed with torch's "Cannot copy out of
+    # meta tensor; no data!".
+    import io
+
+    policy = cls()
+    first = policy.observe(2.0) if cls is SpikeGuard else policy.threshold(2.0)
+    buf = io.BytesIO()
+    torch.save(policy.state_dict(), buf)
+    buf.seek(0)
+    meta = torch.load(buf, map_location="meta", weights_only=True)
+    other = cls()
+    with pytest.raises(ValueError, match=f"{cls.__name__}.load_state_dict: '[a-z_]+' is a meta tensor"):
+        other.load_state_dict(meta)
+    buf.seek(0)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert float(first) == (1.0 if cls is SpikeGuard else math.inf)
+    if cls is SpikeGuard:
+        assert int(other.steps) == 1
+    else:
+        assert int(other.state_dict()["count"][0]) == 1

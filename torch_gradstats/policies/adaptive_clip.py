@@ -290,6 +290,9 @@ class AdaptiveClip:
                 raise ValueError(
                     f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+            if t.device.type == "meta":  # loaded with map_location="meta": shapes without values
+                raise ValueError(f"AdaptiveClip.load_state_dict: {key!r} is a meta tensor, which has no values; load "
+                                 "the state with map_location set to a real device")
         # Values no save produces would silently stop the clipping (a negative count never ends the warm-up).
         # A NaN mean, or an inf warm-up norm, would give a NaN or inf threshold for the rest of the run.
         count, ema, streak = int(fetch(state["count"])[0]), fetch(state["ema"]), int(fetch(state["streak"])[0])

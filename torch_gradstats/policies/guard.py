@@ -342,6 +342,9 @@ class SpikeGuard:
                 raise ValueError(
                     f"SpikeGuard.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
                 )
+            if t.device.type == "meta":  # loaded with map_location="meta": shapes without values
+                raise ValueError(f"SpikeGuard.load_state_dict: {key!r} is a meta tensor, which has no values; load the "
+                                 "state with map_location set to a real device")
         # Values no save produces would silently decide every later step (a count above the window skips them all).
         count, pos, counters = fetch(state["count"]), fetch(state["position"]), fetch(state["counters"])
         if bool(((count < 0) | (count > w)).any()):
