@@ -584,3 +584,22 @@ def test_policy_state_loaded_on_the_meta_device_is_named(cls: type) -> None:
         assert int(other.steps) == 1
     else:
         assert int(other.state_dict()["count"][0]) == 1
+
+
+def test_numpy_integers_in_the_monitors_and_grouping() -> None:
+    # Each was refused with "must be an int ..., got np.int64(...)".
+    np = pytest.importorskip("numpy")
+    from torch_gradstats import ActivationWatch, PerExampleNorms, grad_stats
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    per_example = PerExampleNorms(model, batch_dim=np.int64(0), max_materialize=np.int64(4))
+    watch = ActivationWatch(model, every_n_steps=np.int64(2))
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    indices, norms = per_example.top(np.int64(2))
+    assert indices.tolist() == per_example.norms().argsort(descending=True)[:2].tolist() and len(norms) == 2
+    assert watch.every_n_steps == 2 and type(watch.every_n_steps) is int
+    assert grad_stats(model.named_parameters()).grouped(np.int64(1)).names == ["0", "1"]
+    watch.remove()
+    per_example.remove()

@@ -24,6 +24,7 @@ a GradScaler, gives norms divided or multiplied alike (the Trainer and the callb
 from __future__ import annotations
 
 import logging
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -91,11 +92,11 @@ class PerExampleNorms:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"PerExampleNorms: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         for arg, value, low in (("batch_dim", batch_dim, 0), ("max_materialize", max_materialize, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, (int, numbers.Integral)) or value < low:
                 raise ValueError(f"PerExampleNorms: {arg} must be an int >= {low}, got {value!r}")
         self.loss_reduction = loss_reduction
-        self.batch_dim = batch_dim
-        self.max_materialize = max_materialize
+        self.batch_dim = int(batch_dim)
+        self.max_materialize = int(max_materialize)
         self._layers: dict[nn.Module, _Layer] = {}
         self._handles: list[Any] = []
         names = {id(p): n for n, p in model.named_parameters()}
@@ -267,10 +268,10 @@ class PerExampleNorms:
     def top(self, k: int) -> tuple[Tensor, Tensor]:
         """``(indices, norms)`` of the ``k`` largest per-example norms, largest first (a NaN first of all)."""
         norms = self.norms()
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= norms.shape[0]:
+        if isinstance(k, bool) or not isinstance(k, (int, numbers.Integral)) or not 0 <= k <= norms.shape[0]:
             raise ValueError(f"PerExampleNorms.top: k must be an int from 0 to the {norms.shape[0]} examples "
                              f"recorded, got {k!r}")
-        values, indices = torch.topk(norms, k)
+        values, indices = torch.topk(norms, int(k))
         return indices, values
 
     @property

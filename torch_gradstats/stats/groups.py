@@ -29,6 +29,7 @@ logical parameters, and grouping adds no collective.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import threading
 from collections import OrderedDict
@@ -93,10 +94,10 @@ def _layer_group(name: str) -> str:
 def _resolver(by: GroupBy) -> Callable[[str], str | None]:
     if isinstance(by, bool):
         raise TypeError(f"grouped: by must be 'layer', an int, a regex or a callable, got {by!r}")
-    if isinstance(by, int):
+    if isinstance(by, (int, numbers.Integral)):  # numpy's too
         if by < 1:
             raise ValueError(f"grouped: by as an int is a module-path depth and must be >= 1, got {by}")
-        depth = by
+        depth = int(by)
 
         def at_depth(name: str) -> str:
             path = _module_path(name)

@@ -15,6 +15,7 @@ and outputs), under the name ``"<root>"``.
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -203,7 +204,7 @@ class ActivationWatch:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ActivationWatch: model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, (int, numbers.Integral)):
             raise TypeError(f"ActivationWatch: every_n_steps must be an int, got {type(every_n_steps).__name__}")
         if every_n_steps < 1:
             raise ValueError(f"ActivationWatch: every_n_steps must be >= 1, got {every_n_steps}")
@@ -212,7 +213,7 @@ class ActivationWatch:
         if _is_compiled(model):
             raise ValueError(f"ActivationWatch: model is compiled. {_COMPILE_ERROR}")
         select = _selector(modules)
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = int(every_n_steps)
         self.backward = backward
         self._root = _unwrap(model)
         # Index 0 is the root, read always; its backward only when selected.
