@@ -93,7 +93,7 @@ def check_writable(named: Sequence[tuple[str, Tensor]], caller: str) -> None:
     if torch.is_inference_mode_enabled():
         return
     for name, p in named:
-        if p.grad is not None and p.grad.is_inference():
+        if isinstance(p.grad, Tensor) and p.grad.is_inference():  # a non-tensor .grad is named by the op's checks
             raise ValueError(
                 f"{caller}: the gradient of {name!r} is an inference tensor (made under torch.inference_mode()), "
                 "which cannot be scaled in place outside that mode; set it as an ordinary tensor "
