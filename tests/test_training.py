@@ -574,6 +574,19 @@ def test_skip_after_a_rollback_to_an_optimizer_state_without_momentum_buffers_ke
         assert torch.allclose(p.detach(), b - 0.05 * p.grad)
 
 
+def test_a_disabled_grad_scaler_warns_of_the_host_sync_as_no_scaler_would(caplog):
+    """skip_nonfinite with a non-fused optimizer reads each step's flag on the host; the warning saying so was left
+    out whenever a scaler was given, a disabled one (which skips nothing itself) included."""
+    model = _mlp()
+    for scaler in (None, torch.amp.GradScaler("cpu", enabled=False), torch.amp.GradScaler("cpu")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+            Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), scaler=scaler,
+                    skip_nonfinite=True, progress=False)
+        warned = any("costs one host sync per optimizer step" in r.getMessage() for r in caplog.records)
+        assert warned == (scaler is None or not scaler.is_enabled())
+
+
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
 def test_a_disabled_grad_scaler_skips_as_no_scaler_would(skip_nonfinite):
     """GradScaler(enabled=False) (the usual `enabled=use_amp`) steps the optimizer whatever the gradients: an Inf step

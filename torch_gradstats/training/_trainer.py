@@ -223,7 +223,7 @@ class Trainer:
         self.accumulation_steps = accumulation_steps
         self._stepper = OptimizerStepper(optimizer, scaler, skip_nonfinite or spike_guard is not None)
         skipping = [name for name, on in (("skip_nonfinite", skip_nonfinite), ("spike_guard", spike_guard)) if on]
-        if skipping and scaler is None and not self._stepper.skips_on_device:
+        if skipping and (scaler is None or not scaler.is_enabled()) and not self._stepper.skips_on_device:
             logger.warning(
                 "torch_gradstats: %s with %s (not fused) costs one host sync per optimizer step; "
                 "create the optimizer with fused=True for a device-side skip",
