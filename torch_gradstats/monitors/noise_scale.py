@@ -23,17 +23,20 @@ Where the two norms come from:
 
 Under AMP, ``NoiseScale(..., scaler=scaler)`` divides the readings of gradients of the scaled loss (the hook's,
 :meth:`NoiseScale.micro_batch`'s) by the scale's square on the device; :meth:`NoiseScale.step` then reads the
-unscaled ``.grad``, after ``scaler.unscale_``. (GradScaler keeps its scale and its per-optimizer stage in private
-attributes, ``_scale`` and ``_per_optimizer_states``, read here with ``getattr``: the public ``get_scale()`` syncs.)
+unscaled ``.grad``, after ``scaler.unscale_`` (``_noise_scale_scaler.py``, which reads GradScaler's private
+``_scale`` and ``_per_optimizer_states``: the public ``get_scale()`` syncs).
 
 Every figure stays on the device; ``to_dict()`` brings the three to the host in one transfer. The state (the two
 EMAs and their bias correction) is one float64 tensor, and :meth:`NoiseScale.update` folds a step in with one op,
 ``torch_gradstats::noise_scale_step`` (:mod:`torch_gradstats.ops.policy_ops`), which updates it in place.
+
+This module holds the estimator and the accumulation window; NoiseScale's other jobs are its bases and helpers in
+modules of their own: ``_noise_scale_ddp.py`` (:func:`noise_scale_hook` and the bookkeeping of a DDP step's
+buckets), ``_noise_scale_scaler.py`` (the GradScaler) and ``_noise_scale_checkpoint.py`` (``state_dict``,
+``load_state_dict``, deep copies and pickling).
 """
 
-import copy
 import logging
-import math
 import numbers
 import threading
 from collections.abc import Iterator
@@ -41,20 +44,18 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from torch_gradstats.monitors._noise_scale_checkpoint import Checkpoints
+from torch_gradstats.monitors._noise_scale_ddp import DDPStep, noise_scale_hook
+from torch_gradstats.monitors._noise_scale_scaler import check_unscaled, unscaled
 from torch_gradstats.ops import policy_ops as ops
-from torch_gradstats.ops._transfer import fetch, to_device, to_host
-from torch_gradstats.ops.op import multi_tensor_stats
+from torch_gradstats.ops._transfer import to_device, to_host
 from torch_gradstats.stats._params import check_grads, named_params, stats_on_home
 
 __all__ = ["NoiseScale", "noise_scale_hook"]
 
 logger = logging.getLogger(__name__)
-
-# This module deliberately has no `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
-# annotations with the real dist.GradBucket and Future[Tensor] objects, and string annotations fail that check.
 
 #: A micro-batch's gradient is read by one op call per this many bytes, instead of one per parameter.
 _MICRO_FLUSH_BYTES = 32 * 2**20
@@ -103,7 +104,7 @@ def _sumsq(tensors: list[Tensor], names: list[str], caller: str) -> Tensor:
         raise
 
 
-class NoiseScale:
+class NoiseScale(Checkpoints, DDPStep):
     """Smoothed estimates of |G|^2, tr(Sigma) and the simple noise scale B_simple = tr(Sigma) / |G|^2.
 
     Args:
@@ -152,12 +153,7 @@ class NoiseScale:
         self._trace_ema: Tensor | None = None
         self._weight: Tensor | None = None
         self._lock = threading.Lock()  # bucket callbacks and autograd hooks can run on other threads
-        # One DDP step in flight: buckets launched / reduced, and their squared norms summed so far.
-        self._launched = 0
-        self._reduced = 0
-        self._last_launched = False
-        self._local_sq: Tensor | None = None
-        self._big_sq: Tensor | None = None
+        self._clear_ddp_step()  # no DDP step in flight (DDPStep: its buckets, their squared norms)
         # The accumulation window: micro-batches finished since the last step(), and the sum of their squared norms.
         self._micro_batches = 0
         self._micro_sq: Tensor | None = None
@@ -247,56 +243,6 @@ class NoiseScale:
         self._state = state
         self._grad_sq_ema, self._trace_ema, self._weight = state[0], state[1], state[2]
 
-    # ------------------------------------------------------------------------------------------- the loss scale
-    def _loss_scale(self) -> Tensor | None:
-        """The scaler's scale as a device tensor (no sync), None without an enabled scaler that has scaled."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return None
-        scale = getattr(self.scaler, "_scale", None)  # get_scale() would sync; None until its first scale()
-        return scale if isinstance(scale, Tensor) else None
-
-    def _unscaled(self, sq: Tensor) -> Tensor:
-        """``sq``, a squared norm of gradients of the scaled loss, divided by the scale's square (on the device)."""
-        scale = self._loss_scale()
-        if scale is None:
-            return sq
-        return sq / to_device(scale.detach().reshape(()).to(torch.float64), sq.device).square()
-
-    def _check_unscaled(self) -> None:
-        """With a scaler, :meth:`step` reads ``.grad`` as the true gradient: the scaler must have unscaled it."""
-        if self._loss_scale() is None:
-            return
-        states = getattr(self.scaler, "_per_optimizer_states", None)  # the stage GradScaler keeps per optimizer
-        if isinstance(states, dict) and not any(
-                getattr(s.get("stage"), "name", None) in ("UNSCALED", "STEPPED") for s in states.values()):
-            raise ValueError(
-                "NoiseScale.step: the scaler has not unscaled the gradients of this step, so .grad holds the "
-                "gradient of the scaled loss; call step() after scaler.unscale_(optimizer) (or scaler.step) and "
-                "before scaler.update()"
-            )
-
-    # ------------------------------------------------------------------------------------------- DDP buckets
-    def _bucket_launched(self, local_sq: Tensor, is_last: bool) -> None:
-        with self._lock:
-            self._local_sq = local_sq if self._local_sq is None else self._local_sq + local_sq
-            self._launched += 1
-            self._last_launched = self._last_launched or is_last
-
-    def _bucket_reduced(self, big_sq: Tensor, world: int) -> None:
-        # Buckets' all-reduces may complete in any order (a process group can run several at once), so the step is
-        # folded by whichever callback completes the set, once the last bucket has been launched.
-        with self._lock:
-            self._big_sq = big_sq if self._big_sq is None else self._big_sq + big_sq
-            self._reduced += 1
-            if not (self._last_launched and self._reduced == self._launched):
-                return
-            local, big = self._local_sq, self._big_sq
-            self._launched = self._reduced = 0
-            self._last_launched = False
-            self._local_sq = self._big_sq = None
-        assert local is not None and big is not None
-        self.update(local, big, big_batch_size=self.local_batch_size * world)
-
     # ------------------------------------------------------------------------------------------- accumulation
     @contextmanager
     def micro_batch(self, params: Any) -> Iterator[None]:
@@ -346,7 +292,7 @@ class NoiseScale:
             sums.append(_sumsq(chunk, chunk_names, "NoiseScale.micro_batch"))
         held.clear()
         total = torch.stack([to_device(t, sums[0].device) for t in sums]).sum() if len(sums) > 1 else sums[0]
-        total = self._unscaled(total)  # the block's backward ran on the scaled loss
+        total = unscaled(self.scaler, total)  # the block's backward ran on the scaled loss
         with self._lock:
             self._micro_sq = total if self._micro_sq is None else self._micro_sq + total
             self._micro_batches += 1
@@ -367,7 +313,7 @@ class NoiseScale:
         named = [(n, p.grad) for n, p in _params_of(params, "NoiseScale.step")
                  if p.requires_grad and p.grad is not None]
         grads = [g for _, g in named]
-        self._check_unscaled()
+        check_unscaled(self.scaler)
         with self._lock:
             k, micro = self._micro_batches, self._micro_sq
             self._micro_batches, self._micro_sq = 0, None
@@ -395,146 +341,5 @@ class NoiseScale:
             logger.debug("NoiseScale.discard_window: %d micro-batch(es) dropped", dropped)
         return dropped
 
-    # ------------------------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The EMAs, their bias correction (``weight``), the step count and the decay (the bias correction needs
-        the same decay on reload)."""
-        return {
-            "ema": self.ema,
-            "steps": self.steps,
-            "grad_sq_ema": None if self._grad_sq_ema is None else self._grad_sq_ema.clone(),  # 0-d copies
-            "trace_sigma_ema": None if self._trace_ema is None else self._trace_ema.clone(),
-            "weight": None if self._weight is None else self._weight.clone(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; the decay must be this instance's. A window of micro-batches in
-        progress is dropped (after a rollback to the state, the window is read again from its start)."""
-        if not isinstance(state, dict):
-            raise TypeError(f"NoiseScale.load_state_dict: state must be a dict, got a {type(state).__name__}")
-        missing = {"ema", "steps", "grad_sq_ema", "trace_sigma_ema"} - state.keys()
-        if missing:
-            raise ValueError(f"NoiseScale.load_state_dict: state lacks {sorted(missing)}")
-        ema = state["ema"]
-        if isinstance(ema, bool) or not isinstance(ema, numbers.Real):  # a str such as "0.9" is not a saved state
-            raise TypeError(f"NoiseScale.load_state_dict: ema must be a float, got a {type(ema).__name__}")
-        if float(ema) != self.ema:
-            raise ValueError(
-                f"NoiseScale.load_state_dict: the state was saved with ema={state['ema']}, this instance has "
-                f"ema={self.ema} (the bias correction assumes one decay)"
-            )
-        steps, g, tr = state["steps"], state["grad_sq_ema"], state["trace_sigma_ema"]
-        if isinstance(steps, bool) or not isinstance(steps, (int, numbers.Integral)) or steps < 0:  # numpy's too
-            raise ValueError(f"NoiseScale.load_state_dict: steps must be an int >= 0, got {steps!r}")
-        steps = int(steps)
-        if (g is None) != (tr is None) or (g is None) != (steps == 0):
-            raise ValueError("NoiseScale.load_state_dict: grad_sq_ema and trace_sigma_ema must be set iff steps > 0")
-        for name, t in (("grad_sq_ema", g), ("trace_sigma_ema", tr)):
-            if t is not None and (not isinstance(t, Tensor) or t.numel() != 1 or not t.dtype.is_floating_point
-                                  or t.device.type == "meta"):
-                raise ValueError(
-                    f"NoiseScale.load_state_dict: {name} must be a one-element floating-point tensor with a value, "
-                    f"got {t!r}"
-                )
-        weight = state.get("weight")  # absent from states saved before steps could be left out: every step counted
-        if weight is not None and (not isinstance(weight, Tensor) or weight.numel() != 1
-                                   or not weight.dtype.is_floating_point or weight.device.type == "meta"):
-            raise ValueError(f"NoiseScale.load_state_dict: weight must be a one-element floating-point tensor with "
-                             f"a value, got {weight!r}")
-        # A NaN or inf EMA, or a weight outside [0, 1], would make every later estimate NaN or wrong.
-        for name, t in (("grad_sq_ema (the EMA of |G|^2)", g), ("trace_sigma_ema (the EMA of tr(Sigma))", tr),
-                        ("weight (the EMAs' bias correction)", weight)):
-            if t is not None and not math.isfinite(float(fetch(t).reshape(()))):
-                raise ValueError(f"NoiseScale.load_state_dict: {name} must be finite, got {float(fetch(t))}")
-        if weight is not None and not 0.0 <= float(fetch(weight)) <= 1.0 - self.ema**steps + 1e-12:
-            raise ValueError(
-                f"NoiseScale.load_state_dict: weight (the EMAs' bias correction, 1 - ema**steps folded in) must be in "
-                f"[0, {1.0 - self.ema**steps:.6g}] after {steps} steps, got {float(fetch(weight))}"
-            )
-        with self._lock:
-            self.steps = steps
-            # The accumulation window in progress is not part of a state: micro-batches read before a rollback to
-            # this state would otherwise be counted in the next step with the ones read again after it (as
-            # discard_window() drops them; here under the same lock as the new state).
-            self._micro_batches, self._micro_sq = 0, None
-            if g is None or tr is None:
-                self._state = self._grad_sq_ema = self._trace_ema = self._weight = None
-                return
-            w = torch.full((), 1.0 - self.ema**steps, dtype=torch.float64) if weight is None else weight
-            parts = [t.detach().reshape(1).to(device=g.device, dtype=torch.float64) for t in (g, tr, w)]
-            self._set_state(torch.cat(parts))
-
-    # ------------------------------------------------------------------------------------------- copies
-    def __deepcopy__(self, memo: dict[int, Any]) -> "NoiseScale":
-        """An independent NoiseScale with copies of the EMAs and of the window in progress, reading through the same
-        ``scaler`` and ``process_group``: those are the training loop's own (a copied GradScaler would start with
-        no scale, and the copy's readings of scaled gradients would no longer be unscaled)."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        state = self.__getstate__()
-        shared = {key: state.pop(key) for key in ("scaler", "process_group")}
-        new.__setstate__({**copy.deepcopy(state, memo), **shared})
-        return new
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Everything but the lock (which cannot be pickled) and the views of the state: pickling gives a NoiseScale
-        with the same EMAs, window in progress and scaler (pickled with it: a GradScaler pickles only between
-        iterations, with its scale kept as a number until its next ``scale()``)."""
-        state = self.__dict__.copy()
-        del state["_lock"]
-        for view in ("_grad_sq_ema", "_trace_ema", "_weight"):  # views of _state: made again from the copy's
-            del state[view]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        if self._state is None:
-            self._grad_sq_ema = self._trace_ema = self._weight = None
-        else:
-            self._set_state(self._state)
-
     def __repr__(self) -> str:
         return f"NoiseScale(local_batch_size={self.local_batch_size}, ema={self.ema}, steps={self.steps})"
-
-
-def noise_scale_hook(state: NoiseScale, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the default all-reduce (``allreduce_hook``), plus the noise scale's two readings.
-
-    ``ddp_model.register_comm_hook(ns, noise_scale_hook)`` with ``ns = NoiseScale(local_batch_size)``. Each bucket
-    is read by the fused op before the all-reduce (this rank's gradient) and, in a ``.then`` callback, after it
-    (the average over ranks); when every bucket of the step is reduced, the step is folded into ``state``. The
-    gradients DDP produces are exactly those of the default hook. No host sync, no extra collective.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    if not isinstance(state, NoiseScale):
-        raise TypeError(
-            f"noise_scale_hook: the hook's state must be a NoiseScale (register_comm_hook(ns, noise_scale_hook)), "
-            f"got a {type(state).__name__}"
-        )
-    world = dist.get_world_size(state.process_group)  # host-side, no collective
-    if world < 2:
-        raise ValueError(
-            "noise_scale_hook: the process group has 1 rank, so the big batch is the small one; the noise scale "
-            "needs 2 or more ranks (or, in one process, NoiseScale.micro_batch() and step())"
-        )
-    buffer = bucket.buffer()
-    # Read before the all-reduce: the default hook divides the buffer in place.
-    state._bucket_launched(state._unscaled(multi_tensor_stats(buffer).sumsq.sum()), bucket.is_last())
-    # A CUDA future runs its callbacks on streams of its own; the readings after the all-reduce go back to the
-    # backward's stream (after a wait for the callback's), so the sums and the EMAs only ever see one stream.
-    stream = torch.cuda.current_stream(buffer.device) if buffer.device.type == "cuda" else None
-    fut = allreduce_hook(state.process_group, bucket)
-
-    def after(f: torch.futures.Future[torch.Tensor]) -> Tensor:
-        reduced = f.value()
-        if stream is None:
-            state._bucket_reduced(state._unscaled(multi_tensor_stats(reduced).sumsq.sum()), world)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(reduced.device))
-            with torch.cuda.stream(stream):
-                state._bucket_reduced(state._unscaled(multi_tensor_stats(reduced).sumsq.sum()), world)
-        return reduced
-
-    return fut.then(after)
