@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from torch_gradstats.integrations._logging_rank import writes_here
 from torch_gradstats.integrations.sinks import AnyReport, grad_report
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
-from torch_gradstats.monitors.updates import GradWeightStats, UpdateRatio, grad_and_weight_stats
+from torch_gradstats.monitors.update_ratio import UpdateRatio
+from torch_gradstats.monitors.updates import GradWeightStats, grad_and_weight_stats
 from torch_gradstats.ops._checks import check_bool
 from torch_gradstats.ops._transfer import to_host
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip

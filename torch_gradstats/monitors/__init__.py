@@ -1,6 +1,6 @@
 """Floor 4, monitors beside the training step: where a NaN starts in the activations (``activations``), weight norms
-and update ratios (``updates``), the gradient noise scale (``noise_scale``), each example's gradient norm
-(``per_example``) and a flight recorder of the last steps (``flight_recorder``).
+and update ratios (``updates``; the measured ones, ``update_ratio``), the gradient noise scale (``noise_scale``),
+each example's gradient norm (``per_example``) and a flight recorder of the last steps (``flight_recorder``).
 """
 
 from torch_gradstats.monitors.activations import (
@@ -13,11 +13,13 @@ from torch_gradstats.monitors.noise_scale import (
     noise_scale_hook,
 )
 from torch_gradstats.monitors.per_example import PerExampleNorms
+from torch_gradstats.monitors.update_ratio import (
+    UpdateRatio,
+    UpdateStats,
+)
 from torch_gradstats.monitors.updates import (
     GradWeightStats,
-    UpdateRatio,
     UpdateReport,
-    UpdateStats,
     grad_and_weight_stats,
 )
 
