@@ -180,6 +180,7 @@ def run(threads: Sequence[int], repeats: int, quick: bool) -> tuple[torch.nn.Mod
         torch.set_num_threads(before)
         if own_run:
             wandb.finish()
+            wandb.teardown()  # the disabled mode stays in wandb's process-wide settings otherwise
     return model, results
 
 

@@ -37,6 +37,9 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # A URI set in code (mlflow.set_tracking_uri, as Lightning's MLFlowLogger does) outranks the environment for the
+    # rest of the process: none before this test, and none left after it.
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None)
     yield uri
     while mlflow.active_run() is not None:
         mlflow.end_run()

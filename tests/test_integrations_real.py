@@ -945,6 +945,8 @@ def test_hf_report_to_mlflow_file_store(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:" + str(tmp_path / "mlruns"))
+    # A URI an earlier test set in code (mlflow.set_tracking_uri) would outrank the environment's.
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None)
     trainer = _hf_trainer(tmp_path / "out", report_to=["mlflow"], max_steps=3)
     add_to_trainer(trainer, watch_activations=True)
     logs = _hf_train(trainer)
