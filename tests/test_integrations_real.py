@@ -294,14 +294,10 @@ def test_hf_resumed_run_logs_the_same_steps_and_figures(tmp_path: Path, monkeypa
         assert written[step] == pytest.approx(_total(resumed.ref[step]), rel=REL)
 
 
-def test_hf_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: Path) -> None:
-    """GPT-2 takes the Trainer's ``num_items_in_batch``, so each micro-batch's loss is its share of the step's loss
-    (its token sum over the step's token count): the step's loss is their sum, not their mean. 10 batches with
-    ``gradient_accumulation_steps=4`` make steps of 4, 4 and 2 micro-batches; the guard must judge the step's own
-    loss, the one the Trainer logs (the mean of the micro-batches' shares was a quarter of it on full steps and half
-    of it on the short ones: a loss spike at the end of every epoch)."""
+
+def _recording_guard() -> tuple[Any, list[float]]:
+    """A SpikeGuard (judging from its 3rd step) and the list of the losses it is given to judge, in order."""
     from torch_gradstats import SpikeGuard
-    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
 
     guard = SpikeGuard(min_history=2)
     judged: list[float] = []
@@ -312,6 +308,17 @@ def test_hf_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: 
         return observe(grad_norm, loss)
 
     guard.observe = recording  # type: ignore[method-assign]
+    return guard, judged
+
+def test_hf_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: Path) -> None:
+    """GPT-2 takes the Trainer's ``num_items_in_batch``, so each micro-batch's loss is its share of the step's loss
+    (its token sum over the step's token count): the step's loss is their sum, not their mean. 10 batches with
+    ``gradient_accumulation_steps=4`` make steps of 4, 4 and 2 micro-batches; the guard must judge the step's own
+    loss, the one the Trainer logs (the mean of the micro-batches' shares was a quarter of it on full steps and half
+    of it on the short ones: a loss spike at the end of every epoch)."""
+    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
+
+    guard, judged = _recording_guard()
     cb = GradStatsCallback(spike_guard=guard)
     model = _no_dropout(model_zoo.gpt2())
     opt = cb.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
@@ -803,7 +810,6 @@ def test_lightning_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp
     step's mean loss over its examples, the float64 loss of each batch taken with the weights of its forward (the
     window of 1 was judged at half its loss, a loss dip at the end of every epoch)."""
     L = _pl()
-    from torch_gradstats import SpikeGuard
     from torch_gradstats.integrations.lightning import GradStatsCallback
 
     class BatchLoss(L.Callback):
@@ -819,15 +825,7 @@ def test_lightning_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp
                 loss = nn.functional.cross_entropy(net(x.double()), y)
             self.losses[(trainer.current_epoch, batch_idx)] = float(loss)
 
-    guard = SpikeGuard(min_history=2)
-    judged: list[float] = []
-    observe = guard.observe
-
-    def recording(grad_norm: torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
-        judged.append(float(loss))
-        return observe(grad_norm, loss)
-
-    guard.observe = recording  # type: ignore[method-assign]
+    guard, judged = _recording_guard()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     g = torch.Generator().manual_seed(0)
@@ -850,7 +848,6 @@ def test_lightning_guard_judges_the_unscaled_loss_under_16_mixed(tmp_path: Path)
     L = _pl()
     from lightning.pytorch.plugins import MixedPrecision
 
-    from torch_gradstats import SpikeGuard
     from torch_gradstats.integrations.lightning import GradStatsCallback
 
     class Returned(L.Callback):
@@ -860,15 +857,7 @@ def test_lightning_guard_judges_the_unscaled_loss_under_16_mixed(tmp_path: Path)
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.losses.append(float(outputs["loss"]))
 
-    guard = SpikeGuard(min_history=2)
-    judged: list[float] = []
-    observe = guard.observe
-
-    def recording(grad_norm: torch.Tensor, loss: torch.Tensor | None = None) -> torch.Tensor:
-        judged.append(float(loss))
-        return observe(grad_norm, loss)
-
-    guard.observe = recording  # type: ignore[method-assign]
+    guard, judged = _recording_guard()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     g = torch.Generator().manual_seed(0)
