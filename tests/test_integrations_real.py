@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import importlib.util
 import math
 import os
 import warnings
@@ -46,6 +47,15 @@ def _no_dropout(model: nn.Module) -> nn.Module:
 
 
 # ================================================================================================ Hugging Face Trainer
+def _installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+# Marked at collection: the callbacks' modules import their framework, so a test body would fail before its skip.
+needs_hf = pytest.mark.skipif(not _installed("transformers", "accelerate"), reason="needs transformers and accelerate")
+needs_lightning = pytest.mark.skipif(not _installed("lightning"), reason="needs lightning")
+
+
 def _hf() -> Any:
     pytest.importorskip("accelerate")
     return pytest.importorskip("transformers")
@@ -106,6 +116,7 @@ def _assert_hf_matches(logged: dict[str, Any], ref: dict[str, float], rel: float
     assert logged["grad/nan_count"] == 0 and logged["grad/health"] == 1.0
 
 
+@needs_hf
 def test_hf_accumulation_logs_the_accumulated_gradient_at_its_global_step(tmp_path: Path) -> None:
     from torch_gradstats.integrations.transformers import add_to_trainer
 
@@ -136,6 +147,7 @@ def test_hf_accumulation_logs_the_accumulated_gradient_at_its_global_step(tmp_pa
         assert logs[1][f"grad/norm/{name}"] == pytest.approx(float(p.grad.norm()), rel=1e-5), name
 
 
+@needs_hf
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no_clip", "clip"])
 def test_hf_figures_are_before_clipping(tmp_path: Path, max_grad_norm: float) -> None:
     transformers = _hf()
@@ -170,6 +182,7 @@ def test_hf_figures_are_before_clipping(tmp_path: Path, max_grad_norm: float) ->
     {"gradient_checkpointing": True},
     {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
 ], ids=["bf16", "checkpointing", "checkpointing_reentrant"])
+@needs_hf
 def test_hf_bf16_and_gradient_checkpointing(tmp_path: Path, setting: dict[str, Any]) -> None:
     from torch_gradstats.integrations.transformers import add_to_trainer
 
@@ -185,6 +198,7 @@ def test_hf_bf16_and_gradient_checkpointing(tmp_path: Path, setting: dict[str, A
         _assert_hf_matches(logged, trainer.ref[step])
 
 
+@needs_hf
 def test_hf_reentrant_checkpointing_with_every_trainable_parameter_inside(tmp_path: Path) -> None:
     """Adapter-style fine-tuning: only the blocks' attention weights train (embeddings, norms and head frozen) and
     every block runs under a reentrant checkpoint, so each block's gradients arrive in a backward of its own, nested
@@ -220,6 +234,7 @@ def test_hf_reentrant_checkpointing_with_every_trainable_parameter_inside(tmp_pa
     assert int(guard.steps) == 3
 
 
+@needs_hf
 def test_hf_per_example_with_reentrant_checkpointing_and_every_trainable_parameter_inside(tmp_path: Path) -> None:
     """per_example=True in the adapter setting above, every example the same sequence: each per-example norm is the
     step's whole gradient norm, every block's contribution counted (a reentrant segment's nested backward ends
@@ -243,6 +258,7 @@ def test_hf_per_example_with_reentrant_checkpointing_and_every_trainable_paramet
             assert logged[key] == pytest.approx(logged["grad/total_norm"], rel=1e-4), (step, key)
 
 
+@needs_hf
 def test_hf_evaluation_between_steps_logs_nothing_and_changes_nothing(tmp_path: Path) -> None:
     from torch_gradstats.integrations.transformers import add_to_trainer
 
@@ -259,6 +275,7 @@ def test_hf_evaluation_between_steps_logs_nothing_and_changes_nothing(tmp_path: 
     assert cb.skipped_steps == []
 
 
+@needs_hf
 def test_hf_resumed_run_logs_the_same_steps_and_figures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Resume from checkpoint-2 of a 4-step run: the resumed run logs steps 3 and 4, with the figures of the
     uninterrupted run, into its own TensorBoard event file."""
@@ -310,6 +327,7 @@ def _recording_guard() -> tuple[Any, list[float]]:
     guard.observe = recording  # type: ignore[method-assign]
     return guard, judged
 
+@needs_hf
 def test_hf_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: Path) -> None:
     """GPT-2 takes the Trainer's ``num_items_in_batch``, so each micro-batch's loss is its share of the step's loss
     (its token sum over the step's token count): the step's loss is their sum, not their mean. 10 batches with
@@ -332,6 +350,7 @@ def test_hf_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: 
         _assert_hf_matches(logged, trainer.ref[step])
 
 
+@needs_hf
 def test_hf_per_example_norms_on_a_short_last_accumulation(tmp_path: Path) -> None:
     """per_example=True with every example the same sequence: each example's gradient is then the step's whole
     gradient, so every per-example norm equals the logged total norm, on the epoch's short last step (2 micro-batches
@@ -351,6 +370,7 @@ def test_hf_per_example_norms_on_a_short_last_accumulation(tmp_path: Path) -> No
             assert logged[key] == pytest.approx(logged["grad/total_norm"], rel=1e-4), (step, key)
 
 
+@needs_hf
 def test_hf_resumed_run_warns_that_the_guard_starts_afresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The Trainer's checkpoints hold no tensors of callbacks: a run resumed with a spike guard or an adaptive clip
     says once, by name, that their statistics start afresh unless loaded; a run from scratch says nothing."""
@@ -379,6 +399,7 @@ def test_hf_resumed_run_warns_that_the_guard_starts_afresh(tmp_path: Path, caplo
                      "with load_state_dict")]
 
 
+@needs_hf
 def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_uninterrupted_run(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """docs/integrations.md's resume recipe as written: the callback's ``state_dict()`` (its ``spike_guard``'s and
@@ -443,6 +464,7 @@ def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_unin
     assert not all(afresh[3][key] == pytest.approx(full[3][key], rel=1e-5) for key in keys)
 
 
+@needs_hf
 @pytest.mark.slow
 def test_hf_torch_compile(tmp_path: Path) -> None:
     """``torch_compile=True`` compiles the model's forward (about a minute on two CPU cores): the hooks on the
@@ -555,6 +577,7 @@ def _loader(x: torch.Tensor, y: torch.Tensor, batch: int) -> torch.utils.data.Da
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch)
 
 
+@needs_lightning
 def test_lightning_accumulation_logs_the_accumulated_gradient(tmp_path: Path) -> None:
     """accumulate_grad_batches=3 on the checkpointed TransformerEncoder (reentrant checkpoints): the figures are of
     the gradient summed over the three micro-batches, logged at Lightning's logger step of that optimizer step."""
@@ -578,6 +601,7 @@ def test_lightning_accumulation_logs_the_accumulated_gradient(tmp_path: Path) ->
         assert rows[0][f"grad_2.0_norm/net.{name}"] == pytest.approx(float(p.grad.norm()), rel=1e-5), name
 
 
+@needs_lightning
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_lightning_figures_are_before_gradient_clip_val(tmp_path: Path, algorithm: str) -> None:
     from torch_gradstats.integrations.lightning import GradStatsCallback
@@ -596,6 +620,7 @@ def test_lightning_figures_are_before_gradient_clip_val(tmp_path: Path, algorith
             assert ref.after_clip[step] < row["grad_2.0_norm_total"] / 10
 
 
+@needs_lightning
 def test_lightning_bf16_mixed_resnet_to_tensorboard(tmp_path: Path) -> None:
     """precision="bf16-mixed" on the ResNet (BatchNorm, in-place residuals), read back from the TensorBoard event
     file the TensorBoardLogger wrote."""
@@ -638,6 +663,7 @@ def _eval_module() -> Any:
     return m
 
 
+@needs_lightning
 def test_lightning_validation_test_and_predict_leave_the_figures_alone(tmp_path: Path) -> None:
     """Validation every 2 training batches, and trainer.validate / test / predict (under inference_mode) before and
     after fit, with a callback that judges every step: only the training steps are read, judged and logged."""
@@ -679,6 +705,7 @@ def test_lightning_validation_test_and_predict_leave_the_figures_alone(tmp_path:
     assert cb.skipped_steps == []
 
 
+@needs_lightning
 def test_lightning_manual_optimization(tmp_path: Path) -> None:
     """automatic_optimization=False, stepping every 2nd batch (manual accumulation): the figures at each
     ``opt.step()``, logged at the logger step of that batch, as ``self.log`` values are."""
@@ -713,6 +740,7 @@ def test_lightning_manual_optimization(tmp_path: Path) -> None:
         _assert_pl_matches(row, ref.by_logger_step[step][0])
 
 
+@needs_lightning
 def test_lightning_resumed_fit_logs_at_the_resumed_steps(tmp_path: Path) -> None:
     import glob
 
@@ -731,6 +759,7 @@ def test_lightning_resumed_fit_logs_at_the_resumed_steps(tmp_path: Path) -> None
         _assert_pl_matches(row, ref.by_logger_step[step][0])
 
 
+@needs_lightning
 def test_lightning_two_optimizers_are_refused_by_name(tmp_path: Path) -> None:
     """Two optimizers (manual optimization, as GANs do): each ``opt.step()`` would log the whole module's figures at
     the same logger step, one row mixing the per-parameter norms of one step with the total of the other. Refused
@@ -764,6 +793,7 @@ def test_lightning_two_optimizers_are_refused_by_name(tmp_path: Path) -> None:
         assert torch.equal(w, before[name]), name  # refused before the first step
 
 
+@needs_lightning
 def test_lightning_resumed_fit_keeps_the_guard_and_clip_statistics(tmp_path: Path) -> None:
     """The SpikeGuard's and AdaptiveClip's statistics go into Lightning's checkpoint with the callback's state: a
     fit resumed from a checkpoint judges and clips exactly as the uninterrupted fit, its logged figures included.
@@ -803,6 +833,7 @@ def test_lightning_resumed_fit_keeps_the_guard_and_clip_statistics(tmp_path: Pat
             assert got == value, name
 
 
+@needs_lightning
 def test_lightning_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp_path: Path) -> None:
     """Lightning divides every micro-batch's loss by ``accumulate_grad_batches``, the epoch's short last window
     included (its ``ClosureResult`` normalises by the setting, not by the window's size). 5 batches of 4 with
@@ -840,6 +871,7 @@ def test_lightning_guard_judges_the_step_loss_with_a_short_last_accumulation(tmp
     assert judged == pytest.approx(want, rel=1e-5)
 
 
+@needs_lightning
 def test_lightning_guard_judges_the_unscaled_loss_under_16_mixed(tmp_path: Path) -> None:
     """Under ``precision="16-mixed"`` Lightning hands ``on_before_backward`` the loss already multiplied by the
     GradScaler's scale: the guard must judge the loss itself (the one ``training_step`` returned), not the loss
@@ -923,6 +955,7 @@ def test_trainer_sinks_with_accumulation_and_bf16_read_back_from_their_files(tmp
 
 
 # ================================================================================================ other backends
+@needs_hf
 @pytest.mark.slow
 def test_hf_report_to_mlflow_file_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """report_to=["mlflow"] with a local file store, gradient accumulation and an activation watch (whose
@@ -952,6 +985,7 @@ def test_hf_report_to_mlflow_file_store(tmp_path: Path, monkeypatch: pytest.Monk
         _assert_hf_matches(logs[step], ref)
 
 
+@needs_lightning
 @pytest.mark.slow
 def test_lightning_wandb_logger_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's WandbLogger, offline: the run file's history records hold the figures at Lightning's steps."""
