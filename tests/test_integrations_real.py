@@ -960,10 +960,13 @@ def test_trainer_sinks_with_accumulation_and_bf16_read_back_from_their_files(tmp
 def test_hf_report_to_mlflow_file_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """report_to=["mlflow"] with a local file store, gradient accumulation and an activation watch (whose
     ``act/origin`` name MLflow's integration must skip, not choke on): every figure is in the run, at its step."""
-    pytest.importorskip("mlflow")
+    mlflow = pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     from torch_gradstats.integrations.transformers import add_to_trainer
+
+    while mlflow.active_run() is not None:  # a run an earlier test left active would receive this one's figures
+        mlflow.end_run()
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:" + str(tmp_path / "mlruns"))

@@ -125,6 +125,7 @@ from torch_gradstats.integrations._common import (
     styled_keys,
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
+from torch_gradstats.monitors._grad_scaler import loss_scale
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.updates import GradWeightStats
@@ -292,9 +293,8 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
         # by it here, on the device (no sync), so the guard judges the loss and not the scale's changes.
         if self.spike_guard is not None and self.spike_guard.watch_loss:
             value = loss.detach()
-            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-            scale = getattr(scaler, "_scale", None)
-            if isinstance(scale, Tensor) and scaler is not None and scaler.is_enabled():
+            scale = loss_scale(self._scaler(trainer))
+            if scale is not None:
                 value = value / scale.reshape(()).to(value.device)
             self._loss = value if self._loss is None else self._loss + value
             self._loss_n += 1
@@ -394,9 +394,13 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
         """Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` (and a GradScaler multiplies it
         by its scale): undone on the per-example norms."""
         scale = float(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-        loss_scale = getattr(scaler, "_scale", None)
-        return scale if not isinstance(loss_scale, Tensor) else scale / loss_scale.reshape(()).to(torch.float64)
+        by = loss_scale(_GradStatsMixin._scaler(trainer))
+        return scale if by is None else scale / by.reshape(()).to(torch.float64)
+
+    @staticmethod
+    def _scaler(trainer: Any) -> Any:
+        """The GradScaler of Lightning's mixed-precision plugin ("16-mixed"), or None."""
+        return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
 
     def _clear_found_inf(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if id(optimizer) in self._found_inf_set:

@@ -54,6 +54,7 @@ from torch_gradstats.integrations._common import (
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors._backward_end import requeue_if_nested
+from torch_gradstats.monitors._grad_scaler import loss_scale
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.updates import GradWeightStats
@@ -394,10 +395,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         return next_step % every == 0 or (next_step == 1 and bool(args.logging_first_step))
 
     def _scale(self) -> torch.Tensor | None:
-        scaler = getattr(self._optimizer, "scaler", None)  # accelerate's optimizer wrapper under fp16
-        if scaler is None or not scaler.is_enabled():
-            return None
-        return getattr(scaler, "_scale", None)  # the scale as a device tensor (get_scale() would sync)
+        return loss_scale(getattr(self._optimizer, "scaler", None))  # accelerate's optimizer wrapper under fp16
 
     def _after_backward(self) -> None:
         engine = torch.autograd.Variable._execution_engine

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_gradstats.monitors._noise_scale_scaler import unscaled
+from torch_gradstats.monitors._grad_scaler import unscaled
 from torch_gradstats.ops.op import multi_tensor_stats
 
 __all__ = ["DDPStep", "noise_scale_hook"]

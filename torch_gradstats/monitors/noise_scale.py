@@ -23,7 +23,7 @@ Where the two norms come from:
 
 Under AMP, ``NoiseScale(..., scaler=scaler)`` divides the readings of gradients of the scaled loss (the hook's,
 :meth:`NoiseScale.micro_batch`'s) by the scale's square on the device; :meth:`NoiseScale.step` then reads the
-unscaled ``.grad``, after ``scaler.unscale_`` (``_noise_scale_scaler.py``, which reads GradScaler's private
+unscaled ``.grad``, after ``scaler.unscale_`` (``_grad_scaler.py``, which reads GradScaler's private
 ``_scale`` and ``_per_optimizer_states``: the public ``get_scale()`` syncs).
 
 Every figure stays on the device; ``to_dict()`` brings the three to the host in one transfer. The state (the two
@@ -32,7 +32,7 @@ EMAs and their bias correction) is one float64 tensor, and :meth:`NoiseScale.upd
 
 This module holds the estimator and the accumulation window; NoiseScale's other jobs are its bases and helpers in
 modules of their own: ``_noise_scale_ddp.py`` (:func:`noise_scale_hook` and the bookkeeping of a DDP step's
-buckets), ``_noise_scale_scaler.py`` (the GradScaler) and ``_noise_scale_checkpoint.py`` (``state_dict``,
+buckets), ``_grad_scaler.py`` (the GradScaler) and ``_noise_scale_checkpoint.py`` (``state_dict``,
 ``load_state_dict``, deep copies and pickling).
 """
 
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats.monitors._grad_scaler import check_unscaled, unscaled
 from torch_gradstats.monitors._noise_scale_checkpoint import Checkpoints
 from torch_gradstats.monitors._noise_scale_ddp import DDPStep, noise_scale_hook
-from torch_gradstats.monitors._noise_scale_scaler import check_unscaled, unscaled
 from torch_gradstats.ops import policy_ops as ops
 from torch_gradstats.ops._transfer import to_device, to_host
 from torch_gradstats.stats._params import check_grads, named_params, stats_on_home

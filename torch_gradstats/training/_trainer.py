@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_gradstats.monitors._grad_scaler import loss_scale
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.ops._checks import check_bool
@@ -427,7 +428,7 @@ class Trainer:
     def _example_scale(self, samples: int) -> Tensor | float:
         """Per-example norms are taken with ``loss_reduction="sum"`` from backwards of ``loss * n / samples``
         (times the loss scale): times ``samples`` (over the scale) they are each example's own gradient norm."""
-        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() else None
+        scale = loss_scale(self.scaler)
         return float(samples) if scale is None else float(samples) / scale.reshape(()).to(torch.float64)
 
     def _sync_due(self, state: EpochState) -> bool:

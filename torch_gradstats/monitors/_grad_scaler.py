@@ -1,7 +1,8 @@
-"""NoiseScale's handling of a ``torch.amp.GradScaler``: the readings of gradients of the scaled loss (the DDP hook's,
-``NoiseScale.micro_batch``'s) divided by the scale's square on the device, and the check that ``NoiseScale.step``
-reads gradients the scaler has unscaled. Split from noise_scale.py (past 500 lines): a job of its own, tied to
-GradScaler's internals.
+"""What the library reads of a ``torch.amp.GradScaler``: its scale on the device (:func:`loss_scale`, for the
+Trainer's and the callbacks' per-example norms, the Lightning guard's loss and NoiseScale), and NoiseScale's use of
+it: the readings of gradients of the scaled loss divided by the scale's square, and the check that
+``NoiseScale.step`` reads gradients the scaler has unscaled. Split from noise_scale.py (past 500 lines): a job of its
+own, tied to GradScaler's internals.
 
 GradScaler keeps its scale and its per-optimizer stage in private attributes, ``_scale`` and
 ``_per_optimizer_states``, read here with ``getattr``: the public ``get_scale()`` syncs.
@@ -18,7 +19,8 @@ __all__ = ["check_unscaled", "loss_scale", "unscaled"]
 
 
 def loss_scale(scaler: Any) -> Tensor | None:
-    """The scaler's scale as a device tensor (no sync), None without an enabled scaler that has scaled."""
+    """The scaler's scale as a device tensor (no sync), None without an enabled scaler that has scaled (``scaler``
+    may be None)."""
     if scaler is None or not scaler.is_enabled():
         return None
     scale = getattr(scaler, "_scale", None)  # get_scale() would sync; None until its first scale()
