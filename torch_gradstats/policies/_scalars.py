@@ -3,7 +3,6 @@ a tensor or a number made a float64 0-d tensor without a host sync, and the move
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 
@@ -12,7 +11,7 @@ from torch import Tensor
 
 from torch_gradstats.ops._transfer import fetch, to_device
 
-__all__ = ["as_figure", "check_device", "check_int", "check_real", "load_state", "moved", "state_tensors"]
+__all__ = ["as_figure", "check_device", "check_int", "check_real", "load_state", "moved"]
 
 
 def check_real(
@@ -82,17 +81,10 @@ def as_figure(where: str, value: object, device: torch.device) -> Tensor:
     return to_device(torch.tensor(float(value), dtype=torch.float64), device)
 
 
-def state_tensors() -> contextlib.AbstractContextManager[object]:
-    """Where a policy makes its state tensor: outside inference mode. One made inside ``torch.inference_mode()`` (a
-    policy built, resumed or moved in evaluation code) would be an inference tensor, which every later in-place
-    update outside that mode refuses (the step op's pure-PyTorch kernel, the clearing of a streak's flag)."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
-
-
 def moved(t: Tensor, device: torch.device) -> Tensor:
     """A copy of the state tensor ``t`` on ``device`` (to the host only when loading or moving state, not per step),
-    a normal tensor even inside inference mode."""
-    with state_tensors():
+    a normal tensor even inside inference mode (an inference tensor refuses every later in-place update)."""
+    with torch.inference_mode(False):
         if t.device == device:
             return t.clone()
         if device.type == "cpu":

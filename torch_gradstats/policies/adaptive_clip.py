@@ -62,7 +62,6 @@ from torch_gradstats.policies._scalars import (
     check_real,
     load_state,
     moved,
-    state_tensors,
 )
 from torch_gradstats.policies.clip import check_writable, clip_grad_norm_, clip_with_threshold_
 from torch_gradstats.stats._params import ParamsLike, named_params
@@ -135,7 +134,7 @@ class AdaptiveClip:
                            why=" (the streak is counted exactly in float64), or None for ZClip's rule")
         )
         dev = torch.device("cpu") if device is None else check_device("AdaptiveClip: device", device)
-        with state_tensors():
+        with torch.inference_mode(False):  # a normal tensor even when made in evaluation code
             self._state = torch.zeros(ops.clip_state_size(self.warmup), dtype=torch.float64, device=dev)
             self._state[ops.CLIP_LAST:ops.CLIP_STREAK].fill_(math.nan)
 

@@ -45,7 +45,6 @@ from torch_gradstats.policies._scalars import (
     check_real,
     load_state,
     moved,
-    state_tensors,
 )
 
 __all__ = ["SpikeGuard", "SpikeStreakError"]
@@ -141,7 +140,7 @@ class SpikeGuard:
         self._allocate(torch.device("cpu") if device is None else check_device("SpikeGuard: device", device))
 
     def _allocate(self, device: torch.device) -> None:
-        with state_tensors():
+        with torch.inference_mode(False):  # a normal tensor even when made in evaluation code
             self._state = torch.zeros(ops.guard_state_size(self.window), dtype=torch.float64, device=device)
             self._state[ops.GUARD_LAST:ops.GUARD_HIST].fill_(math.nan)  # the last and trip figures
 
