@@ -24,72 +24,37 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from torch_gradstats.cli._demo_figure import exponent_figure, figure, layer_figure, save
 from torch_gradstats.cli._demo_output import TrainerWarnings, progress_bar, write_log
+from torch_gradstats.cli._demo_problem import (
+    BAD_POSITION,
+    BAD_TARGET,
+    BATCH,
+    SPIKE_FACTOR,
+    STEPS_PER_EPOCH,
+    Plan,
+    StepRecorder,
+    corrupt_target,
+    epoch_batches,
+    make_data,
+    make_model,
+    plan_run,
+)
 from torch_gradstats.monitors.activations import ActivationReport
-from torch_gradstats.policies.adaptive_clip import AdaptiveClip
-from torch_gradstats.policies.guard import SpikeGuard
-from torch_gradstats.stats.gradients import grad_stats
 from torch_gradstats.training import EpochSummary, Trainer, format_epoch_table, validate_device
 
 __all__ = ["DemoResult", "build_parser", "main", "make_data", "make_model", "run"]
-
-FEATURES, CLASSES, BATCH, STEPS_PER_EPOCH = 16, 3, 64, 25
-#: ``--inject-spike`` multiplies every gradient of its step by this.
-SPIKE_FACTOR = 1000.0
-#: ``--inject-bad-example``: the batch position whose target is corrupted, and the factor its one-hot target gets.
-BAD_POSITION, BAD_TARGET = 7, 1000.0
-
-
-def make_guard() -> SpikeGuard:
-    """The demo's SpikeGuard: a one-epoch window, so it judges steps from step ``min_history`` (11) on, and 12 sigma:
-    early in training this small model's norm climbs by up to 10 sigma of the steps before."""
-    return SpikeGuard(window=STEPS_PER_EPOCH, sigma=12.0)
-
-
-def make_clip() -> AdaptiveClip:
-    """The demo's AdaptiveClip: ZClip's defaults with a 10-step warm-up, so short runs see it clip."""
-    return AdaptiveClip(warmup=10)
-
-
-def make_data(n: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Noisy concentric rings (one per class) in 2-d, mixed into ``FEATURES`` dims by a fixed random matrix."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, CLASSES, (n,), generator=g)
-    radius = 1.0 + y.float() + 0.25 * torch.randn(n, generator=g)
-    angle = 2 * math.pi * torch.rand(n, generator=g)
-    xy = torch.stack([radius * angle.cos(), radius * angle.sin()], dim=1)
-    mix = torch.randn(2, FEATURES, generator=torch.Generator().manual_seed(1234)) / math.sqrt(2)
-    x = xy @ mix + 0.05 * torch.randn(n, FEATURES, generator=g)
-    return x, y
-
-
-def make_model(seed: int) -> nn.Module:
-    """A small MLP with readable parameter names (``embed.weight``, ``hidden.weight``, ``head.bias``, ...)."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        OrderedDict(
-            embed=nn.Linear(FEATURES, 64),
-            act1=nn.GELU(),
-            hidden=nn.Linear(64, 64),
-            act2=nn.GELU(),
-            head=nn.Linear(64, CLASSES),
-        )
-    )
-
 
 @dataclass
 class DemoResult:
@@ -105,11 +70,6 @@ class DemoResult:
     layer_plot: Path | None = None
     exponents: list[list[int]] = field(default_factory=list)  #: each step's exponent histogram (277 buckets)
     exponent_plot: Path | None = None
-
-
-def _epoch_batches(x: Tensor, y: Tensor, n_batches: int, g: torch.Generator) -> list[tuple[Tensor, Tensor]]:
-    order = torch.randperm(x.shape[0], generator=g)
-    return [(x[idx], y[idx]) for idx in order[: n_batches * BATCH].split(BATCH)]
 
 
 #: What the table's columns are (printed once above it): every norm is a global L2 norm over all gradients.
@@ -137,18 +97,95 @@ def _figure(
     return figure(summaries, inject_step, thresholds, "; ".join(events) or None, origin)
 
 
-def _corrupt_target(y: Tensor) -> Tensor:
-    """``y`` (class indices) as one-hot class probabilities, the row of :data:`BAD_POSITION` scaled by
-    :data:`BAD_TARGET`: CrossEntropyLoss gives every other example the same loss, and that one BAD_TARGET times its
-    loss and gradient."""
-    target = nn.functional.one_hot(y, CLASSES).to(torch.float32)
-    target[BAD_POSITION] *= BAD_TARGET
-    return target
+def _train(
+    trainer: Trainer,
+    data: tuple[Tensor, Tensor],
+    steps: int,
+    seed: int,
+    inject_bad_example: int | None,
+    bar: Any,
+    tensorboard: str | Path | None,
+) -> list[EpochSummary]:
+    """Train ``steps`` optimizer steps, epoch by epoch, printing each epoch's table row as it ends."""
+    x, y = data
+    writer = None
+    if tensorboard is not None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        writer = SummaryWriter(str(tensorboard))
+    g = torch.Generator().manual_seed(seed)
+    summaries: list[EpochSummary] = []
+    try:
+        with warnings.catch_warnings():
+            # The watch's backward hook on the first layer, whose input needs no gradient: expected, not news.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            remaining = steps
+            while remaining > 0:
+                n = min(STEPS_PER_EPOCH, remaining)
+                batches = epoch_batches(x, y, n, g)
+                first = steps - remaining  # the global step of this epoch's first batch
+                if inject_bad_example is not None and first <= inject_bad_example < first + n:
+                    inputs, targets = batches[inject_bad_example - first]
+                    batches[inject_bad_example - first] = (inputs, corrupt_target(targets))
+                summary = trainer.train_epoch(batches)
+                summaries.append(summary)
+                if writer is not None:
+                    from torch_gradstats.integrations.tensorboard import log_step_records
+
+                    log_step_records(writer, summary.history)
+                lines = format_epoch_table([summary]).splitlines()
+                text = "\n".join(lines if len(summaries) == 1 else lines[2:])
+                if bar is not None:
+                    bar.set_postfix(loss=f"{summary.loss:.4g}", skipped=sum(s.skipped_steps for s in summaries))
+                    bar.write(text, file=sys.stdout)  # clears the bar, prints, redraws it below
+                    sys.stdout.flush()
+                else:
+                    print(text, flush=True)
+                remaining -= n
+    finally:
+        if writer is not None:
+            writer.close()
+    return summaries
 
 
-def _check_step(flag: str, step: int | None, steps: int) -> None:
-    if step is not None and not 0 <= step < steps:
-        raise ValueError(f"{flag} {step} is outside the run's optimizer steps 0..{steps - 1}")
+def _print_findings(
+    plan: Plan,
+    summaries: list[EpochSummary],
+    first_report: ActivationReport | None,
+    trainer_warnings: TrainerWarnings,
+    thresholds: list[float],
+) -> None:
+    """What the run found: the first non-finite gradient, the watch's origin, the guard's skips, the per-example
+    norms of skipped steps and the clip's count."""
+    rows = [r for s in summaries for r in s.history]
+    bad = [s for s in summaries if s.first_nonfinite_step is not None]
+    if bad:
+        s = bad[0]
+        print(
+            f"\nNon-finite gradient first seen at optimizer step {s.first_nonfinite_step} (epoch {s.epoch}) in "
+            f"parameter '{s.first_nonfinite_param}'."
+        )
+    if trainer_warnings.messages:
+        print(f"Trainer warning: {trainer_warnings.messages[0]}")
+    if first_report is not None:
+        print(f"ActivationWatch: forward origin of the non-finite values: {first_report.forward_origin or 'none'} "
+              f"(step {first_report.step}).")  # fmt: skip
+    if plan.guard is not None:
+        print("SpikeGuard skipped "
+              + (", ".join(f"step {r.step} (global grad norm {r.total_norm:.4g})" for r in _guard_skips(rows))
+                 or "no step")
+              + ".")  # fmt: skip
+    for step, top, median in trainer_warnings.examples:
+        print(f"Per-example gradient norms of skipped step {step}, largest first (0-based batch positions): {top}; "
+              f"batch median {median}.")
+    if plan.clip is not None:
+        clipped = sum(r.total_norm > t for r, t in zip(rows, thresholds))
+        print(f"AdaptiveClip clipped {clipped} of {len(rows)} steps (its threshold is finite only on a step it clips).")
+
+
+def _guard_skips(rows: Sequence[Any]) -> list[Any]:
+    """The steps skipped with finite gradients: the spike guard's."""
+    return [r for r in rows if r.skipped and r.nan_count + r.inf_count == 0]
 
 
 def run(
@@ -175,37 +212,10 @@ def run(
     module's forward output (and turns ``watch_activations`` on). ``inject_spike`` multiplies every gradient of that
     step by :data:`SPIKE_FACTOR` (and turns ``spike_guard`` on). ``inject_bad_example`` corrupts the target of batch
     position :data:`BAD_POSITION` at that step (and turns ``spike_guard`` and the Trainer's ``per_example`` on)."""
-    if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
     dev = validate_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = make_model(seed).to(dev)
-    names = [n for n, _ in model.named_parameters()]
-    modules = [n for n, _ in model.named_modules() if n]
-    if nan_module is not None and inject_param is not None:
-        raise ValueError("give --inject-param (a gradient) or --nan-module (a forward output) to poison, not both")
-    if inject_param is None:
-        inject_param = "hidden.weight"
-    if inject_param not in names:
-        raise ValueError(f"--inject-param {inject_param!r} is not a parameter of the demo model; one of {names}")
-    if nan_module is not None and nan_module not in modules:
-        raise ValueError(f"--nan-module {nan_module!r} is not a module of the demo model; one of {modules}")
-    if nan_module is not None and inject_nan is None:
-        raise ValueError(f"--nan-module {nan_module} needs --inject-nan STEP: the step whose forward it poisons")
-    _check_step("--inject-nan", inject_nan, steps)
-    _check_step("--inject-spike", inject_spike, steps)
-    _check_step("--inject-bad-example", inject_bad_example, steps)
-    watch_activations = watch_activations or nan_module is not None
-    per_example = inject_bad_example is not None
-    guard = make_guard() if spike_guard or inject_spike is not None or per_example else None
-    for flag, step in (("--inject-spike", inject_spike), ("--inject-bad-example", inject_bad_example)):
-        if guard is not None and step is not None and step < guard.min_history:
-            judged = (f"it judges steps {guard.min_history}..{steps - 1}" if steps > guard.min_history
-                      else f"with --steps {steps} it judges none: give --steps above {guard.min_history}")
-            raise ValueError(
-                f"{flag} {step} falls in the spike guard's warm-up: {judged} (it takes every step until its history "
-                f"holds {guard.min_history} norms)"
-            )
-    clip = make_clip() if adaptive_clip else None
+    plan = plan_run(model, steps, inject_nan, inject_param, nan_module, inject_spike, spike_guard, adaptive_clip,
+                 watch_activations, inject_bad_example)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -214,37 +224,7 @@ def run(
     x, y, x_test, y_test = x.to(dev), y.to(dev), x_test.to(dev), y_test.to(dev)
     # fused=True: skip_nonfinite skips on the device, through the optimizer's found_inf (no host sync).
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4, fused=True)
-
-    bar: Any = None
-    thresholds: list[Tensor] = []  # AdaptiveClip's threshold of each step, kept on the device
-    layers: list[str] = []
-    layer_norms: list[Tensor] = []  # each layer's gradient norm at each step, kept on the device
-    exponents: list[Tensor] = []  # each step's exponent histogram, kept on the device
-    first_report: ActivationReport | None = None  # the first non-finite one the Trainer kept
-
-    def after_backward(trainer: Trainer) -> None:
-        nonlocal first_report
-        step = trainer.global_step
-        if step == inject_nan and nan_module is None:
-            grad = dict(trainer.model.named_parameters())[inject_param].grad
-            if grad is not None:
-                grad.fill_(float("nan"))
-        if step == inject_spike:
-            for p in trainer.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(SPIKE_FACTOR)
-        if clip is not None and step > 0:
-            thresholds.append(clip.last_threshold)  # the previous step's
-        stats = grad_stats(trainer.model.named_parameters(), histogram=True)  # one more op call, no host sync
-        groups = stats.grouped("layer")
-        layers[:] = groups.names
-        layer_norms.append(groups.norms)
-        exponents.append(cast(Tensor, stats.exponent_histogram))
-        report = trainer.last_activation_report  # from the previous step's sync
-        if first_report is None and report is not None and report.nonfinite:
-            first_report = report
-        if bar is not None:
-            bar.update(1)
+    recorder = StepRecorder(plan, inject_nan, nan_module is None, inject_spike)
 
     def poison_output(module: nn.Module, args: Any, output: Tensor) -> Tensor | None:
         if module.training and trainer.global_step == inject_nan:
@@ -262,127 +242,54 @@ def run(
         device=dev,
         skip_nonfinite=True,
         progress=False,  # the demo's own bar spans the whole run, not one epoch
-        after_backward=after_backward,
-        spike_guard=guard,
-        adaptive_clip=clip,
-        watch_activations=watch_activations,
+        after_backward=recorder,
+        spike_guard=plan.guard,
+        adaptive_clip=plan.clip,
+        watch_activations=plan.watch_activations,
         # The watch reports its latest step: sync after every step so the poisoned step's report is read.
-        sync_every=1 if watch_activations else None,
-        per_example=per_example,
+        sync_every=1 if plan.watch_activations else None,
+        per_example=plan.per_example,
     )
-    injected = []
-    if inject_nan is not None:
-        where = f"{nan_module}'s forward output" if nan_module is not None else f"{inject_param}'s gradient"
-        injected.append(f"NaN injected into {where} at step {inject_nan}")
-    if inject_spike is not None:
-        injected.append(f"gradients multiplied by {SPIKE_FACTOR:g} at step {inject_spike}")
-    if inject_bad_example is not None:
-        injected.append(f"target of batch position {BAD_POSITION} multiplied by {BAD_TARGET:g} at step "
-                        f"{inject_bad_example}")
-    policies = [name for name, on in (("SpikeGuard", guard is not None), ("AdaptiveClip", clip is not None),
-                                      ("ActivationWatch", watch_activations),
-                                      ("per-example norms", per_example)) if on]  # fmt: skip
+    policies = [name for name, on in (("SpikeGuard", plan.guard is not None), ("AdaptiveClip", plan.clip is not None),
+                                      ("ActivationWatch", plan.watch_activations),
+                                      ("per-example norms", plan.per_example)) if on]  # fmt: skip
     print(
         f"torch_gradstats demo: {steps} steps, {dev}, torch {torch.__version__}, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(names)} tensors"
-        + "".join(f", {text}" for text in injected)
+        f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(list(model.parameters()))} tensors"
+        + "".join(f", {text}" for text in plan.injected)
         + (f"; with {', '.join(policies)}" if policies else ""),
         flush=True,
     )
     print(TABLE_KEY, flush=True)
-    writer = None
-    if tensorboard is not None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-        writer = SummaryWriter(str(tensorboard))
-    g = torch.Generator().manual_seed(seed)
-    summaries: list[EpochSummary] = []
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         # A model this small runs fastest on one thread; several threads spin against each other (and against
         # anything else on a busy machine): 1.7 ms vs 340 ms per step measured on a loaded 2-core box.
         torch.set_num_threads(1)
-    bar = progress_bar(progress, steps)
+    recorder.bar = progress_bar(progress, steps)
     trainer_warnings = TrainerWarnings()
     logger = logging.getLogger("torch_gradstats")
     logger.addFilter(trainer_warnings)
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings():
-            # The watch's backward hook on the first layer, whose input needs no gradient: expected, not news.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            remaining = steps
-            while remaining > 0:
-                n = min(STEPS_PER_EPOCH, remaining)
-                batches = _epoch_batches(x, y, n, g)
-                first = steps - remaining  # the global step of this epoch's first batch
-                if inject_bad_example is not None and first <= inject_bad_example < first + n:
-                    inputs, targets = batches[inject_bad_example - first]
-                    batches[inject_bad_example - first] = (inputs, _corrupt_target(targets))
-                summary = trainer.train_epoch(batches)
-                summaries.append(summary)
-                if writer is not None:
-                    from torch_gradstats.integrations.tensorboard import log_step_records
-
-                    log_step_records(writer, summary.history)
-                lines = format_epoch_table([summary]).splitlines()
-                text = "\n".join(lines if len(summaries) == 1 else lines[2:])
-                if bar is not None:
-                    bar.set_postfix(loss=f"{summary.loss:.4g}", skipped=sum(s.skipped_steps for s in summaries))
-                    bar.write(text, file=sys.stdout)  # clears the bar, prints, redraws it below
-                    sys.stdout.flush()
-                else:
-                    print(text, flush=True)
-                remaining -= n
+        summaries = _train(trainer, (x, y), steps, seed, inject_bad_example, recorder.bar, tensorboard)
     finally:
         logger.removeFilter(trainer_warnings)
         for handle in handles:
             handle.remove()
-        if bar is not None:
-            bar.close()
+        if recorder.bar is not None:
+            recorder.bar.close()
         torch.set_num_threads(threads)
-        if writer is not None:
-            writer.close()
     seconds = time.perf_counter() - t0
-    report = trainer.last_activation_report
-    if first_report is None and report is not None and report.nonfinite:
-        first_report = report
-    if clip is not None:
-        thresholds.append(clip.last_threshold)
-    threshold_values = [float(v) for v in torch.stack(thresholds).tolist()] if thresholds else []  # one transfer
-    by_step = torch.stack(layer_norms).tolist() if layer_norms else []  # one transfer
-    per_layer = {name: [float(row[i]) for row in by_step] for i, name in enumerate(layers)}
-    exponent_rows: list[list[int]] = torch.stack(exponents).tolist() if exponents else []  # one transfer
+    threshold_values, per_layer, exponent_rows = recorder.finish(trainer)
+    first_report = recorder.first_report
     if trainer.activation_watch is not None:
         trainer.activation_watch.remove()  # the held-out pass below is no training step
 
     model.eval()
     with torch.no_grad():
         accuracy = float((model(x_test).argmax(1) == y_test).double().mean())
-    rows = [r for s in summaries for r in s.history]
-    bad = [s for s in summaries if s.first_nonfinite_step is not None]
-    if bad:
-        s = bad[0]
-        print(
-            f"\nNon-finite gradient first seen at optimizer step {s.first_nonfinite_step} (epoch {s.epoch}) in "
-            f"parameter '{s.first_nonfinite_param}'."
-        )
-    if trainer_warnings.messages:
-        print(f"Trainer warning: {trainer_warnings.messages[0]}")
-    if first_report is not None:
-        print(f"ActivationWatch: forward origin of the non-finite values: {first_report.forward_origin or 'none'} "
-              f"(step {first_report.step}).")  # fmt: skip
-    guard_skips = [r for r in rows if r.skipped and r.nan_count + r.inf_count == 0]
-    if guard is not None:
-        print("SpikeGuard skipped "
-              + (", ".join(f"step {r.step} (global grad norm {r.total_norm:.4g})" for r in guard_skips) or "no step")
-              + ".")  # fmt: skip
-    for step, top, median in trainer_warnings.examples:
-        print(f"Per-example gradient norms of skipped step {step}, largest first (0-based batch positions): {top}; "
-              f"batch median {median}.")
-    if clip is not None:
-        clipped = sum(r.total_norm > t for r, t in zip(rows, threshold_values))
-        print(f"AdaptiveClip clipped {clipped} of {len(rows)} steps (its threshold is finite only on a step it clips).")
+    _print_findings(plan, summaries, first_report, trainer_warnings, threshold_values)
     skipped = sum(s.skipped_steps for s in summaries)
     params_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     print(
@@ -390,21 +297,22 @@ def run(
         f"final loss {summaries[-1].loss:.4f}; held-out accuracy {accuracy:.1%}; {seconds:.1f} s of training"
     )
 
+    rows = [r for s in summaries for r in s.history]
     log_path = out_dir / "log.jsonl"
     meta = {
         "steps": steps,
         "inject_nan": inject_nan,
-        "inject_param": inject_param if inject_nan is not None and nan_module is None else None,
+        "inject_param": plan.inject_param if inject_nan is not None and nan_module is None else None,
         "nan_module": nan_module,
         "inject_spike": inject_spike,
         "inject_bad_example": inject_bad_example,
         "bad_position": BAD_POSITION if inject_bad_example is not None else None,
         "spike_factor": SPIKE_FACTOR if inject_spike is not None else None,
-        "spike_guard": guard is not None,
-        "guard_skipped_steps": [r.step for r in guard_skips] if guard is not None else None,
-        "adaptive_clip": clip is not None,
+        "spike_guard": plan.guard is not None,
+        "guard_skipped_steps": [r.step for r in _guard_skips(rows)] if plan.guard is not None else None,
+        "adaptive_clip": plan.clip is not None,
         "policy_figures": dict(trainer.policy_figures),
-        "watch_activations": watch_activations,
+        "watch_activations": plan.watch_activations,
         "activation_origin": first_report.origin if first_report is not None else None,
         "activation_step": first_report.step if first_report is not None else None,
         "seed": seed,
@@ -424,7 +332,7 @@ def run(
             save(_figure(summaries, inject_nan, threshold_values or None, inject_spike, origin, inject_bad_example),
                  plot_path)
             bad_steps = [r.step for r in rows if r.nan_count + r.inf_count]
-            save(layer_figure(per_layer, bad_steps, "; ".join(injected) or None), layer_path)
+            save(layer_figure(per_layer, bad_steps, "; ".join(plan.injected) or None), layer_path)
             save(exponent_figure(exponent_rows, bad_steps), exponent_path)
         except ImportError:
             plot_path = layer_path = exponent_path = None
