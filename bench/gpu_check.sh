@@ -245,7 +245,9 @@ run timing_histogram 90 $PY bench/bench_histogram_cuda.py --device cuda
 [[ -s "$STEPS/timing_histogram.out" ]] && cp "$STEPS/timing_histogram.out" "$OUT/timing_histogram.txt"
 
 # 5. compute-sanitizer on a small case: unaligned views, odd lengths, empty tensors, mixed dtypes, several tiles,
-#    a cache miss and hit, and a captured call (metadata owned by its graph) replayed; each with the histogram too.
+#    as a short list (metadata in the kernel parameters) and as a list past the inline limit (680 tensors): a cache
+#    miss (fill_metadata_kernel) and hit (metadata read from the cache's pool), and a captured call (metadata in a
+#    buffer its graph owns) replayed; each with the histogram too.
 CASE="$STEPS/sanitizer_case.py"
 cat >"$CASE" <<'EOF_CASE'
 import os
@@ -255,23 +257,41 @@ dts = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 base = [torch.randn(70_001, device="cuda").to(dt) for dt in dts]
 ts = [b[1:] for b in base] + [b[3:10] for b in base] + [torch.empty(0, device="cuda"), torch.randn(5, 7, device="cuda").t()]
 ts[0][5] = float("nan"); ts[2][0] = float("inf")
-def check(got, hist=None):
+# Longer than any inline limit: one-element tensors in [0.5, 1.5) (no zeros; buckets 148 and 149), whose expected
+# rows are computed at once (the per-tensor reference would launch thousands of kernels under the sanitizer).
+pad = torch.rand(700, device="cuda") + 0.5
+long_ts = ts + list(pad.split(1))
+def expected(n):
     ref = reference_multi_tensor_stats(ts, histogram=True)
+    if n == len(ts):
+        return ref
+    p = pad.double()
+    hist = torch.zeros(len(pad), 277, dtype=torch.int64, device="cuda")
+    hist[torch.arange(len(pad), device="cuda"), torch.frexp(p).exponent.long() - 1 + 149] = 1
+    return (torch.cat([ref[0], p * p]), torch.cat([ref[1], p]),
+            torch.cat([ref[2], torch.zeros(len(pad), 3, dtype=torch.int64, device="cuda")]), torch.cat([ref[3], hist]))
+def check(got, hist=None):
+    ref = expected(len(got.sumsq))
     assert torch.equal(got.counts, ref[2]) and torch.allclose(got.sumsq, ref[0], rtol=1e-5, equal_nan=True)
     assert hist is None or torch.equal(hist.exponent_histogram, ref[3])
-for _ in range(2):  # a cache miss, then a hit
-    check(torch_gradstats.multi_tensor_stats(ts), torch_gradstats.multi_tensor_stats(ts, histogram=True))
+for tensors in (ts, long_ts):
+    for _ in range(2):  # the long list: a cache miss, then a hit
+        check(torch_gradstats.multi_tensor_stats(tensors), torch_gradstats.multi_tensor_stats(tensors, histogram=True))
+info = torch.ops.torch_gradstats._cuda_metadata_cache_info()
+assert info[0] >= 1 and info[4] >= 1, f"the long list did not go through the metadata cache: {info}"
 if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":  # CUDA graphs need the caching allocator
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        captured = torch_gradstats.multi_tensor_stats(ts)
-        captured_hist = torch_gradstats.multi_tensor_stats(ts, histogram=True)
+        captured = [(torch_gradstats.multi_tensor_stats(tensors), torch_gradstats.multi_tensor_stats(tensors, histogram=True))
+                    for tensors in (ts, long_ts)]
+    assert torch.ops.torch_gradstats._cuda_metadata_cache_info()[6] >= 1, "no metadata buffer owned by the graph"
     ts[3][7] = float("-inf")
     g.replay()
     torch.cuda.synchronize()
-    check(captured, captured_hist)
-    print("captured call replayed")
+    for plain, with_hist in captured:
+        check(plain, with_hist)
+    print("captured calls replayed")
 torch.cuda.synchronize()
 print("sanitizer case ok")
 EOF_CASE
