@@ -517,21 +517,26 @@ def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(p
     torch._dynamo.reset()
     counters.clear()
 
-    def step_fn(grads):
-        stats = torch_gradstats.multi_tensor_stats(grads)
+    def step_fn(grads, pad):
+        # The one-element views of `pad` take both lists past the inline limit (as cached() does), so that their
+        # metadata goes through the cache in the eager warm-up and into graph-owned buffers when recorded, not into
+        # kernel parameters.
+        n, padding = len(grads), list(pad.split(1))
+        stats = torch_gradstats.multi_tensor_stats(grads + padding)
         halves = [g * 0.5 for g in grads]  # temporaries from the graph's pool, read by the op as well
-        return stats.sumsq, stats.amax, stats.counts, torch_gradstats.multi_tensor_stats(halves).sumsq
+        halves_sumsq = torch_gradstats.multi_tensor_stats(halves + padding).sumsq[:n]
+        return stats.sumsq[:n], stats.amax[:n], stats.counts[:n], halves_sumsq
 
     compiled = torch.compile(step_fn, mode="reduce-overhead", dynamic=False)
 
     def run_and_check(grads, step):
         torch.compiler.cudagraph_mark_step_begin()
-        out = [o.clone() for o in compiled(grads)]  # outputs live in the pool until the next replay: copy them
+        out = [o.clone() for o in compiled(grads, pad)]  # outputs live in the pool until the next replay: copy them
         try:
             assert_matches(out[:3], grads)
             ref_halves = reference_multi_tensor_stats([g * 0.5 for g in grads])[0]
             torch.testing.assert_close(out[3], ref_halves, rtol=1e-5, atol=0, equal_nan=True)
-            check(grads)  # eager, after the compiled call: hits the entry the warm-up created
+            check(grads + list(pad.split(1)))  # eager, after the compiled call: hits the entry the warm-up created
         except AssertionError as exc:
             raise AssertionError(f"step {step}: {exc}") from exc
 
@@ -548,6 +553,7 @@ def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(p
         return [randn(n + 2 * pool_asserts, DTYPES[i % 4], gen) for i, n in enumerate(sizes)]
 
     captured_before = cache_info()["captured_calls"] if has_cuda_kernel() else 0
+    pad = torch.rand(inline_limit() + 1, device="cuda")
     with inductor_config.patch({"triton.slow_path_cudagraph_asserts": pool_asserts}):
         grads_a = make([7, 1 << 17, 999, 70_013, 4096])
         for step in range(6):  # warm-up, recording, replays; gradients changed in place between steps
@@ -563,7 +569,7 @@ def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(p
             fill(grads_a, step + 6)
             run_and_check(grads_a, f"a{step + 6}")
         for grads in (grads_a, fresh_a, grads_b):
-            check(grads)
+            check(grads + list(pad.split(1)))
     assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs were skipped: the test did not test them"
     if has_cuda_kernel():  # two recordings (two graphs), two op calls in each
         assert cache_info()["captured_calls"] >= captured_before + 4, "the op never ran under capture"
