@@ -283,8 +283,8 @@ if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":  # CUDA graphs need 
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        captured = [(torch_gradstats.multi_tensor_stats(tensors), torch_gradstats.multi_tensor_stats(tensors, histogram=True))
-                    for tensors in (ts, long_ts)]
+        captured = [(torch_gradstats.multi_tensor_stats(tensors),
+                     torch_gradstats.multi_tensor_stats(tensors, histogram=True)) for tensors in (ts, long_ts)]
     assert torch.ops.torch_gradstats._cuda_metadata_cache_info()[6] >= 1, "no metadata buffer owned by the graph"
     ts[3][7] = float("-inf")
     g.replay()
