@@ -578,7 +578,7 @@ def test_reduce_overhead_cached_metadata_not_in_or_clobbered_by_cudagraph_pool(p
 
 @needs_cuda_kernel
 def test_capture_of_lists_longer_than_one_fill_launch(gen):
-    # 2,000 tensors need several fill launches (816 entries per launch with 32 KB of parameters, 100 with 4 KB) to
+    # 2,000 tensors need several fill launches (680 entries per launch with 32 KB of parameters, 80 with 4 KB) to
     # write the graph's metadata while it is captured: replays after in-place changes must see every tensor's.
     tensors = [randn(1 + (i * 37) % 300, DTYPES[i % 4], gen) for i in range(2_000)]
     torch.cuda.synchronize()
