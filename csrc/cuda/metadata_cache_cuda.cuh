@@ -172,10 +172,16 @@ class MetadataCache {
   // capturing at the call's check.
   MetadataLease get(const std::vector<TensorMeta>& meta, uint64_t hash, int64_t num_tiles, c10::DeviceIndex device,
                     cudaStream_t stream) {
-    if (released_.load(std::memory_order_relaxed) != nullptr) free_released_graph_buffers();  // one load per call
+    free_released();
     DeviceState& ds = device_state(device);
     if (!ds.cache) return MetadataLease();
     return ds.cache->get(meta.data(), meta.size(), hash, metadata_bytes(int64_t(meta.size()), num_tiles), stream);
+  }
+
+  // Frees the buffers of graphs destroyed since the last call, if any: one atomic load when there are none. Called
+  // by every eager call (a workload of short lists only would otherwise keep them until a long list comes).
+  void free_released() noexcept {
+    if (released_.load(std::memory_order_relaxed) != nullptr) free_released_graph_buffers();
   }
 
   // Device pointer of the metadata for `meta`, for the graph that `capturing` is being captured into: written now,

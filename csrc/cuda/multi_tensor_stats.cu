@@ -219,7 +219,10 @@ Stats multi_tensor_stats_cuda(const TensorRefs& tensors, at::Tensor* histogram) 
       d_metadata = static_cast<const uint8_t*>(lease.data());
     }
   }
-  if (in_params) cache.count_per_call(capturing, 0);  // (the captured-call count covers every path)
+  if (in_params) {
+    cache.count_per_call(capturing, 0);  // (the captured-call count covers every path)
+    if (!capturing) cache.free_released();  // (a long list's get() and for_capture() do it themselves)
+  }
   if (in_params || d_metadata != nullptr) {
     if (workspace_bytes > 0) scratch = at::empty({int64_t(workspace_bytes)}, byte_options);
   } else {
