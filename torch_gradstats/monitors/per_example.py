@@ -114,9 +114,10 @@ class PerExampleNorms:
             params = [(local, names[id(p)], p) for local, p in own]
             self._layers[m] = _Layer(m, mname, isinstance(m, EXACT), params)
             self._handles.append(m.register_forward_hook(self._forward, with_kwargs=True))
-        for p_name, p in model.named_parameters():
-            if p.requires_grad:  # a gradient reaching a parameter that no hooked call saw is refused by name
-                self._handles.append(p.register_hook(lambda _g, n=p_name: self._arrived(n)))
+        self._model = model
+        self._arrival_handles: list[Any] = []
+        self._arrival_key: tuple[int, ...] | None = None
+        self._hook_arrivals()
         self._norms = Norms(max_materialize)
         self._batches: list[tuple[Tensor, dict[str, Tensor]]] = []  # per backward: (sum of squares, per parameter)
         self._replaying = False
@@ -136,7 +137,21 @@ class PerExampleNorms:
             raise ValueError(f"PerExampleNorms: {_what(name, m)} has scale_grad_by_freq=True, which scales each "
                              "example's gradient by counts over the whole batch")
 
+    def _hook_arrivals(self) -> None:
+        """A hook on each parameter that requires grad now: a gradient reaching one that no hooked call saw is
+        refused by name. Made again when the trainable set changed (layers unfrozen or frozen during training),
+        checked at the first hooked call of each backward's forward: a tuple of ids, no host sync."""
+        trainable = [(n, p) for n, p in self._model.named_parameters() if p.requires_grad]
+        key = tuple(id(p) for _, p in trainable)
+        if key == self._arrival_key:
+            return
+        for h in self._arrival_handles:
+            h.remove()
+        self._arrival_handles = [p.register_hook(lambda _g, n=n: self._arrived(n)) for n, p in trainable]
+        self._arrival_key = key
+
     def _clear_backward(self) -> None:
+        self._arrivals_checked = False  # whether this backward's forward has checked the trainable set
         self._uses: dict[str, int] = defaultdict(int)  # calls hooked since the last backward, per parameter
         self._pending: dict[str, list[Contribution]] = defaultdict(list)
         self._sq: dict[str, Tensor] = {}
@@ -149,6 +164,9 @@ class PerExampleNorms:
     def _forward(self, m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self._replaying or not torch.is_grad_enabled() or inside_transform():  # none of the step's forwards
             return
+        if not self._arrivals_checked and self._handles:
+            self._arrivals_checked = True
+            self._hook_arrivals()
         layer = self._layers[m]
         self._check(layer.name, m)  # the module may have been put in training mode since
         live = [full for _, full, p in layer.params if p.requires_grad]
@@ -285,9 +303,10 @@ class PerExampleNorms:
 
     def remove(self) -> None:
         """Remove every hook (results stay readable)."""
-        for h in self._handles:
+        for h in self._handles + self._arrival_handles:
             h.remove()
-        self._handles = []
+        self._handles, self._arrival_handles = [], []
+        self._arrival_key = None
 
     def __enter__(self) -> PerExampleNorms:  # noqa: PYI034 (typing.Self needs Python 3.11)
         return self
