@@ -90,6 +90,8 @@ class UpdateRatio:
     weight (skipped by a GradScaler or a guard), and a parameter the optimizer skips (no ``.grad``), measure 0.
     Parameters are read through ``.detach()`` (DTensors through their local shard) and never modified. ``group``:
     the process group over which plain-tensor parameters are shards of one set (as in ``grad_and_weight_stats``).
+    The parameters measured are those given here: for layers unfrozen later, give every parameter (a frozen one
+    measures 0) or make a new ``UpdateRatio`` when the trained set changes (what the callbacks do).
     """
 
     def __init__(self, params: ParamsLike, *, group: Any = None) -> None:

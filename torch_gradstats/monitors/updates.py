@@ -176,6 +176,10 @@ class GradWeightStats:
             out.delta_sumsq = group_sums(self.update.names, self.update.delta_sumsq, by, out.names, only=kept)
             out.update_weight_sumsq = group_sums(self.update.names, self.update.weight_sumsq, by, out.names,
                                                  only=kept)
+            # Names only (no read): a group with gradients none of which was measured has no update ratio.
+            measured = frozenset(out.members[n] for n in self.update.names if n in kept and n in out.members)
+            if measured != frozenset(out.names):
+                out.measured = measured
         return out
 
     def report(self, k: int = 5, *, policy: HealthPolicy | None = None,

@@ -200,6 +200,9 @@ class GroupStats:
             update (a parameter the optimizer does not hold counts 0: it is not updated); with an optimizer.
         delta_sumsq, update_weight_sumsq: float64 ``[G]``: ``||Δw||²`` and ``||w_after||²`` of a measured update,
             over the same parameters as ``weight_sumsq`` (those with a gradient).
+        measured: the groups holding a parameter of the measured update (None: every group); the report gives
+            update ratios for these only: a group with gradients but nothing measured (a layer not yet given to the
+            optimizer, or to the ``UpdateRatio``) has no ratio rather than 0.
         source: the per-parameter statistics the groups were made from (a ``GradStats``, by its ``grouped``), whose
             totals cover the parameters no group holds too; None when made otherwise.
     """
@@ -214,6 +217,7 @@ class GroupStats:
     lr_update_sumsq: Tensor | None = None
     delta_sumsq: Tensor | None = None
     update_weight_sumsq: Tensor | None = None
+    measured: frozenset[str] | None = None
     source: object | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
@@ -269,7 +273,8 @@ class GroupStats:
             if self.lr_update_sumsq is not None:
                 out.lr_update_ratios = {n: norm_ratio(u, w) for n, u, w in zip(self.names, lrsumsq or [], wsumsq or [])}
         if self.delta_sumsq is not None and self.update_weight_sumsq is not None:
-            out.update_ratios = {n: norm_ratio(d, w) for n, d, w in zip(self.names, dsumsq or [], usumsq or [])}
+            out.update_ratios = {n: norm_ratio(d, w) for n, d, w in zip(self.names, dsumsq or [], usumsq or [])
+                                 if self.measured is None or n in self.measured}
         return out
 
 
