@@ -222,6 +222,8 @@ class StatsTaker:
         self.policy = policy
         self.k = k
         self.ratio: UpdateRatio | None = None
+        self._ratio_key: tuple[int, ...] | None = None  # ids of the parameters ``ratio`` measures
+        self._optimizer: Any = None  # the optimizer last given to take()
         self.spike_guard = spike_guard
         self.adaptive_clip = adaptive_clip
         #: the guard's and the clip's figures read with the last report (``guard/...``, ``clip/...``)
@@ -262,16 +264,47 @@ class StatsTaker:
         """Device statistics of the gradients (and weights, with learning rates) of ``module``, with the exponent
         histogram when ``histogram`` (see :func:`check_histogram`); no host sync."""
         params = self.trainable(module)
+        self._optimizer = optimizer
         if self.log_weight_norms or self.log_update_ratio:
             return grad_and_weight_stats(params, optimizer=optimizer, group=self.group)
         return grad_stats(params, group=self.group, stage_group=self.stage_group, tied=self.tied, histogram=histogram)
 
+    @staticmethod
+    def trained(module: nn.Module, optimizer: Any) -> list[tuple[str, Tensor]]:
+        """The parameters an optimizer step trains now: those of ``module`` that require grad and, where the
+        optimizer has param groups, are held by one of them (a parameter it does not hold is never updated). An
+        optimizer holding none of them holds copies (master weights of another dtype): then every one counts."""
+        params = StatsTaker.trainable(module)
+        groups = getattr(optimizer, "param_groups", None)
+        if groups:
+            held = {id(p) for group in groups for p in group["params"]}
+            params = [(n, p) for n, p in params if id(p) in held] or params
+        return params
+
     def snapshot(self, module: nn.Module) -> None:
-        if self.ratio is None:
-            self.ratio = UpdateRatio(self.trainable(module), group=self.group)
-            logger.info("torch_gradstats: measuring update ratios keeps one copy of the weights (%.1f MiB)",
-                        self.ratio.nbytes / 2**20)
-        self.ratio.snapshot()
+        """Copy the weights of the parameters this step trains (:meth:`trained`, with the optimizer last given to
+        :meth:`take`), right before the optimizer step. The set is found again at every snapshot: when layers are
+        unfrozen (``requires_grad_(True)``, a param group added) or frozen, the measurement follows them from this
+        step on, a parameter first trained now measured against its weights of now. Unchanged, it costs a tuple of
+        ids, no allocation and no host sync."""
+        params = self.trained(module, self._optimizer)
+        key = tuple(id(p) for _, p in params)
+        if key != self._ratio_key:
+            before = set(self.ratio.names) if self.ratio is not None else set()
+            if self.ratio is not None:
+                self.ratio.release()
+            self.ratio = UpdateRatio(params, group=self.group) if params else None
+            now = set(self.ratio.names) if self.ratio is not None else set()
+            mib = self.ratio.nbytes / 2**20 if self.ratio is not None else 0.0
+            if self._ratio_key is None:
+                logger.info("torch_gradstats: measuring update ratios keeps one copy of the weights (%.1f MiB)", mib)
+            else:
+                logger.info("torch_gradstats: the trained parameters changed (%d added, %d removed, %d now): update "
+                            "ratios are measured on those from this step on (a copy of %.1f MiB)", len(now - before),
+                            len(before - now), len(now), mib)
+            self._ratio_key = key
+        if self.ratio is not None:
+            self.ratio.snapshot()
 
     def measure(self, stats: GradStats | GradWeightStats) -> None:
         if self.ratio is not None and isinstance(stats, GradWeightStats):

@@ -14,10 +14,11 @@ What it logs, on which steps, its host syncs, ``on_nonfinite``, the step policie
 "Hugging Face Trainer". The design in short:
 
 * The figures are taken at the end of the backward of the **last micro-batch** of each optimizer step (accelerate's
-  ``GradientState.sync_gradients``), from a post-accumulate-grad hook per trainable parameter that queues one
-  engine callback: before the Trainer clips (its ``on_pre_optimizer_step`` comes after its ``clip_grad_norm_``,
-  which would have spread a NaN to every gradient), after DDP's own end-of-backward reduction, and with reentrant
-  checkpoint segments at the end of the outermost backward. Under fp16 the norms are divided by the scaler's scale
+  ``GradientState.sync_gradients``), from a post-accumulate-grad hook per trainable parameter (made again before a
+  training forward when layers were unfrozen or frozen since) that queues one engine callback: before the Trainer
+  clips (its ``on_pre_optimizer_step`` comes after its ``clip_grad_norm_``, which would have spread a NaN to every
+  gradient), after DDP's own end-of-backward reduction, and with reentrant checkpoint segments at the end of the
+  outermost backward. Under fp16 the norms are divided by the scaler's scale
   on the device. DeepSpeed keeps its gradients outside ``param.grad``: not supported.
 * Exactly one device-to-host transfer per logging step (on the main process), none on other steps; with
   ``on_nonfinite`` one small transfer per optimizer step on every rank, so all ranks agree.
@@ -203,6 +204,8 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (main process)
         self._handles: list[Any] = []
+        self._grad_handles: list[Any] = []  # the gradient hooks, on the parameters that require grad
+        self._hooked_key: tuple[int, ...] | None = None  # their ids
         self._model: Any = None
         self._optimizer: Any = None
         self._args: Any = None
@@ -234,8 +237,9 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
                            state.global_step, " and ".join(f"the {n}'s" for n in policies))
         self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
         self._remove_hooks()
-        for _, p in StatsTaker.trainable(model):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_param_grad))
+        self._hook_trainable(model)
+        # Layers unfrozen or frozen during training: the gradient hooks follow them, checked before each forward.
+        self._handles.append(model.register_forward_pre_hook(self._before_forward))
         if ((self.spike_guard is not None and self.spike_guard.watch_loss) or self._per_example
                 or self.flight_recorder is not None):
             self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
@@ -369,9 +373,26 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             self._loss_of_step = kwargs.get("num_items_in_batch") is not None
 
     def _remove_hooks(self) -> None:
-        for h in self._handles:
+        for h in self._handles + self._grad_handles:
             h.remove()
-        self._handles = []
+        self._handles, self._grad_handles = [], []
+        self._hooked_key = None
+
+    def _hook_trainable(self, model: Any) -> None:
+        """A gradient hook on each parameter that requires grad now (the end of a backward is found from them)."""
+        trainable = StatsTaker.trainable(model)
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles = [p.register_post_accumulate_grad_hook(self._on_param_grad) for _, p in trainable]
+        self._hooked_key = tuple(id(p) for _, p in trainable)
+
+    def _before_forward(self, module: Any, args: Any) -> None:
+        # A training forward after layers were unfrozen or frozen (gradual unfreezing): hook the parameters that
+        # require grad now, or a step whose first-hooked parameters were all frozen again would never be read.
+        # Unchanged, it costs a tuple of ids per forward (no host sync).
+        if (module.training and torch.is_grad_enabled()
+                and tuple(id(p) for p in module.parameters() if p.requires_grad) != self._hooked_key):
+            self._hook_trainable(module)
 
     def _on_param_grad(self, param: torch.Tensor) -> None:
         # Called for each parameter as its gradient is accumulated; queue one callback per backward, only on the
