@@ -201,8 +201,8 @@ def make_samples(point: Point, device: torch.device, llc: int, seed: int, copy_t
     """Random-normal inputs (never zeros), in enough copies that the rotated working set exceeds twice the LLC
     (within the limits: at most 256 copies, 200,000 tensors in all, and CUDA_MAX_COPIES on CUDA). On the CPU at least
     two when rotating (``llc > 0``): the timed blocks read the copies in turn, so a block never starts on the copy
-    the block before it has just left in the cache (a 128 MiB list read right after another contender read it ran
-    ~10% faster on a 32 MiB cache than the same list read cold)."""
+    the block before it has just left in the cache (a list read right after another contender read it would find
+    part of it in the last-level cache)."""
     total = point.total_bytes
     limit = CUDA_MAX_COPIES if device.type == "cuda" else 256
     max_copies = max(1, min(limit, 200_000 // max(1, len(point.shapes))))

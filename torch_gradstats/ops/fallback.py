@@ -190,7 +190,7 @@ def fallback_multi_tensor_stats(
     tensor is ever copied whole (a non-dense one is copied one piece at a time). The process's memory (RSS) is
     bounded as well: the outputs and bookkeeping are made before the first batch and every batch frees all it
     makes before the next, since a block kept from the middle of the call would split the C allocator's free
-    space and the process would keep all of it (a 128 MiB list once left 135 MiB behind). On the CPU a call with
+    space and the process would keep all of it. On the CPU a call with
     the default chunk uses the calling thread's kept workspace (8 MiB; torch's CPU allocator does not cache, and
     faulting fresh pages in costs more than the arithmetic); :func:`release_workspace` frees it.
 
