@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_gradstats import bench
+from torch_gradstats import HAS_EXTENSION, bench
 from torch_gradstats.bench.contenders import COMPILED, check_contender
 from torch_gradstats.bench.main import COUNT_CONTENDERS
 from torch_gradstats.cli.main import main as cli_main
@@ -436,3 +436,26 @@ def test_gpt2_small_model_has_the_advertised_size():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.slow
+def test_bench_host_costs_runs_and_names_every_contender() -> None:
+    """bench/bench_host_costs.py (the host costs docs/design.md and the docstrings quote), one round: every
+    contender of its three groups gets a positive time, and the header names the machine and the commit."""
+    if not HAS_EXTENSION:
+        pytest.skip("the script measures the compiled entry point")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_host_costs.py"), "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    header, *rest = run.stdout.splitlines()
+    assert "commit measured:" in header and "logical cores" in header, header
+    names = ["_C.direct_stats", "multi_tensor_stats", "torch.ops (raw op)", "torch._foreach_norm", "torch.sum",
+             "torch.tensor(list)", "host_int64 (array, frombuffer)", "detach() of each tensor",
+             "multi_tensor_stats(list)"]
+    times = {}
+    for line in rest:
+        m = re.match(r"\s+(.+?)\s+([0-9.]+)\s+\(([0-9.]+)\)$", line)
+        if m:
+            times[m.group(1)] = float(m.group(2))
+    assert sorted(times) == sorted(names), times
+    assert all(t > 0 for t in times.values()), times
+
