@@ -234,6 +234,8 @@ class StatsTaker:
         self._skipped_names: list[str] = []
         #: per_example / flight_recorder: every step's row, read with the next report (set by the callback)
         self.incidents: StepIncidents | None = None
+        #: words after the step number in warnings (" (optimizer 'generator')" for one optimizer of several)
+        self.label = ""
 
     @property
     def every_step(self) -> bool:
@@ -373,17 +375,17 @@ class StatsTaker:
         if count:
             assert self._skipped_nonfinite is not None
             self._skipped_nonfinite.zero_()  # on the device, no sync
-            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: first non-finite parameter "
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d%s: first non-finite parameter "
                            "%r; step skipped by the spike guard (%d such steps since the last report)",
-                           step, self._skipped_names[index], count)
+                           step, self.label, self._skipped_names[index], count)
         return {}
 
     def warn_skipped_nonfinite(self, stats: GradStats | GradWeightStats, step: int) -> None:
         """Where a step was just skipped from the host: name its first non-finite parameter now, if any (one small
         transfer, on a skipped step only)."""
         if self.nonfinite(stats):
-            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: %s; step skipped by the spike "
-                           "guard", step, self.describe_nonfinite(stats))
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d%s: %s; step skipped by the "
+                           "spike guard", step, self.label, self.describe_nonfinite(stats))
 
     @staticmethod
     def nonfinite(stats: GradStats | GradWeightStats) -> bool:

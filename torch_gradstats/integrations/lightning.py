@@ -104,7 +104,7 @@ are installed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -113,7 +113,6 @@ from torch import Tensor
 from torch_gradstats.integrations._common import (
     ActivationReporting,
     OnNonfinite,
-    PolicyState,
     StatsTaker,
     activation_metrics,
     check_histogram,
@@ -123,6 +122,12 @@ from torch_gradstats.integrations._common import (
     describe_nonfinite,
     logs_here,
     styled_keys,
+)
+from torch_gradstats.integrations._lightning_optimizers import (
+    OptimizerTaker,
+    SeveralOptimizers,
+    check_optimizer_names,
+    optimizer_key,
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors._grad_scaler import loss_scale
@@ -157,7 +162,7 @@ def lightning_keys(report: AnyReport, per_param: bool = True) -> dict[str, float
     return out
 
 
-class _GradStatsMixin(ActivationReporting, PolicyState):
+class _GradStatsMixin(ActivationReporting, SeveralOptimizers):
     """The callback's logic, independent of which Lightning package provides the base class."""
 
     def __init__(
@@ -183,6 +188,7 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
         histogram: bool = False,
         per_example: bool = False,
         flight_recorder: FlightRecorder | int | None = None,
+        optimizer_names: Sequence[str] | None = None,
     ) -> None:
         """
         Args:
@@ -225,6 +231,9 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
             flight_recorder: a :class:`~torch_gradstats.FlightRecorder` (or its capacity) recording every step,
                 dumped into its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png`` at an incident (a skipped step,
                 a non-finite gradient, a ``SpikeStreakError``); the warning names the file.
+            optimizer_names: with several optimizers, the key segment of each, in ``configure_optimizers`` order
+                (default ``optimizer_0``, ``optimizer_1``, ...; see "Several optimizers" in the module docstring).
+                Given with one optimizer, its keys get the segment too.
         """
         super().__init__()
         self.key_style = check_key_style(key_style) if lightning_names else None
@@ -247,7 +256,13 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
         self._activation_at = -2  # the watch's step when that report was made
         self.skipped_steps: list[int] = []  #: optimizer steps skipped because a gradient was non-finite
         self.last_report: AnyReport | None = None  #: the last report logged (rank 0)
-        self._pending: tuple[GradStats | GradWeightStats, int, int] | None = None  # stats, logger step, opt step
+        # reports made after the batch (log_update_ratio), the last step's of each taker: the stats, the logger step
+        self._pending: dict[int, tuple[StatsTaker, GradStats | GradWeightStats, int]] = {}
+        self.optimizer_names = check_optimizer_names(optimizer_names)
+        # several optimizers: each one's taker (its parameters, its key segment, its policies), by the optimizer's id
+        self._takers: dict[int, OptimizerTaker] | None = None
+        self._saved_optimizer_states: dict[str, Any] | None = None  # loaded before the optimizers exist
+        self._one_optimizer_state = False  # a one-optimizer checkpoint's policy statistics were loaded
         self._loss: Tensor | None = None  # the loss of this optimizer step's micro-batches, summed on the device
         self._loss_n = 0  # how many micro-batch losses that sum holds
         self._found_inf_set: set[int] = set()  # optimizers given a guard's found_inf for this step (ids)
@@ -269,13 +284,10 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
                                                  nonfinite_told=True)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # Each optimizer step reads and logs every gradient of the module at the batch's logger step: with several
-        # optimizers (manual optimization) their steps would log different figures under the same keys and step.
-        n = len(getattr(trainer, "optimizers", []) or [])
-        if n > 1:
-            raise ValueError(f"GradStatsCallback: configure_optimizers returned {n} optimizers; the callback reads "
-                             "the whole LightningModule's gradients once per optimizer step and logs them at the "
-                             "batch's step, so it takes one optimizer (use param groups for different settings)")
+        # Several optimizers (manual optimization): each one's step reads its own parameters, logs under its own key
+        # segment and is judged by its own copies of the policies. Statistics carried over from an earlier fit of
+        # this callback, or loaded from a checkpoint (before the optimizers existed), go to the optimizer of the name.
+        self._start_optimizers(trainer, pl_module)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for optimizer in getattr(trainer, "optimizers", []):
@@ -315,51 +327,50 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
         step = trainer.global_step
         logger_step = self._logger_step(trainer)
         log_now = self._log_due(trainer, logger_step)
-        if not log_now and self.on_nonfinite is None and not self.taker.every_step:
+        taker = self._taker(optimizer)
+        if not log_now and self.on_nonfinite is None and not taker.every_step:
             return  # nothing read, nothing synced
-        stats = self.taker.take(pl_module, optimizer, histogram=self.histogram and log_now)
-        if self.taker.every_step:
+        stats = taker.take(pl_module, optimizer, histogram=self.histogram and log_now)
+        if taker.every_step:
             loss = self._step_loss(trainer, pl_module)
-            factor = self.taker.apply_policies(pl_module, stats, loss)
+            factor = taker.apply_policies(pl_module, stats, loss)
             host_skipped = None
             if factor is not None:
                 host_skipped = self._apply_factor(trainer, optimizer, factor)
                 if self.on_nonfinite is None:  # else on_nonfinite's own check names it below
                     if host_skipped is None:
-                        self.taker.record_skipped_nonfinite(stats, factor, step)
+                        taker.record_skipped_nonfinite(stats, factor, step)
                     elif host_skipped:
-                        self.taker.warn_skipped_nonfinite(stats, step)
-            self.taker.note_step(stats, factor, step, loss, self._example_scale(trainer), host_skipped)
+                        taker.warn_skipped_nonfinite(stats, step)
+            taker.note_step(stats, factor, step, loss, self._example_scale(trainer), host_skipped)
         report: AnyReport | None = None
-        if log_now and self._logs_here(trainer) and not self.taker.log_update_ratio:
-            report = self.taker.report(stats)  # the one transfer of this step
+        if log_now and self._logs_here(trainer) and not taker.log_update_ratio:
+            report = taker.report(stats)  # the one transfer of this step
         if self.on_nonfinite is not None:
             g = grad_report(report) if report is not None else None
-            bad = (g.nan_count + g.inf_count > 0) if g is not None else self.taker.nonfinite(stats)
+            bad = (g.nan_count + g.inf_count > 0) if g is not None else taker.nonfinite(stats)
             if bad:
-                self._handle_nonfinite(trainer, optimizer, step, report, stats)
+                self._handle_nonfinite(trainer, optimizer, step, report, stats, taker)
                 if not log_now and self._log_due(trainer, logger_step):  # "stop": Lightning logs this step too
                     log_now = True
-                    if self._logs_here(trainer) and not self.taker.log_update_ratio:
-                        report = self.taker.report(stats)
+                    if self._logs_here(trainer) and not taker.log_update_ratio:
+                        report = taker.report(stats)
         if report is not None:
-            self._log(trainer, report, logger_step)
-        elif log_now and self.taker.log_update_ratio:
-            self.taker.snapshot(pl_module)
-            self._pending = (stats, logger_step, step)
+            self._log(trainer, report, logger_step, taker)
+        elif log_now and taker.log_update_ratio:
+            taker.snapshot(pl_module)
+            self._pending[id(taker)] = (taker, stats, logger_step)
         elif log_now:  # a rank that does not log reads what the logging rank's report reads
-            self.taker.check_layout(stats)
+            taker.check_layout(stats)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._pending is None:
-            return
-        stats, logger_step, _ = self._pending
-        self._pending = None
-        self.taker.measure(stats)
-        if self._logs_here(trainer):
-            self._log(trainer, self.taker.report(stats), logger_step)
-        else:
-            self.taker.check_layout(stats)
+        pending, self._pending = self._pending, {}
+        for taker, stats, logger_step in pending.values():
+            taker.measure(stats)
+            if self._logs_here(trainer):
+                self._log(trainer, taker.report(stats), logger_step, taker)
+            else:
+                taker.check_layout(stats)
 
     # ----------------------------------------------------------------------------------------------- internals
     def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> bool | None:
@@ -429,34 +440,37 @@ class _GradStatsMixin(ActivationReporting, PolicyState):
         return (logger_step + 1) % every == 0 or bool(trainer.should_stop)
 
     def _handle_nonfinite(self, trainer: Any, optimizer: Any, step: int, report: AnyReport | None,
-                          stats: GradStats | GradWeightStats) -> None:
+                          stats: GradStats | GradWeightStats, taker: StatsTaker) -> None:
         # Named from the report when this step has one, else from one more small read (a non-finite step only).
-        what = describe_nonfinite(report) if report is not None else self.taker.describe_nonfinite(stats)
+        what = describe_nonfinite(report) if report is not None else taker.describe_nonfinite(stats)
         what += self._activation_words()
         optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter untouched
         self.skipped_steps.append(step)
         if self.on_nonfinite == "stop":
             trainer.should_stop = True
-            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: %s; step skipped, stopping",
-                           step, what)
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d%s: %s; step skipped, stopping",
+                           step, taker.label, what)
         else:
-            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d: %s; step skipped", step, what)
+            logger.warning("torch_gradstats: non-finite gradient at optimizer step %d%s: %s; step skipped", step,
+                           taker.label, what)
 
-    def _log(self, trainer: Any, report: AnyReport, logger_step: int) -> None:
+    def _log(self, trainer: Any, report: AnyReport, logger_step: int, taker: StatsTaker) -> None:
         values = styled_keys(report, self.key_style, self.per_param)
         ours = metrics(report, self.prefix, self.per_param)
         if self.key_style in ("lightning", "composer"):  # the per-parameter norms are already there, so named
             ours = {k: v for k, v in ours.items() if not k.startswith(self.prefix + "norm/")}
         values.update(ours)
-        values.update(self.taker.policy_figures)
+        values.update(taker.policy_figures)
         act = self._activation_report()
         if act is not None and self.activation_watch is not None:
             values.update(activation_metrics(act, self.activation_watch))
         grads_bad = grad_report(report).first_nonfinite is not None
         if (grads_bad or (act is not None and act.nonfinite)) and self.on_nonfinite is None:  # else already said
-            logger.warning("torch_gradstats: non-finite values at logger step %d: first non-finite parameter "
-                           "gradient: %s%s", logger_step, describe_nonfinite(report) if grads_bad else "none",
-                           self._activation_words(act))
+            logger.warning("torch_gradstats: non-finite values at logger step %d%s: first non-finite parameter "
+                           "gradient: %s%s", logger_step, taker.label,
+                           describe_nonfinite(report) if grads_bad else "none", self._activation_words(act))
+        if isinstance(taker, OptimizerTaker):  # one optimizer of several: its own key segment
+            values = {optimizer_key(k, taker.name, self.prefix): v for k, v in values.items()}
         for lg in trainer.loggers:
             lg.log_metrics(values, step=logger_step)
         self.last_report = report

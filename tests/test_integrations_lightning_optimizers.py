@@ -1,0 +1,295 @@
+"""The Lightning callback with several optimizers: a small GAN in manual optimization (generator and discriminator,
+each with its own optimizer), trained for real on the CPU (no mocks). Each optimizer's logged figures are compared,
+from the CSVLogger's files, with float64 figures of exactly that optimizer's parameters' gradients, recorded at the
+same hook by a callback placed before ours."""
+
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torch_gradstats import SpikeGuard
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.loggers import CSVLogger
+
+from torch_gradstats.integrations.lightning import GradStatsCallback
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+G_LR, D_LR = 0.01, 0.005
+G_NAMES = ["generator.0.weight", "generator.0.bias", "generator.2.weight", "generator.2.bias"]
+D_NAMES = ["discriminator.0.weight", "discriminator.0.bias", "discriminator.2.weight", "discriminator.2.bias"]
+NAMES = {"generator": G_NAMES, "discriminator": D_NAMES}
+SPIKE = 10  # the batch whose generator loss is multiplied by 1e4
+
+
+class GAN(L.LightningModule):
+    """The canonical Lightning GAN step: ``self.optimizers()``, ``manual_backward``, one step of each optimizer per
+    batch. Without ``toggle_optimizer`` the generator's backward also leaves gradients on the discriminator, which its
+    optimizer zeroes before its own backward: a read of the whole module at the generator's step would count them."""
+
+    def __init__(self, spike_at: int | None = None, toggle: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+        self.discriminator = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.spike_at = spike_at  # the batch whose generator loss is multiplied by 1e4
+        self.toggle = toggle
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        g_opt, d_opt = self.optimizers()
+        z = torch.randn(real.shape[0], 4, generator=torch.Generator().manual_seed(int(self.global_step)))
+        bce = nn.functional.binary_cross_entropy_with_logits
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+
+        if self.toggle:
+            self.toggle_optimizer(g_opt)
+        fake = self.generator(z)
+        g_loss = bce(self.discriminator(fake), ones)
+        if self.spike_at is not None and batch_idx == self.spike_at:
+            g_loss = g_loss * 1e4
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        if self.toggle:
+            self.untoggle_optimizer(g_opt)
+            self.toggle_optimizer(d_opt)
+        d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake.detach()), zeros)) / 2
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        if self.toggle:
+            self.untoggle_optimizer(d_opt)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.generator.parameters(), lr=G_LR),
+                torch.optim.SGD(self.discriminator.parameters(), lr=D_LR)]
+
+
+class Recorder(L.Callback):
+    """Float64 figures of the stepping optimizer's own parameters at every optimizer step (before our callback),
+    and each optimizer's weights before its step and at the batch's end."""
+
+    def __init__(self) -> None:
+        self.norms: dict[tuple[int, str], dict[str, float]] = {}  # (batch, optimizer) -> name -> ||g||
+        self.weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self.before: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        which = "generator" if optimizer is trainer.optimizers[0] else "discriminator"
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1
+        params = [(n, p) for n, p in pl_module.named_parameters() if id(p) in mine]
+        self.norms[(batch, which)] = {n: float(p.grad.double().norm()) for n, p in params}
+        self.before[(batch, which)] = {n: p.detach().clone() for n, p in params}
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.after[batch_idx] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def _data(n: int = 128) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(n, 6, generator=g) + 2.0),
+                                       batch_size=8)
+
+
+def _trainer(tmp_path: Path, callbacks: list, **kw: Any) -> Any:
+    return L.Trainer(accelerator="cpu", devices=1, callbacks=callbacks, logger=CSVLogger(str(tmp_path)),
+                     enable_progress_bar=False, enable_model_summary=False,
+                     enable_checkpointing=kw.pop("enable_checkpointing", False),
+                     log_every_n_steps=kw.pop("log_every_n_steps", 1), **kw)
+
+
+def _fit(trainer: Any, module: Any, **kw: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _data(), **kw)
+
+
+def _rows(trainer: Any) -> dict[int, dict[str, float]]:
+    """The CSVLogger's rows merged by logger step (each optimizer's figures are written by a call of their own)."""
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update(
+                {k: float(v) for k, v in row.items() if v != "" and k != "step"})
+    return rows
+
+
+def test_each_optimizer_logs_the_figures_of_its_own_parameters(tmp_path: Path) -> None:
+    rec = Recorder()
+    cb = GradStatsCallback(optimizer_names=("generator", "discriminator"), log_weight_norms=True)
+    trainer = _trainer(tmp_path, [rec, cb], max_epochs=1)
+    _fit(trainer, GAN())
+    rows = _rows(trainer)
+    assert sorted(rows) == list(range(16))  # one logger step per batch, both optimizers' figures at it
+    for batch, row in rows.items():
+        for which, names in NAMES.items():
+            ref = rec.norms[(batch, which)]
+            assert sorted(ref) == sorted(names)
+            total = math.sqrt(sum(v * v for v in ref.values()))
+            assert row[f"grad_stats/{which}/total_norm"] == pytest.approx(total, rel=1e-6), (batch, which)
+            assert row[f"grad_2.0_norm_total/{which}"] == pytest.approx(total, rel=1e-6), (batch, which)
+            assert row[f"grad_stats/{which}/num_tensors"] == len(names)
+            for name in names:
+                assert row[f"grad_2.0_norm/{which}/{name}"] == pytest.approx(ref[name], rel=1e-6), (batch, name)
+                w = float(rec.before[(batch, which)][name].double().norm())
+                lr = G_LR if which == "generator" else D_LR
+                assert row[f"grad_stats/{which}/lr_update_ratio/{name}"] == pytest.approx(
+                    lr * ref[name] / w, rel=1e-5), (batch, name)
+            other = "discriminator" if which == "generator" else "generator"
+            assert not [k for k in row if k.startswith(f"grad_2.0_norm/{which}/{other}.")]
+        # the generator's backward left gradients on the discriminator too: a whole-module read would differ
+        assert rec.norms[(batch, "generator")] != rec.norms[(batch, "discriminator")]
+    assert not [k for k in rows[0] if k.startswith("grad_stats/total_norm") or k == "grad_2.0_norm_total"]
+
+
+def test_default_names_and_the_measured_update_ratio_per_optimizer(tmp_path: Path) -> None:
+    rec = Recorder()
+    cb = GradStatsCallback(log_update_ratio=True, key_style=None, every_n_steps=2)
+    trainer = _trainer(tmp_path, [rec, cb], max_epochs=1)
+    _fit(trainer, GAN(toggle=True))  # toggle_optimizer: the other optimizer's parameters are frozen meanwhile
+    rows = _rows(trainer)
+    assert sorted(rows) == list(range(1, 16, 2))
+    for batch in rows:
+        for i, (which, names) in enumerate(NAMES.items()):
+            ref = rec.norms[(batch, which)]
+            total = math.sqrt(sum(v * v for v in ref.values()))
+            assert rows[batch][f"grad_stats/optimizer_{i}/total_norm"] == pytest.approx(total, rel=1e-6)
+            for name in names:
+                before, after = rec.before[(batch, which)][name], rec.after[batch][name]
+                ratio = float((after - before).double().norm() / after.double().norm())  # weights after the step
+                assert ratio > 0
+                assert rows[batch][f"grad_stats/optimizer_{i}/update_ratio/{name}"] == pytest.approx(
+                    ratio, rel=1e-4), (batch, name)
+                assert f"grad_stats/optimizer_{i}/norm/{name}" in rows[batch]
+
+
+def _guard() -> SpikeGuard:
+    return SpikeGuard(window=16, sigma=6.0, min_history=6)
+
+
+def test_a_generator_spike_trips_only_the_generators_guard(tmp_path: Path) -> None:
+    rec = Recorder()
+    guard = _guard()
+    cb = GradStatsCallback(optimizer_names=("generator", "discriminator"), spike_guard=guard)
+    trainer = _trainer(tmp_path, [rec, cb], max_epochs=1)
+    _fit(trainer, GAN(spike_at=SPIKE))
+    guards = cb.spike_guards
+    assert set(guards) == {"generator", "discriminator"} and guards["generator"] is not guard
+    assert guards["generator"] is not guards["discriminator"]
+    assert int(guard.steps) == 0  # the one given is the template, copied per optimizer when training starts
+    assert int(guards["generator"].skipped) == 1 and int(guards["discriminator"].skipped) == 0
+    assert int(guards["generator"].steps) == int(guards["discriminator"].steps) == 16
+    rows = _rows(trainer)
+    assert sorted(rows) == list(range(16))
+    for batch, row in rows.items():  # skipped steps so far, each optimizer's own count
+        assert row["guard/generator/skipped"] == (1.0 if batch >= SPIKE else 0.0), batch
+        assert row["guard/discriminator/skipped"] == 0.0, batch
+        if batch != SPIKE and batch >= 6:  # judged (min_history) and within sigma, for both optimizers
+            assert abs(row["guard/generator/grad_norm_z"]) < 6.0 and abs(row["guard/discriminator/grad_norm_z"]) < 6.0
+    assert rows[SPIKE]["guard/generator/grad_norm_z"] > 1000.0 and rows[SPIKE]["guard/generator/consecutive"] == 1.0
+    # the two histories are of different scales (one shared history would mix them)
+    assert rows[3]["grad_stats/discriminator/total_norm"] > 1.5 * rows[3]["grad_stats/generator/total_norm"]
+    # the spike step left the generator as it was; the discriminator still stepped, on its own figures
+    for name in G_NAMES:
+        assert torch.equal(rec.after[SPIKE][name], rec.before[(SPIKE, "generator")][name]), name
+        assert not torch.equal(rec.after[SPIKE - 1][name], rec.before[(SPIKE - 1, "generator")][name]), name
+    for name in D_NAMES:
+        assert not torch.equal(rec.after[SPIKE][name], rec.before[(SPIKE, "discriminator")][name]), name
+
+
+@pytest.mark.slow
+def test_resume_restores_each_optimizers_guard(tmp_path: Path) -> None:
+    names = ("generator", "discriminator")
+    whole = GradStatsCallback(optimizer_names=names, spike_guard=_guard())
+    _fit(_trainer(tmp_path / "whole", [whole], max_epochs=2), GAN(spike_at=SPIKE))
+
+    first = GradStatsCallback(optimizer_names=names, spike_guard=_guard())
+    trainer = _trainer(tmp_path / "first", [first], max_epochs=1)
+    _fit(trainer, GAN(spike_at=SPIKE))
+    ckpt = tmp_path / "one_epoch.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if "GradStatsCallback" in k]
+    assert sorted(state) == ["optimizers"] and sorted(state["optimizers"]) == sorted(names)
+    assert int(state["optimizers"]["generator"]["spike_guard"]["counters"].sum()) > 0
+
+    resumed = GradStatsCallback(optimizer_names=names, spike_guard=_guard())
+    _fit(_trainer(tmp_path / "second", [resumed], max_epochs=2), GAN(spike_at=SPIKE), ckpt_path=str(ckpt))
+    assert resumed.policies_restored
+    for which in names:
+        got, want = resumed.spike_guards[which].state_dict(), whole.spike_guards[which].state_dict()
+        for key, value in want.items():
+            same = torch.equal(got[key].nan_to_num(-1), value.nan_to_num(-1)) if isinstance(value, torch.Tensor) \
+                else got[key] == value
+            assert same, (which, key)
+    assert int(resumed.spike_guards["generator"].skipped) == 2  # the first epoch's spike (carried over), the second's
+
+    # a run whose optimizers have other names refuses the checkpoint, naming both sets
+    other = GradStatsCallback(optimizer_names=("g", "d"), spike_guard=_guard())
+    with pytest.raises(ValueError, match=r"optimizer\(s\) \['generator', 'discriminator'\].*\['g', 'd'\]"):
+        _fit(_trainer(tmp_path / "third", [other], max_epochs=2), GAN(), ckpt_path=str(ckpt))
+
+
+def test_what_is_refused_with_several_optimizers_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="optimizer_names names 3 optimizer"):
+        _fit(_trainer(tmp_path, [GradStatsCallback(optimizer_names=("a", "b", "c"))], max_steps=2), GAN())
+    with pytest.raises(ValueError, match="per_example=True"):
+        _fit(_trainer(tmp_path, [GradStatsCallback(per_example=True)], max_steps=2), GAN())
+    with pytest.raises(TypeError, match="optimizer_names must be a sequence"):
+        GradStatsCallback(optimizer_names="generator")
+    with pytest.raises(ValueError, match=r"optimizer_names\[1\] must be a non-empty str without '/'"):
+        GradStatsCallback(optimizer_names=("g", "d/x"))
+    with pytest.raises(ValueError, match=r"optimizer_names\[1\]: 'g' is given twice"):
+        GradStatsCallback(optimizer_names=("g", "g"))
+    # a one-optimizer checkpoint's guard statistics are not spread over several optimizers
+    single = GradStatsCallback(spike_guard=_guard())
+    single.spike_guard.observe(torch.tensor(1.0, dtype=torch.float64), None)  # type: ignore[union-attr]
+    cb = GradStatsCallback(spike_guard=_guard())
+    cb.load_state_dict(single.state_dict())
+    with pytest.raises(ValueError, match="one optimizer's spike_guard statistics, but this run has 2 optimizers"):
+        _fit(_trainer(tmp_path, [cb], max_steps=2), GAN())
+
+
+class OneOptimizer(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("names", [None, ("net",)])
+def test_one_optimizer_keeps_its_keys_unless_named(tmp_path: Path, names: tuple[str, ...] | None) -> None:
+    cb = GradStatsCallback(optimizer_names=names, spike_guard=_guard())
+    trainer = _trainer(tmp_path, [cb], max_steps=4)
+    _fit(trainer, OneOptimizer())
+    keys = set(_rows(trainer)[3])
+    plain = {"grad_2.0_norm_total", "grad_stats/total_norm", "grad_2.0_norm/net.0.weight", "guard/skipped"}
+    named = {"grad_2.0_norm_total/net", "grad_stats/net/total_norm", "grad_2.0_norm/net/net.0.weight",
+             "guard/net/skipped"}
+    if names is None:
+        assert plain <= keys and not keys & named
+        assert sorted(cb.state_dict()) == ["spike_guard"] and cb.spike_guards == {}
+        assert int(cb.spike_guard.steps) == 4  # type: ignore[union-attr]
+    else:
+        assert named <= keys and not keys & plain
+        assert sorted(cb.state_dict()) == ["optimizers"] and int(cb.spike_guards["net"].steps) == 4

@@ -1,0 +1,237 @@
+"""The Lightning callback with several optimizers (a GAN's generator and discriminator, manual optimization): which
+parameters each optimizer's step reads, the key names its figures are logged under, its own step policies, and their
+checkpoint state.
+
+Split from ``lightning.py``: a job of its own (the per-optimizer bookkeeping), and that module was near 500 lines.
+Nothing here imports a Lightning package; the callback hands in its trainer and module.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from torch_gradstats.integrations._common import PolicyState, StatsTaker
+from torch_gradstats.policies.adaptive_clip import AdaptiveClip
+from torch_gradstats.policies.guard import SpikeGuard
+
+logger = logging.getLogger("torch_gradstats")
+
+POLICIES = ("spike_guard", "adaptive_clip")
+
+
+def check_optimizer_names(names: Any) -> tuple[str, ...] | None:
+    """Validate ``optimizer_names``: None, or distinct non-empty strings without ``/`` (each becomes one segment of
+    the logged keys)."""
+    if names is None:
+        return None
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(f"optimizer_names must be a sequence of str (one per optimizer, in configure_optimizers "
+                        f"order) or None, got {type(names).__name__}")
+    out: list[str] = []
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            raise TypeError(f"optimizer_names[{i}] must be a str, got {type(name).__name__}")
+        if not name or "/" in name:
+            raise ValueError(f"optimizer_names[{i}] must be a non-empty str without '/', got {name!r}")
+        if name in out:
+            raise ValueError(f"optimizer_names[{i}]: {name!r} is given twice")
+        out.append(name)
+    if not out:
+        raise ValueError("optimizer_names must name at least one optimizer (or be None)")
+    return tuple(out)
+
+
+def optimizer_key(key: str, name: str, prefix: str) -> str:
+    """Where optimizer ``name``'s figure ``key`` is logged: our keys as ``<prefix><name>/<rest>``, any other key with
+    ``name`` as its second path segment (``grad_2.0_norm/<name>/<parameter>``, ``guard/<name>/skipped``), or as its
+    last one where it has a single segment (``grad_2.0_norm_total/<name>``)."""
+    if prefix and key.startswith(prefix):
+        return f"{prefix}{name}/{key[len(prefix):]}"
+    head, slash, rest = key.partition("/")
+    return f"{head}/{name}/{rest}" if slash else f"{key}/{name}"
+
+
+def raw_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (the object itself otherwise)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class OptimizerTaker(StatsTaker):
+    """A :class:`StatsTaker` of one optimizer among several: it reads only the parameters of that optimizer's param
+    groups (named as in the LightningModule, in its order) and keeps its own copies of the step policies."""
+
+    def __init__(self, template: StatsTaker, name: str, params: list[tuple[str, Tensor]]) -> None:
+        super().__init__(template.log_weight_norms, template.log_update_ratio, template.group, template.policy,
+                         template.k, group_by=template.group_by,
+                         spike_guard=copy.deepcopy(template.spike_guard),
+                         adaptive_clip=copy.deepcopy(template.adaptive_clip),
+                         stage_group=template.stage_group, tied=template.tied)
+        self.name = name
+        self.label = f" (optimizer {name!r})"
+        self._params = params
+
+    def trainable(self, module: nn.Module) -> list[tuple[str, Tensor]]:  # type: ignore[override]
+        """This optimizer's parameters that require a gradient now (``toggle_optimizer`` leaves them so)."""
+        return [(n, p) for n, p in self._params if p.requires_grad]
+
+    def policy_state(self) -> dict[str, Any]:
+        """This optimizer's guard and clip statistics (each where given)."""
+        state: dict[str, Any] = {}
+        if self.spike_guard is not None:
+            state["spike_guard"] = self.spike_guard.state_dict()
+        if self.adaptive_clip is not None:
+            state["adaptive_clip"] = self.adaptive_clip.state_dict()
+        return state
+
+    def load_policy_state(self, state: dict[str, Any]) -> bool:
+        """Restore what :meth:`policy_state` saved; a policy saved that this callback lacks is named in a warning.
+        Returns whether anything was restored."""
+        restored = False
+        policies: dict[str, SpikeGuard | AdaptiveClip | None] = {
+            "spike_guard": self.spike_guard, "adaptive_clip": self.adaptive_clip}
+        for key in POLICIES:
+            if key not in state:
+                continue
+            policy = policies[key]
+            if policy is None:
+                logger.warning("torch_gradstats: the checkpoint holds GradStatsCallback's %s statistics of optimizer "
+                               "%r, but this callback has no %s: they are not restored", key, self.name, key)
+            else:
+                policy.load_state_dict(state[key])
+                restored = True
+        return restored
+
+
+def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker, names: tuple[str, ...] | None,
+                     per_example: bool, flight_recorder: Any) -> dict[int, OptimizerTaker] | None:
+    """One :class:`OptimizerTaker` per optimizer of ``trainer``, by the optimizer's id, where there are several (or
+    ``names`` were given); None for the one-optimizer callback, whose keys and reads stay the whole module's."""
+    optimizers = [raw_optimizer(o) for o in (getattr(trainer, "optimizers", []) or [])]
+    if names is None and len(optimizers) < 2:
+        return None
+    if names is not None and len(names) != len(optimizers):
+        raise ValueError(f"GradStatsCallback: optimizer_names names {len(names)} optimizer(s) {list(names)}, but "
+                         f"configure_optimizers returned {len(optimizers)}")
+    names = names or tuple(f"optimizer_{i}" for i in range(len(optimizers)))
+    if per_example:
+        raise ValueError(f"GradStatsCallback: per_example=True keeps one set of per-example norms for the whole "
+                         f"LightningModule; it is not taken with several optimizers ({', '.join(names)})")
+    if flight_recorder is not None:
+        raise ValueError(f"GradStatsCallback: flight_recorder records one optimizer's steps; it is not taken with "
+                         f"several optimizers ({', '.join(names)})")
+    by_id = {id(p): n for n, p in pl_module.named_parameters()}
+    order = {id(p): i for i, (_, p) in enumerate(pl_module.named_parameters())}
+    takers: dict[int, OptimizerTaker] = {}
+    for name, optimizer in zip(names, optimizers):
+        params: dict[int, Tensor] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in by_id:
+                    raise ValueError(f"GradStatsCallback: optimizer {name!r} ({type(optimizer).__name__}) holds a "
+                                     f"parameter of shape {tuple(p.shape)} that is not one of the LightningModule's "
+                                     f"parameters, so its figures could not be named")
+                params[id(p)] = p
+        ordered = sorted(params, key=order.__getitem__)
+        takers[id(optimizer)] = OptimizerTaker(template, name, [(by_id[i], params[i]) for i in ordered])
+    return takers
+
+
+def load_optimizer_states(takers: dict[int, OptimizerTaker], states: dict[str, Any]) -> bool:
+    """Restore each optimizer's policy statistics from a checkpoint's ``{"optimizers": {name: state}}``; returns
+    whether anything was restored. Names must match this run's optimizers."""
+    names = [t.name for t in takers.values()]
+    unknown = [n for n in states if n not in names]
+    if unknown:
+        raise ValueError(f"GradStatsCallback: the checkpoint holds step-policy statistics of optimizer(s) {unknown}, "
+                         f"but this run's optimizers are {names} (give the same optimizer_names as the saved run)")
+    restored = False
+    for taker in takers.values():
+        if taker.name in states:
+            restored = taker.load_policy_state(states[taker.name]) or restored
+    return restored
+
+
+class SeveralOptimizers(PolicyState):
+    """The callback's side of several optimizers: one :class:`OptimizerTaker` each, made when training starts (the
+    optimizers exist then), and the policies' per-optimizer checkpoint state (loaded before they exist)."""
+
+    taker: StatsTaker
+    optimizer_names: tuple[str, ...] | None
+    flight_recorder: Any
+    _per_example: bool
+    _takers: dict[int, OptimizerTaker] | None
+    _saved_optimizer_states: dict[str, Any] | None
+    _one_optimizer_state: bool
+    _policies_restored: bool
+
+    def _start_optimizers(self, trainer: Any, pl_module: nn.Module) -> None:
+        """At ``on_train_start``: the takers of several optimizers (None with one), with the statistics carried over
+        from an earlier fit of this callback or loaded from a checkpoint, each to the optimizer of its name."""
+        carried = {t.name: t.policy_state() for t in (self._takers or {}).values()}
+        self._takers = optimizer_takers(trainer, pl_module, self.taker, self.optimizer_names, self._per_example,
+                                        self.flight_recorder)
+        saved, self._saved_optimizer_states = self._saved_optimizer_states, None
+        if self._takers is None:
+            if saved:
+                raise ValueError(f"GradStatsCallback: the checkpoint holds the step-policy statistics of optimizers "
+                                 f"{sorted(saved)}, but this run has one optimizer")
+            return
+        if self._one_optimizer_state:
+            which = " and ".join(k for k in POLICIES if getattr(self, k) is not None)
+            raise ValueError(f"GradStatsCallback: the checkpoint holds one optimizer's {which} statistics, but this "
+                             f"run has {len(self._takers)} optimizers, each judged by its own {which}")
+        restored = load_optimizer_states(self._takers, {n: st for n, st in carried.items()
+                                                        if n in {t.name for t in self._takers.values()}})
+        if saved:
+            restored = load_optimizer_states(self._takers, saved) or restored
+        self._policies_restored = self.policies_restored or restored
+
+    def _taker(self, optimizer: Any) -> StatsTaker:
+        """The taker of ``optimizer``'s steps: the callback's own with one optimizer, else that optimizer's."""
+        if self._takers is None:
+            return self.taker
+        taker = self._takers.get(id(raw_optimizer(optimizer)))
+        if taker is None:
+            raise ValueError(f"GradStatsCallback: an optimizer ({type(raw_optimizer(optimizer)).__name__}) that is not "
+                             "one of trainer.optimizers took a step")
+        return taker
+
+    @property
+    def spike_guards(self) -> dict[str, SpikeGuard]:
+        """With several optimizers (once training started): each optimizer's own copy of ``spike_guard``, by its
+        key name; empty with one optimizer, whose guard is :attr:`spike_guard` itself."""
+        return {t.name: t.spike_guard for t in (self._takers or {}).values() if t.spike_guard is not None}
+
+    @property
+    def adaptive_clips(self) -> dict[str, AdaptiveClip]:
+        """With several optimizers (once training started): each optimizer's own copy of ``adaptive_clip``, by its
+        key name; empty with one optimizer, whose clip is :attr:`adaptive_clip` itself."""
+        return {t.name: t.adaptive_clip for t in (self._takers or {}).values() if t.adaptive_clip is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step policies' statistics: with one optimizer ``{"spike_guard": ..., "adaptive_clip": ...}`` (each
+        where given), with several ``{"optimizers": {name: {...}}}``, each optimizer's own (see the base class)."""
+        if self._takers is not None:
+            states = {t.name: t.policy_state() for t in self._takers.values()}
+            return {"optimizers": states} if any(states.values()) else {}
+        if self._saved_optimizer_states is not None:
+            return {"optimizers": dict(self._saved_optimizer_states)}
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; several optimizers' statistics go to the optimizers of the same
+        names (when training starts, if the optimizers do not exist yet)."""
+        if "optimizers" in state_dict:
+            if self._takers is None:
+                self._saved_optimizer_states = dict(state_dict["optimizers"])
+            elif load_optimizer_states(self._takers, state_dict["optimizers"]):
+                self._policies_restored = True
+            return
+        super().load_state_dict(state_dict)
+        self._one_optimizer_state = any(k in state_dict and getattr(self, k) is not None for k in POLICIES)
+
