@@ -6,6 +6,7 @@ same hook by a callback placed before ours."""
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_gradstats import SpikeGuard
+from torch_gradstats import AdaptiveClip, SpikeGuard
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger
@@ -36,7 +37,7 @@ class GAN(L.LightningModule):
     batch. Without ``toggle_optimizer`` the generator's backward also leaves gradients on the discriminator, which its
     optimizer zeroes before its own backward: a read of the whole module at the generator's step would count them."""
 
-    def __init__(self, spike_at: int | None = None, toggle: bool = False) -> None:
+    def __init__(self, spike_at: int | None = None, toggle: bool = False, nan_at: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.automatic_optimization = False
@@ -44,6 +45,7 @@ class GAN(L.LightningModule):
         self.discriminator = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
         self.spike_at = spike_at  # the batch whose generator loss is multiplied by 1e4
         self.toggle = toggle
+        self.nan_at = nan_at  # the batch whose discriminator gradient gets a NaN
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         (real,) = batch
@@ -67,6 +69,8 @@ class GAN(L.LightningModule):
         d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake.detach()), zeros)) / 2
         d_opt.zero_grad()
         self.manual_backward(d_loss)
+        if batch_idx == self.nan_at:
+            self.discriminator[2].weight.grad[0, 0] = float("nan")
         d_opt.step()
         if self.toggle:
             self.untoggle_optimizer(d_opt)
@@ -85,6 +89,8 @@ class Recorder(L.Callback):
         self.weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self.before: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self.after: dict[int, dict[str, torch.Tensor]] = {}
+        self.others: dict[tuple[int, str], float] = {}  # sum of squares of the other parameters' gradients
+        self.fp16_underflow: dict[tuple[int, str], float] = {}  # non-zero elements below fp16's smallest normal
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         which = "generator" if optimizer is trainer.optimizers[0] else "discriminator"
@@ -93,6 +99,12 @@ class Recorder(L.Callback):
         params = [(n, p) for n, p in pl_module.named_parameters() if id(p) in mine]
         self.norms[(batch, which)] = {n: float(p.grad.double().norm()) for n, p in params}
         self.before[(batch, which)] = {n: p.detach().clone() for n, p in params}
+        grads = [p.grad.double() for _, p in params]
+        numel = sum(g.numel() for g in grads)
+        self.fp16_underflow[(batch, which)] = sum(
+            int(((g != 0) & (g.abs() < 2.0**-14)).sum()) for g in grads) / numel
+        self.others[(batch, which)] = sum(float(p.grad.double().norm()) ** 2 for p in pl_module.parameters()
+                                          if id(p) not in mine and p.grad is not None)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.after[batch_idx] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
@@ -129,11 +141,23 @@ def _rows(trainer: Any) -> dict[int, dict[str, float]]:
 
 def test_each_optimizer_logs_the_figures_of_its_own_parameters(tmp_path: Path) -> None:
     rec = Recorder()
-    cb = GradStatsCallback(optimizer_names=("generator", "discriminator"), log_weight_norms=True)
+    clip = AdaptiveClip(warmup=4, z_thresh=1.0)
+    cb = GradStatsCallback(optimizer_names=("generator", "discriminator"), log_weight_norms=True, adaptive_clip=clip)
     trainer = _trainer(tmp_path, [rec, cb], max_epochs=1)
     _fit(trainer, GAN())
     rows = _rows(trainer)
     assert sorted(rows) == list(range(16))  # one logger step per batch, both optimizers' figures at it
+    # each optimizer's clip: its thresholds are those of a clip fed that optimizer's own norms, step after step
+    replay = {which: AdaptiveClip(warmup=4, z_thresh=1.0) for which in NAMES}
+    clipped = 0
+    for batch, row in rows.items():
+        for which, ref_clip in replay.items():
+            norm = math.sqrt(sum(v * v for v in rec.norms[(batch, which)].values()))
+            threshold = float(ref_clip.threshold(torch.tensor(norm, dtype=torch.float64)))
+            assert row[f"clip/{which}/threshold"] == pytest.approx(threshold, rel=1e-6), (batch, which)
+            clipped += row[f"clip/{which}/coef"] < 1.0
+    assert clipped > 0 and int(clip.state_dict()["count"]) == 0  # clipping happened; the clip given stays unused
+    assert set(cb.adaptive_clips) == {"generator", "discriminator"}
     for batch, row in rows.items():
         for which, names in NAMES.items():
             ref = rec.norms[(batch, which)]
@@ -151,7 +175,7 @@ def test_each_optimizer_logs_the_figures_of_its_own_parameters(tmp_path: Path) -
             other = "discriminator" if which == "generator" else "generator"
             assert not [k for k in row if k.startswith(f"grad_2.0_norm/{which}/{other}.")]
         # the generator's backward left gradients on the discriminator too: a whole-module read would differ
-        assert rec.norms[(batch, "generator")] != rec.norms[(batch, "discriminator")]
+        assert rec.others[(batch, "generator")] > 1e-6
     assert not [k for k in rows[0] if k.startswith("grad_stats/total_norm") or k == "grad_2.0_norm_total"]
 
 
@@ -174,6 +198,34 @@ def test_default_names_and_the_measured_update_ratio_per_optimizer(tmp_path: Pat
                 assert rows[batch][f"grad_stats/optimizer_{i}/update_ratio/{name}"] == pytest.approx(
                     ratio, rel=1e-4), (batch, name)
                 assert f"grad_stats/optimizer_{i}/norm/{name}" in rows[batch]
+
+
+def test_a_nonfinite_gradient_skips_only_its_optimizer_and_histograms_are_per_optimizer(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    rec = Recorder()
+    cb = GradStatsCallback(optimizer_names=("generator", "discriminator"), on_nonfinite="skip", histogram=True,
+                           every_n_steps=2)
+    trainer = _trainer(tmp_path, [rec, cb], max_epochs=1)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _fit(trainer, GAN(nan_at=3))
+    assert cb.skipped_steps == [7]  # Lightning's global_step counts both optimizers' steps: batch 3's second step
+    messages = [r.getMessage() for r in caplog.records]
+    assert ("torch_gradstats: non-finite gradient at optimizer step 7 (optimizer 'discriminator'): "
+            "'discriminator.2.weight' (1 NaN, 0 Inf); step skipped") in messages
+    for name in D_NAMES:
+        assert torch.equal(rec.after[3][name], rec.before[(3, "discriminator")][name]), name
+    for name in G_NAMES:
+        assert not torch.equal(rec.after[3][name], rec.before[(3, "generator")][name]), name
+    rows = _rows(trainer)
+    assert rows[3]["grad_stats/discriminator/nan_count"] == 1.0 and rows[3]["grad_stats/generator/nan_count"] == 0.0
+    assert rows[3]["grad_stats/discriminator/first_nonfinite_index"] == 2.0  # discriminator.2.weight, among its own
+    underflows = []
+    for batch in (1, 3, 5, 7, 9, 11, 13, 15):
+        for which in NAMES:
+            ref = rec.fp16_underflow[(batch, which)]
+            assert rows[batch][f"grad_stats/{which}/underflow/fp16"] == pytest.approx(ref, abs=1e-12), (batch, which)
+            underflows.append(ref)
+    assert max(underflows) > 0
 
 
 def _guard() -> SpikeGuard:

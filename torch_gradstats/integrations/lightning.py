@@ -73,9 +73,9 @@ Step policies (``spike_guard=``, ``adaptive_clip=``; both look at every optimize
   step after the streak was reached (up to ``every_n_steps - 1`` optimizer steps later, all of them skipped too
   while the spikes go on), before that step's optimizer step.
 
-Checkpoints: the guard's and the clip's statistics are the callback's ``state_dict``, which Lightning saves in its
-checkpoints and restores on ``trainer.fit(..., ckpt_path=...)``: a resumed fit judges and clips as one that never
-stopped.
+Checkpoints: the guard's and the clip's statistics (each optimizer's, with several) are the callback's
+``state_dict``, which Lightning saves in its checkpoints and restores on ``trainer.fit(..., ckpt_path=...)``: a
+resumed fit judges and clips as one that never stopped.
 
 Activations (``watch_activations=``, an :class:`~torch_gradstats.ActivationWatch` or True for one of the whole
 LightningModule): on logging steps the watch's report (one more transfer) gives ``act/nonfinite`` (0 or 1) and
@@ -92,9 +92,24 @@ which Lightning guarantees). With FSDP1 (``FSDPStrategy``) pass ``group=torch.di
 every rank; only global rank 0 transfers them to the host and logs (Lightning's loggers write on rank 0 only); with
 ``on_nonfinite`` every rank makes its own check, so all ranks agree on skipping or stopping.
 
-One optimizer: manual optimization works (figures at each ``opt.step()``, logged at that batch's step); with two or
-more optimizers a ValueError naming ``configure_optimizers`` is raised when training starts, since each one's step
-would log the whole module's figures under the same keys at the same step.
+Manual optimization works: figures at each ``opt.step()``, logged at that batch's logger step.
+
+Several optimizers (``configure_optimizers`` returning two or more, as a GAN's generator and discriminator in manual
+optimization): each optimizer step reads only the parameters of that optimizer's param groups (named as in the
+LightningModule) and logs them under that optimizer's key segment, ``optimizer_names[i]`` (default
+``optimizer_<i>``, ``i`` its index in ``configure_optimizers`` / ``self.optimizers()``): our keys as
+``<prefix><name>/...`` (``grad_stats/generator/total_norm``), every other key with the name as its second path
+segment (``grad_2.0_norm/generator/<parameter>``, ``guard/generator/skipped``) or, where it has one segment, as its
+last (``grad_2.0_norm_total/generator``). With one optimizer the keys are as above; giving ``optimizer_names`` for
+it adds its segment. ``spike_guard`` and ``adaptive_clip`` are copied for each optimizer when training starts
+(``callback.spike_guards`` / ``callback.adaptive_clips``, by name; the instances given stay as given), so each step
+is judged against its own optimizer's history, on the losses given to ``manual_backward`` since the previous
+optimizer step (its own loss, in the canonical pattern); the checkpoint state is ``{"optimizers": {name: {...}}}``,
+restored by name on resume (other names, or a one-optimizer checkpoint, are refused with a ValueError).
+``on_nonfinite`` skips only the optimizer whose gradients are non-finite, and the warning names it. Weight norms,
+``lr`` update ratios (each optimizer's own learning rates), measured update ratios and histograms are per optimizer;
+``per_example`` and ``flight_recorder``, one record of the whole module, are refused with a ValueError when training
+starts.
 
 Both namespaces work: the callback subclasses ``lightning.pytorch.Callback`` when the ``lightning`` package is
 installed, else ``pytorch_lightning.Callback``; ``PLGradStatsCallback`` is the ``pytorch_lightning`` one when both
