@@ -298,8 +298,10 @@ def test_resume_restores_each_optimizers_guard(tmp_path: Path) -> None:
 def test_what_is_refused_with_several_optimizers_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="optimizer_names names 3 optimizer"):
         _fit(_trainer(tmp_path, [GradStatsCallback(optimizer_names=("a", "b", "c"))], max_steps=2), GAN())
-    with pytest.raises(ValueError, match="per_example=True"):
+    with pytest.raises(ValueError, match=r"per_example=True .* several optimizers \(optimizer_0, optimizer_1\)"):
         _fit(_trainer(tmp_path, [GradStatsCallback(per_example=True)], max_steps=2), GAN())
+    with pytest.raises(ValueError, match="flight_recorder records one optimizer's steps"):
+        _fit(_trainer(tmp_path, [GradStatsCallback(flight_recorder=8)], max_steps=2), GAN())
     with pytest.raises(TypeError, match="optimizer_names must be a sequence"):
         GradStatsCallback(optimizer_names="generator")
     with pytest.raises(ValueError, match=r"optimizer_names\[1\] must be a non-empty str without '/'"):
@@ -331,13 +333,14 @@ class OneOptimizer(L.LightningModule):
 
 @pytest.mark.parametrize("names", [None, ("net",)])
 def test_one_optimizer_keeps_its_keys_unless_named(tmp_path: Path, names: tuple[str, ...] | None) -> None:
-    cb = GradStatsCallback(optimizer_names=names, spike_guard=_guard())
+    cb = GradStatsCallback(optimizer_names=names, spike_guard=_guard(), per_example=True)
     trainer = _trainer(tmp_path, [cb], max_steps=4)
     _fit(trainer, OneOptimizer())
     keys = set(_rows(trainer)[3])
-    plain = {"grad_2.0_norm_total", "grad_stats/total_norm", "grad_2.0_norm/net.0.weight", "guard/skipped"}
+    plain = {"grad_2.0_norm_total", "grad_stats/total_norm", "grad_2.0_norm/net.0.weight", "guard/skipped",
+             "examples/max_norm"}
     named = {"grad_2.0_norm_total/net", "grad_stats/net/total_norm", "grad_2.0_norm/net/net.0.weight",
-             "guard/net/skipped"}
+             "guard/net/skipped", "examples/net/max_norm"}
     if names is None:
         assert plain <= keys and not keys & named
         assert sorted(cb.state_dict()) == ["spike_guard"] and cb.spike_guards == {}

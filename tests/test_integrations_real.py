@@ -760,10 +760,10 @@ def test_lightning_resumed_fit_logs_at_the_resumed_steps(tmp_path: Path) -> None
 
 
 @needs_lightning
-def test_lightning_two_optimizers_are_refused_by_name(tmp_path: Path) -> None:
-    """Two optimizers (manual optimization, as GANs do): each ``opt.step()`` would log the whole module's figures at
-    the same logger step, one row mixing the per-parameter norms of one step with the total of the other. Refused
-    when training starts, naming configure_optimizers, before any step is taken."""
+def test_lightning_two_optimizers_log_each_ones_own_parameters(tmp_path: Path) -> None:
+    """Two optimizers over two layers of one module, one backward (manual optimization): each ``opt.step()`` reads
+    the parameters of its own param groups alone (at the first step the other layer's gradients are there too) and
+    logs them under its own key segment, both at the batch's logger step."""
     L = _pl()
     from torch_gradstats.integrations.lightning import GradStatsCallback
 
@@ -785,12 +785,26 @@ def test_lightning_two_optimizers_are_refused_by_name(tmp_path: Path) -> None:
             return [torch.optim.SGD(self.net[0].parameters(), lr=0.01),
                     torch.optim.SGD(self.net[2].parameters(), lr=0.01)]
 
-    module = TwoOptimizers()
-    before = copy.deepcopy(module.state_dict())
-    with pytest.raises(ValueError, match=r"GradStatsCallback: configure_optimizers returned 2 optimizers"):
-        _pl_fit(module, tmp_path, GradStatsCallback(every_n_steps=1), max_steps=2)
-    for name, w in module.state_dict().items():
-        assert torch.equal(w, before[name]), name  # refused before the first step
+    trainer, ref = _pl_fit(TwoOptimizers(), tmp_path, GradStatsCallback(every_n_steps=1), max_steps=4)
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update(
+                {k: float(v) for k, v in row.items() if v not in ("", None) and k != "step"})
+    assert sorted(rows) == [0, 1]  # max_steps counts both optimizers' steps: two batches
+    for step, row in rows.items():
+        first, second = ref.by_logger_step[step]  # every gradient there, at each optimizer's step
+        assert sorted(first) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+        for i, layer in enumerate(("net.0", "net.2")):
+            mine = {n: v for n, v in (first if i == 0 else second).items() if n.startswith(layer + ".")}
+            assert len(mine) == 2
+            assert row[f"grad_2.0_norm_total/optimizer_{i}"] == pytest.approx(_total(mine), rel=REL), (step, i)
+            assert row[f"grad_stats/optimizer_{i}/total_norm"] == pytest.approx(_total(mine), rel=REL), (step, i)
+            assert {k for k in row if k.startswith(f"grad_2.0_norm/optimizer_{i}/")} == {
+                f"grad_2.0_norm/optimizer_{i}/{n}" for n in mine}
+            for name, norm in mine.items():
+                assert row[f"grad_2.0_norm/optimizer_{i}/{name}"] == pytest.approx(norm, rel=REL), (step, name)
+        assert row["grad_2.0_norm_total/optimizer_0"] < _total(first)  # the whole module's would be larger
 
 
 @needs_lightning

@@ -58,7 +58,8 @@ def optimizer_key(key: str, name: str, prefix: str) -> str:
 
 def raw_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside a ``LightningOptimizer`` (the object itself otherwise)."""
-    return getattr(optimizer, "_optimizer", optimizer)
+    return getattr(optimizer, "_optimizer", optimizer) if type(optimizer).__name__ == "LightningOptimizer" \
+        else optimizer
 
 
 class OptimizerTaker(StatsTaker):
@@ -111,17 +112,17 @@ def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker, n
                      per_example: bool, flight_recorder: Any) -> dict[int, OptimizerTaker] | None:
     """One :class:`OptimizerTaker` per optimizer of ``trainer``, by the optimizer's id, where there are several (or
     ``names`` were given); None for the one-optimizer callback, whose keys and reads stay the whole module's."""
-    optimizers = [raw_optimizer(o) for o in (getattr(trainer, "optimizers", []) or [])]
+    optimizers = list(getattr(trainer, "optimizers", []) or [])
     if names is None and len(optimizers) < 2:
         return None
     if names is not None and len(names) != len(optimizers):
         raise ValueError(f"GradStatsCallback: optimizer_names names {len(names)} optimizer(s) {list(names)}, but "
                          f"configure_optimizers returned {len(optimizers)}")
     names = names or tuple(f"optimizer_{i}" for i in range(len(optimizers)))
-    if per_example:
+    if per_example and len(optimizers) > 1:
         raise ValueError(f"GradStatsCallback: per_example=True keeps one set of per-example norms for the whole "
                          f"LightningModule; it is not taken with several optimizers ({', '.join(names)})")
-    if flight_recorder is not None:
+    if flight_recorder is not None and len(optimizers) > 1:
         raise ValueError(f"GradStatsCallback: flight_recorder records one optimizer's steps; it is not taken with "
                          f"several optimizers ({', '.join(names)})")
     by_id = {id(p): n for n, p in pl_module.named_parameters()}
@@ -137,7 +138,9 @@ def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker, n
                                      f"parameters, so its figures could not be named")
                 params[id(p)] = p
         ordered = sorted(params, key=order.__getitem__)
-        takers[id(optimizer)] = OptimizerTaker(template, name, [(by_id[i], params[i]) for i in ordered])
+        taker = OptimizerTaker(template, name, [(by_id[i], params[i]) for i in ordered])
+        taker.incidents = template.incidents  # per_example / flight_recorder: one optimizer (named) only
+        takers[id(optimizer)] = taker
     return takers
 
 
