@@ -95,21 +95,13 @@ every rank; only global rank 0 transfers them to the host and logs (Lightning's 
 Manual optimization works: figures at each ``opt.step()``, logged at that batch's logger step.
 
 Several optimizers (``configure_optimizers`` returning two or more, as a GAN's generator and discriminator in manual
-optimization): each optimizer step reads only the parameters of that optimizer's param groups (named as in the
-LightningModule) and logs them under that optimizer's key segment, ``optimizer_names[i]`` (default
-``optimizer_<i>``, ``i`` its index in ``configure_optimizers`` / ``self.optimizers()``): our keys as
-``<prefix><name>/...`` (``grad_stats/generator/total_norm``), every other key with the name as its second path
-segment (``grad_2.0_norm/generator/<parameter>``, ``guard/generator/skipped``) or, where it has one segment, as its
-last (``grad_2.0_norm_total/generator``). With one optimizer the keys are as above; giving ``optimizer_names`` for
-it adds its segment. ``spike_guard`` and ``adaptive_clip`` are copied for each optimizer when training starts
-(``callback.spike_guards`` / ``callback.adaptive_clips``, by name; the instances given stay as given), so each step
-is judged against its own optimizer's history, on the losses given to ``manual_backward`` since the previous
-optimizer step (its own loss, in the canonical pattern); the checkpoint state is ``{"optimizers": {name: {...}}}``,
-restored by name on resume (other names, or a one-optimizer checkpoint, are refused with a ValueError).
-``on_nonfinite`` skips only the optimizer whose gradients are non-finite, and the warning names it. Weight norms,
-``lr`` update ratios (each optimizer's own learning rates), measured update ratios and histograms are per optimizer;
-``per_example`` and ``flight_recorder``, one record of the whole module, are refused with a ValueError when training
-starts.
+optimization): each optimizer step reads only its own param groups' parameters and logs them under that optimizer's
+key segment, ``optimizer_names[i]`` (default ``optimizer_<i>``): ``grad_stats/generator/total_norm``,
+``grad_2.0_norm/generator/<parameter>``, ``grad_2.0_norm_total/generator``. Each optimizer has its own copy of
+``spike_guard`` and ``adaptive_clip`` (``callback.spike_guards`` / ``callback.adaptive_clips``), judging the losses
+given to ``manual_backward`` since its previous step, saved and restored by name; ``on_nonfinite`` skips only the
+optimizer whose gradients are non-finite; ``per_example`` and ``flight_recorder`` are refused. Every key and rule:
+docs/integrations.md, "Optimizers".
 
 Both namespaces work: the callback subclasses ``lightning.pytorch.Callback`` when the ``lightning`` package is
 installed, else ``pytorch_lightning.Callback``; ``PLGradStatsCallback`` is the ``pytorch_lightning`` one when both
