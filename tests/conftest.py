@@ -72,6 +72,7 @@ SLOW = {
     "tests/test_control_flow.py::test_cond_nested_in_a_while_loop_body_compiled": "torch.compile",
     "tests/test_guard.py::test_observe_and_threshold_compile_in_one_graph": "torch.compile",
     "tests/test_guard.py::test_load_state_dict_keeps_a_compiled_step_valid": "torch.compile",
+    "tests/test_guard.py::test_clipping_compiles_in_one_graph_and_matches_eager": "torch.compile",
 }
 
 

@@ -3,6 +3,8 @@ OLMo-core's list-based rule), resumed from checkpoints, without host syncs, comp
 
 from __future__ import annotations
 
+import copy
+
 import io
 import math
 import os
@@ -475,6 +477,48 @@ def test_observe_and_threshold_compile_in_one_graph_without_recompiles(backend):
             if isinstance(value, torch.Tensor):
                 torch.testing.assert_close(state[key], value, rtol=1e-9, atol=0, equal_nan=True, msg=key)
     torch.testing.assert_close(c_params, e_params, rtol=1e-5, atol=1e-7)
+    torch._dynamo.reset()
+
+
+def test_clipping_compiles_in_one_graph_and_matches_eager():
+    """clip_grad_norm_ and AdaptiveClip.clip_ (the clipping the policies' compiled steps use) trace into one graph
+    with fullgraph=True, in training and under torch.inference_mode(), without recompiles, and clip as eager does."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from torch_gradstats import AdaptiveClip, clip_grad_norm_
+
+    def backward(model, seed):  # one model for every step, as in training: the compiled step guards on it
+        model.zero_grad()
+        model(torch.randn(7, 6, generator=torch.Generator().manual_seed(seed))).pow(2).sum().backward()
+
+    def fixed(model):
+        s = clip_grad_norm_(model.named_parameters(), max_norm=0.5)
+        return s.total_norm, s.clip_coef
+
+    def adaptive(model, clip):
+        s = clip.clip_(model.parameters())
+        return s.total_norm, s.clip_coef
+
+    cases = (("clip_grad_norm_", fixed, False), ("AdaptiveClip.clip_", adaptive, True))
+    for (name, fn, with_clip), inference in [(c, i) for c in cases for i in (False, True)]:
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(fn, fullgraph=True, backend=counter)
+        extra, eager_extra = ((AdaptiveClip(warmup=2),), (AdaptiveClip(warmup=2),)) if with_clip else ((), ())
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+        eager_model = copy.deepcopy(model)
+        for seed in range(4):
+            backward(model, seed)
+            backward(eager_model, seed)
+            with torch.inference_mode(inference):
+                want = fn(eager_model, *eager_extra)
+                got = compiled(model, *extra)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=0, msg=name)
+            for p, q in zip(model.parameters(), eager_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=name)
+        assert counter.frame_count == 1, (name, inference, counter.frame_count)
     torch._dynamo.reset()
 
 

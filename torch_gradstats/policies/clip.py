@@ -89,8 +89,10 @@ def scale_grads_(grads: Sequence[Tensor], coef: Tensor, foreach: bool | None) ->
 def check_writable(named: Sequence[tuple[str, Tensor]], caller: str) -> None:
     """Refuse, before anything is read or written, a gradient that cannot be scaled in place: an inference tensor
     (made under ``torch.inference_mode()``) outside that mode. Scaling it fails part-way, after the gradients before
-    it in the list were scaled, with an error that names no parameter. Metadata only."""
-    if torch.is_inference_mode_enabled():
+    it in the list were scaled, with an error that names no parameter. Metadata only. Skipped while Dynamo traces
+    (it cannot trace ``is_inference``): a compiled clip stays one graph, and an inference tensor there fails in
+    the compiled code instead."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return
     for name, p in named:
         if isinstance(p.grad, Tensor) and p.grad.is_inference():  # a non-tensor .grad is named by the op's checks
