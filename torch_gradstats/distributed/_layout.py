@@ -128,14 +128,26 @@ def _fingerprint(names: Sequence[str], descs: Sequence[Sequence[Desc]], counted:
 
 
 def merge_order(lists: Sequence[Sequence[str]]) -> list[str]:
-    """Ordered union: each list's new names go right after the name before them in that list (model order)."""
+    """Ordered union (model order): each list's new names go right after the name before them in that list; new
+    names before the first name already placed go right before it, and a list that shares no name with the earlier
+    ones follows them (ranks holding consecutive pieces of a model, as FSDP1 and ZeRO shard it, list them in rank
+    order)."""
     out: list[str] = []
-    index: dict[str, int] = {}
     for names in lists:
-        at = 0
+        index = {n: i for i, n in enumerate(out)}
+        pending: list[str] = []  # new names before this list's first name already placed
+        at: int | None = None
         for name in names:
             if name in index:
+                if at is None and pending:  # they go right before it
+                    pos = index[name]
+                    out[pos:pos] = pending
+                    index = {n: i for i, n in enumerate(out)}
+                    pending = []
                 at = index[name] + 1
+                continue
+            if at is None:
+                pending.append(name)
                 continue
             out.insert(at, name)
             if at == len(out) - 1:
@@ -143,6 +155,7 @@ def merge_order(lists: Sequence[Sequence[str]]) -> list[str]:
             else:  # inserted before the end: later positions moved
                 index = {n: i for i, n in enumerate(out)}
             at += 1
+        out += pending  # no name of this list was placed before: after everything so far
     return out
 
 

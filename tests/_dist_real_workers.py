@@ -1,0 +1,154 @@
+"""Worker side of tests/test_distributed_real.py: real wrappers whose ranks hold different parameters (FSDP1 flat
+shards, FSDP2 shards that are empty on some ranks, a different set of experts on each rank), run by every rank of a
+gloo process group on the CPU.
+
+Each scenario compares what every rank reports with float64 figures of the whole (unsharded) gradients, and checks
+that every rank names the same rows in model order and the same first non-finite parameter (see _dist_workers for
+the scenario protocol).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _dist_workers import _check_report_equal, _params_with_grads
+from torch import nn
+
+from torch_gradstats import clip_grad_norm_, grad_stats
+
+
+def _reference(named: list[tuple[str, torch.Tensor]]) -> Any:
+    """Single-process report on the whole gradients, in float64."""
+    return grad_stats(_params_with_grads([(n, g.detach().double()) for n, g in named])).report()
+
+
+def _same_on_every_rank(what: str, value: object) -> None:
+    seen: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, value)
+    assert all(v == seen[0] for v in seen), f"{what} differs between ranks: {seen}"
+
+
+def _chain(seed: int, layers: int) -> nn.Module:
+    """Layers of 16 weights each: FSDP1's flat parameter then splits between parameters, so that the ranks hold
+    disjoint sets of whole gradients (2 layers a rank with 2 * world of them)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(4, 4, bias=False), nn.Tanh())])
+
+
+def fsdp1_flat_shards_in_model_order(rank: int, world: int) -> str | None:
+    """FSDP1 (use_orig_params=True) cuts one flat parameter into consecutive pieces: here each rank holds two
+    whole gradients and no other. The report lists every parameter in model order on every rank (rows of disjoint
+    holdings once came out last rank first), so a NaN in the first parameter and one in the last name the first."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:
+        return "skip: torch.distributed.fsdp.FullyShardedDataParallel not available"
+    ref = _chain(seed=3, layers=2 * world)
+    model = FSDP(_chain(seed=3, layers=2 * world), use_orig_params=True, device_id=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2 * world, 4, generator=gen)
+    model(x[2 * rank: 2 * rank + 2]).pow(2).mean().backward()  # FSDP1 averages over the ranks' batches
+    ref(x).pow(2).mean().backward()
+    names = [n for n, _ in ref.named_parameters()]
+    held = [n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters() if p.grad is not None]
+    assert held == names[2 * rank: 2 * rank + 2], f"rank {rank} holds {held}: not its own two layers"
+    for call in range(2):  # the first call agrees on the layout, the second is the steady state
+        rep = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
+        got = [n.replace("_fsdp_wrapped_module.", "") for n in rep.norms]
+        assert got == names, f"call {call}: rows {got}, model order {names}"
+        for name in names:
+            want = float(ref.get_parameter(name).grad.double().norm())
+            assert math.isclose(rep.norms["_fsdp_wrapped_module." + name], want, rel_tol=1e-4), (name, want)
+    # A NaN in the first parameter (rank 0's piece) and one in the last (the last rank's piece).
+    params = list(model.named_parameters())
+    for index in (0, len(params) - 1):
+        g = params[index][1].grad
+        if g is not None and g.numel():
+            g.view(-1)[-1 if index else 0] = float("nan")
+    rep = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
+    first = "_fsdp_wrapped_module." + names[0]
+    assert rep.first_nonfinite == first, f"first non-finite {rep.first_nonfinite!r}, expected {first!r}"
+    assert rep.nonfinite_ranks[first] == [0], rep.nonfinite_ranks
+    _same_on_every_rank("rows and first non-finite", (list(rep.norms), rep.first_nonfinite, rep.nonfinite_ranks))
+    return None
+
+
+def experts_differ_per_rank(rank: int, world: int) -> None:
+    """Expert parallelism where each rank holds two experts of its own, whole (`expert_group`), and the dense
+    parameters are replicas already averaged (no `group`); one expert got no token on rank 0. Every rank reports the
+    same rows in model order, the whole model's figures, and, with a NaN in a dense parameter (on every rank) and
+    in the last rank's expert, the dense parameter as the first non-finite one."""
+    gen = torch.Generator().manual_seed(5)
+    dense = {"embed.weight": torch.randn(6, 4, generator=gen), "head.weight": torch.randn(3, 6, generator=gen)}
+    experts = {f"moe.experts.{e}.w": torch.randn(4, 4, generator=gen) * (e + 1) for e in range(2 * world)}
+    order = ["embed.weight"] + list(experts) + ["head.weight"]  # the model's order
+    mine = {n: t for n, t in experts.items() if int(n.split(".")[2]) // 2 == rank}
+    if rank == 0:
+        mine.pop("moe.experts.1.w")  # no token reached it: no gradient this step
+    held = [(n, mine[n] if n in mine else dense[n]) for n in order if n in mine or n in dense]
+
+    def stats(named: list[tuple[str, torch.Tensor]]) -> Any:
+        return grad_stats(_params_with_grads(named), expert_group=dist.group.WORLD,
+                          is_expert=lambda name: ".experts." in name).report()  # fmt: skip
+
+    whole = [(n, {**dense, **experts}[n]) for n in order if n != "moe.experts.1.w"]
+    for call in range(2):
+        rep = stats([(n, t.clone()) for n, t in held])
+        _check_report_equal(f"experts, call {call}", rep, _reference(whole))
+        _same_on_every_rank("rows", list(rep.norms))
+    bad = [(n, t.clone()) for n, t in held]
+    for n, t in bad:
+        if n == "head.weight" or n == f"moe.experts.{2 * world - 1}.w":
+            t.view(-1)[0] = float("nan")
+    rep = stats(bad)
+    want = f"moe.experts.{2 * world - 1}.w"
+    assert rep.nonfinite == [want, "head.weight"], rep.nonfinite
+    assert rep.first_nonfinite == want and rep.nonfinite_ranks[want] == [world - 1], rep.nonfinite_ranks
+    _same_on_every_rank("first non-finite", (rep.first_nonfinite, rep.nonfinite, list(rep.norms)))
+
+
+def fsdp2_empty_shards_nan_on_one_rank(rank: int, world: int) -> str | None:
+    """FSDP2 with parameters whose first dimension is smaller than the world (the last ranks' shards are empty):
+    figures equal the whole gradients' (all-gathered, float64); a NaN on the last rank only is named, with that
+    rank, the same on every rank; clipping uses the global norm."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import init_device_mesh
+    except ImportError:
+        return "skip: torch.distributed.fsdp.fully_shard not available"
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(5, 2 * world - 1), nn.Tanh(), nn.Linear(2 * world - 1, 1))  # 2.*: on rank 0 only
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(3 * world, 5, generator=torch.Generator().manual_seed(7))
+    model(x[3 * rank: 3 * rank + 3]).pow(2).mean().backward()
+    assert model[2].bias.grad.to_local().numel() == (1 if rank == 0 else 0)
+    whole = [(n, p.grad.full_tensor()) for n, p in model.named_parameters()]
+    for call in range(2):
+        _check_report_equal(f"fsdp2, call {call}", grad_stats(model.named_parameters()).report(), _reference(whole))
+    local = model[0].weight.grad.to_local()
+    if rank == world - 1:
+        local.view(-1)[0] = float("nan")
+    rep = grad_stats(model.named_parameters()).report()
+    assert rep.first_nonfinite == "0.weight" and rep.nonfinite_ranks == {"0.weight": [world - 1]}, rep.nonfinite_ranks
+    _same_on_every_rank("first non-finite", (rep.first_nonfinite, rep.nonfinite_ranks))
+    if rank == world - 1:
+        local.view(-1)[0] = 0.0
+    whole = [(n, p.grad.full_tensor()) for n, p in model.named_parameters()]
+    norm = _reference(whole).total_norm
+    stats = clip_grad_norm_(model.named_parameters(), max_norm=norm / 4)
+    assert math.isclose(float(stats.clip_norm), norm, rel_tol=1e-5), (float(stats.clip_norm), norm)
+    after = math.sqrt(sum(float(p.grad.full_tensor().double().pow(2).sum()) for p in model.parameters()))
+    assert math.isclose(after, norm / 4, rel_tol=1e-4), (after, norm / 4)
+    return None
+
+
+SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
+    f.__name__: f  # type: ignore[misc]
+    for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, fsdp2_empty_shards_nan_on_one_rank)
+}
