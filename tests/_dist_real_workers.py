@@ -148,7 +148,42 @@ def fsdp2_empty_shards_nan_on_one_rank(rank: int, world: int) -> str | None:
     return None
 
 
+def fsdp2_compiled_clip(rank: int, world: int) -> str | None:
+    """A compiled post-backward step on an FSDP2 model (clip_grad_norm_ of its DTensor gradients): the reduction
+    across ranks runs eagerly inside it (Dynamo once crashed tracing the gradients' placements), and the norm and
+    the clipped gradients equal float64 figures of the whole gradients."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import init_device_mesh
+    except ImportError:
+        return "skip: torch.distributed.fsdp.fully_shard not available"
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(5, 2 * world + 1), nn.Tanh(), nn.Linear(2 * world + 1, 3))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(9))
+
+    def after_backward(model: nn.Module) -> torch.Tensor:
+        return clip_grad_norm_(model.named_parameters(), max_norm=0.05).total_norm
+
+    compiled = torch.compile(after_backward, backend="aot_eager")
+    try:
+        for step in range(3):
+            model.zero_grad()
+            model(x[2 * rank: 2 * rank + 2] * (step + 1)).pow(2).mean().backward()
+            norm = _reference([(n, p.grad.full_tensor()) for n, p in model.named_parameters()]).total_norm
+            got = float(compiled(model))
+            assert math.isclose(got, norm, rel_tol=1e-5), (step, got, norm)
+            after = math.sqrt(sum(float(p.grad.full_tensor().double().pow(2).sum()) for p in model.parameters()))
+            assert math.isclose(after, min(norm, 0.05), rel_tol=1e-4), (step, after, norm)
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f  # type: ignore[misc]
-    for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, fsdp2_empty_shards_nan_on_one_rank)
+    for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, fsdp2_empty_shards_nan_on_one_rank,
+              fsdp2_compiled_clip)
 }

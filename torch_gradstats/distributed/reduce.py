@@ -182,6 +182,9 @@ def _check_names(names: Any, p: int) -> list[str] | None:
     return list(names)
 
 
+# Never traced: the layout agreement and its cache are host work (object collectives, Python state), which Dynamo
+# cannot trace (DTensor placements crash it); a compiled caller breaks its graph here and runs this eagerly.
+@torch.compiler.disable
 @torch.no_grad()
 def reduce_across_ranks(
     grads: Sequence[Tensor],
