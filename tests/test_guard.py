@@ -4,7 +4,6 @@ OLMo-core's list-based rule), resumed from checkpoints, without host syncs, comp
 from __future__ import annotations
 
 import copy
-
 import io
 import math
 import os
