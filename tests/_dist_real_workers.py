@@ -9,6 +9,7 @@ the scenario protocol).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -182,8 +183,30 @@ def fsdp2_compiled_clip(rank: int, world: int) -> str | None:
     return None
 
 
+def fsdp1_flat_parameters_count_their_padding(rank: int, world: int) -> str | None:
+    """FSDP1 with use_orig_params=False (docs/integrations.md): one row per flat parameter, whose norm is the whole
+    model's and whose numel and zero count include the zeros FSDP pads the last rank's shard with."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:
+        return "skip: torch.distributed.fsdp.FullyShardedDataParallel not available"
+    torch.manual_seed(10)
+    ref = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))  # 22 elements: 2 zeros of padding on 4 ranks
+    model = FSDP(copy.deepcopy(ref), use_orig_params=False, device_id=torch.device("cpu"))
+    x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(11))
+    model(x[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    want = _reference([(n, p.grad) for n, p in ref.named_parameters()])
+    rep = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
+    padding = -22 % world
+    assert list(rep.norms) == ["_fsdp_wrapped_module._flat_param"], list(rep.norms)
+    assert math.isclose(rep.total_norm, want.total_norm, rel_tol=1e-5), (rep.total_norm, want.total_norm)
+    assert (rep.numel, rep.zero_count) == (22 + padding, want.zero_count + padding), (rep.numel, rep.zero_count)
+    return None
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f  # type: ignore[misc]
     for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, fsdp2_empty_shards_nan_on_one_rank,
-              fsdp2_compiled_clip)
+              fsdp1_flat_parameters_count_their_padding, fsdp2_compiled_clip)
 }
