@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import model_zoo
 import torch
 import torch.distributed as dist
 from _dist_workers import _check_report_equal, _params_with_grads
@@ -205,8 +206,41 @@ def fsdp1_flat_parameters_count_their_padding(rank: int, world: int) -> str | No
     return None
 
 
+def gpt2_fsdp2_bf16_nan_on_one_rank(rank: int, world: int) -> str | None:
+    """The zoo's GPT-2 (tied embedding and head) in bfloat16 under FSDP2 with MixedPrecisionPolicy(reduce_dtype=
+    float32), one FSDP unit per block: every row equals float64 figures of the all-gathered bfloat16 gradients, and a
+    NaN put in the last rank's shard of one parameter is named, with that rank, the same on every rank."""
+    try:
+        import transformers  # noqa: F401
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor import init_device_mesh
+    except ImportError as exc:
+        return f"skip: {exc}"
+    model = model_zoo.gpt2(seed=0).to(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    ids = torch.randint(0, 64, (2 * world, 8), generator=torch.Generator().manual_seed(12))
+    mine = ids[2 * rank: 2 * rank + 2]
+    model(mine, labels=mine).loss.backward()
+    named = list(model.named_parameters())
+    assert {p.grad.dtype for _, p in named} == {torch.bfloat16}
+    for call in range(2):
+        rep = grad_stats(model.named_parameters()).report()
+        _check_report_equal(f"gpt2, call {call}", rep, _reference([(n, p.grad.full_tensor()) for n, p in named]))
+    name, param = next((n, p) for n, p in named if p.grad.to_local().numel() and n.endswith("c_attn.weight"))
+    if rank == world - 1:
+        param.grad.to_local().view(-1)[-1] = float("nan")
+    rep = grad_stats(model.named_parameters()).report()
+    assert rep.first_nonfinite == name and rep.nonfinite_ranks == {name: [world - 1]}, rep.nonfinite_ranks
+    _same_on_every_rank("first non-finite", (rep.first_nonfinite, rep.nonfinite_ranks, list(rep.norms)))
+    return None
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f  # type: ignore[misc]
     for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, fsdp2_empty_shards_nan_on_one_rank,
-              fsdp1_flat_parameters_count_their_padding, fsdp2_compiled_clip)
+              fsdp1_flat_parameters_count_their_padding, gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
 }
