@@ -239,8 +239,34 @@ def gpt2_fsdp2_bf16_nan_on_one_rank(rank: int, world: int) -> str | None:
     return None
 
 
+def experts_over_pairs_dense_sharded(rank: int, world: int) -> None:
+    """Expert parallelism over pairs of ranks (`expert_group`: ranks 2k and 2k+1, each holding two of the four
+    experts; pairs are replicas of each other) and dense parameters sharded flat over every rank (`group`): every
+    rank reports the same rows, in model order (the rows of the other rank of a pair once came after the dense
+    parameters on one rank of each pair), and the whole model's figures."""
+    pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]  # every rank makes every group
+    expert_group, expert_rank = pairs[rank // 2], rank % 2
+    gen = torch.Generator().manual_seed(13)
+    dense = {"embed.weight": torch.randn(6, 4, generator=gen), "head.weight": torch.randn(3, 6, generator=gen)}
+    experts = {f"moe.experts.{e}.w": torch.randn(4, 4, generator=gen) * (e + 1) for e in range(4)}
+    order = ["embed.weight", *experts, "head.weight"]
+    held = []
+    for name in order:
+        if name in dense:
+            held.append((name, torch.tensor_split(dense[name].reshape(-1), world)[rank]))
+        elif int(name.split(".")[2]) // 2 == expert_rank:
+            held.append((name, experts[name]))
+    whole = [(n, {**dense, **experts}[n]) for n in order]
+    for call in range(2):
+        rep = grad_stats(_params_with_grads([(n, g.clone()) for n, g in held]), group=dist.group.WORLD,
+                         expert_group=expert_group, is_expert=lambda name: ".experts." in name).report()
+        _check_report_equal(f"expert pairs, call {call}", rep, _reference(whole))
+        _same_on_every_rank("rows", list(rep.norms))
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f  # type: ignore[misc]
-    for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, fsdp2_empty_shards_nan_on_one_rank,
-              fsdp1_flat_parameters_count_their_padding, gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
+    for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, experts_over_pairs_dense_sharded,
+              fsdp2_empty_shards_nan_on_one_rank, fsdp1_flat_parameters_count_their_padding,
+              gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
 }

@@ -220,26 +220,31 @@ def _pack_unplaced(table: Table, sub_sum: Tensor, sub_max: Tensor, rows: list[in
     sub_max.scatter_reduce_(0, dst[:, None].expand(-1, sub_max.shape[1]), table.max_buf.index_select(0, src), "amax")
 
 
-#: table rows (names, in order) -> the order they are reported in; see :func:`reorder`.
-_ORDERS: OrderedDict[tuple[str, ...], list[int]] = OrderedDict()
+#: (table rows (names, in order), the length of each step's agreed rows) -> the order they are reported in; see
+#: :func:`reorder`.
+_ORDERS: OrderedDict[tuple[tuple[str, ...], tuple[int, ...]], list[int]] = OrderedDict()
 _ORDERS_MAX = 16
 
 
-def reorder(table: Table, row_names: list[str]) -> Table:
+def reorder(table: Table, row_names: list[str], segments: Sequence[Sequence[str]] = ()) -> Table:
     """The table's rows in model order: this rank's rows (``row_names``) in their order, each other rank's row in
-    its place among them. Every rank must report the same order, and the order of a rank's own rows changes only
-    where its holdings do, which the group's layout may not have followed yet (no host read in steady state); so
-    the order is kept per set of table rows, made the first time they are seen (when the group has just agreed on
-    them, every rank's rows fit the agreed order), and reused after."""
+    its place among them, as the order each step's group agreed on (``segments``: one list of row names per step)
+    places it; one step's rows are not ordered against another's by their place in the table, where steps follow
+    one another. Every rank must report the same order, and the order of a rank's own rows changes only where its
+    holdings do, which the group's layout may not have followed yet (no host read in steady state); so the order is
+    kept per set of table rows, made the first time they are seen (when the group has just agreed on them, every
+    rank's rows fit the agreed order), and reused after."""
     names = tuple(d.name for d in table.descs)
-    order = _ORDERS.get(names)
+    key = (names, tuple(len(s) for s in segments))
+    order = _ORDERS.get(key)
     if order is None:
         where = {n: i for i, n in enumerate(names)}
-        order = [where[n] for n in _layout.merge_order([[n for n in row_names if n in where], list(names)])]
-        _ORDERS[names] = order
+        lists = [[n for n in row_names if n in where], *(list(s) for s in segments), list(names)]
+        order = [where[n] for n in _layout.merge_order(lists)]
+        _ORDERS[key] = order
         while len(_ORDERS) > _ORDERS_MAX:
             _ORDERS.popitem(last=False)
-    _ORDERS.move_to_end(names)
+    _ORDERS.move_to_end(key)
     if order == list(range(len(order))):
         return table
     idx = repeated_int64(order + [len(order)], table.sum_buf.device)  # and the check row's slot

@@ -331,14 +331,18 @@ def reduce_across_ranks(
     def upstream() -> Tensor | None:  # whether an earlier step of this call found a change (a device flag)
         return torch.stack([c[3] for c in checks]).sum(dtype=torch.float64) if checks else None
 
+    segments: list[list[str]] = []  # each step's agreed rows, in its group's order (the model order they imply)
     for k, (pg, rows) in enumerate(steps):
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
         own = [where[_layout.RESERVED + label] for label, m in zip(labels, masks) if k in m]
         reserved_at = {label: where[_layout.RESERVED + label] for label in labels}
         sinks = [reserved_at[row_labels[r]] for r in rows]
-        table, check = reduce_step(table, pg, mode, [where[row_names[r]] for r in rows] + own, sinks + own, (),
+        step_rows = [where[row_names[r]] for r in rows] + own
+        not_reduced = len(table.descs) - len(step_rows)
+        table, check = reduce_step(table, pg, mode, step_rows, sinks + own, (),
                                    strict, remake, upstream(), unplaced_names=unplaced)
+        segments.append([d.name for d in table.descs[: len(table.descs) - not_reduced]])  # the agreed rows lead
         checks += [check] if check is not None else []
         remake = None
     if staged:  # its agreed order (stage by stage) is the same on every rank
@@ -349,7 +353,7 @@ def reduce_across_ranks(
                                    remake, upstream(), uncounted, unplaced)
         checks += [check] if check is not None else []
     elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
-        table = reorder(table, row_names)
+        table = reorder(table, row_names, segments)
     gathered = bool(steps) or staged
     if gathered:
         logger.debug("reduce_across_ranks: %d local parameters, %d rows, %d step(s)", p, len(table.descs), len(steps))
