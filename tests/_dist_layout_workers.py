@@ -276,6 +276,27 @@ def expert_parallel(rank: int, world: int) -> None:
                 assert (_seq(pg) - b_pg, _seq(ep) - b_ep) == (2, 2), (_seq(pg) - b_pg, _seq(ep) - b_ep)
 
 
+def rows_agree_for_any_holdings(rank: int, world: int) -> None:
+    """Ranks holding random subsets of eight parameters (some none, some disjoint from the others): every rank
+    reports the same rows, in an order that keeps each rank's own order (it once put a rank's own order first, so a
+    rank whose list showed p0 before p3 reported them in another order than the others), with the figures of all."""
+    import random
+
+    names = [f"p{i}" for i in range(8)]
+    rng = random.Random(world)
+    for trial in range(10):
+        holdings = [sorted(rng.sample(range(8), rng.randint(0, 4))) for _ in range(world)]
+        mine = [(names[i], torch.full((3,), float(i + 1))) for i in holdings[rank]]
+        grad_stats(_params(mine), group=dist.group.WORLD).report()  # a change of holdings: agreed after a report
+        rows = list(grad_stats(_params(mine), group=dist.group.WORLD).report().norms)
+        seen: list[object] = [None] * world
+        dist.all_gather_object(seen, rows)
+        assert all(r == rows for r in seen), f"trial {trial} {holdings}: rows {seen}"
+        assert set(rows) == {names[i] for held in holdings for i in held}, (holdings, rows)
+        for held in holdings:
+            assert [n for n in rows if n in {names[i] for i in held}] == [names[i] for i in held], (held, rows)
+
+
 # ---------------------------------------------------------------------------------------------- logging rank
 def logging_rank(rank: int, world: int) -> str | None:
     """One rank logs: the last stage's first shard rank under pipeline parallelism, rank 0 otherwise, or the
@@ -309,6 +330,7 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
         pipeline_stages,
         pipeline_stages_dtensor,
         expert_parallel,
+        rows_agree_for_any_holdings,
         logging_rank,
     )
 }

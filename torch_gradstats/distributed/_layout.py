@@ -24,6 +24,8 @@ whole model, see :attr:`Agreed.counted`).
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -128,10 +130,36 @@ def _fingerprint(names: Sequence[str], descs: Sequence[Sequence[Desc]], counted:
 
 
 def merge_order(lists: Sequence[Sequence[str]]) -> list[str]:
-    """Ordered union (model order): each list's new names go right after the name before them in that list; new
+    """Ordered union (model order), the same for the same lists: an order in which every list's names keep their
+    order, when one exists (the lists do not contradict each other), closest to :func:`_greedy_order`'s; else that
+    greedy order itself."""
+    greedy = _greedy_order(lists)
+    rank = {n: i for i, n in enumerate(greedy)}
+    after: dict[str, set[str]] = {n: set() for n in greedy}
+    before = dict.fromkeys(greedy, 0)
+    for names in lists:
+        for a, b in itertools.pairwise(names):
+            if b not in after[a]:
+                after[a].add(b)
+                before[b] += 1
+    ready = [rank[n] for n in greedy if not before[n]]
+    heapq.heapify(ready)
+    out: list[str] = []
+    while ready:
+        name = greedy[heapq.heappop(ready)]
+        out.append(name)
+        for b in after[name]:
+            before[b] -= 1
+            if not before[b]:
+                heapq.heappush(ready, rank[b])
+    return out if len(out) == len(greedy) else greedy  # a cycle: two lists disagree on an order
+
+
+def _greedy_order(lists: Sequence[Sequence[str]]) -> list[str]:
+    """Ordered union in one pass: each list's new names go right after the name before them in that list; new
     names before the first name already placed go right before it, and a list that shares no name with the earlier
     ones follows them (ranks holding consecutive pieces of a model, as FSDP1 and ZeRO shard it, list them in rank
-    order)."""
+    order). A name placed from an earlier list is not moved by a later one."""
     out: list[str] = []
     for names in lists:
         index = {n: i for i, n in enumerate(out)}

@@ -239,8 +239,9 @@ def reorder(table: Table, row_names: list[str], segments: Sequence[Sequence[str]
     order = _ORDERS.get(key)
     if order is None:
         where = {n: i for i, n in enumerate(names)}
-        lists = [[n for n in row_names if n in where], *(list(s) for s in segments), list(names)]
-        order = [where[n] for n in _layout.merge_order(lists)]
+        merged = _layout.merge_order([[n for n in row_names if n in where], *(list(s) for s in segments)])
+        placed = set(merged)
+        order = [where[n] for n in merged] + [i for i, n in enumerate(names) if n not in placed]
         _ORDERS[key] = order
         while len(_ORDERS) > _ORDERS_MAX:
             _ORDERS.popitem(last=False)
