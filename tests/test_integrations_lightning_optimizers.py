@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_gradstats import AdaptiveClip, SpikeGuard
+from torch_gradstats import ActivationWatch, AdaptiveClip, SpikeGuard
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger
@@ -348,3 +348,55 @@ def test_one_optimizer_keeps_its_keys_unless_named(tmp_path: Path, names: tuple[
     else:
         assert named <= keys and not keys & plain
         assert sorted(cb.state_dict()) == ["optimizers"] and int(cb.spike_guards["net"].steps) == 4
+
+
+class NaNTanh(nn.Tanh):
+    """Tanh whose ``poison_call``-th call (counting from 0) puts a NaN in its output."""
+
+    def __init__(self, poison_call: int) -> None:
+        super().__init__()
+        self.poison_call, self.calls = poison_call, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.calls == self.poison_call:
+            out = out.clone()
+            out[0, 0] = float("nan")
+        self.calls += 1
+        return out
+
+
+D_POISON, G_POISON = 5, 9  # the batches whose discriminator (its real pass) / generator forward makes a NaN
+
+
+@pytest.mark.parametrize("log_update_ratio", [False, True])  # True: reported after the batch, read at each step
+def test_activation_keys_per_optimizer_name_the_origin_of_each_steps_nan(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, log_update_ratio: bool) -> None:
+    gan = GAN()
+    # the discriminator runs three times a batch: on the fake (generator's step), the real and the fake again
+    gan.discriminator[1] = NaNTanh(3 * D_POISON + 1)  # its real pass in the discriminator's step of batch 5
+    gan.generator[1] = NaNTanh(G_POISON)  # batch 9: the fake is NaN in both steps
+    cb = GradStatsCallback(optimizer_names=("generator", "discriminator"), watch_activations=True,
+                           on_nonfinite="skip", log_update_ratio=log_update_ratio)
+    trainer = _trainer(tmp_path, [cb], max_epochs=1)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _fit(trainer, gan)
+    names = ActivationWatch(GAN()).module_names  # the same module paths, in model order
+    d_origin, g_origin = names.index("discriminator.1"), names.index("generator.1")
+    assert d_origin != g_origin and min(d_origin, g_origin) > 0
+    rows = _rows(trainer)
+    assert sorted(rows) == list(range(16))
+    expected = {(D_POISON, "generator"): (0.0, -1.0), (D_POISON, "discriminator"): (1.0, d_origin),
+                (G_POISON, "generator"): (1.0, g_origin), (G_POISON, "discriminator"): (1.0, g_origin)}
+    for batch, row in rows.items():
+        for which in NAMES:
+            got = (row[f"act/{which}/nonfinite"], row[f"act/{which}/origin_index"])
+            assert got == expected.get((batch, which), (0.0, -1.0)), (batch, which)
+        assert not [k for k in row if k.startswith("act/") and k.count("/") < 2]  # no key without a name
+    # the skipped steps (Lightning counts both optimizers' steps) and their warnings name the origin
+    assert cb.skipped_steps == [2 * D_POISON + 1, 2 * G_POISON, 2 * G_POISON + 1]
+    messages = [r.getMessage() for r in caplog.records if "step skipped" in r.getMessage()]
+    assert len(messages) == 3
+    assert "(optimizer 'discriminator')" in messages[0] and "forward origin discriminator.1 " in messages[0]
+    assert "(optimizer 'generator')" in messages[1] and "forward origin generator.1 " in messages[1]
+    assert "(optimizer 'discriminator')" in messages[2] and "forward origin generator.1 " in messages[2]

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torch_gradstats.integrations._common import PolicyState, StatsTaker
+from torch_gradstats.integrations._common import ActivationReporting, PolicyState, StatsTaker
+from torch_gradstats.monitors.activations import ActivationReport
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.guard import SpikeGuard
 
@@ -75,6 +76,8 @@ class OptimizerTaker(StatsTaker):
         self.name = name
         self.label = f" (optimizer {name!r})"
         self._params = params
+        #: the activation watch's report read at this optimizer's step, for a report made after the batch
+        self.activation: ActivationReport | None = None
 
     def trainable(self, module: nn.Module) -> list[tuple[str, Tensor]]:  # type: ignore[override]
         """This optimizer's parameters that require a gradient now (``toggle_optimizer`` leaves them so)."""
@@ -159,7 +162,7 @@ def load_optimizer_states(takers: dict[int, OptimizerTaker], states: dict[str, A
     return restored
 
 
-class SeveralOptimizers(PolicyState):
+class SeveralOptimizers(ActivationReporting, PolicyState):
     """The callback's side of several optimizers: one :class:`OptimizerTaker` each, made when training starts (the
     optimizers exist then), and the policies' per-optimizer checkpoint state (loaded before they exist)."""
 
@@ -193,6 +196,29 @@ class SeveralOptimizers(PolicyState):
         if saved:
             restored = load_optimizer_states(self._takers, saved) or restored
         self._policies_restored = self.policies_restored or restored
+
+    def _step_taker(self, optimizer: Any) -> StatsTaker:
+        """The taker of the optimizer step beginning now (:meth:`_taker`). With several optimizers one watch step of
+        ``watch_activations`` (a batch, from the first watched module's call) holds every optimizer's forwards and
+        backwards, one optimizer's step after the other's: its report is made again at each optimizer's step, so
+        that the discriminator's ``act/`` figures and warnings see what ran since the generator's step too, not the
+        report made there (one more transfer per optimizer on a logging step, as with one optimizer)."""
+        if self._takers is not None:
+            self._activation_at = -2
+        return self._taker(optimizer)
+
+    def _hold_activation(self, taker: StatsTaker, logs_here: bool) -> None:
+        """At a logging optimizer step whose report waits for the batch's end (``log_update_ratio``): with several
+        optimizers, read the watch's report now, which describes what ran before this optimizer's step (at the
+        batch's end it would hold the later optimizers' forwards and backwards too)."""
+        if isinstance(taker, OptimizerTaker) and logs_here and self.activation_watch is not None:
+            taker.activation = self._activation_report()
+
+    def _use_held_activation(self, taker: StatsTaker) -> None:
+        """Before that report is logged: the watch's report read at its optimizer's step is the one it logs."""
+        if isinstance(taker, OptimizerTaker) and taker.activation is not None and self.activation_watch is not None:
+            self.last_activation_report, self._activation_at = taker.activation, self.activation_watch.step
+            taker.activation = None
 
     def _taker(self, optimizer: Any) -> StatsTaker:
         """The taker of ``optimizer``'s steps: the callback's own with one optimizer, else that optimizer's."""

@@ -119,7 +119,6 @@ import torch
 from torch import Tensor
 
 from torch_gradstats.integrations._common import (
-    ActivationReporting,
     OnNonfinite,
     StatsTaker,
     activation_metrics,
@@ -170,7 +169,7 @@ def lightning_keys(report: AnyReport, per_param: bool = True) -> dict[str, float
     return out
 
 
-class _GradStatsMixin(ActivationReporting, SeveralOptimizers):
+class _GradStatsMixin(SeveralOptimizers):
     """The callback's logic, independent of which Lightning package provides the base class."""
 
     def __init__(
@@ -335,7 +334,7 @@ class _GradStatsMixin(ActivationReporting, SeveralOptimizers):
         step = trainer.global_step
         logger_step = self._logger_step(trainer)
         log_now = self._log_due(trainer, logger_step)
-        taker = self._taker(optimizer)
+        taker = self._step_taker(optimizer)
         if not log_now and self.on_nonfinite is None and not taker.every_step:
             return  # nothing read, nothing synced
         stats = taker.take(pl_module, optimizer, histogram=self.histogram and log_now)
@@ -368,6 +367,7 @@ class _GradStatsMixin(ActivationReporting, SeveralOptimizers):
         elif log_now and taker.log_update_ratio:
             taker.snapshot(pl_module)
             self._pending[id(taker)] = (taker, stats, logger_step)
+            self._hold_activation(taker, self._logs_here(trainer))
         elif log_now:  # a rank that does not log reads what the logging rank's report reads
             taker.check_layout(stats)
 
@@ -376,6 +376,7 @@ class _GradStatsMixin(ActivationReporting, SeveralOptimizers):
         for taker, stats, logger_step in pending.values():
             taker.measure(stats)
             if self._logs_here(trainer):
+                self._use_held_activation(taker)
                 self._log(trainer, taker.report(stats), logger_step, taker)
             else:
                 taker.check_layout(stats)
@@ -482,7 +483,6 @@ class _GradStatsMixin(ActivationReporting, SeveralOptimizers):
         for lg in trainer.loggers:
             lg.log_metrics(values, step=logger_step)
         self.last_report = report
-
 
 
 class GradStatsCallback(_GradStatsMixin, _Callback):
