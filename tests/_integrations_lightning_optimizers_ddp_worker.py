@@ -124,11 +124,12 @@ def _plain(state: Any) -> Any:
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     rec = Recorder()
-    cb = GradStatsCallback(every_n_steps=1, optimizer_names=("generator", "discriminator"),
+    cb = GradStatsCallback(every_n_steps=1, optimizer_names=("generator", "discriminator"), on_nonfinite="skip",
                            spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=4))
     g = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randn(2 * 8 * BATCHES, 6, generator=g) + 2.0)
     trainer = L.Trainer(
+        # each optimizer's backward leaves the other's parameters unused: find_unused_parameters, as any GAN needs
         accelerator="cpu", devices=2, strategy=DDPStrategy(find_unused_parameters=True), max_epochs=1,
         callbacks=[rec, cb], logger=CSVLogger(out), enable_progress_bar=False, enable_checkpointing=False,
         enable_model_summary=False, log_every_n_steps=1,
@@ -142,6 +143,7 @@ def main(out: Path) -> None:
         "local": model.local,
         "norms": rec.norms,
         "unchanged": rec.unchanged,
+        "skipped": cb.skipped_steps,
         "guards": {name: _plain(guard.state_dict()) for name, guard in cb.spike_guards.items()},
         "weights": [p.detach().double().flatten().tolist() for p in model.parameters()],
     }

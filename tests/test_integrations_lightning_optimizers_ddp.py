@@ -2,7 +2,7 @@
 (gloo), launched by Lightning itself from tests/_integrations_lightning_optimizers_ddp_worker.py. Each optimizer's
 logged figures are checked against float64 norms of the average of both ranks' local gradients of that optimizer's
 parameters; a loss spike and a NaN on rank 1's generator alone must make both ranks skip the generator's step and
-neither the discriminator's. About 30 s on a busy 2-core machine (two Python start-ups and Lightning's DDP set-up
+neither the discriminator's. About 15 s on a busy 2-core machine (two Python start-ups and Lightning's DDP set-up
 dominate), hence the markers."""
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def test_ddp_each_optimizer_reads_the_averaged_gradients_and_the_ranks_skip_alik
     # steps, and neither skipped a discriminator step
     expected = [f"{SPIKE_BATCH}/generator", f"{NAN_BATCH}/generator"]
     assert r0["unchanged"] == r1["unchanged"] == expected
+    assert r0["skipped"] == r1["skipped"] == [2 * NAN_BATCH]  # on_nonfinite: each rank's own check, the same step
     for batch, row in rows.items():
         skipped = sum(b <= batch for b in (SPIKE_BATCH, NAN_BATCH))
         assert row["guard/generator/skipped"] == float(skipped), batch
