@@ -17,7 +17,7 @@ from typing import Any
 import model_zoo
 import torch
 import torch.distributed as dist
-from _dist_workers import _check_report_equal, _params_with_grads
+from _dist_workers import _check_report_equal, _params_with_grads, _seq
 from torch import nn
 
 from torch_gradstats import clip_grad_norm_, grad_stats
@@ -264,9 +264,65 @@ def experts_over_pairs_dense_sharded(rank: int, world: int) -> None:
         _same_on_every_rank("rows", list(rep.norms))
 
 
+def experts_gained_late_over_pairs(rank: int, world: int) -> str | None:
+    """Experts over pairs of ranks and dense parameters over every rank, where the second rank of each pair holds no
+    expert at first: every rank reports the same rows in model order and names the same first non-finite parameter
+    (that rank once put the experts after its dense parameters, and named "head.weight" first), then again once
+    those ranks gain experts; the steady state costs one SUM and one MAX per group, and the rows' order no more."""
+    if world < 4:
+        return "skip: needs two pairs of ranks"
+    pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
+    expert_group, expert_rank, pg = pairs[rank // 2], rank % 2, dist.group.WORLD
+    gen = torch.Generator().manual_seed(17)
+    dense = {"embed.weight": torch.randn(6, 4, generator=gen), "head.weight": torch.randn(3, 6, generator=gen)}
+    experts = {f"moe.experts.{e}.w": torch.randn(4, 4, generator=gen) * (e + 1) for e in range(4)}
+    order = ["embed.weight", *experts, "head.weight"]
+
+    def held(own: set[int]) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name in order:
+            if name in dense:
+                out.append((name, torch.tensor_split(dense[name].reshape(-1), world)[rank].clone()))
+            elif int(name.split(".")[2]) in own:
+                out.append((name, experts[name].clone()))
+        return out
+
+    def report(named: list[tuple[str, torch.Tensor]]) -> Any:
+        return grad_stats(_params_with_grads(named), group=pg, expert_group=expert_group,
+                          is_expert=lambda name: ".experts." in name).report()  # fmt: skip
+
+    first = {0, 1} if expert_rank == 0 else set()  # the second rank of each pair: no expert yet
+    bad = held(first)
+    for name, g in bad:
+        if name in ("moe.experts.1.w", "head.weight"):
+            g.view(-1)[0] = float("nan")
+    rep = report(bad)
+    _same_on_every_rank("rows and first non-finite", (list(rep.norms), rep.first_nonfinite))
+    whole = [(n, {**dense, **experts}[n]) for n in order if ".experts.2." not in n and ".experts.3." not in n]
+    assert list(rep.norms) == [n for n, _ in whole], list(rep.norms)
+    assert rep.first_nonfinite == "moe.experts.1.w", rep.first_nonfinite
+    for call in range(2):
+        before = (_seq(pg), _seq(expert_group))
+        _check_report_equal(f"no expert on one rank, call {call}", report(held(first)), _reference(whole))
+        if call == 1:  # steady state: one SUM and one MAX on each group, nothing for the order
+            assert (_seq(pg) - before[0], _seq(expert_group) - before[1]) == (2, 2), (before, _seq(pg))
+    later = {0, 1} if expert_rank == 0 else {2, 3}
+    report(held(later))  # the new experts count in the totals only; the report has every rank agree again
+    full = [(n, {**dense, **experts}[n]) for n in order]
+    for call in range(2):
+        before = (_seq(pg), _seq(expert_group))
+        rep = report(held(later))
+        if call == 1:
+            assert (_seq(pg) - before[0], _seq(expert_group) - before[1]) == (2, 2), (before, _seq(pg))
+        _check_report_equal(f"experts gained, call {call}", rep, _reference(full))
+        _same_on_every_rank("rows", list(rep.norms))
+    return None
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f  # type: ignore[misc]
     for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, experts_over_pairs_dense_sharded,
+              experts_gained_late_over_pairs,
               fsdp2_empty_shards_nan_on_one_rank, fsdp1_flat_parameters_count_their_padding,
               gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
 }

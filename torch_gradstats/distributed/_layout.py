@@ -13,7 +13,9 @@ again only when every rank of the group asks for it in the same reduction (see
 changed), so that every rank decides alike without reading the host in steady state. In between, a row the layout
 has no place for (:meth:`Agreed.positions` says None) goes to a reserved row (names starting with
 :data:`RESERVED`). Layout errors are decided from the exchanged descriptions, which every rank holds in full, so
-every rank raises the same error before any buffer is reduced.
+every rank raises the same error before any buffer is reduced. A call may send this rank's own list of names (in
+model order) in the same exchange: the group then keeps every rank's list, from which the rows of several groups
+are ordered the same on every rank (:func:`rank_order`).
 
 Two ways to merge: ``"shard"`` (a name on several ranks is one parameter sharded over them: its rows are summed) and
 ``"stage"`` (the ranks hold disjoint parts of a model: a name held by several ranks is one row per rank, suffixed
@@ -89,6 +91,12 @@ class _Entry:
     agreed_tied: frozenset[str] = frozenset()
     last_local: list[Desc] = field(default_factory=list)
     tied: frozenset[str] = frozenset()
+    #: every rank's own names in model order (by group rank) when the group agreed, where the call sent them (see
+    #: :func:`rank_order`), a digest of them, and this rank's list then and at its last reduction in this layout
+    lists: tuple[tuple[str, ...], ...] | None = None
+    lists_key: int = 0
+    agreed_raw: list[str] | None = None
+    last_raw: list[str] | None = None
 
 
 _MAX_LAYOUTS = 8  # per group: call sites that reduce different rows over one group, e.g. a subset, then everything
@@ -153,6 +161,36 @@ def merge_order(lists: Sequence[Sequence[str]]) -> list[str]:
             if not before[b]:
                 heapq.heappush(ready, rank[b])
     return out if len(out) == len(greedy) else greedy  # a cycle: two lists disagree on an order
+
+
+def rank_order(lists: Sequence[Sequence[str]]) -> list[str]:
+    """Ordered union of every rank's own list (``lists[r]``: rank r's names in model order), the same wherever it is
+    computed from the same lists: an order in which every list keeps its order, names no list orders placed by the
+    first rank that lists them, then their position in its list (ranks holding consecutive pieces of a model, as
+    experts spread over ranks between dense parameters, list them in rank order). Where two lists disagree (a
+    cycle), the names in that same key's order."""
+    key: dict[str, tuple[int, int]] = {}
+    after: dict[str, set[str]] = {}
+    before: dict[str, int] = {}
+    for r, names in enumerate(lists):
+        for i, name in enumerate(names):
+            if name not in key:
+                key[name], after[name], before[name] = (r, i), set(), 0
+        for a, b in itertools.pairwise(names):
+            if b not in after[a]:
+                after[a].add(b)
+                before[b] += 1
+    ready = [(k, n) for n, k in key.items() if not before[n]]
+    heapq.heapify(ready)
+    out: list[str] = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        out.append(name)
+        for b in after[name]:
+            before[b] -= 1
+            if not before[b]:
+                heapq.heappush(ready, (key[b], b))
+    return out if len(out) == len(key) else sorted(key, key=key.__getitem__)
 
 
 def _greedy_order(lists: Sequence[Sequence[str]]) -> list[str]:
@@ -274,19 +312,21 @@ def mark(group: Any, mode: str, layout_id: int) -> None:
 
 
 def exchange(
-    group: Any, mode: str, local: list[Desc], tied: Collection[str], who: str, strict: bool = False
+    group: Any, mode: str, local: list[Desc], tied: Collection[str], who: str, strict: bool = False,
+    raw: list[str] | None = None,
 ) -> _Entry:
     """Exchange every rank's descriptions over ``group`` (one ``all_gather_object``), agree, and remember: as a
-    layout the group agreed on before if it is the same one (found by fingerprint), else as a new one."""
+    layout the group agreed on before if it is the same one (found by fingerprint), else as a new one. ``raw``:
+    this rank's own names in model order, sent along in the same collective and kept (:attr:`_Entry.lists`)."""
     key = (id(group), mode)
     state = _CACHE.get(key)
     if state is None or state.group is not group:
         state = _CACHE[key] = _GroupLayouts(group)
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (local, sorted(tied)), group=group)
-    all_tied = frozenset(name for _, names in gathered for name in names)  # one rank's declaration is enough
+    dist.all_gather_object(gathered, (local, sorted(tied), raw), group=group)
+    all_tied = frozenset(name for _, names, _ in gathered for name in names)  # one rank's declaration is enough
     try:
-        agreed = _agree(mode, [descs for descs, _ in gathered], dist.get_rank(group), all_tied, who, strict)
+        agreed = _agree(mode, [descs for descs, _, _ in gathered], dist.get_rank(group), all_tied, who, strict)
     except ValueError:
         del _CACHE[key]  # raised on every rank alike: every rank starts afresh at its next call
         raise
@@ -299,5 +339,9 @@ def exchange(
     entry.agreed, entry.marked = agreed, False
     entry.agreed_local = entry.last_local = list(local)
     entry.agreed_tied = entry.tied = frozenset(tied)
+    entry.agreed_raw = entry.last_raw = raw
+    if raw is not None:
+        entry.lists = tuple(tuple(names or ()) for _, _, names in gathered)
+        entry.lists_key = hash(entry.lists)  # str hashes are salted per process: a key of this rank's cache only
     state.layouts[entry.layout_id] = entry
     return entry

@@ -21,7 +21,7 @@ from torch_gradstats.distributed._layout import Desc
 from torch_gradstats.ops._transfer import host_int64, to_device
 from torch_gradstats.ops.op import multi_tensor_stats
 
-__all__ = ["dtensor_class", "materialize_partials", "plan_steps", "row_descs"]
+__all__ = ["dtensor_class", "materialize_partials", "plan_steps", "row_descs", "spanning_step"]
 
 #: float64 holds every integer below this exactly; counts travel in float64 buffers.
 _EXACT_F64_INT = 2**53
@@ -182,3 +182,34 @@ def plan_steps(
         for n in range(1, len(dims) + 1):
             masks.update(itertools.combinations(dims, n))
     return list(steps.values()), local_numel, sorted(masks)
+
+
+#: id(group) -> (the group, its global ranks): read once per group
+_GROUP_RANKS: dict[int, tuple[Any, frozenset[int]]] = {}
+
+
+def _ranks(pg: Any) -> frozenset[int]:
+    kept = _GROUP_RANKS.get(id(pg))
+    if kept is None or kept[0] is not pg:
+        kept = _GROUP_RANKS[id(pg)] = (pg, frozenset(dist.get_process_group_ranks(pg)))
+    return kept[1]
+
+
+def spanning_step(steps: Sequence[tuple[Any, list[int]]]) -> int | None:
+    """The first step whose group holds every rank of the other steps' groups (``group=`` over every rank beside
+    an ``expert_group=`` over some of them), or None. Every rank of that group learns every rank's own list of
+    names when it agrees, which orders the rows the same on all of them (``reorder``). No communication."""
+    if len(steps) < 2:
+        return None
+    groups = tuple(pg for pg, _ in steps)
+    kept = _SPANS.get(tuple(map(id, groups)))
+    if kept is not None and all(a is b for a, b in zip(kept[0], groups)):
+        return kept[1]
+    union = frozenset().union(*map(_ranks, groups))
+    span = next((k for k, pg in enumerate(groups) if _ranks(pg) == union), None)
+    _SPANS[tuple(map(id, groups))] = (groups, span)
+    return span
+
+
+#: the steps' groups (by id) -> (the groups, the spanning step): the same few sets of groups at every call
+_SPANS: dict[tuple[int, ...], tuple[tuple[Any, ...], int | None]] = {}

@@ -84,7 +84,8 @@ _CHECK_FP, _CHECK_DIRTY, _CHECK_ASKED = 0, 1, 2
 def reduce_step(
     table: Table, pg: Any, mode: str, rows: list[int], sinks: list[int], tied: Collection[str], strict: bool,
     remake: Callable[[], Table] | None = None, upstream: Tensor | None = None, uncounted_sink: int | None = None,
-    unplaced_names: list[str] | None = None,
+    unplaced_names: list[str] | None = None, raw: list[str] | None = None,
+    lists_out: list[tuple[int, tuple[tuple[str, ...], ...]]] | None = None,
 ) -> tuple[Table, tuple[Any, str, int, Tensor] | None]:
     """Reduce ``rows`` of ``table`` over ``pg`` in the group's agreed layout: one SUM and one MAX, no host read.
 
@@ -94,7 +95,9 @@ def reduce_step(
     repacking is reduced in place, and made again if the group agrees anew; without it, such a table is copied.
     ``upstream``: a device flag, positive when an earlier step of this call found a layout change (a change there
     changes the rows here too, so this group's check says so as well). ``unplaced_names`` gets the names of the
-    rows the layout had no place for.
+    rows the layout had no place for. ``raw``: this rank's own names in model order, sent when the group agrees
+    and part of what the check row compares, like the rows; ``lists_out`` then gets every rank's list as the group
+    last agreed (a digest and the lists, see :func:`reorder`).
 
     Rows without names (``strict``) are matched by position, so there every rank reads the check row at every
     call, and a difference is the same ValueError on every rank at once.
@@ -111,7 +114,7 @@ def reduce_step(
     fresh = entry is None
     while True:
         if entry is None:
-            entry = _layout.exchange(pg, mode, local, tied, "reduce_across_ranks", strict)
+            entry = _layout.exchange(pg, mode, local, tied, "reduce_across_ranks", strict, raw)
         agreed = entry.agreed
         n = len(agreed.names)
         positions = agreed.positions(local)
@@ -136,15 +139,21 @@ def reduce_step(
         # The check row. The fingerprint is scaled so that its sum over the group stays below 2**52: exact in
         # float64 at any group size.
         fp = agreed.fingerprint % (2**52 // group_size)
-        rows_changed = local != entry.last_local or tied != entry.tied
+        # Where the call sends its own list, a change of it is a change of the layout too: the order of the rows
+        # is made from the lists the group last agreed with.
+        raw_changed = raw is not None and raw != entry.last_raw
+        rows_changed = local != entry.last_local or tied != entry.tied or raw_changed
         sub_sum[n, _CHECK_FP] = float(fp)
-        sub_sum[n, _CHECK_DIRTY] = float(local != entry.agreed_local or tied != entry.agreed_tied)
+        sub_sum[n, _CHECK_DIRTY] = float(local != entry.agreed_local or tied != entry.agreed_tied
+                                         or (raw is not None and raw != entry.agreed_raw))
         if upstream is not None and not fresh:
             sub_sum[n, _CHECK_DIRTY] += upstream
         # A rank asks the group to agree again when its report saw that the layout no longer fits, or when its
         # own rows (or tied names) changed since its last call (then it reads one value: not the steady state).
         asking = entry.marked or rows_changed
         entry.last_local, entry.tied, entry.marked = local, tied, False
+        if raw is not None:
+            entry.last_raw = raw
         sub_sum[n, _CHECK_ASKED] = float(asking)
         sub_max[n, _CHECK_FP] = float(fp)
         dist.all_reduce(sub_sum, op=dist.ReduceOp.SUM, group=pg)
@@ -171,6 +180,8 @@ def reduce_step(
         entry, fresh = None, True
         if identity and remake is not None:  # the reduction overwrote this rank's rows: pack them anew
             table = remake()
+    if lists_out is not None and entry.lists is not None:
+        lists_out.append((entry.lists_key, entry.lists))
     if unplaced_names is not None:
         unplaced_names.extend(local[k].name for k in unplaced if not local[k].name.startswith(_layout.RESERVED))
     check = None
@@ -222,24 +233,32 @@ def _pack_unplaced(table: Table, sub_sum: Tensor, sub_max: Tensor, rows: list[in
 
 #: (table rows (names, in order), the length of each step's agreed rows) -> the order they are reported in; see
 #: :func:`reorder`.
-_ORDERS: OrderedDict[tuple[tuple[str, ...], tuple[int, ...]], list[int]] = OrderedDict()
+_ORDERS: OrderedDict[tuple[tuple[str, ...], tuple[int, ...], int | None], list[int]] = OrderedDict()
 _ORDERS_MAX = 16
 
 
-def reorder(table: Table, row_names: list[str], segments: Sequence[Sequence[str]] = ()) -> Table:
+def reorder(table: Table, row_names: list[str], segments: Sequence[Sequence[str]] = (),
+            lists: tuple[int, Sequence[Sequence[str]]] | None = None) -> Table:
     """The table's rows in model order: this rank's rows (``row_names``) in their order, each other rank's row in
     its place among them, as the order each step's group agreed on (``segments``: one list of row names per step)
     places it; one step's rows are not ordered against another's by their place in the table, where steps follow
     one another. Every rank must report the same order, and the order of a rank's own rows changes only where its
     holdings do, which the group's layout may not have followed yet (no host read in steady state); so the order is
     kept per set of table rows, made the first time they are seen (when the group has just agreed on them, every
-    rank's rows fit the agreed order), and reused after."""
+    rank's rows fit the agreed order), and reused after.
+
+    ``lists``: (a digest, every rank's own list, as a group that holds the ranks of all the steps' groups last
+    agreed): the order is then :func:`_layout.rank_order` of those lists, a function of what every rank holds alone,
+    so the same on every rank whatever each one sees (rows no list names, the reserved ones, after)."""
     names = tuple(d.name for d in table.descs)
-    key = (names, tuple(len(s) for s in segments))
+    key = (names, tuple(len(s) for s in segments), lists[0] if lists is not None else None)
     order = _ORDERS.get(key)
     if order is None:
         where = {n: i for i, n in enumerate(names)}
-        merged = _layout.merge_order([[n for n in row_names if n in where], *(list(s) for s in segments)])
+        if lists is not None:
+            merged = [n for n in _layout.rank_order(lists[1]) if n in where]
+        else:
+            merged = _layout.merge_order([[n for n in row_names if n in where], *(list(s) for s in segments)])
         placed = set(merged)
         order = [where[n] for n in merged] + [i for i, n in enumerate(names) if n not in placed]
         _ORDERS[key] = order

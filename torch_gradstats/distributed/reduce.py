@@ -78,7 +78,13 @@ from torch import Tensor
 
 from torch_gradstats.distributed import _layout
 from torch_gradstats.distributed._layout import Desc
-from torch_gradstats.distributed._reduce_plan import dtensor_class, materialize_partials, plan_steps, row_descs
+from torch_gradstats.distributed._reduce_plan import (
+    dtensor_class,
+    materialize_partials,
+    plan_steps,
+    row_descs,
+    spanning_step,
+)
 from torch_gradstats.distributed._step import (
     AMAX_COL,
     COUNTS_COLS,
@@ -332,6 +338,10 @@ def reduce_across_ranks(
         return torch.stack([c[3] for c in checks]).sum(dtype=torch.float64) if checks else None
 
     segments: list[list[str]] = []  # each step's agreed rows, in its group's order (the model order they imply)
+    # With several groups, one that holds the ranks of all the others carries every rank's own list when it agrees:
+    # the rows' order is made from those alone, the same on every rank.
+    span = spanning_step(steps) if not staged and given_names is not None else None
+    lists: list[tuple[int, tuple[tuple[str, ...], ...]]] = []
     for k, (pg, rows) in enumerate(steps):
         # Rows move as earlier steps reorder the table (and add rows other ranks held): follow them by name.
         where = {d.name: i for i, d in enumerate(table.descs)}
@@ -341,7 +351,9 @@ def reduce_across_ranks(
         step_rows = [where[row_names[r]] for r in rows] + own
         not_reduced = len(table.descs) - len(step_rows)
         table, check = reduce_step(table, pg, mode, step_rows, sinks + own, (),
-                                   strict, remake, upstream(), unplaced_names=unplaced)
+                                   strict, remake, upstream(), unplaced_names=unplaced,
+                                   raw=row_names if k == span else None,
+                                   lists_out=lists if k == span else None)
         segments.append([d.name for d in table.descs[: len(table.descs) - not_reduced]])  # the agreed rows lead
         checks += [check] if check is not None else []
         remake = None
@@ -352,8 +364,8 @@ def reduce_across_ranks(
         table, check = reduce_step(table, stage_group, "stage", everything, [sink] * len(everything), tied, strict,
                                    remake, upstream(), uncounted, unplaced)
         checks += [check] if check is not None else []
-    elif steps:  # back to model order: this rank's own rows, each other rank's in its place among them
-        table = reorder(table, row_names, segments)
+    elif steps:  # back to model order: from every rank's list (``span``), or this rank's and its groups' orders
+        table = reorder(table, row_names, segments, lists[0] if lists else None)
     gathered = bool(steps) or staged
     if gathered:
         logger.debug("reduce_across_ranks: %d local parameters, %d rows, %d step(s)", p, len(table.descs), len(steps))
