@@ -265,8 +265,8 @@ class StatsTaker:
     def take(self, module: nn.Module, optimizer: Any, histogram: bool = False) -> GradStats | GradWeightStats:
         """Device statistics of the gradients (and weights, with learning rates) of ``module``, with the exponent
         histogram when ``histogram`` (see :func:`check_histogram`); no host sync."""
-        params = self.trainable(module)
         self._optimizer = optimizer
+        params = self.trainable(module)
         if self.log_weight_norms or self.log_update_ratio:
             return grad_and_weight_stats(params, optimizer=optimizer, group=self.group)
         return grad_stats(params, group=self.group, stage_group=self.stage_group, tied=self.tied, histogram=histogram)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from torch_gradstats.integrations._common import ActivationReporting, PolicyState, StatsTaker
@@ -64,10 +66,10 @@ def raw_optimizer(optimizer: Any) -> Any:
 
 
 class OptimizerTaker(StatsTaker):
-    """A :class:`StatsTaker` of one optimizer among several: it reads only the parameters of that optimizer's param
-    groups (named as in the LightningModule, in its order) and keeps its own copies of the step policies."""
+    """A :class:`StatsTaker` of one optimizer among several: it reads only the parameters its optimizer holds at
+    this step (named as in the LightningModule, in its order) and keeps its own copies of the step policies."""
 
-    def __init__(self, template: StatsTaker, name: str, params: list[tuple[str, Tensor]]) -> None:
+    def __init__(self, template: StatsTaker, name: str, optimizer: Any) -> None:
         super().__init__(template.log_weight_norms, template.log_update_ratio, template.group, template.policy,
                          template.k, group_by=template.group_by,
                          spike_guard=copy.deepcopy(template.spike_guard),
@@ -75,13 +77,20 @@ class OptimizerTaker(StatsTaker):
                          stage_group=template.stage_group, tied=template.tied)
         self.name = name
         self.label = f" (optimizer {name!r})"
-        self._params = params
+        self._optimizer = optimizer
         #: the activation watch's report read at this optimizer's step, for a report made after the batch
         self.activation: ActivationReport | None = None
 
     def trainable(self, module: nn.Module) -> list[tuple[str, Tensor]]:  # type: ignore[override]
-        """This optimizer's parameters that require a gradient now (``toggle_optimizer`` leaves them so)."""
-        return [(n, p) for n, p in self._params if p.requires_grad]
+        """The parameters this optimizer's param groups hold now that require a gradient (``toggle_optimizer``
+        leaves them so): found again at every step, so a param group added during training (``add_param_group``)
+        or a parameter replaced in a group is read from that step on."""
+        return [(n, p) for n, p in held_params(module, raw_optimizer(self._optimizer), self.name) if p.requires_grad]
+
+    def trained(self, module: nn.Module, optimizer: Any) -> list[tuple[str, Tensor]]:  # type: ignore[override]
+        """The parameters whose update this optimizer's step measures: those it reads (with every one of them
+        frozen, none, never another optimizer's)."""
+        return self.trainable(module)
 
     def policy_state(self) -> dict[str, Any]:
         """This optimizer's guard and clip statistics (each where given)."""
@@ -128,23 +137,27 @@ def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker, n
     if flight_recorder is not None and len(optimizers) > 1:
         raise ValueError(f"GradStatsCallback: flight_recorder records one optimizer's steps; it is not taken with "
                          f"several optimizers ({', '.join(names)})")
-    by_id = {id(p): n for n, p in pl_module.named_parameters()}
-    order = {id(p): i for i, (_, p) in enumerate(pl_module.named_parameters())}
     takers: dict[int, OptimizerTaker] = {}
     for name, optimizer in zip(names, optimizers):
-        params: dict[int, Tensor] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in by_id:
-                    raise ValueError(f"GradStatsCallback: optimizer {name!r} ({type(optimizer).__name__}) holds a "
-                                     f"parameter of shape {tuple(p.shape)} that is not one of the LightningModule's "
-                                     f"parameters, so its figures could not be named")
-                params[id(p)] = p
-        ordered = sorted(params, key=order.__getitem__)
-        taker = OptimizerTaker(template, name, [(by_id[i], params[i]) for i in ordered])
+        held_params(pl_module, optimizer, name)  # a parameter outside the module is named now
+        taker = OptimizerTaker(template, name, optimizer)
         taker.incidents = template.incidents  # per_example / flight_recorder: one optimizer (named) only
         takers[id(optimizer)] = taker
     return takers
+
+
+def held_params(module: nn.Module, optimizer: Any, name: str) -> list[tuple[str, Tensor]]:
+    """The parameters ``optimizer``'s param groups hold now, named as in ``module`` and in its order; a ValueError
+    names the optimizer when one of them is not a parameter of the module (its figures could not be named)."""
+    held = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    params = [(n, p) for n, p in module.named_parameters() if held.get(id(p)) is p]
+    if len(params) != len(held):
+        named = {id(p) for _, p in params}
+        p = next(p for i, p in held.items() if i not in named)
+        raise ValueError(f"GradStatsCallback: optimizer {name!r} ({type(optimizer).__name__}) holds a parameter of "
+                         f"shape {tuple(p.shape)} that is not one of the LightningModule's parameters, so its figures "
+                         f"could not be named")
+    return params
 
 
 def load_optimizer_states(takers: dict[int, OptimizerTaker], states: dict[str, Any]) -> bool:
@@ -174,6 +187,12 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
     _saved_optimizer_states: dict[str, Any] | None
     _one_optimizer_state: bool
     _policies_restored: bool
+    _pending: dict[int, tuple[StatsTaker, Any, int]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._measured: set[int] = set()  # takers whose pending update was measured right after its step (ids)
+        self._measure_hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers with that step post-hook
 
     def _start_optimizers(self, trainer: Any, pl_module: nn.Module) -> None:
         """At ``on_train_start``: the takers of several optimizers (None with one), with the statistics carried over
@@ -207,12 +226,33 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
             self._activation_at = -2
         return self._taker(optimizer)
 
-    def _hold_activation(self, taker: StatsTaker, logs_here: bool) -> None:
-        """At a logging optimizer step whose report waits for the batch's end (``log_update_ratio``): with several
-        optimizers, read the watch's report now, which describes what ran before this optimizer's step (at the
-        batch's end it would hold the later optimizers' forwards and backwards too)."""
+    def _hold_pending(self, taker: StatsTaker, optimizer: Any, logs_here: bool) -> None:
+        """At a logging optimizer step whose report waits for the batch's end (``log_update_ratio``, the weights
+        just copied): the update is measured right after this optimizer's step, by a step post-hook on it, so that
+        a later optimizer's step in the batch (a parameter held by both, a later step of the same optimizer) is not
+        counted in it; at the batch's end where the step never ran (a GradScaler's skip). With several optimizers,
+        also read the watch's report now, which describes what ran before this optimizer's step (at the batch's end
+        it would hold the later optimizers' forwards and backwards too)."""
+        raw = raw_optimizer(optimizer)
+        self._measured.discard(id(taker))
+        if isinstance(raw, torch.optim.Optimizer) and raw not in self._measure_hooked:
+            raw.register_step_post_hook(self._measure_after_step)
+            self._measure_hooked.add(raw)
         if isinstance(taker, OptimizerTaker) and logs_here and self.activation_watch is not None:
             taker.activation = self._activation_report()
+
+    def _measure_after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        taker = self._taker(optimizer) if self._takers is None or id(optimizer) in self._takers else None
+        entry = self._pending.get(id(taker)) if taker is not None else None
+        if entry is not None and id(entry[0]) not in self._measured:
+            entry[0].measure(entry[1])
+            self._measured.add(id(entry[0]))
+
+    def _measure_pending(self, taker: StatsTaker, stats: Any) -> None:
+        """At the batch's end: measure a pending update that its optimizer's step has not measured."""
+        if id(taker) not in self._measured:
+            taker.measure(stats)
+        self._measured.discard(id(taker))
 
     def _use_held_activation(self, taker: StatsTaker) -> None:
         """Before that report is logged: the watch's report read at its optimizer's step is the one it logs."""

@@ -367,14 +367,14 @@ class _GradStatsMixin(SeveralOptimizers):
         elif log_now and taker.log_update_ratio:
             taker.snapshot(pl_module)
             self._pending[id(taker)] = (taker, stats, logger_step)
-            self._hold_activation(taker, self._logs_here(trainer))
+            self._hold_pending(taker, optimizer, self._logs_here(trainer))
         elif log_now:  # a rank that does not log reads what the logging rank's report reads
             taker.check_layout(stats)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         pending, self._pending = self._pending, {}
         for taker, stats, logger_step in pending.values():
-            taker.measure(stats)
+            self._measure_pending(taker, stats)
             if self._logs_here(trainer):
                 self._use_held_activation(taker)
                 self._log(trainer, taker.report(stats), logger_step, taker)
