@@ -411,6 +411,20 @@ def test_clipping_an_inference_gradient_names_it_and_scales_nothing(index: int) 
     assert all(torch.allclose(p.grad, b * want) for p, b in zip(model.parameters(), before))
 
 
+def test_compiled_clipping_of_an_inference_gradient_fails_loudly() -> None:
+    # Inside torch.compile the check is skipped (Dynamo cannot trace is_inference, and the clip stays one graph): the
+    # documented outcome is PyTorch's own error, never a clip that returns as if the gradient had been scaled.
+    from torch_gradstats import clip_grad_norm_
+
+    model, _ = _model_with_inference_grads(2)
+    compiled = torch.compile(lambda: clip_grad_norm_(model.named_parameters(), 1e-3), backend="eager")
+    try:
+        with pytest.raises(RuntimeError, match="[Ii]nference"):
+            compiled()
+    finally:
+        torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------- the meta device
 def test_noise_scale_refuses_meta_figures_and_stays_usable() -> None:
     # A window on a meta model (a dry run before to_empty) made the state on the meta device: every later step and

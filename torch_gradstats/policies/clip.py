@@ -91,7 +91,7 @@ def check_writable(named: Sequence[tuple[str, Tensor]], caller: str) -> None:
     (made under ``torch.inference_mode()``) outside that mode. Scaling it fails part-way, after the gradients before
     it in the list were scaled, with an error that names no parameter. Metadata only. Skipped while Dynamo traces
     (it cannot trace ``is_inference``): a compiled clip stays one graph, and an inference tensor there fails in
-    the compiled code instead."""
+    the compiled code instead, as PyTorch's clip does (part-way, with PyTorch's error, which names no parameter)."""
     if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return
     for name, p in named:
