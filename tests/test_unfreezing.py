@@ -462,3 +462,76 @@ def test_per_example_parameter_unfrozen_later_and_used_outside_its_module_is_nam
         model.b.weight.requires_grad_(True)
         with pytest.raises(RuntimeError, match=r"'b\.weight' received a gradient outside"):
             model(x).square().sum().backward()
+
+
+# ================================================================================ frozen between micro-batches
+class _Regressor(nn.Module):
+    """A tiny model the Hugging Face Trainer can train (a dict with the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.head(torch.tanh(self.body(x))).squeeze(-1)
+        return {"loss": (out - labels).pow(2).mean(), "logits": out}
+
+
+def _with_grad(model: nn.Module) -> dict[str, float]:
+    return {n: float(p.grad.double().norm()) for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+@needs_hf
+def test_hf_layer_frozen_between_micro_batches_is_read_with_the_gradient_the_optimizer_applies(tmp_path: Path) -> None:
+    """Under gradient accumulation a layer frozen after the first micro-batch of a step keeps that micro-batch's
+    gradient, which the optimizer applies: the step's figures and update ratios include it (the docs' rule, "the
+    parameters with a gradient at that step"), equal to float64 figures and to the Trainer's own ``grad_norm``.
+    (Before: it was left out, the total norm that of the head alone.)"""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    model, want = _Regressor(), {}
+    watch = WeightWatch(model)
+
+    class FreezeMidStep(transformers.TrainerCallback):
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 1:
+                model.body.requires_grad_(False)
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                                  **kw: Any) -> None:
+            want[state.global_step + 1] = _with_grad(model)
+            watch.before(optimizer)
+            watch._trained = set(want[state.global_step + 1])  # every parameter with a gradient is stepped
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            watch.after(state.global_step + 1)
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(4, generator=g), "labels": torch.randn((), generator=g)} for _ in range(24)]
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-2, disable_tqdm=True,
+        seed=0, max_grad_norm=0.0, remove_unused_columns=False)
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=data, callbacks=[FreezeMidStep()])
+    add_to_trainer(trainer, log_update_ratio=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
+    assert sorted(logs) == [1, 2, 3]
+    assert {n for n in want[2] if n.startswith("body.")} == {"body.weight", "body.bias"}  # frozen, still stepped
+    assert not any(n.startswith("body.") for n in want[3])
+    for step, norms in want.items():
+        logged = {k[len("grad/norm/"):]: v for k, v in logs[step].items() if k.startswith("grad/norm/")}
+        assert logged.keys() == norms.keys(), step
+        for name, norm in norms.items():
+            assert logged[name] == pytest.approx(norm, rel=REL), (step, name)
+        total = math.sqrt(sum(v * v for v in norms.values()))
+        assert logs[step]["grad/total_norm"] == pytest.approx(total, rel=REL), step
+        assert logs[step]["grad_norm"] == pytest.approx(total, rel=1e-4), step  # the Trainer's own figure
+        ratios = {k[len("grad/update_ratio/"):]: v for k, v in logs[step].items() if k.startswith("grad/update_ratio/")}
+        _assert_ratios(ratios, watch.ratios[step], step)

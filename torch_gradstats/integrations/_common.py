@@ -260,7 +260,10 @@ class StatsTaker:
 
     @staticmethod
     def trainable(module: nn.Module) -> list[tuple[str, Tensor]]:
-        return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        """The parameters an optimizer step reads: those that require grad, and one frozen since its gradient was
+        accumulated (``requires_grad_(False)`` between the micro-batches of a step), whose gradient the optimizer
+        still applies."""
+        return [(n, p) for n, p in module.named_parameters() if p.requires_grad or p.grad is not None]
 
     def take(self, module: nn.Module, optimizer: Any, histogram: bool = False) -> GradStats | GradWeightStats:
         """Device statistics of the gradients (and weights, with learning rates) of ``module``, with the exponent

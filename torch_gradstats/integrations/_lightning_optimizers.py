@@ -83,9 +83,10 @@ class OptimizerTaker(StatsTaker):
 
     def trainable(self, module: nn.Module) -> list[tuple[str, Tensor]]:  # type: ignore[override]
         """The parameters this optimizer's param groups hold now that require a gradient (``toggle_optimizer``
-        leaves them so): found again at every step, so a param group added during training (``add_param_group``)
-        or a parameter replaced in a group is read from that step on."""
-        return [(n, p) for n, p in held_params(module, raw_optimizer(self._optimizer), self.name) if p.requires_grad]
+        leaves them so) or hold one (frozen since it was accumulated): found again at every step, so a param group
+        added during training (``add_param_group``) or a parameter replaced in a group is read from that step on."""
+        return [(n, p) for n, p in held_params(module, raw_optimizer(self._optimizer), self.name)
+                if p.requires_grad or p.grad is not None]
 
     def trained(self, module: nn.Module, optimizer: Any) -> list[tuple[str, Tensor]]:  # type: ignore[override]
         """The parameters whose update this optimizer's step measures: those it reads (with every one of them

@@ -380,7 +380,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
 
     def _hook_trainable(self, model: Any) -> None:
         """A gradient hook on each parameter that requires grad now (the end of a backward is found from them)."""
-        trainable = StatsTaker.trainable(model)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for h in self._grad_handles:
             h.remove()
         self._grad_handles = [p.register_post_accumulate_grad_hook(self._on_param_grad) for _, p in trainable]
