@@ -139,3 +139,52 @@ def test_an_added_parameter_outside_the_module_is_named() -> None:
     with warnings.catch_warnings(), pytest.raises(ValueError, match=r"optimizer 'two' \(SGD\).*shape \(2, 5\)"):
         warnings.simplefilter("ignore")
         trainer.fit(net, data)
+
+
+class OneOptimizer(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(3, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("saved_names,resumed_names", [(None, ("net",)), (("net",), None)])
+def test_one_optimizer_resumes_its_statistics_with_or_without_a_name(tmp_path: Any, saved_names: Any,
+                                                                    resumed_names: Any) -> None:
+    """A one-optimizer run saved without optimizer_names and resumed with one name (or the reverse) keeps its guard's
+    and clip's statistics: they are one optimizer's either way. (Before: a ValueError said the run had "1
+    optimizers, each judged by its own", or that the checkpoint held several optimizers' statistics.)"""
+    from torch_gradstats import AdaptiveClip, SpikeGuard
+
+    def fit(names: Any, epochs: int, ckpt: str | None) -> tuple[Any, Any]:
+        callback = GradStatsCallback(every_n_steps=1, optimizer_names=names, spike_guard=SpikeGuard(min_history=2),
+                                     adaptive_clip=AdaptiveClip(warmup=2))
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False, callbacks=[callback],
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+            torch.randn(32, 3, generator=torch.Generator().manual_seed(1))), batch_size=8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(OneOptimizer(), data, ckpt_path=ckpt)
+        return trainer, callback
+
+    def policies(callback: Any) -> tuple[Any, Any]:
+        if callback.spike_guards:
+            return callback.spike_guards["net"], callback.adaptive_clips["net"]
+        return callback.spike_guard, callback.adaptive_clip
+
+    trainer, _ = fit(saved_names, 1, None)
+    trainer.save_checkpoint(str(tmp_path / "one.ckpt"))
+    _, resumed = fit(resumed_names, 2, str(tmp_path / "one.ckpt"))
+    _, straight = fit(resumed_names, 2, None)  # the same two epochs without stopping
+    assert resumed.policies_restored
+    for got, want in zip(policies(resumed), policies(straight)):
+        for key, value in want.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got.state_dict()[key], value, rtol=0, atol=0, equal_nan=True, msg=key)

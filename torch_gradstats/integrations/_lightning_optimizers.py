@@ -203,11 +203,16 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
                                         self.flight_recorder)
         saved, self._saved_optimizer_states = self._saved_optimizer_states, None
         if self._takers is None:
-            if saved:
+            if saved and len(saved) == 1:  # saved with optimizer_names of one optimizer: its statistics are ours
+                super().load_state_dict(next(iter(saved.values())))
+            elif saved:
                 raise ValueError(f"GradStatsCallback: the checkpoint holds the step-policy statistics of optimizers "
                                  f"{sorted(saved)}, but this run has one optimizer")
             return
-        if self._one_optimizer_state:
+        # One optimizer named by optimizer_names, resumed from a checkpoint saved without: its copies of the policies
+        # were made from the ones that checkpoint restored.
+        one, self._one_optimizer_state = self._one_optimizer_state and len(self._takers) > 1, False
+        if one:
             which = " and ".join(k for k in POLICIES if getattr(self, k) is not None)
             raise ValueError(f"GradStatsCallback: the checkpoint holds one optimizer's {which} statistics, but this "
                              f"run has {len(self._takers)} optimizers, each judged by its own {which}")
