@@ -421,7 +421,8 @@ def test_compiled_clipping_of_an_inference_gradient_fails_loudly() -> None:
     try:
         with pytest.raises(RuntimeError, match="[Ii]nference"):
             compiled()
-    finally:
+    finally:  # a compiled torch.no_grad() block that raises leaves grad mode off (PyTorch's, any such block)
+        torch.set_grad_enabled(True)
         torch._dynamo.reset()
 
 

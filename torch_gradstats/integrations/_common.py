@@ -276,7 +276,7 @@ class StatsTaker:
 
     @staticmethod
     def trained(module: nn.Module, optimizer: Any) -> list[tuple[str, Tensor]]:
-        """The parameters an optimizer step trains now: those of ``module`` that require grad and, where the
+        """The parameters an optimizer step trains now: those of ``module`` read (:meth:`trainable`) that, where the
         optimizer has param groups, are held by one of them (a parameter it does not hold is never updated). An
         optimizer holding none of them holds copies (master weights of another dtype): then every one counts."""
         params = StatsTaker.trainable(module)
