@@ -154,6 +154,45 @@ def test_callbacks_measurement_follows_unfreezing_on_a_checkpointed_encoder() ->
     assert [i for i in range(1, 6) if made[i] is not made[i - 1]] == [2, 4]
 
 
+
+def test_a_frozen_layers_gradient_counts_only_where_the_optimizer_applies_it() -> None:
+    """A layer frozen with a gradient still on it: the callbacks read it while the optimizer applies that gradient
+    (frozen between the micro-batches of a step, held by the optimizer), and never where the optimizer does not hold
+    it: a layer trained a while outside the optimizer keeps its last gradient after it is frozen (the optimizer's
+    ``zero_grad`` clears only what it holds), and reading it would put that stale gradient into every later step's
+    figures. The checkpointed TransformerEncoder, the head trained by SGD; its figures against float64 norms."""
+    from torch_gradstats.integrations._common import StatsTaker
+
+    model = model_zoo.CheckpointedEncoder(use_reentrant=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.head.requires_grad_(True)
+    model.encoder.layers[1].requires_grad_(True)  # trained outside the optimizer for two steps
+    opt = torch.optim.SGD(model.head.parameters(), lr=1e-2)
+    taker = StatsTaker(log_weight_norms=False, log_update_ratio=False, group=None, policy=None, k=5, group_by=None)
+    g = torch.Generator().manual_seed(0)
+    layer1 = {n for n, _ in model.named_parameters() if n.startswith("encoder.layers.1.")}
+    for step in range(4):
+        if step == 2:
+            model.encoder.layers[1].requires_grad_(False)  # its last gradient stays: opt.zero_grad never clears it
+        opt.zero_grad(set_to_none=True)
+        for micro in range(2):
+            if step == 3 and micro == 1:
+                model.head.bias.requires_grad_(False)  # frozen after its first micro-batch: SGD still applies it
+            x, y = torch.randn(4, 5, 8, generator=g), torch.randint(0, 4, (4, 5), generator=g)
+            nn.functional.cross_entropy(model(x).reshape(-1, 4), y.reshape(-1)).backward()
+        report = taker.take(model, opt).report()
+        applied = {n: p.grad for n, p in model.named_parameters()
+                   if p.grad is not None and (p.requires_grad or any(p is q for q in model.head.parameters()))}
+        assert set(report.norms) == set(applied), step
+        assert (layer1 <= set(report.norms)) == (step < 2), step
+        assert "head.bias" in report.norms, step  # frozen at step 3 with a gradient SGD applies
+        assert model.encoder.layers[1].linear1.weight.grad is not None  # the stale gradient is still there
+        want = math.sqrt(sum(float(t.double().pow(2).sum()) for t in applied.values()))
+        assert report.total_norm == pytest.approx(want, rel=REL), step
+        opt.step()
+
+
 # ================================================================================================ Hugging Face Trainer
 def _freeze(model: nn.Module, prefix: str, frozen: bool) -> list[nn.Parameter]:
     params = [p for n, p in model.named_parameters() if n.startswith(prefix)]

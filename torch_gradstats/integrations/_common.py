@@ -254,22 +254,30 @@ class StatsTaker:
             if self.spike_guard is not None:
                 factor = self.spike_guard.observe(g.total_norm, mean_over_ranks(loss))
             if self.adaptive_clip is not None:
-                clip_with_threshold_(self.trainable(module), self.adaptive_clip.threshold(g.total_norm), stats=g,
-                                     group=self.group, stage_group=self.stage_group, tied=self.tied)
+                threshold = self.adaptive_clip.threshold(g.total_norm)
+                clip_with_threshold_(self.trainable(module, self._optimizer), threshold, stats=g, group=self.group,
+                                     stage_group=self.stage_group, tied=self.tied)
         return factor
 
     @staticmethod
-    def trainable(module: nn.Module) -> list[tuple[str, Tensor]]:
+    def trainable(module: nn.Module, optimizer: Any = None) -> list[tuple[str, Tensor]]:
         """The parameters an optimizer step reads: those that require grad, and one frozen since its gradient was
         accumulated (``requires_grad_(False)`` between the micro-batches of a step), whose gradient the optimizer
-        still applies."""
-        return [(n, p) for n, p in module.named_parameters() if p.requires_grad or p.grad is not None]
+        still applies; where ``optimizer``'s param groups are known, only if it holds it (a gradient left on a
+        parameter it does not hold is never applied, nor cleared by its ``zero_grad``)."""
+        params: list[tuple[str, Tensor]] = [(n, p) for n, p in module.named_parameters()
+                                            if p.requires_grad or p.grad is not None]
+        groups = getattr(optimizer, "param_groups", None)
+        if groups and any(not p.requires_grad for _, p in params):
+            held = {id(q) for group in groups for q in group["params"]}
+            params = [(n, p) for n, p in params if p.requires_grad or id(p) in held]
+        return params
 
     def take(self, module: nn.Module, optimizer: Any, histogram: bool = False) -> GradStats | GradWeightStats:
         """Device statistics of the gradients (and weights, with learning rates) of ``module``, with the exponent
         histogram when ``histogram`` (see :func:`check_histogram`); no host sync."""
         self._optimizer = optimizer
-        params = self.trainable(module)
+        params = self.trainable(module, optimizer)
         if self.log_weight_norms or self.log_update_ratio:
             return grad_and_weight_stats(params, optimizer=optimizer, group=self.group)
         return grad_stats(params, group=self.group, stage_group=self.stage_group, tied=self.tied, histogram=histogram)
@@ -279,7 +287,7 @@ class StatsTaker:
         """The parameters an optimizer step trains now: those of ``module`` read (:meth:`trainable`) that, where the
         optimizer has param groups, are held by one of them (a parameter it does not hold is never updated). An
         optimizer holding none of them holds copies (master weights of another dtype): then every one counts."""
-        params = StatsTaker.trainable(module)
+        params = StatsTaker.trainable(module, optimizer)
         groups = getattr(optimizer, "param_groups", None)
         if groups:
             held = {id(p) for group in groups for p in group["params"]}

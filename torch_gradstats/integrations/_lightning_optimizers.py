@@ -81,10 +81,11 @@ class OptimizerTaker(StatsTaker):
         #: the activation watch's report read at this optimizer's step, for a report made after the batch
         self.activation: ActivationReport | None = None
 
-    def trainable(self, module: nn.Module) -> list[tuple[str, Tensor]]:  # type: ignore[override]
+    def trainable(self, module: nn.Module, optimizer: Any = None) -> list[tuple[str, Tensor]]:  # type: ignore[override]
         """The parameters this optimizer's param groups hold now that require a gradient (``toggle_optimizer``
         leaves them so) or hold one (frozen since it was accumulated): found again at every step, so a param group
-        added during training (``add_param_group``) or a parameter replaced in a group is read from that step on."""
+        added during training (``add_param_group``) or a parameter replaced in a group is read from that step on.
+        ``optimizer`` is ignored: this taker's optimizer is its own."""
         return [(n, p) for n, p in held_params(module, raw_optimizer(self._optimizer), self.name)
                 if p.requires_grad or p.grad is not None]
 
