@@ -173,25 +173,13 @@ class PolicyState:
         """The spike guard's and the adaptive clip's statistics (``{"spike_guard": ..., "adaptive_clip": ...}``, each
         present where given; Python scalars and tensors, loadable with ``torch.load(weights_only=True)``): restored
         by :meth:`load_state_dict`, a resumed run judges and clips as one that never stopped."""
-        state: dict[str, Any] = {}
-        if self.spike_guard is not None:
-            state["spike_guard"] = self.spike_guard.state_dict()
-        if self.adaptive_clip is not None:
-            state["adaptive_clip"] = self.adaptive_clip.state_dict()
-        return state
+        return self.taker.policy_state()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved into this callback's policies; a policy saved that this callback
         lacks is named in a warning and left out."""
-        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
-            if key not in state_dict:
-                continue
-            if policy is None:
-                logger.warning("torch_gradstats: the checkpoint holds GradStatsCallback's %s statistics, but this "
-                               "callback has no %s: they are not restored", key, key)
-            else:
-                policy.load_state_dict(state_dict[key])
-                self._policies_restored = True
+        if self.taker.load_policy_state(state_dict):
+            self._policies_restored = True
 
     @property
     def policies_restored(self) -> bool:
@@ -258,6 +246,30 @@ class StatsTaker:
                 clip_with_threshold_(self.trainable(module, self._optimizer), threshold, stats=g, group=self.group,
                                      stage_group=self.stage_group, tied=self.tied)
         return factor
+
+    def policy_state(self) -> dict[str, Any]:
+        """The guard's and the clip's statistics, each where given (a callback's ``state_dict``)."""
+        state: dict[str, Any] = {}
+        if self.spike_guard is not None:
+            state["spike_guard"] = self.spike_guard.state_dict()
+        if self.adaptive_clip is not None:
+            state["adaptive_clip"] = self.adaptive_clip.state_dict()
+        return state
+
+    def load_policy_state(self, state: dict[str, Any]) -> bool:
+        """Restore what :meth:`policy_state` saved; a policy saved that this taker lacks is named in a warning and
+        left out. Returns whether anything was restored."""
+        restored = False
+        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
+            if key not in state:
+                continue
+            if policy is None:
+                logger.warning("torch_gradstats: the checkpoint holds GradStatsCallback's %s statistics%s, but this "
+                               "callback has no %s: they are not restored", key, self.label, key)
+            else:
+                policy.load_state_dict(state[key])
+                restored = True
+        return restored
 
     @staticmethod
     def trainable(module: nn.Module, optimizer: Any = None) -> list[tuple[str, Tensor]]:

@@ -94,33 +94,6 @@ class OptimizerTaker(StatsTaker):
         frozen, none, never another optimizer's)."""
         return self.trainable(module)
 
-    def policy_state(self) -> dict[str, Any]:
-        """This optimizer's guard and clip statistics (each where given)."""
-        state: dict[str, Any] = {}
-        if self.spike_guard is not None:
-            state["spike_guard"] = self.spike_guard.state_dict()
-        if self.adaptive_clip is not None:
-            state["adaptive_clip"] = self.adaptive_clip.state_dict()
-        return state
-
-    def load_policy_state(self, state: dict[str, Any]) -> bool:
-        """Restore what :meth:`policy_state` saved; a policy saved that this callback lacks is named in a warning.
-        Returns whether anything was restored."""
-        restored = False
-        policies: dict[str, SpikeGuard | AdaptiveClip | None] = {
-            "spike_guard": self.spike_guard, "adaptive_clip": self.adaptive_clip}
-        for key in POLICIES:
-            if key not in state:
-                continue
-            policy = policies[key]
-            if policy is None:
-                logger.warning("torch_gradstats: the checkpoint holds GradStatsCallback's %s statistics of optimizer "
-                               "%r, but this callback has no %s: they are not restored", key, self.name, key)
-            else:
-                policy.load_state_dict(state[key])
-                restored = True
-        return restored
-
 
 def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker, names: tuple[str, ...] | None,
                      per_example: bool, flight_recorder: Any) -> dict[int, OptimizerTaker] | None:
