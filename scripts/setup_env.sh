@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates ./.venv with torch and builds torch_gradstats into it (editable, compiled against that torch). A second run
 # with nothing changed skips the build: it checks a stamp keyed by csrc/, setup.py, pyproject.toml, the torch and
-# Python versions and EXTRAS, and that the compiled extension still loads.
+# Python versions and EXTRAS, and that the compiled extension still loads. With --torch-only it stops once the venv
+# has torch and the build's tools (scripts/test.sh then starts the C++ build while the rest of the setup runs).
 #   PYTHON       the interpreter that creates a new venv (default: python3; 3.10 or newer)
 #   TORCH_SPEC   the torch to install when the venv has none: a pip requirement, with pip options if needed, e.g.
 #                TORCH_SPEC="torch==2.14.1" or TORCH_SPEC="torch --index-url URL". Default: the CPU build
@@ -73,6 +74,10 @@ import sys
 sys.exit(int(version('setuptools').split('.')[0]) < 64 or not version('wheel'))" 2>/dev/null; then
   say "installing setuptools and wheel (needed by the build)"
   "${PIP[@]}" install "setuptools>=64" wheel
+fi
+if [ "${1:-}" = "--torch-only" ]; then
+  say "torch $TORCH_VERSION is in $VENV (--torch-only: the package is not installed yet)"
+  exit 0
 fi
 
 # 3. Skip the build when nothing it depends on changed and the installed extension loads (-I: never the cwd's copy).
