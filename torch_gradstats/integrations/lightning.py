@@ -115,7 +115,6 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from torch_gradstats.integrations._common import (
@@ -136,8 +135,14 @@ from torch_gradstats.integrations._lightning_optimizers import (
     check_optimizer_names,
     optimizer_key,
 )
+from torch_gradstats.integrations._lightning_steps import (
+    GuardSkip,
+    StepLoss,
+    batch_logger_step,
+    example_scale,
+    log_due,
+)
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
-from torch_gradstats.monitors._grad_scaler import loss_scale
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.updates import GradWeightStats
@@ -148,7 +153,6 @@ from torch_gradstats.stats.gradients import GradStats
 from torch_gradstats.stats.groups import GroupBy
 from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
-from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -270,11 +274,8 @@ class _GradStatsMixin(SeveralOptimizers):
         self._takers: dict[int, OptimizerTaker] | None = None
         self._saved_optimizer_states: dict[str, Any] | None = None  # loaded before the optimizers exist
         self._one_optimizer_state = False  # a one-optimizer checkpoint's policy statistics were loaded
-        self._loss: Tensor | None = None  # the loss of this optimizer step's micro-batches, summed on the device
-        self._loss_n = 0  # how many micro-batch losses that sum holds
-        self._found_inf_set: set[int] = set()  # optimizers given a guard's found_inf for this step (ids)
-        self._hooked: set[int] = set()  # optimizers with our step post-hook
-        self._warned_host_skip = False
+        self._step_loss = StepLoss()  # the losses of this optimizer step's micro-batches
+        self._guard_skip = GuardSkip()
         self._per_example = check_bool("per_example", per_example)
         self.flight_recorder = check_flight_recorder("GradStatsCallback", flight_recorder)
 
@@ -298,7 +299,7 @@ class _GradStatsMixin(SeveralOptimizers):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for optimizer in getattr(trainer, "optimizers", []):
-            self._clear_found_inf(optimizer, (), {})  # left by a step that never ran (an exception in between)
+            self._guard_skip.clear(optimizer)  # left by a step that never ran (an exception in between)
         if self._watch_option is True and self.activation_watch is not None:
             self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
             self.activation_watch = None
@@ -307,49 +308,29 @@ class _GradStatsMixin(SeveralOptimizers):
             self.taker.incidents = None
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
-        # The micro-batches' losses of this optimizer step, summed on the device, and their count (see _step_loss).
-        # Under precision="16-mixed" Lightning passes the loss already multiplied by the GradScaler's scale: divided
-        # by it here, on the device (no sync), so the guard judges the loss and not the scale's changes.
         if self.spike_guard is not None and self.spike_guard.watch_loss:
-            value = loss.detach()
-            scale = loss_scale(self._scaler(trainer))
-            if scale is not None:
-                value = value / scale.reshape(()).to(value.device)
-            self._loss = value if self._loss is None else self._loss + value
-            self._loss_n += 1
-
-    def _step_loss(self, trainer: Any, pl_module: Any) -> Tensor | None:
-        """The step's loss, the mean of its micro-batches' losses, from their sum. Automatic optimization divides
-        each by ``accumulate_grad_batches``, the epoch's short last window too (fewer micro-batches): the sum is
-        scaled by ``accumulate_grad_batches / count`` (1 on a full window). Manual optimization divides nothing:
-        the sum of the step's ``manual_backward`` losses, as given."""
-        loss, n = self._loss, self._loss_n
-        self._loss, self._loss_n = None, 0
-        if loss is None or not getattr(pl_module, "automatic_optimization", True):
-            return loss
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        return loss if n == accumulate else loss * (accumulate / n)
+            self._step_loss.add(trainer, loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         step = trainer.global_step
-        logger_step = self._logger_step(trainer)
-        log_now = self._log_due(trainer, logger_step)
+        at = batch_logger_step(trainer)
+        log_now = log_due(trainer, self.every_n_steps, at)
         taker = self._step_taker(optimizer)
         if not log_now and self.on_nonfinite is None and not taker.every_step:
             return  # nothing read, nothing synced
         stats = taker.take(pl_module, optimizer, histogram=self.histogram and log_now)
         if taker.every_step:
-            loss = self._step_loss(trainer, pl_module)
+            loss = self._step_loss.take(trainer, pl_module)
             factor = taker.apply_policies(pl_module, stats, loss)
             host_skipped = None
             if factor is not None:
-                host_skipped = self._apply_factor(trainer, optimizer, factor)
+                host_skipped = self._guard_skip.apply(trainer, optimizer, factor)
                 if self.on_nonfinite is None:  # else on_nonfinite's own check names it below
                     if host_skipped is None:
                         taker.record_skipped_nonfinite(stats, factor, step)
                     elif host_skipped:
                         taker.warn_skipped_nonfinite(stats, step)
-            taker.note_step(stats, factor, step, loss, self._example_scale(trainer), host_skipped)
+            taker.note_step(stats, factor, step, loss, example_scale(trainer), host_skipped)
         report: AnyReport | None = None
         if log_now and self._logs_here(trainer) and not taker.log_update_ratio:
             report = taker.report(stats)  # the one transfer of this step
@@ -358,15 +339,15 @@ class _GradStatsMixin(SeveralOptimizers):
             bad = (g.nan_count + g.inf_count > 0) if g is not None else taker.nonfinite(stats)
             if bad:
                 self._handle_nonfinite(trainer, optimizer, step, report, stats, taker)
-                if not log_now and self._log_due(trainer, logger_step):  # "stop": Lightning logs this step too
+                if not log_now and log_due(trainer, self.every_n_steps, at):  # "stop": Lightning logs this step too
                     log_now = True
                     if self._logs_here(trainer) and not taker.log_update_ratio:
                         report = taker.report(stats)
         if report is not None:
-            self._log(trainer, report, logger_step, taker)
+            self._log(trainer, report, at, taker)
         elif log_now and taker.log_update_ratio:
             taker.snapshot(pl_module)
-            self._pending[id(taker)] = (taker, stats, logger_step)
+            self._pending[id(taker)] = (taker, stats, at)
             self._hold_pending(taker, optimizer, self._logs_here(trainer))
         elif log_now:  # a rank that does not log reads what the logging rank's report reads
             taker.check_layout(stats)
@@ -382,71 +363,8 @@ class _GradStatsMixin(SeveralOptimizers):
                 taker.check_layout(stats)
 
     # ----------------------------------------------------------------------------------------------- internals
-    def _apply_factor(self, trainer: Any, optimizer: Any, factor: Tensor) -> bool | None:
-        """Skip this step where the guard's ``factor`` is 0: on the device through a fused optimizer's
-        ``found_inf`` (read by its ``step()`` after this hook; returns None), else from the host by dropping the
-        gradients (returns whether it skipped)."""
-        skip = (factor == 0).to(torch.float32)
-        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-        if (scaler is None and isinstance(optimizer, torch.optim.Optimizer)
-                and device_skip_step(optimizer) is not None and not momentum_pending(optimizer)):
-            # The protocol torch.amp.GradScaler uses (see training._step.device_skip_step): a fused optimizer's
-            # step() reads found_inf and, where it is 1, leaves parameters, state and step counts as they were.
-            # We are inside Lightning's closure, so step() reads it next; a post-hook takes it away again.
-            if id(optimizer) not in self._hooked:
-                optimizer.register_step_post_hook(self._clear_found_inf)
-                self._hooked.add(id(optimizer))
-            optimizer.found_inf = skip  # type: ignore[attr-defined]
-            self._found_inf_set.add(id(optimizer))
-            return None
-        if not self._warned_host_skip:
-            self._warned_host_skip = True
-            logger.warning("torch_gradstats: spike_guard with %s%s decides each step on the host (one sync per "
-                           "optimizer step); a fused optimizer (fused=True) without a GradScaler skips on the device",
-                           type(optimizer).__name__, " and a GradScaler" if scaler is not None else "")
-        if host_skips(skip):
-            optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter untouched
-            return True
-        return False
-
-    @staticmethod
-    def _example_scale(trainer: Any) -> Tensor | float:
-        """Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` (and a GradScaler multiplies it
-        by its scale): undone on the per-example norms."""
-        scale = float(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        by = loss_scale(_GradStatsMixin._scaler(trainer))
-        return scale if by is None else scale / by.reshape(()).to(torch.float64)
-
-    @staticmethod
-    def _scaler(trainer: Any) -> Any:
-        """The GradScaler of Lightning's mixed-precision plugin ("16-mixed"), or None."""
-        return getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-
-    def _clear_found_inf(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self._found_inf_set:
-            self._found_inf_set.discard(id(optimizer))
-            del optimizer.found_inf
-
     def _logs_here(self, trainer: Any) -> bool:
         return logs_here("GradStatsCallback", trainer.is_global_zero, self.log_rank)
-
-    @staticmethod
-    def _logger_step(trainer: Any) -> int:
-        # The step Lightning's logger connector gives self.log'd values of this batch.
-        return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
-
-    def _log_due(self, trainer: Any, logger_step: int) -> bool:
-        """Lightning's own rule for writing ``self.log`` values of a training step
-        (``_LoggerConnector.should_update_logs``): the ``n``-th, ``2n``-th, ... step counting from one, and a step on
-        which training stops."""
-        if getattr(trainer, "fast_dev_run", False):
-            return True  # Lightning logs every step of a fast_dev_run
-        every = self.every_n_steps
-        if every is None:
-            every = int(getattr(trainer, "log_every_n_steps", 50) or 0)
-            if every <= 0:
-                return False  # log_every_n_steps=0: Lightning writes no step values
-        return (logger_step + 1) % every == 0 or bool(trainer.should_stop)
 
     def _handle_nonfinite(self, trainer: Any, optimizer: Any, step: int, report: AnyReport | None,
                           stats: GradStats | GradWeightStats, taker: StatsTaker) -> None:
