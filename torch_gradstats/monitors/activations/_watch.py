@@ -18,13 +18,14 @@ import logging
 import numbers
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeAlias
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from torch_gradstats.monitors.activations._modules import ModuleSelection, is_compiled, named_modules, selector, unwrap
 from torch_gradstats.monitors.activations._reads import (
     Call,
     Reader,
@@ -49,11 +50,6 @@ from torch_gradstats.ops.op import INF, NAN, SUPPORTED_DTYPES
 
 __all__ = ["ActivationWatch"]
 
-#: Which modules to watch: None (the default set), module types, or a predicate on (path, module).
-ModuleSelection: TypeAlias = "type | tuple[type, ...] | Callable[[str, nn.Module], bool] | None"
-
-#: A child attribute that a wrapper adds to every path below it (torch.compile, FSDP1, activation checkpointing).
-_WRAPPER_ATTRS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 logger = logging.getLogger("torch_gradstats.activations")
 
 _COMPILE_ERROR = (
@@ -77,58 +73,6 @@ def _inside_compiled_call() -> bool:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    return dynamo is not None and isinstance(module, dynamo.OptimizedModule)
-
-
-def _is_wrapper_child(parent: nn.Module, attr: str) -> bool:
-    if attr in _WRAPPER_ATTRS:
-        return True
-    # DistributedDataParallel and DataParallel keep the user's model as `.module`.
-    return attr == "module" and isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP / DataParallel / torch.compile / FSDP1 / checkpoint wrappers."""
-    while True:
-        children = dict(model.named_children())
-        inner = next((c for a, c in children.items() if _is_wrapper_child(model, a)), None)
-        if inner is None or len(children) != 1:
-            return model
-        model = inner
-
-
-def _named_modules(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``root.named_modules()`` with every wrapper's own component left out of the paths (and wrappers skipped)."""
-    seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", root)]
-    while stack:
-        path, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if _is_compiled(module) and module is not root:
-            yield path, module  # one graph: watched as a whole, from outside
-            continue
-        children = list(module.named_children())
-        wrapper = any(_is_wrapper_child(module, a) for a, _ in children)
-        if not wrapper:
-            yield path, module
-        for attr, child in reversed(children):
-            if _is_wrapper_child(module, attr):
-                stack.append((path, child))
-            else:
-                stack.append((f"{path}.{attr}" if path else attr, child))
-
-
-def _default_selection(module: nn.Module) -> bool:
-    """Every leaf module, and every module that owns parameters directly (not through its children)."""
-    if _is_compiled(module):
-        return True
-    return next(module.children(), None) is None or next(module.parameters(recurse=False), None) is not None
 
 
 def _recomputing() -> bool:
@@ -210,18 +154,18 @@ class ActivationWatch:
             raise ValueError(f"ActivationWatch: every_n_steps must be >= 1, got {every_n_steps}")
         if not isinstance(backward, bool):
             raise TypeError(f"ActivationWatch: backward must be a bool, got {type(backward).__name__}")
-        if _is_compiled(model):
+        if is_compiled(model):
             raise ValueError(f"ActivationWatch: model is compiled. {_COMPILE_ERROR}")
-        select = _selector(modules)
+        select = selector(modules)
         self.every_n_steps = int(every_n_steps)
         self.backward = backward
-        self._root = _unwrap(model)
+        self._root = unwrap(model)
         # Index 0 is the root, read always; its backward only when selected.
         self._names: list[str] = [ROOT]
         self._modules: list[nn.Module] = [self._root]
         self._with_backward: list[bool] = [False]
         selected = False
-        for path, module in _named_modules(self._root):
+        for path, module in named_modules(self._root):
             if not select(path, module):
                 continue
             selected = True
@@ -481,25 +425,3 @@ def _check_inputs_kept(name: str, module: nn.Module, pending: _Pending, output: 
                 "another tensor; with backward=True the caller's input would keep its old autograd history. Return "
                 "the changed input (x = module(x)), or watch with backward=False"
             )
-
-
-def _selector(modules: ModuleSelection) -> Callable[[str, nn.Module], bool]:
-    if modules is None:
-        return lambda _path, module: _default_selection(module)
-    if isinstance(modules, type):
-        modules = (modules,)
-    if isinstance(modules, tuple):
-        if not modules or not all(isinstance(t, type) for t in modules):
-            raise TypeError(
-                "ActivationWatch: modules must be None, a module type, a non-empty tuple of types or a "
-                f"callable (path, module) -> bool, got {modules!r}"
-            )
-        types = modules
-        return lambda _path, module: isinstance(module, types)
-    if callable(modules):
-        predicate = modules
-        return lambda path, module: bool(predicate(path, module))
-    raise TypeError(
-        "ActivationWatch: modules must be None, a module type, a tuple of types or a callable "
-        f"(path, module) -> bool, got {type(modules).__name__}"
-    )
