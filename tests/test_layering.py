@@ -50,6 +50,7 @@ ALLOWED_HOST_READS = {
     ("torch_gradstats.stats.health", "item"),
     # The fallback reads a batch's min/max |x| only where the batch is on the CPU: no transfer, no sync.
     ("torch_gradstats.ops.fallback", "tolist"),
+    ("torch_gradstats.ops._fallback_batch", "tolist"),
     # A DeviceMesh's rank list is a CPU tensor (metadata, no transfer), read once per mesh and kept.
     ("torch_gradstats.distributed._reduce_plan", "tolist"),
 }

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from torch_gradstats.ops._checks import DTYPE_BITS, OP_NAME, checked_numels
+from torch_gradstats.ops._fallback_batch import SUM_BLOCK, batch_stats, fixed_order_sum, row_sums
 from torch_gradstats.ops._fallback_workspace import (  # the first and fourth stay public here too
     FALLBACK_CHUNK_ELEMS,
     Workspace,
@@ -30,8 +31,6 @@ from torch_gradstats.ops._transfer import host_int64
 
 __all__ = ["FALLBACK_CHUNK_ELEMS", "fallback_multi_tensor_stats", "register", "release_workspace", "require_float64"]
 
-#: Row sums longer than this are cut into blocks first (see :func:`_row_sums`).
-_SUM_BLOCK = 1 << 12
 #: Batches of at most this many rows are read row by row instead of being stacked first.
 _FEW_ROWS = 8
 #: The pieces of a tensor of at most this many chunks are rows among the others; a larger one is read alone, in runs
@@ -39,130 +38,10 @@ _FEW_ROWS = 8
 _RUN_CHUNKS = 32
 
 
-def _row_sums(x: Tensor) -> Tensor:
-    """Sums of the rows of a contiguous float64 ``[r, L]`` tensor, in an order fixed by its shape alone.
-
-    torch's CPU reductions split work between threads only across outputs when there are several, and run
-    serially below 32,768 elements: so each sum here either has several outputs or fewer elements than that, and
-    each output's order of addition does not depend on the thread count.
-    """
-    r, length = x.shape
-    if length > _SUM_BLOCK:
-        x = x.reshape(r * (length // _SUM_BLOCK), _SUM_BLOCK).sum(dim=1).reshape(r, length // _SUM_BLOCK)
-    return x.sum(dim=1)
-
-
-def _fixed_order_sum(v: Tensor) -> Tensor:
-    """Sum of a 1-d float64 tensor in an order fixed by its length (zero padding adds nothing)."""
-    if v.numel() > _SUM_BLOCK:
-        v = torch.cat([v, v.new_zeros(-v.numel() % _SUM_BLOCK)])
-    return _row_sums(v.view(1, -1))[0]
-
-
-def _count_at_least(bits: Tensor, threshold: int, tmp: Tensor) -> Tensor:
-    """Per row, how many of the non-negative ``bits`` are >= ``threshold`` (clamped to 0/1 and summed in int32,
-    which torch vectorizes, unlike comparisons to bool and int64 sums)."""
-    return torch.sub(bits, threshold - 1, out=tmp).clamp_(0, 1).sum(dim=1, dtype=torch.int32)
-
-
 def _branches_on_host(device: torch.device) -> bool:
     """True where reading a value computed on ``device`` costs no sync (the CPU): batches may then skip passes
     whose result is known and square in float32 where that is safe. Elsewhere every batch takes the same ops."""
     return device.type == "cpu"
-
-
-#: Per 16/32-bit dtype, bits of |x| between which float32 squares are normal numbers and a float32 sum of
-#: _SUM_BLOCK of them cannot overflow: [2**-63, 2**56) (squares in [2**-126, 2**112)); for float16 every normal value.
-_FLOAT32_SAFE_BITS = {
-    torch.float32: (0x2000_0000, 0x5B80_0000),
-    torch.bfloat16: (0x2000, 0x5B80),
-    torch.float16: (0x0400, 0x7C00),
-}
-
-
-def _exact_sumsq(absx: Tensor, ws: Workspace) -> Tensor:
-    """Row sums of squares computed in float64: squares of 16/32-bit values are exact there."""
-    squares = ws.get("squares", torch.float64, (absx.shape[0], absx.shape[1]))
-    if absx.dtype == torch.float64:
-        torch.mul(absx, absx, out=squares)
-    else:
-        squares.copy_(absx)  # exact
-        squares.mul_(squares)
-    return _row_sums(squares)
-
-
-def _float32_sumsq(absx: Tensor, ws: Workspace, overwrite: bool = False) -> Tensor:
-    """Row sums of squares of a 16/32-bit batch whose nonzero |x| all lie in the range of _FLOAT32_SAFE_BITS:
-    squares in float32 (each rounded once, never subnormal), summed in float32 by blocks of at most _SUM_BLOCK
-    (torch's cascade sum), the block sums added in float64. ``overwrite``: ``absx`` (a workspace buffer, never
-    an input) is not needed afterwards, so float32 squares may replace it (one buffer less to pass through)."""
-    r, length = absx.shape
-    if absx.dtype == torch.float32 and overwrite:
-        squares = absx.mul_(absx)
-    elif absx.dtype == torch.float32:
-        squares = torch.mul(absx, absx, out=ws.get("squares", torch.float32, (r, length)))
-    else:
-        squares = ws.get("squares", torch.float32, (r, length)).copy_(absx)  # exact
-        squares.mul_(squares)
-    block = min(length, _SUM_BLOCK)
-    block_sums = squares.view(r * (length // block), block).sum(dim=1)
-    return _row_sums(block_sums.to(torch.float64).view(r, length // block))
-
-
-def _counts(
-    bits: Tensor, pad: Tensor | None, inf_bits: int, tmp: Tensor, nonfinite: bool = True
-) -> tuple[Tensor, Tensor]:
-    """Per row: the [zeros, NaN, Inf] counts (int64) and the number of nonzero elements (int32, padding
-    included). ``nonfinite=False`` when no |x| reaches +inf's bits: both of those counts are then 0."""
-    nonzero = torch.clamp(bits, max=1, out=tmp).sum(dim=1, dtype=torch.int32)
-    zeros = bits.shape[1] - nonzero if pad is None else bits.shape[1] - nonzero - pad
-    if nonfinite:
-        nonfinite_count = _count_at_least(bits, inf_bits, tmp)
-        nans = _count_at_least(bits, inf_bits + 1, tmp)
-        infs = nonfinite_count - nans
-    else:
-        nans = infs = torch.zeros_like(nonzero)
-    return torch.stack([zeros.to(torch.int64), nans.to(torch.int64), infs.to(torch.int64)], dim=1), nonzero
-
-
-def _batch_stats(bits: Tensor, dtype: torch.dtype, pad: Tensor | None, ws: Workspace) -> tuple[Tensor, Tensor, Tensor]:
-    """Statistics of each row of a batch given as the bits of its |x| ([r, L], of ``dtype``); ``pad[j]`` zero
-    elements of row j are padding."""
-    _, _, inf_bits = DTYPE_BITS[dtype]
-    r = bits.shape[0]
-    absx = bits.view(dtype)  # squares of |x| are those of x, bit for bit
-    tmp_shape = (r, bits.shape[1])  # an integer temporary, taken only where a count needs it
-    max_bits = bits.amax(dim=1)  # bits of non-negative floats are ordered like the floats, NaN above +inf
-    amax = max_bits.view(dtype).to(torch.float64)  # the max of exact values: no order to fix
-    if not _branches_on_host(bits.device):  # the same ops for every batch: nothing is read back
-        return _exact_sumsq(absx, ws), amax, _counts(bits, pad, inf_bits, ws.get("tmp", bits.dtype, tmp_shape))[0]
-
-    min_bits = bits.amin(dim=1)
-    lowest, highest = torch.stack([min_bits.min(), max_bits.max()]).tolist()  # on the CPU: no sync
-    nonzero = None
-    if lowest > 0 and highest < inf_bits:  # no zero (so no padding either), no NaN, no Inf
-        counts = torch.zeros(r, 3, dtype=torch.int64, device=bits.device)
-    else:
-        tmp = ws.get("tmp", bits.dtype, tmp_shape)
-        counts, nonzero = _counts(bits, pad, inf_bits, tmp, nonfinite=highest >= inf_bits)
-    if dtype == torch.float64:
-        return _exact_sumsq(absx, ws), amax, counts
-    low, high = _FLOAT32_SAFE_BITS[dtype]
-    if lowest >= low and highest < high:  # every row in range; the bits have given all they hold
-        return _float32_sumsq(absx, ws, overwrite=True), amax, counts
-    # Rows decided one by one: a row is in range if its max is below ``high`` and its nonzero |x| reach ``low``.
-    in_range = max_bits < high
-    if nonzero is None:
-        in_range &= min_bits >= low
-    else:  # a zero hides the smallest nonzero |x|: count those >= low instead (Inf/NaN rows are out already)
-        in_range &= _count_at_least(bits, low, ws.get("tmp", bits.dtype, tmp_shape)) == nonzero
-    n_in_range = in_range.sum().tolist()  # on the CPU: no sync
-    if n_in_range == 0:
-        return _exact_sumsq(absx, ws), amax, counts
-    fast = _float32_sumsq(absx, ws)
-    if n_in_range == r:
-        return fast, amax, counts
-    return torch.where(in_range, fast, _exact_sumsq(absx, ws)), amax, counts  # each row's result its own
 
 
 @torch.no_grad()
@@ -216,7 +95,7 @@ def fallback_multi_tensor_stats(
     NaN or Inf, and all float64) takes the float64 squares; the choice is made per row from its own bits, so a
     tensor's result does not depend on the tensors batched with it.
 
-    Determinism: every float sum has an order fixed by the shapes and strides alone (see :func:`_row_sums`;
+    Determinism: every float sum has an order fixed by the shapes and strides alone (see :func:`row_sums`;
     a tensor's pieces are added in their order), and float32
     squares are taken only where they are normal numbers, so the bits of the results do not depend on the
     thread count or on torch.set_flush_denormal, with one exception: on a thread that flushes denormals, float32
@@ -326,16 +205,17 @@ def _reduce_rows(
     (dtype, length, full), (sumsq, amax, counts) = key, out
     n_rows, device = len(rows), ws.device
     per_batch = max(1, chunk // length)
-    if not (full and dtype != torch.float64 and _branches_on_host(device)):
+    on_host = _branches_on_host(device)
+    if not (full and dtype != torch.float64 and on_host):
         for start in range(0, n_rows, per_batch):
             stop = min(start + per_batch, n_rows)
             bits, pad = _abs_bits(rows[start:stop], length, ws)
-            for o, part in zip(out, _batch_stats(bits, dtype, pad, ws)):
+            for o, part in zip(out, batch_stats(bits, dtype, pad, ws, on_host=on_host)):
                 o[start:stop] = part
         return
 
     # Squares first. A row whose squares are all in [_SQUARE_LOW, _SQUARE_HIGH) has no zero, NaN or Inf and its
-    # float32 sums are safe (the float32 path of _batch_stats, bit for bit); every other row (one host read says
+    # float32 sums are safe (the float32 path of batch_stats, bit for bit); every other row (one host read says
     # which) is read again by the bits path, which counts exactly.
     highest = torch.empty(n_rows, dtype=torch.float32, device=device)
     lowest = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -352,7 +232,7 @@ def _reduce_rows(
         picked = redo[start : start + per_batch]
         bits, pad = _abs_bits([rows[j] for j in picked], length, ws)
         idx = host_int64(picked, device)
-        for o, part in zip(out, _batch_stats(bits, dtype, pad, ws)):
+        for o, part in zip(out, batch_stats(bits, dtype, pad, ws, on_host=on_host)):
             o.index_copy_(0, idx, part)
 
 
@@ -370,7 +250,7 @@ def _large_tensor_stats(t: Tensor, chunk: int, ws: Workspace) -> tuple[Tensor, T
         a = torch.empty(len(rows), dtype=torch.float64, device=device)
         c = torch.empty(len(rows), 3, dtype=torch.int64, device=device)
         _reduce_rows(rows, key, chunk, ws, (s, a, c))
-        total_sumsq.add_(_fixed_order_sum(s))
+        total_sumsq.add_(fixed_order_sum(s))
         torch.maximum(total_amax, a.amax(), out=total_amax)  # NaN wins; the counts say so anyway
         total_counts.add_(c.sum(dim=0))
 
@@ -398,14 +278,14 @@ def require_float64(device: torch.device) -> None:
 
 
 #: Float32 squares from which the CPU's squares-first path settles a row: every square a normal number (so no
-#: zero, no subnormal, no flushed value) and below 2**112 (so a float32 sum of _SUM_BLOCK of them stays finite).
+#: zero, no subnormal, no flushed value) and below 2**112 (so a float32 sum of SUM_BLOCK of them stays finite).
 #: NaN fails both comparisons.
 _SQUARE_LOW, _SQUARE_HIGH = 2.0**-126, 2.0**112
 
 
 def _squares_first(rows: list[Tensor], length: int, ws: Workspace, out: tuple[Tensor, Tensor, Tensor]) -> None:
     """Float32 squares of a batch of full 16/32-bit rows (written once, into the workspace) and, per row, their
-    largest and smallest value and the float64 sum of their float32 sums by blocks of _SUM_BLOCK, into ``out``:
+    largest and smallest value and the float64 sum of their float32 sums by blocks of SUM_BLOCK, into ``out``:
     three reads of a buffer still in cache instead of the bits path's mask, max, min and squares (the CPU path for
     rows without zeros, NaN or Inf).
 
@@ -430,9 +310,9 @@ def _squares_first(rows: list[Tensor], length: int, ws: Workspace, out: tuple[Te
     highest, lowest, sumsq = out
     torch.amax(squares, dim=1, out=highest)
     torch.amin(squares, dim=1, out=lowest)
-    block = min(length, _SUM_BLOCK)
+    block = min(length, SUM_BLOCK)
     block_sums = ws.get("squares", torch.float32, (r * (length // block), block)).sum(dim=1)
-    sumsq.copy_(_row_sums(block_sums.view(r, length // block).to(torch.float64)))
+    sumsq.copy_(row_sums(block_sums.view(r, length // block).to(torch.float64)))
 
 
 def _abs_bits(rows: list[Tensor], length: int, ws: Workspace) -> tuple[Tensor, Tensor | None]:
@@ -498,7 +378,7 @@ def _combine_rows(
                 o.index_copy_(0, dst, r.index_select(0, src))
     for i, row_list in split_rows.items():
         idx = host_int64(row_list, device)
-        out[0][i] = _fixed_order_sum(rows[0].index_select(0, idx))
+        out[0][i] = fixed_order_sum(rows[0].index_select(0, idx))
         out[1][i] = rows[1].index_select(0, idx).max()
         out[2][i] = rows[2].index_select(0, idx).sum(dim=0)
 
