@@ -184,25 +184,35 @@ def fsdp2_compiled_clip(rank: int, world: int) -> str | None:
     return None
 
 
-def fsdp1_flat_parameters_count_their_padding(rank: int, world: int) -> str | None:
-    """FSDP1 with use_orig_params=False (docs/integrations.md): one row per flat parameter, whose norm is the whole
-    model's and whose numel and zero count include the zeros FSDP pads the last rank's shard with."""
+def fsdp1_flat_parameters_without_padding(rank: int, world: int) -> str | None:
+    """FSDP1 with use_orig_params=False: one row per flat parameter, whose norm is the whole model's and whose numel
+    and zero count leave out the zero FSDP pads the last rank's shard with (19 elements on 2 or 4 ranks: one); a
+    NaN in the last rank's shard is named with that rank."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:
         return "skip: torch.distributed.fsdp.FullyShardedDataParallel not available"
     torch.manual_seed(10)
-    ref = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))  # 22 elements: 2 zeros of padding on 4 ranks
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))  # 19 elements
     model = FSDP(copy.deepcopy(ref), use_orig_params=False, device_id=torch.device("cpu"))
-    x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(11))
+    (flat,) = list(model.parameters())
+    padded = torch.tensor([flat._shard_numel_padded], dtype=torch.int64)
+    dist.all_reduce(padded)
+    assert int(padded) == -19 % world and int(padded) > 0, int(padded)  # there is padding to leave out
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(11))
+    x[:, 0] = 0.0  # the first weight column's gradient: 3 exact zeros
     model(x[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
     ref(x).pow(2).mean().backward()
     want = _reference([(n, p.grad) for n, p in ref.named_parameters()])
     rep = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
-    padding = -22 % world
     assert list(rep.norms) == ["_fsdp_wrapped_module._flat_param"], list(rep.norms)
     assert math.isclose(rep.total_norm, want.total_norm, rel_tol=1e-5), (rep.total_norm, want.total_norm)
-    assert (rep.numel, rep.zero_count) == (22 + padding, want.zero_count + padding), (rep.numel, rep.zero_count)
+    assert (rep.numel, rep.zero_count) == (19, want.zero_count) and want.zero_count >= 3, (rep.numel, rep.zero_count)
+    if rank == world - 1:
+        flat.grad[0] = float("nan")  # the last rank's first element: real gradient, not padding
+    rep = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
+    assert (rep.nan_count, rep.numel) == (1, 19), (rep.nan_count, rep.numel)
+    assert rep.nonfinite_ranks == {"_fsdp_wrapped_module._flat_param": [world - 1]}, rep.nonfinite_ranks
     return None
 
 
@@ -323,6 +333,6 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f  # type: ignore[misc]
     for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, experts_over_pairs_dense_sharded,
               experts_gained_late_over_pairs,
-              fsdp2_empty_shards_nan_on_one_rank, fsdp1_flat_parameters_count_their_padding,
+              fsdp2_empty_shards_nan_on_one_rank, fsdp1_flat_parameters_without_padding,
               gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
 }

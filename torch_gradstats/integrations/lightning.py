@@ -89,7 +89,7 @@ communication is needed; under FSDP2 (``ModelParallelStrategy``: DTensor paramet
 the mesh by :func:`torch_gradstats.grad_stats` (collectives on every rank, so every rank must reach the hook,
 which Lightning guarantees). With FSDP1 (``FSDPStrategy``) pass ``group=torch.distributed.group.WORLD``: with
 ``use_orig_params=True`` the figures are per original parameter; with ``use_orig_params=False`` the rows are the
-flat parameters, whose numel and zero count include FSDP's padding. The figures are the same on every rank; only
+flat parameters (their shards read without FSDP's padding). The figures are the same on every rank; only
 global rank 0 transfers them to the host and logs (Lightning's loggers write on rank 0 only); with ``on_nonfinite``
 every rank makes its own check, so all ranks agree on skipping or stopping.
 

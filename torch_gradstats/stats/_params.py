@@ -19,7 +19,16 @@ from torch import Tensor
 from torch_gradstats.ops._transfer import host_int64, to_device
 from torch_gradstats.ops.op import OP_NAME, SUPPORTED_DTYPES, check_inputs, multi_tensor_stats
 
-__all__ = ["ParamsLike", "check_grads", "dtensor_types", "named_params", "stats_on_home", "unique_names"]
+__all__ = [
+    "ParamsLike",
+    "check_grads",
+    "dtensor_types",
+    "flat_param_types",
+    "named_params",
+    "stats_on_home",
+    "unique_names",
+    "without_shard_padding",
+]
 
 #: What :func:`~torch_gradstats.grad_stats` accepts: a tensor, or an iterable of tensors or of ``(name, tensor)`` pairs.
 ParamsLike = Tensor | Iterable[Tensor | tuple[str, Tensor]]
@@ -38,6 +47,23 @@ def dtensor_types() -> tuple[type, ...]:
         if isinstance(cls, type) and cls not in types:
             types.append(cls)
     return tuple(types)
+
+
+def flat_param_types() -> tuple[type, ...]:
+    """FSDP1's ``FlatParameter`` class, only if its module is already imported (as :func:`dtensor_types`)."""
+    mod = sys.modules.get("torch.distributed.fsdp._flat_param")
+    cls = getattr(mod, "FlatParameter", None) if mod is not None else None
+    return (cls,) if isinstance(cls, type) else ()
+
+
+def without_shard_padding(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` without the zeros FSDP1 pads a flat parameter's shard with (``use_orig_params=False``): a view of
+    its first elements, so the padding counts in no numel and no zero count. A gradient of another size (the
+    unsharded one that ``no_sync`` accumulates) has no shard padding and is returned as it is."""
+    padded = getattr(param, "_shard_numel_padded", 0)
+    if not isinstance(padded, int) or padded <= 0 or grad.shape != param.shape or grad.dim() != 1:
+        return grad
+    return grad[: grad.numel() - padded]
 
 
 def named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:

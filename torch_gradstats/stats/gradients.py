@@ -31,9 +31,11 @@ from torch_gradstats.stats._params import (
     ParamsLike,
     check_grads,
     dtensor_types,
+    flat_param_types,
     named_params,
     stats_on_home,
     unique_names,
+    without_shard_padding,
 )
 from torch_gradstats.stats.exponents import ExponentHistogram
 from torch_gradstats.stats.groups import GroupBy, GroupStats, group_stats
@@ -356,7 +358,8 @@ def grad_stats(
         group: a ``torch.distributed`` process group. When given, or when any gradient is a DTensor, the local
             statistics are combined across ranks by :func:`torch_gradstats.distributed.reduce.reduce_across_ranks`.
             Otherwise there is no communication at all. Ranks may hold different parameters (a gradient missing
-            on one rank counts as an empty shard there); see docs/distributed.md.
+            on one rank counts as an empty shard there); see docs/distributed.md. FSDP1's flat parameters
+            (``use_orig_params=False``) are read without the zeros FSDP pads their last shard with.
         stage_group: process group of pipeline stages (ranks holding disjoint parts of the model): the figures
             of all stages are gathered on every rank; a name held by several stages is reported as
             ``name@stage<k>``, one row per stage.
@@ -389,7 +392,10 @@ def grad_stats(
     idle_meshes: dict[int, Any] = {}  # meshes of DTensor parameters without a gradient here
     if _collect_grads is not None and not isinstance(params, (Tensor, str, bytes)) and isinstance(params, Iterable):
         params = params if type(params) is list else list(params)  # consumed once, whichever walk reads it
-        collected = None if torch.compiler.is_compiling() else _collect_grads(params)
+        # FSDP1's flat parameters are plain Parameters to the C++ walk: with a group, the Python walk finds them and
+        # leaves out their shard padding.
+        flat = group is not None and flat_param_types()
+        collected = None if torch.compiler.is_compiling() or flat else _collect_grads(params)
     else:
         collected = None
     numels: tuple[int, ...] | None
@@ -398,6 +404,7 @@ def grad_stats(
         grads = local
     else:
         dtensor_classes = dtensor_types()
+        flat_classes = flat_param_types()
         for name, p in named_params(params):
             g = p.grad
             if g is None:
@@ -405,6 +412,8 @@ def grad_stats(
                     mesh = cast(Any, p).device_mesh
                     idle_meshes.setdefault(id(mesh), mesh)
                 continue
+            if flat_classes and isinstance(p, flat_classes) and isinstance(g, Tensor):
+                g = without_shard_padding(p, g)  # FSDP1's use_orig_params=False: padding is no gradient
             names.append(name)
             grads.append(g)
             if dtensor_classes and isinstance(g, dtensor_classes):
