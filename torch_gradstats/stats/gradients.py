@@ -366,8 +366,9 @@ def grad_stats(
         tied: names of parameters shared by several stages (a tied embedding): each stage's row is reported, and
             the figures of the whole model (totals, groups, the clip norm) count it once, from the lowest stage
             (``GradStats.counted``).
-        expert_group: process group the plain gradients of expert parameters are sharded over (instead of
-            ``group``); ``is_expert(name)`` says which parameters are experts.
+        expert_group, is_expert: process group the plain gradients of expert parameters are sharded over (instead
+            of ``group``), and a callable ``is_expert(name) -> bool`` saying which parameters are experts. Pass both
+            or neither.
         histogram: also count the gradients' finite non-zero elements by binary exponent, in the same read
             (``GradStats.exponent_histogram``; a report then has the fp16/bf16/fp8 underflow and overflow
             fractions). Reduced across ranks with the rest.
