@@ -75,6 +75,10 @@ def noise_scale_hook(state: DDPStep, bucket: dist.GradBucket) -> torch.futures.F
     is read by the fused op before the all-reduce (this rank's gradient) and, in a ``.then`` callback, after it
     (the average over ranks); when every bucket of the step is reduced, the step is folded into ``state``. The
     gradients DDP produces are exactly those of the default hook. No host sync, no extra collective.
+
+    Args:
+        state: the :class:`~torch_gradstats.NoiseScale` (given to ``register_comm_hook``).
+        bucket: the bucket DDP hands the hook.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

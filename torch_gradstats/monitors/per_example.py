@@ -284,7 +284,11 @@ class PerExampleNorms:
         return out
 
     def top(self, k: int) -> tuple[Tensor, Tensor]:
-        """``(indices, norms)`` of the ``k`` largest per-example norms, largest first (a NaN first of all)."""
+        """``(indices, norms)`` of the ``k`` largest per-example norms, largest first (a NaN first of all).
+
+        Args:
+            k: how many, an int from 0 to :attr:`num_examples` (else ``ValueError``).
+        """
         norms = self.norms()
         if isinstance(k, bool) or not isinstance(k, (int, numbers.Integral)) or not 0 <= k <= norms.shape[0]:
             raise ValueError(f"PerExampleNorms.top: k must be an int from 0 to the {norms.shape[0]} examples "

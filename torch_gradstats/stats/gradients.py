@@ -221,12 +221,23 @@ class GradStats:
         return (self.counts[:, NAN] + self.counts[:, INF]) > 0
 
     def health(self, policy: HealthPolicy | None = None) -> Tensor:
-        """Health score (see :class:`~torch_gradstats.stats.health.HealthPolicy`) as a float64 0-d device tensor."""
+        """Health score (see :class:`~torch_gradstats.stats.health.HealthPolicy`) as a float64 0-d device tensor.
+
+        Args:
+            policy: thresholds and penalties of the score (default: ``HealthPolicy()``).
+        """
         return (policy or _DEFAULT_POLICY).score(self.norms)
 
     def grouped(self, by: GroupBy = "layer") -> GroupStats:
         """Per-group figures (per layer, module, regex group...) from these per-parameter ones, on the device, no
-        sync; see :mod:`torch_gradstats.stats.groups` for ``by``."""
+        sync.
+
+        Args:
+            by: which group a parameter belongs to: ``"layer"`` (the default), an int (the first parts of the owning
+                module's path), any other str or a compiled pattern (a regular expression: its first capture group,
+                or the whole match), or a callable ``name -> str | None``; a parameter given no group is left out
+                (see :mod:`torch_gradstats.stats.groups`).
+        """
         out = group_stats(self, by)
         out.source = self  # its totals cover the parameters in no group too (a flight recorder takes them)
         return out

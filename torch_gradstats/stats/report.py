@@ -309,7 +309,11 @@ class GroupReport:
 
     def to_dict(self, prefix: str = "") -> dict[str, float | int]:
         """``group/<g>/norm``, ``group/<g>/max_abs``, ``group/<g>/nonfinite`` (NaN + Inf elements) for every group,
-        then, where present, ``group/<g>/weight_norm``, ``group/<g>/lr_update_ratio``, ``group/<g>/update_ratio``."""
+        then, where present, ``group/<g>/weight_norm``, ``group/<g>/lr_update_ratio``, ``group/<g>/update_ratio``.
+
+        Args:
+            prefix: prepended to every key (a str).
+        """
         if not isinstance(prefix, str):  # an f-string would have written "None" into every key
             raise TypeError(f"GroupReport.to_dict: prefix must be a str, got a {type(prefix).__name__}")
         out: dict[str, float | int] = {}

@@ -35,6 +35,7 @@ class StepRecord:
     skipped: bool  #: the optimizer step was skipped (non-finite gradients)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict, in declaration order."""
         return dataclasses.asdict(self)
 
 
