@@ -122,7 +122,8 @@ def clip_grad_norm_(
         params: what :func:`~torch_gradstats.grad_stats` accepts (tensors, ``model.parameters()``,
             ``model.named_parameters()``, (name, tensor) pairs; a generator is consumed once).
         max_norm: max total norm of the gradients: a number, or a one-element tensor (e.g. a threshold computed on
-            the device, such as :meth:`~torch_gradstats.AdaptiveClip.threshold`'s), used where it is, never read.
+            the device, such as :meth:`~torch_gradstats.AdaptiveClip.threshold`'s), used where it is: an
+            accelerator's is never read on the host (a CPU one is, to check it is >= 0, which costs no sync).
         norm_type: p of the p-norm; ``2.0`` and ``inf`` use the fused statistics, any other value falls back to
             ``torch.nn.utils.get_total_norm`` (computed in the gradients' dtype, one extra read).
         error_if_nonfinite: raise if the total norm is NaN or Inf, naming the first non-finite parameter. This
