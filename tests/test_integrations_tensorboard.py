@@ -105,3 +105,73 @@ def test_demo_writes_tensorboard(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert _scalar(acc, "grad/skipped") == {s: float(s == 3) for s in range(6)}
     assert _scalar(acc, "grad/nan_count")[3] > 0
     assert set(_scalar(acc, "train/loss")) == set(range(6))
+
+
+def _report() -> tg.GradReport:
+    model = nn.Linear(3, 2)
+    model(torch.ones(4, 3)).sum().backward()
+    return tg.grad_stats(model.named_parameters()).report()
+
+
+def test_a_writer_the_sink_made_is_closed_by_close_and_by_dropping_the_sink(tmp_path: Path) -> None:
+    report = _report()
+    with TensorBoardSink(str(tmp_path / "ctx")) as sink:
+        sink.log(report, 0)
+    assert _scalar(_events(tmp_path / "ctx"), "grad/total_norm") == {0: pytest.approx(report.total_norm)}
+    sink.close()  # a second close does nothing
+    with pytest.raises(ValueError, match="TensorBoardSink: the sink is closed"):
+        sink.log(report, 1)
+
+    dropped = TensorBoardSink(tmp_path / "dropped")  # never closed: dropping it closes its writer
+    for step in range(3):
+        dropped.log(report, step)
+    del dropped
+    acc = _events(tmp_path / "dropped")
+    assert set(metrics(report)) <= set(acc.Tags()["scalars"])
+    assert list(_scalar(acc, "grad/total_norm")) == [0, 1, 2]
+
+
+def test_close_and_flush_leave_your_writer_open(tmp_path: Path) -> None:
+    report = _report()
+    writer = SummaryWriter(str(tmp_path))
+    sink = TensorBoardSink(writer)
+    sink.log(report, 0)
+    sink.flush()
+    assert list(_scalar(_events(tmp_path), "grad/total_norm")) == [0]
+    sink.close()
+    writer.add_scalar("mine", 1.0, 1)  # still yours, still open
+    writer.close()
+    assert list(_scalar(_events(tmp_path), "mine")) == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["exit", "raise", "KeyboardInterrupt"])
+def test_nothing_logged_is_lost_when_the_process_ends_without_close(tmp_path: Path, end: str) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch, torch_gradstats as tg
+        from torch.utils.tensorboard import SummaryWriter
+        from torch_gradstats.integrations.tensorboard import TensorBoardSink
+        m = torch.nn.Linear(3, 2)
+        m(torch.ones(4, 3)).sum().backward()
+        report = tg.grad_stats(m.named_parameters()).report()
+        mine = TensorBoardSink(SummaryWriter({str(tmp_path / "yours")!r}))
+        made = TensorBoardSink({str(tmp_path / "made")!r})
+        for step in range(3):
+            mine.log(report, step)
+            made.log(report, step)
+        if {end!r} == "raise":
+            raise RuntimeError("the user's step failed")
+        if {end!r} == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+    """)
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
+    assert (done.returncode == 0) == (end == "exit"), done.stderr
+    for logdir in ("yours", "made"):
+        acc = _events(tmp_path / logdir)
+        assert set(metrics(_report())) <= set(acc.Tags()["scalars"]), logdir
+        for tag in acc.Tags()["scalars"]:
+            assert list(_scalar(acc, tag)) == [0, 1, 2], (logdir, tag)

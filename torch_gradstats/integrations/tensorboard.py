@@ -24,7 +24,13 @@ What it writes at each step (``prefix`` defaults to ``"grad/"``):
   the op does not compute the sum of |g|, and TensorBoard draws the buckets only;
 * when a gradient is non-finite: a text entry ``grad/first_nonfinite`` naming the first such parameter.
 
-The writer is not closed by the sink; call ``writer.flush()`` or ``close()`` as usual.
+Closing: a writer the sink made (``writer`` given as a log directory) is the sink's: :meth:`TensorBoardSink.close`
+(also as a context manager) closes it, and so does the end of the process (or the sink being dropped) when
+``close`` was never called, so no event still queued in the writer is lost. A ``SummaryWriter`` you pass is yours:
+``close`` flushes it and leaves it open, and the sink flushes it too at the end of the process. After ``close``,
+``log`` raises ``ValueError``. :meth:`TensorBoardSink.flush` writes every queued event now (a ``SummaryWriter``
+writes on its own every ``flush_secs``, 120 s by default: a process killed by ``SIGKILL`` loses what was logged
+since).
 
 Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
 (:func:`torch_gradstats.distributed.reduce.is_logging_rank`: the last stage's first rank of ``group``, or global rank
@@ -33,6 +39,7 @@ Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_r
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
@@ -49,7 +56,8 @@ class TensorBoardSink:
     ``add_histogram`` and ``add_text`` methods, e.g. ``tensorboardX``).
 
     Args:
-        writer: a SummaryWriter, or a log directory (a SummaryWriter is created there).
+        writer: a SummaryWriter, or a log directory (a SummaryWriter is created there, closed by :meth:`close` or at
+            the end of the process).
         prefix: tag prefix (default ``"grad/"``).
         per_param: write one scalar per parameter and figure.
         histograms: also write histograms over parameters of the per-parameter norms, and the exponent histogram
@@ -70,13 +78,23 @@ class TensorBoardSink:
 
             # A rank that does not write creates no log directory: its writer is None.
             writer = SummaryWriter(str(writer)) if self.writes else None
+            end = None if writer is None else writer.close
+        else:
+            end = getattr(writer, "flush", None) if self.writes else None
         self.writer: Any = writer
+        self._closed = False
+        # At close(), at the end of the process or when the sink is dropped: a writer the sink made is closed, yours
+        # flushed. A SummaryWriter's events wait in a queue that a daemon thread writes: never closed, the last ones
+        # are lost at exit.
+        self._end = weakref.finalize(self, end) if callable(end) else None
         self.prefix = prefix
         self.per_param = per_param
         self.histograms = histograms
         self.key_style = key_style
 
     def log(self, report: AnyReport, step: int) -> None:
+        if self._closed:
+            raise ValueError("TensorBoardSink: the sink is closed")
         if not self.writes:
             return
         for tag, value in metrics(report, self.prefix, self.per_param, self.key_style).items():
@@ -98,6 +116,24 @@ class TensorBoardSink:
             more = f" (+{len(g.nonfinite) - 1} more)" if len(g.nonfinite) > 1 else ""
             self.writer.add_text(self.prefix + "first_nonfinite", f"{g.first_nonfinite}{more}", step)
 
+    def flush(self) -> None:
+        """Write every event the writer still holds."""
+        if self.writes and not self._closed and callable(getattr(self.writer, "flush", None)):
+            self.writer.flush()
+
+    def close(self) -> None:
+        """Close the writer the sink made, or flush the one you gave (it stays open); a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._end is not None:
+            self._end()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _log_exponents(self, hist: ExponentHistogram, step: int) -> None:
         first, end = hist.nonzero_range()
