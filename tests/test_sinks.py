@@ -161,3 +161,53 @@ def test_trainer_log_to_writes_one_row_per_logging_step(tmp_path: Path) -> None:
     assert [r["step"] for r in csv_rows] == ["0", "2", "4"] and [r["step"] for r in json_rows] == [0, 2, 4]
     for c, j in zip(csv_rows, json_rows):
         assert float(c["total_norm"]) == j["total_norm"] > 0
+
+
+class _Failing:
+    """A sink whose backend fails (a full disk, a lost connection)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def log(self, report: tg.GradReport, step: int) -> None:
+        raise self.error
+
+
+def test_a_sink_that_raises_keeps_the_report_from_no_other_sink(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    from torch_gradstats.integrations import log_to
+
+    plain = _reports()[0]
+    first, second = OSError("disk full"), RuntimeError("connection lost")
+    with CSVSink(tmp_path / "s.csv") as c, JSONLSink(tmp_path / "s.jsonl") as j:
+        with caplog.at_level("ERROR", logger="torch_gradstats"), pytest.raises(OSError, match="disk full") as info:
+            log_to([_Failing(first), c, _Failing(second), j], plain, 7)
+    assert info.value is first
+    assert "sink [0] (a _Failing) raised at step 7: OSError: disk full" in caplog.text
+    assert "sink [2] (a _Failing) raised at step 7: RuntimeError: connection lost" in caplog.text
+    with open(tmp_path / "s.csv", newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["7"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "s.jsonl").read_text().splitlines()] == [7]
+
+    class Interrupted:
+        def log(self, report: tg.GradReport, step: int) -> None:
+            raise KeyboardInterrupt
+
+    with JSONLSink(tmp_path / "k.jsonl") as j, pytest.raises(KeyboardInterrupt):
+        log_to([Interrupted(), j], plain, 0)  # stops at once
+    assert (tmp_path / "k.jsonl").read_text() == ""
+
+
+def test_trainer_log_to_gives_the_report_to_every_sink_before_raising(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    loader = DataLoader(TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)),
+                        batch_size=8)
+    with CSVSink(tmp_path / "t.csv") as sink:
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                          log_to=[_Failing(OSError("disk full")), sink], progress=False)
+        with pytest.raises(OSError, match="disk full"):
+            trainer.train_epoch(loader)
+    with open(tmp_path / "t.csv", newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["0"]

@@ -3,17 +3,21 @@ argument. Integers may be any ``numbers.Integral`` (numpy's included) except boo
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
 from torch_gradstats.monitors.activations import ActivationWatch
 from torch_gradstats.stats.report import GradReport
 
-__all__ = ["GradSink", "WatchSteps", "activation_watch", "check_int", "check_positive_number", "check_sinks"]
+__all__ = ["GradSink", "WatchSteps", "activation_watch", "check_int", "check_positive_number", "check_sinks",
+           "send_to_sinks"]
+
+logger = logging.getLogger("torch_gradstats")
 
 
 def check_int(name: str, value: object, *, minimum: int = 1, or_none: bool = False) -> int:
@@ -100,3 +104,21 @@ def check_sinks(sinks: Sequence[GradSink]) -> list[GradSink]:
                 "torch_gradstats.integrations.tensorboard.TensorBoardSink(writer)"
             )
     return list(sinks)
+
+
+def send_to_sinks(sinks: Sequence[Any], report: Any, step: int) -> None:
+    """``sink.log(report, step)`` for every sink, in order. A sink that raises an ``Exception`` does not keep the
+    report from the sinks after it: each is still called, then the first error is raised; each failing sink is
+    named on the ``torch_gradstats`` logger (a later error with its traceback). A ``KeyboardInterrupt`` stops at
+    once."""
+    first: Exception | None = None
+    for i, sink in enumerate(sinks):
+        try:
+            sink.log(report, step)
+        except Exception as exc:
+            logger.error("torch_gradstats: sink [%d] (a %s) raised at step %s: %s: %s", i, type(sink).__name__, step,
+                         type(exc).__name__, exc, exc_info=exc if first is not None else None)
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first

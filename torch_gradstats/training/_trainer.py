@@ -27,6 +27,7 @@ from torch_gradstats.training._args import (
     check_int,
     check_positive_number,
     check_sinks,
+    send_to_sinks,
 )
 from torch_gradstats.training._compile import LossFn, run_forward
 from torch_gradstats.training._device import as_pair, batch_size, safe_len, same_device, validate_device
@@ -346,8 +347,7 @@ class Trainer:
             with self._dump_on_streak(step):
                 report = stats.report(policy=self.health_policy, extra=self._extra(examples=True))
             self.policy_figures.update(report.extra)
-            for sink in self.log_to:
-                sink.log(report, step)
+            send_to_sinks(self.log_to, report, step)  # each sink gets it, even after one raised
         return True
 
     def _accumulate_gradients(self, batches: list[tuple[Any, Any]], sizes: list[int], samples: int, bar: Any) -> Tensor:
