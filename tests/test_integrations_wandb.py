@@ -120,3 +120,32 @@ def test_wandb_sink_needs_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
     report = tg.grad_stats([]).report()
     with pytest.raises(RuntimeError, match="wandb.init"):
         WandbSink().log(report, 0)
+
+
+def test_a_step_lower_than_one_logged_is_refused_not_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    model = nn.Linear(3, 2)
+    model(torch.ones(4, 3)).sum().backward()
+    report = tg.grad_stats(model.named_parameters()).report()
+    run = wandb.init(project="torch-gradstats-test", dir=str(tmp_path), mode="offline")
+    sink = WandbSink(run)
+    sink.log(report, 5)
+    with pytest.raises(ValueError, match="WandbSink.log: step 3 is lower than step 5, already logged"):
+        sink.log(report, 3)  # W&B itself drops it with a warning
+    with pytest.raises(TypeError, match=r"WandbSink.log: step must be an int, got 6.0 \(float\)"):
+        sink.log(report, 6.0)  # type: ignore[arg-type]
+    sink.log(report, 5)  # the same step again: its row
+    sink.log(report, 6)
+    run_dir = Path(run.dir).parent
+    run.finish()
+
+    records = _read_records(next(run_dir.glob("run-*.wandb")))
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):
+        assert time.monotonic() < deadline, "the offline run file was never completed"
+        time.sleep(0.2)
+        records = _read_records(next(run_dir.glob("run-*.wandb")))
+    steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
+    assert steps == [5, 6]

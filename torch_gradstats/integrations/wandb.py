@@ -14,8 +14,10 @@ Each call is one ``run.log(figures, step=step)`` with the figures of :func:`torc
 (``grad/total_norm``, ``grad/health``, ``grad/nan_count``, ..., ``grad/norm/<parameter>``), all numbers, so every
 one becomes a line chart. The name of the first parameter whose gradient went non-finite is a string: it goes to
 the run's summary (``run.summary["grad/first_nonfinite"]``, with ``grad/first_nonfinite_step``), not to the
-history. W&B requires steps that never decrease across all ``run.log`` calls of a run; pass ``commit=False`` to
-let the figures join the row your own next ``run.log`` call completes.
+history. W&B requires steps that never decrease across all ``run.log`` calls of a run, and drops a row logged at
+a lower step with a mere warning: a step lower than one this sink already logged is refused (``ValueError`` naming
+both) rather than lost. A step logged again joins that step's row (the later values win, as W&B does). Pass
+``commit=False`` to let the figures join the row your own next ``run.log`` call completes.
 
 Compared with ``wandb.watch(model, log="gradients")``: ``watch`` hooks every parameter and uploads a histogram of
 each gradient's *values* every ``log_freq`` batches (a copy of every gradient, two host reads and a ``histc`` per
@@ -32,6 +34,7 @@ rank alone.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
@@ -80,6 +83,7 @@ class WandbSink:
         self.commit = commit
         self.key_style = check_style("WandbSink", "key_style", key_style)
         self._first_recorded = False
+        self._last_step: int | None = None  # the highest step logged: W&B drops a row at a lower one
 
     def _run(self) -> Any:
         if self.run is not None:
@@ -91,8 +95,14 @@ class WandbSink:
         return wandb.run
 
     def log(self, report: AnyReport, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"WandbSink.log: step must be an int, got {step!r} ({type(step).__name__})")
+        step = int(step)
         if not self.writes:
             return
+        if self._last_step is not None and step < self._last_step:
+            raise ValueError(f"WandbSink.log: step {step} is lower than step {self._last_step}, already logged; W&B "
+                             "steps never decrease (W&B would drop this row)")
         run = self._run()
         kwargs: dict[str, Any] = {"step": step}
         if self.commit is not None:
@@ -102,6 +112,7 @@ class WandbSink:
         if g.exponent_histogram is not None:
             figures[self.prefix + "exponents"] = exponent_histogram(g.exponent_histogram)
         run.log(figures, **kwargs)
+        self._last_step = step
         if g.first_nonfinite is not None and not self._first_recorded:
             self._first_recorded = True
             run.summary[self.prefix + "first_nonfinite"] = g.first_nonfinite
