@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -175,3 +176,12 @@ def test_nothing_logged_is_lost_when_the_process_ends_without_close(tmp_path: Pa
         assert set(metrics(_report())) <= set(acc.Tags()["scalars"]), logdir
         for tag in acc.Tags()["scalars"]:
             assert list(_scalar(acc, tag)) == [0, 1, 2], (logdir, tag)
+
+
+def test_a_step_that_is_no_int_is_refused_not_truncated(tmp_path: Path) -> None:
+    with TensorBoardSink(str(tmp_path)) as sink:
+        for step in (1.7, "3", True):
+            with pytest.raises(TypeError, match="TensorBoardSink.log: step must be an int"):
+                sink.log(_report(), step)  # type: ignore[arg-type]
+        sink.log(_report(), np.int64(2))  # type: ignore[arg-type]
+    assert list(_scalar(_events(tmp_path), "grad/total_norm")) == [2]

@@ -39,6 +39,7 @@ Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_r
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from typing import Any
 
@@ -95,6 +96,9 @@ class TensorBoardSink:
     def log(self, report: AnyReport, step: int) -> None:
         if self._closed:
             raise ValueError("TensorBoardSink: the sink is closed")
+        # An event's step is an int64: a float step would be truncated there (1.7 written as 1).
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"TensorBoardSink.log: step must be an int, got {step!r} ({type(step).__name__})")
         if not self.writes:
             return
         for tag, value in metrics(report, self.prefix, self.per_param, self.key_style).items():
