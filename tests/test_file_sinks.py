@@ -124,6 +124,32 @@ def test_csv_row_cut_short_by_a_crash_stays_its_own_row(tmp_path: Path) -> None:
     assert [(r["step"], r["total_norm"]) for r in rows] == [("0", "1.5"), ("1", "2.5"), ("2", repr(plain.total_norm))]
 
 
+def test_csv_row_cut_inside_a_quoted_cell_swallows_no_later_row(tmp_path: Path) -> None:
+    # A parameter whose name needs quoting in CSV: a comma, a quote and a newline (and a letter outside ASCII).
+    odd = 'enc,"ü"\nx'
+    model = nn.ModuleDict({odd: nn.Linear(2, 1, bias=False)})
+    model[odd](torch.ones(1, 2)).sum().backward()
+    model[odd].weight.grad[0, 0] = math.nan  # first_nonfinite: the name, in a quoted cell of every row
+    report = tg.grad_stats(model.named_parameters()).report()
+    whole = tmp_path / "whole.csv"
+    with CSVSink(whole) as sink:
+        sink.log(report, 0)
+        sink.log(report, 1)
+    text = whole.read_text(encoding="utf-8")
+    last_row = text.rindex("\n1,") + 1
+    for cut in range(last_row + 1, len(text)):  # the crash cuts the last row anywhere
+        path = tmp_path / f"cut{cut}.csv"
+        path.write_text(text[:cut], encoding="utf-8", newline="")
+        with CSVSink(path) as sink:
+            sink.log(report, 2)
+            sink.log(report, 3)
+        header, rows = _csv_rows(path)
+        assert header[-1] == f"norm/{odd}.weight"
+        assert [r["step"] for r in rows] == ["0", "1", "2", "3"], cut
+        for r in rows[:1] + rows[2:]:
+            assert r["first_nonfinite"] == f"{odd}.weight" and r[f"norm/{odd}.weight"] == "nan", cut
+
+
 @pytest.mark.parametrize("cls", SINKS)
 def test_an_empty_existing_file_gets_a_header(tmp_path: Path, cls: type) -> None:
     plain, _, _ = _reports()

@@ -145,8 +145,8 @@ class _FileSink:
             st = os.fstat(self._file.fileno())
             self._regular = stat.S_ISREG(st.st_mode)
             self._hold([f"inode:{st.st_dev}:{st.st_ino}"])  # a file made just now: its hard links are it too
-            if resumed and not _ends_with_newline(self.path):
-                self._file.write("\n")  # a line cut short (a crash mid-write) stays a line of its own
+            if resumed:
+                self._end_cut_line()
         except BaseException:
             if self._file is not None:
                 with contextlib.suppress(OSError):
@@ -192,6 +192,12 @@ class _FileSink:
 
     def _resume(self) -> None:
         """Read what the existing file says about its columns (appending to it)."""
+
+    def _end_cut_line(self) -> None:
+        """End the resumed file's last line when a crash cut it short: it stays a line of its own."""
+        assert self._file is not None
+        if not _ends_with_newline(self.path):
+            self._file.write("\n")
 
     def _row(self, report: AnyReport, step: int) -> dict[str, Any]:
         if self._file is None:
@@ -272,6 +278,20 @@ class CSVSink(_FileSink):
         self.columns = list(header)
         self._known = set(header)
         self._has_header = True
+
+    def _end_cut_line(self) -> None:
+        # A row cut inside a quoted cell (a name with a comma, a quote or a newline) would swallow the rows written
+        # after it, up to the next quote: the cell is closed first. Every quote of a CSV file is in a quoted cell
+        # (opening, closing, or doubled inside it), so an odd count means the file ends inside one.
+        assert self._file is not None
+        quotes = 0
+        with open(self.path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                quotes += block.count(b'"')
+        if quotes % 2:
+            self._file.write('"\n')
+        else:
+            super()._end_cut_line()
 
     def log(self, report: AnyReport, step: int) -> None:
         if not self.writes:
