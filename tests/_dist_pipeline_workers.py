@@ -219,6 +219,28 @@ def sinks_write_on_one_rank(rank: int, world: int) -> None:
             _close(f"{label} JSONL total_norm", line["total_norm"], ref)
             assert set(_reference(rows).norms) <= {k.removeprefix("norm/") for k in line}, f"{label}: rows missing"
         dist.barrier()
+    # With none of stage_group, group and log_rank every rank writes: given the same path, one rank gets the file and
+    # every other is refused (a lock across processes), rather than interleaving its rows and headers there.
+    shared = {cls: os.path.join(root, f"same.{cls.__name__}") for cls in (CSVSink, JSONLSink)}
+    got = {}
+    for cls, path in shared.items():
+        try:
+            got[cls] = cls(path)
+        except ValueError as exc:
+            assert "is already written by a sink of another process" in str(exc), exc
+    owners: list[object] = [None] * world
+    dist.all_gather_object(owners, sorted(cls.__name__ for cls in got))
+    for cls in shared:
+        assert sum(cls.__name__ in o for o in owners) == 1, (cls.__name__, owners)  # type: ignore[operator]
+    for sink in got.values():
+        sink.log(rep, 1)
+        sink.close()
+    dist.barrier()
+    if rank == 0:
+        with open(shared[CSVSink]) as f:
+            assert [r["step"] for r in csv.DictReader(f)] == ["1"]
+        with open(shared[JSONLSink]) as f:
+            assert [json.loads(x)["step"] for x in f] == [1]
     # The callbacks keep the framework's logging process (rank 0) unless log_rank says otherwise.
     flags: list[object] = [None] * world
     dist.all_gather_object(flags, (logs_here("cb", rank == 0, None), logs_here("cb", rank == 0, world - 1)))

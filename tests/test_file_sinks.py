@@ -459,3 +459,37 @@ def test_no_integrations_module_imports_from_its_package_init() -> None:
             if package:
                 names = [a.name for a in node.names if a.name not in defined_in_modules]
                 assert not names, f"{path.name} line {node.lineno} imports {names} from the integrations package"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.name != "posix", reason="flock: POSIX systems")
+def test_a_file_another_process_writes_is_refused_untouched(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    plain, _, _ = _reports()
+    paths = {cls: tmp_path / f"shared.{cls.__name__}" for cls in SINKS}
+    child = subprocess.Popen(  # another rank, given the same paths
+        [sys.executable, "-c", (
+            "import sys\n"
+            "from torch_gradstats.integrations import CSVSink, JSONLSink\n"
+            f"sinks = [CSVSink({str(paths[CSVSink])!r}), JSONLSink({str(paths[JSONLSink])!r})]\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n"
+            "for s in sinks: s.close()\n"
+        )], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        for cls, path in paths.items():
+            path.write_text("kept\n")  # what the other process wrote
+            for mode in ("a", "w"):
+                with pytest.raises(ValueError, match=f"{cls.__name__}: {path} is already written by a sink of another "
+                                                     "process"):
+                    cls(path, mode=mode)
+            assert path.read_text() == "kept\n"
+    finally:
+        child.communicate("", timeout=60)
+    assert child.returncode == 0
+    for cls, path in paths.items():  # closed there: free here
+        with cls(path, mode="w") as sink:
+            sink.log(plain, 0)

@@ -29,7 +29,9 @@ The file, and what is already in it:
 * ``mode="w"`` overwrites the file when the sink is made.
 * The path is made absolute when the sink is made, so a later ``os.chdir`` changes nothing.
 * One file, one writer: making a sink for a file that an open sink of this process writes (by any path to it:
-  symbolic or hard links included) raises ``ValueError`` naming the path (close the first sink to free it).
+  symbolic or hard links included) raises ``ValueError`` naming the path (close the first sink to free it); so does
+  a regular file that a sink of another process holds open (on POSIX systems, by ``flock``: another rank given the
+  same path), before the file is read or overwritten.
 * A pipe or a device (``/dev/stdout``) is only written to, never read nor rewritten: there a key that first appears
   at a later step makes :class:`CSVSink` write its whole, wider header again, as a line of its own, before the row.
   Widening a regular file replaces it with the rewritten copy (through a symbolic link, the file the link names);
@@ -138,14 +140,18 @@ class _FileSink:
             return
         self._claim()
         try:
-            resumed = mode == "a" and _has_content(self.path)
-            if resumed:
-                self._resume()
-            self._file = open(self.path, mode, newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+            # Opened without truncating it, and locked, before anything is read or overwritten: a file another process
+            # writes (another rank given the same path) is refused untouched.
+            self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
             st = os.fstat(self._file.fileno())
             self._regular = stat.S_ISREG(st.st_mode)
             self._hold([f"inode:{st.st_dev}:{st.st_ino}"])  # a file made just now: its hard links are it too
-            if resumed:
+            if self._regular:
+                self._lock()
+                if mode == "w":
+                    self._file.truncate(0)
+            if mode == "a" and _has_content(self.path):
+                self._resume()
                 self._end_cut_line()
         except BaseException:
             if self._file is not None:
@@ -182,6 +188,27 @@ class _FileSink:
             for key in keys:
                 _WRITERS[key] = self
         self._keys += [k for k in keys if k not in self._keys]
+
+    def _lock(self) -> None:
+        """Lock the file (``flock``) for as long as this sink holds it open, or raise when another process holds it:
+        two processes appending to one file interleave their rows, and one's widening drops the other's. Where the
+        system has no such lock (Windows) or the file system refuses it, the file is written unlocked."""
+        assert self._file is not None
+        try:
+            import fcntl
+        except ImportError:
+            return
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"{type(self).__name__}: {self.path} is already written by a sink of another process (another rank "
+                "given the same path?); give each process its own path, or let one rank write (log_rank=0, "
+                "stage_group=, group=)"
+            ) from None
+        except OSError as exc:
+            logger.debug("torch_gradstats: %s cannot lock %s (%s); written unlocked", type(self).__name__, self.path,
+                         exc)
 
     def _release(self) -> None:
         with _WRITERS_LOCK:
@@ -351,6 +378,7 @@ class CSVSink(_FileSink):
                     os.remove(tmp)
         self._file.close()  # the replaced file's, already flushed
         self._file = open(target, "a", newline="", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._lock()
         st = os.fstat(self._file.fileno())
         # The new file's inode is this sink's; the replaced one's is free (the system may give its number to a file
         # made next).
