@@ -6,8 +6,10 @@ leaves every logged row readable."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +79,65 @@ def test_an_int_too_large_for_a_float_is_an_error_naming_it(tmp_path: Path) -> N
     with JSONLSink(tmp_path / "h.jsonl") as j:  # JSON and CSV keep every digit
         j.log(report, 0)
     assert json.loads((tmp_path / "h.jsonl").read_text())["huge"] == 10**400
+
+
+_KILLED_CHILD = """
+import os, signal, sys
+import torch, torch_gradstats as tg
+from torch_gradstats.integrations import CSVSink, JSONLSink
+from torch_gradstats.integrations.tensorboard import TensorBoardSink
+root = sys.argv[1]
+m = torch.nn.Linear(3, 2)
+m(torch.ones(4, 3)).sum().backward()
+report = tg.grad_stats(m.named_parameters()).report()
+sinks = [CSVSink(os.path.join(root, "g.csv")), JSONLSink(os.path.join(root, "g.jsonl")),
+         CSVSink(os.path.join(root, "every3.csv"), flush_every=3)]
+tb = TensorBoardSink(os.path.join(root, "tb"))
+for step in range(4):
+    for sink in sinks:
+        sink.log(report, step)
+    tb.log(report, step)
+    if step == 2:
+        tb.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="SIGKILL: POSIX systems")
+def test_a_process_killed_mid_run_keeps_every_flushed_row_and_the_files_resume(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(tmp_path)], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    with open(tmp_path / "g.csv", newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2", "3"]  # flushed at every row
+    assert [json.loads(x)["step"] for x in (tmp_path / "g.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    with open(tmp_path / "every3.csv", newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2"]  # the last flush: after step 2
+    if importlib.util.find_spec("tensorboard") is not None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(tmp_path / "tb"))
+        acc.Reload()
+        for tag in metrics(_report()):  # every figure up to the flush
+            assert [e.step for e in acc.Scalars(tag)][:3] == [0, 1, 2], tag
+
+    # The run resumed into the same files, with a key it did not have (clipping starts).
+    model = nn.Linear(3, 2)
+    model(torch.ones(4, 3)).sum().backward()
+    clipped = tg.clip_grad_norm_(model.named_parameters(), max_norm=0.1).report()
+    with CSVSink(tmp_path / "g.csv") as c, JSONLSink(tmp_path / "g.jsonl") as j:
+        c.log(clipped, 4)
+        j.log(clipped, 4)
+    with open(tmp_path / "g.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames is not None and reader.fieldnames.count("step") == 1  # one header
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert [r["clip_coef"] for r in rows] == ["", "", "", "", repr(clipped.clip_coef)]
+    assert [r["total_norm"] for r in rows][-1] == repr(clipped.total_norm)
+    lines = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3, 4] and lines[-1]["clip_coef"] == clipped.clip_coef
