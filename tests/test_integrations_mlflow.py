@@ -352,3 +352,16 @@ def test_the_documented_example_runs_and_prints_what_it_says(tmp_path: Path) -> 
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == said and said
     assert (tmp_path / "mlruns").is_dir()
+
+
+def test_a_key_mlflow_takes_keeps_its_name_beside_one_changed_onto_it() -> None:
+    model = nn.ModuleDict({"a:b": nn.Linear(1, 1, bias=False), "a_b": nn.Linear(1, 1, bias=False)})
+    model["a:b"](torch.ones(1, 1)).sum().backward()
+    model["a_b"](2 * torch.ones(1, 1)).sum().backward()
+    report = tg.grad_stats(model.named_parameters()).report()
+    with mlflow.start_run() as run, MLflowSink() as sink:
+        sink.log(report, 0)
+    assert _history(run.info.run_id, "grad/norm/a_b.weight") == [(0, 2.0)]  # its own name, though it comes second
+    assert _history(run.info.run_id, "grad/norm/a_b.weight_2") == [(0, 1.0)]
+    assert sink.key("grad/norm/a:b.weight") == "grad/norm/a_b.weight_2"
+

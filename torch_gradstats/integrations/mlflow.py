@@ -33,8 +33,9 @@ Our keys (``grad/norm/<name>``, ``group/<g>/norm``, Lightning's ``grad_2.0_norm/
 as they are; only what MLflow rejects is changed, by :func:`mlflow_key`: another character (``:`` included, so a
 key is the same on every platform) becomes ``_``, an empty / ``.`` / ``..`` part becomes ``_`` / ``_`` / ``__``
 (and a leading ``..`` becomes ``_.``), and a key over 250 characters keeps its first 124 and last 124 joined by
-``--``. Should two keys of a sink end up the same, the later one gets ``_2``, ``_3``... Each changed key is named
-once in a warning on the ``torch_gradstats`` logger.
+``--``. Should two keys of a sink end up the same, the later one gets ``_2``, ``_3``...; within one report, a key
+MLflow takes as it is comes first (it keeps its name beside a changed key that precedes it). Each changed key is
+named once in a warning on the ``torch_gradstats`` logger.
 
 ``mlflow`` (``pip install mlflow-skinny``, or ``torch_gradstats[integrations]``) is imported at the first ``log``,
 not when this module is imported.
@@ -167,6 +168,9 @@ class MLflowSink:
         if self._client is None:
             self._client = MlflowClient()
         stamp = int(time.time() * 1000)
+        for k in values:  # the keys MLflow takes as they are keep them, whichever comes first
+            if k not in self._keys and mlflow_key(k) == k and k not in self._taken:
+                self.key(k)
         batch = [Metric(self.key(k), v, stamp, int(step)) for k, v in values.items()]
         tags = []
         g = grad_report(report)
