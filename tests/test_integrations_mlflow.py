@@ -365,3 +365,14 @@ def test_a_key_mlflow_takes_keeps_its_name_beside_one_changed_onto_it() -> None:
     assert _history(run.info.run_id, "grad/norm/a_b.weight_2") == [(0, 1.0)]
     assert sink.key("grad/norm/a:b.weight") == "grad/norm/a_b.weight_2"
 
+
+def test_a_run_the_sink_started_ends_failed_when_its_with_block_raises() -> None:
+    plain, _, _ = _reports()
+    with pytest.raises(RuntimeError, match="the user's step"), MLflowSink() as sink:
+        sink.log(plain, 0)
+        raise RuntimeError("the user's step failed")
+    assert mlflow.active_run() is None
+    assert MlflowClient().get_run(sink.own_run_id).info.status == "FAILED"
+    with MLflowSink() as sink:
+        sink.log(plain, 0)
+    assert MlflowClient().get_run(sink.own_run_id).info.status == "FINISHED"

@@ -20,7 +20,9 @@ the run's tags ``grad/first_nonfinite`` and ``grad/first_nonfinite_step``, once.
 Which run (the ownership rule): ``run_id`` when given; else the run active when ``log`` is called
 (``mlflow.active_run()``); else, with no run active, the sink starts one (``mlflow.start_run()``, as
 ``mlflow.log_metrics`` would) and owns it. :meth:`MLflowSink.close` waits for any asynchronous batch still pending and
-ends only a run the sink started; a run given by ``run_id`` or started by you stays open.
+ends only a run the sink started; a run given by ``run_id`` or started by you stays open. Used as a context manager,
+the sink ends its own run ``FAILED`` when the block raised (as ``with mlflow.start_run():`` does), else
+``FINISHED``.
 
 Non-finite values: NaN and +-Inf are logged as they are; MLflow accepts them. The local file store reads them back
 exactly; a database store (``sqlite:///...``, a server backed by one) reads NaN back as NaN and +-Inf as
@@ -194,6 +196,9 @@ class MLflowSink:
 
     def close(self) -> None:
         """Flush, and end the run only if this sink started it (a second call does nothing)."""
+        self._close("FINISHED")
+
+    def _close(self, status: str) -> None:
         if self._closed:
             return
         self._closed = True
@@ -203,14 +208,15 @@ class MLflowSink:
 
             active = mlflow.active_run()
             if active is not None and active.info.run_id == self.own_run_id:
-                mlflow.end_run()
+                mlflow.end_run(status)
             else:  # no longer the active run: end it by id, leaving the active one alone
                 from mlflow.tracking import MlflowClient
 
-                (self._client or MlflowClient()).set_terminated(self.own_run_id)
+                (self._client or MlflowClient()).set_terminated(self.own_run_id, status)
 
     def __enter__(self) -> Any:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # As mlflow.start_run() as a context manager: a run this sink started ends FAILED when the block raised.
+        self._close("FINISHED" if exc_type is None else "FAILED")
