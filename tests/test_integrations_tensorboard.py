@@ -185,3 +185,9 @@ def test_a_step_that_is_no_int_is_refused_not_truncated(tmp_path: Path) -> None:
                 sink.log(_report(), step)  # type: ignore[arg-type]
         sink.log(_report(), np.int64(2))  # type: ignore[arg-type]
     assert list(_scalar(_events(tmp_path), "grad/total_norm")) == [2]
+
+
+@pytest.mark.parametrize("writer", [None, 42, object()], ids=["None", "int", "object"])
+def test_a_writer_that_is_no_summary_writer_is_refused_when_the_sink_is_made(writer: object) -> None:
+    with pytest.raises(TypeError, match="TensorBoardSink: writer must be a SummaryWriter .* or a log directory, got a"):
+        TensorBoardSink(writer)

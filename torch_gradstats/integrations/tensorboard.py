@@ -81,6 +81,9 @@ class TensorBoardSink:
             writer = SummaryWriter(str(writer)) if self.writes else None
             end = None if writer is None else writer.close
         else:
+            if self.writes and not callable(getattr(writer, "add_scalar", None)):
+                raise TypeError("TensorBoardSink: writer must be a SummaryWriter (something with add_scalar, "
+                                f"add_histogram and add_text) or a log directory, got a {type(writer).__name__}")
             end = getattr(writer, "flush", None) if self.writes else None
         self.writer: Any = writer
         self._closed = False
