@@ -141,3 +141,14 @@ def test_a_process_killed_mid_run_keeps_every_flushed_row_and_the_files_resume(t
     assert [r["total_norm"] for r in rows][-1] == repr(clipped.total_norm)
     lines = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3, 4] and lines[-1]["clip_coef"] == clipped.clip_coef
+
+
+
+@pytest.mark.parametrize("cls", [CSVSink, JSONLSink])
+def test_a_figure_named_step_is_refused_not_written_over_the_step(tmp_path: Path, cls: type) -> None:
+    with cls(tmp_path / "s") as sink:
+        with pytest.raises(ValueError, match=f"{cls.__name__}.log: the report has a figure named 'step'"):
+            sink.log(_report(step=99.0), 5)
+        sink.log(_report(steps=99.0), 6)
+    text = (tmp_path / "s").read_text()
+    assert "99.0" in text and text.count("\n") == (2 if cls is CSVSink else 1)  # the header (CSV) and step 6

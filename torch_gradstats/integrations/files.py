@@ -237,9 +237,11 @@ class _FileSink:
                 f"{type(self).__name__}.log: report must be a GradReport or an UpdateReport, got a "
                 f"{type(report).__name__}"
             )
-        row: dict[str, Any] = {"step": int(step)}
-        row.update(plain_values(report.to_dict(self.prefix, self.per_param, self.style)))
-        return row
+        values = plain_values(report.to_dict(self.prefix, self.per_param, self.style))
+        if "step" in values:  # it would overwrite the step column
+            raise ValueError(f"{type(self).__name__}.log: the report has a figure named 'step' (in its extra?), the "
+                             "name of the step column; give the figure another name")
+        return {"step": int(step), **values}
 
     def _new_columns(self, row: dict[str, Any]) -> list[str]:
         new = [k for k in row if k not in self._known]
