@@ -331,6 +331,19 @@ def test_appending_to_a_file_that_is_no_csv_names_it_and_keeps_it(tmp_path: Path
     CSVSink(path, mode="w").close()  # the path was not kept by the refused sink
 
 
+@pytest.mark.parametrize("content", ['{"step": 0, "total_norm": 1.5}\n', "epoch,loss\n0,1.5\n"], ids=["jsonl", "csv"])
+def test_appending_to_a_file_no_csv_sink_wrote_names_it_and_keeps_it(tmp_path: Path, content: str) -> None:
+    plain, _, _ = _reports()
+    path = tmp_path / "other"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"CSVSink: cannot append to {path}: its first line .* is no header this sink "
+                                         "wrote .*start with 'step'"):
+        CSVSink(path)
+    assert path.read_text() == content  # not rewritten as cells of a wider header
+    with CSVSink(path, mode="w") as sink:
+        sink.log(plain, 0)
+
+
 # --- the path -----------------------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,8 @@ change.
 The file, and what is already in it:
 
 * ``mode="a"`` (the default) appends: a run resumed with the same path keeps every earlier row. A CSV file that
-  already has a header (a non-empty regular file) keeps it and widens it when the new rows bring more columns; a
+  already has a header (a non-empty regular file) keeps it and widens it when the new rows bring more columns (a
+  file whose first line is no header of this sink's, whose first cell is not ``step``, is refused untouched); a
   JSON Lines file continues the key order of its last line.
 * ``mode="w"`` overwrites the file when the sink is made.
 * The path is made absolute when the sink is made, so a later ``os.chdir`` changes nothing.
@@ -304,6 +305,13 @@ class CSVSink(_FileSink):
                 f"CSVSink: cannot append to {self.path}: its first line is no CSV header ({exc}); give mode='w' to "
                 "overwrite it, or another path"
             ) from None
+        if header[:1] != ["step"]:  # not a file of this sink's: widening it would rewrite its every line as cells
+            first = ",".join(header)
+            first = first[:60] + "..." if len(first) > 60 else first
+            raise ValueError(
+                f"CSVSink: cannot append to {self.path}: its first line ({first!r}) is no header this sink wrote "
+                "(they start with 'step'); give mode='w' to overwrite it, or another path"
+            )
         self.columns = list(header)
         self._known = set(header)
         self._has_header = True
