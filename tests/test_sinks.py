@@ -179,9 +179,9 @@ def test_a_sink_that_raises_keeps_the_report_from_no_other_sink(tmp_path: Path,
 
     plain = _reports()[0]
     first, second = OSError("disk full"), RuntimeError("connection lost")
-    with CSVSink(tmp_path / "s.csv") as c, JSONLSink(tmp_path / "s.jsonl") as j:
-        with caplog.at_level("ERROR", logger="torch_gradstats"), pytest.raises(OSError, match="disk full") as info:
-            log_to([_Failing(first), c, _Failing(second), j], plain, 7)
+    with CSVSink(tmp_path / "s.csv") as c, JSONLSink(tmp_path / "s.jsonl") as j, \
+            caplog.at_level("ERROR", logger="torch_gradstats"), pytest.raises(OSError, match="disk full") as info:
+        log_to([_Failing(first), c, _Failing(second), j], plain, 7)
     assert info.value is first
     assert "sink [0] (a _Failing) raised at step 7: OSError: disk full" in caplog.text
     assert "sink [2] (a _Failing) raised at step 7: RuntimeError: connection lost" in caplog.text
@@ -211,3 +211,15 @@ def test_trainer_log_to_gives_the_report_to_every_sink_before_raising(tmp_path: 
             trainer.train_epoch(loader)
     with open(tmp_path / "t.csv", newline="") as f:
         assert [r["step"] for r in csv.DictReader(f)] == ["0"]
+
+
+def test_log_to_refuses_what_is_no_list_of_sinks_before_any_sink_writes(tmp_path: Path) -> None:
+    from torch_gradstats.integrations import log_to
+
+    plain = _reports()[0]
+    with CSVSink(tmp_path / "one.csv") as sink:
+        with pytest.raises(TypeError, match="log_to must be a list of sinks"):
+            log_to(sink, plain, 0)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"log_to\[1\] is a NoneType without a log\(report, step\) method"):
+            log_to([sink, None], plain, 0)  # type: ignore[list-item]
+    assert (tmp_path / "one.csv").read_text() == ""

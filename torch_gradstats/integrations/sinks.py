@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch_gradstats.monitors.updates import UpdateReport
 from torch_gradstats.stats.gradients import GradReport
 from torch_gradstats.stats.report import STYLES
-from torch_gradstats.training._args import send_to_sinks
+from torch_gradstats.training._args import check_sinks, send_to_sinks
 
 __all__ = ["AnyReport", "GradSink", "check_style", "finite_values", "grad_report", "log_to", "metrics",
            "nonfinite_index", "plain_values"]
@@ -113,7 +113,7 @@ def log_to(sinks: list[GradSink], report: AnyReport, step: int) -> None:
     """Send one report to every sink (what ``Trainer(log_to=[...])`` does at each logging step). A sink that raises
     does not keep the report from the others: every sink is called, then the first error is raised (each failing
     sink is named on the ``torch_gradstats`` logger)."""
-    send_to_sinks(sinks, report, step)
+    send_to_sinks(check_sinks(sinks), report, step)  # a list of objects with a log method, or a TypeError
 
 
 def finite_values(values: list[float]) -> list[float]:
