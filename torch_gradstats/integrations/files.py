@@ -19,7 +19,7 @@ A key that first appears at a later step (a new parameter, ``clip_coef`` once cl
   the lines before it, in the same order, then its new ones.
 
 A key missing at a later step is an empty cell (CSV) or ``null`` (JSON Lines), so columns and key order never
-change.
+change. A figure named ``step`` (in ``report.extra``) is a ``ValueError``: it would overwrite the step.
 
 The file, and what is already in it:
 
