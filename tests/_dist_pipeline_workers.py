@@ -199,6 +199,11 @@ def sinks_write_on_one_rank(rank: int, world: int) -> None:
                     sink.writer.close()
             else:
                 sink.close()
+                try:  # closed: log raises on every rank, the writing one or not
+                    sink.log(rep, 2)
+                    raise AssertionError(f"{type(sink).__name__}.log after close was accepted on rank {rank}")
+                except ValueError as exc:
+                    assert "closed" in str(exc), exc
         dist.barrier()
         if rank == 0:
             made = sorted(os.listdir(root))

@@ -135,6 +135,7 @@ class _FileSink:
         self._since_flush = 0
         self._keys: list[str] = []  # what this sink holds in _WRITERS
         self._regular = True  # the file is a regular file (a pipe or a device cannot be rewritten)
+        self._closed = False
         #: whether this process writes (False on the ranks other than the logging rank; see the module docstring)
         self.writes = writes_here(who, stage_group, group, log_rank)
         if not self.writes:
@@ -228,7 +229,7 @@ class _FileSink:
             self._file.write("\n")
 
     def _row(self, report: AnyReport, step: int) -> dict[str, Any]:
-        if self._file is None:
+        if self._file is None:  # closed (a rank that does not write returned before)
             raise ValueError(f"{type(self).__name__}: {self.path} is closed")
         # A float step would be truncated (1.7 written as 1), a str written as given: both are refused.
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
@@ -263,6 +264,7 @@ class _FileSink:
     def close(self) -> None:
         """Flush and close the file. The file is closed (and its path freed) even when this last flush fails; that
         error is raised, once: a second call does nothing."""
+        self._closed = True
         file, self._file = self._file, None
         try:
             if file is not None:
@@ -331,6 +333,8 @@ class CSVSink(_FileSink):
             super()._end_cut_line()
 
     def log(self, report: AnyReport, step: int) -> None:
+        if self._closed:  # on every rank, writing or not
+            raise ValueError(f"{type(self).__name__}: {self.path} is closed")
         if not self.writes:
             return
         row = self._row(report, step)
@@ -445,6 +449,8 @@ class JSONLSink(_FileSink):
             self._known = set(self.columns)
 
     def log(self, report: AnyReport, step: int) -> None:
+        if self._closed:  # on every rank, writing or not
+            raise ValueError(f"{type(self).__name__}: {self.path} is closed")
         if not self.writes:
             return
         row = self._row(report, step)
