@@ -506,3 +506,40 @@ def test_a_file_another_process_writes_is_refused_untouched(tmp_path: Path) -> N
     for cls, path in paths.items():  # closed there: free here
         with cls(path, mode="w") as sink:
             sink.log(plain, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX systems")
+@pytest.mark.parametrize("cls", SINKS)
+def test_a_forked_child_neither_keeps_the_file_locked_nor_writes_to_it(tmp_path: Path, cls: type) -> None:
+    plain, _, _ = _reports()
+    path = tmp_path / "g"
+    sink = cls(path, flush_every=10)
+    sink.log(plain, 0)  # still in the sink's buffer, which the child copies
+    ready, go = os.pipe()
+    started, up = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (a DataLoader worker, say)
+        code = 3
+        try:
+            try:
+                sink.log(plain, 1)
+                code = 1
+            except ValueError as exc:
+                code = 0 if "was opened by the process this one was forked from" in str(exc) else 2
+            sink.close()  # its copy of the buffer goes nowhere
+            os.write(up, b"x")
+            os.read(ready, 1)  # alive, with its copies of the descriptors, until the parent has reopened the file
+        finally:
+            os._exit(code)
+    try:
+        os.read(started, 1)
+        sink.close()
+        with cls(path) as again:  # not refused as "written by another process"
+            again.log(plain, 2)
+    finally:
+        os.write(go, b"x")
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    lines = path.read_text().splitlines()
+    steps = [r["step"] for r in _csv_rows(path)[1]] if cls is CSVSink else [json.loads(x)["step"] for x in lines]
+    assert steps == (["0", "2"] if cls is CSVSink else [0, 2])  # the child wrote no copy of step 0

@@ -32,7 +32,8 @@ The file, and what is already in it:
 * One file, one writer: making a sink for a file that an open sink of this process writes (by any path to it:
   symbolic or hard links included) raises ``ValueError`` naming the path (close the first sink to free it); so does
   a regular file that a sink of another process holds open (on POSIX systems, by ``flock``: another rank given the
-  same path), before the file is read or overwritten.
+  same path), before the file is read or overwritten. A child made by ``fork`` (a DataLoader worker) holds neither
+  the lock nor the file: its copies of the sinks refuse to log.
 * A pipe or a device (``/dev/stdout``) is only written to, never read nor rewritten: there a key that first appears
   at a later step makes :class:`CSVSink` write its whole, wider header again, as a line of its own, before the row.
   Widening a regular file replaces it with the rewritten copy (through a symbolic link, the file the link names);
@@ -77,6 +78,29 @@ logger = logging.getLogger("torch_gradstats")
 #: a sink dropped without close() frees its path along with its file.
 _WRITERS: weakref.WeakValueDictionary[str, _FileSink] = weakref.WeakValueDictionary()
 _WRITERS_LOCK = threading.Lock()
+
+
+def _detach_in_child() -> None:
+    """In a child made by ``fork`` (a DataLoader worker, say): the child holds copies of every open sink's file
+    descriptor, and with them the sink's lock, which would outlive the parent's ``close``. Each copy is pointed at
+    the null device (what the child's copy of a sink would flush, rows the parent also holds, goes nowhere) and the
+    child's sinks refuse to log."""
+    global _WRITERS_LOCK
+    _WRITERS_LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+    sinks = {id(sink): sink for sink in list(_WRITERS.values())}
+    _WRITERS.clear()
+    if not sinks:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for sink in sinks.values():
+            sink._detach(null)
+    finally:
+        os.close(null)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_detach_in_child)
 
 
 def strict_json(value: Any) -> Any:
@@ -136,6 +160,7 @@ class _FileSink:
         self._keys: list[str] = []  # what this sink holds in _WRITERS
         self._regular = True  # the file is a regular file (a pipe or a device cannot be rewritten)
         self._closed = False
+        self._forked = False  # this process is a fork of the one that opened the file
         #: whether this process writes (False on the ranks other than the logging rank; see the module docstring)
         self.writes = writes_here(who, stage_group, group, log_rank)
         if not self.writes:
@@ -211,6 +236,22 @@ class _FileSink:
         except OSError as exc:
             logger.debug("torch_gradstats: %s cannot lock %s (%s); written unlocked", type(self).__name__, self.path,
                          exc)
+
+    def _detach(self, null: int) -> None:
+        """In a forked child: point this sink's descriptor at ``null`` (see :func:`_detach_in_child`)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(null, self._file.fileno())
+        self._keys = []
+        self._forked = True
+
+    def _check_open(self) -> None:
+        """Raise when ``log`` may not write: after ``close`` (on every rank, writing or not), or in a forked child."""
+        if self._forked:
+            raise ValueError(f"{type(self).__name__}: {self.path} was opened by the process this one was forked from; "
+                             "make a sink of its own in this process (another path)")
+        if self._closed:
+            raise ValueError(f"{type(self).__name__}: {self.path} is closed")
 
     def _release(self) -> None:
         with _WRITERS_LOCK:
@@ -333,8 +374,7 @@ class CSVSink(_FileSink):
             super()._end_cut_line()
 
     def log(self, report: AnyReport, step: int) -> None:
-        if self._closed:  # on every rank, writing or not
-            raise ValueError(f"{type(self).__name__}: {self.path} is closed")
+        self._check_open()
         if not self.writes:
             return
         row = self._row(report, step)
@@ -449,8 +489,7 @@ class JSONLSink(_FileSink):
             self._known = set(self.columns)
 
     def log(self, report: AnyReport, step: int) -> None:
-        if self._closed:  # on every rank, writing or not
-            raise ValueError(f"{type(self).__name__}: {self.path} is closed")
+        self._check_open()
         if not self.writes:
             return
         row = self._row(report, step)
