@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +194,27 @@ def test_a_step_that_is_no_int_is_refused_not_truncated(tmp_path: Path) -> None:
 def test_a_writer_that_is_no_summary_writer_is_refused_when_the_sink_is_made(writer: object) -> None:
     with pytest.raises(TypeError, match="TensorBoardSink: writer must be a SummaryWriter .* or a log directory, got a"):
         TensorBoardSink(writer)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX systems")
+def test_a_forked_child_ends_without_touching_the_writer(tmp_path: Path) -> None:
+    sink = TensorBoardSink(tmp_path)
+    for step in range(3):  # events queued for the writer's thread, which a forked child does not have
+        sink.log(_report(), step)
+    end = sink._end  # what the end of a process runs
+    assert end is not None
+    pid = os.fork()
+    if pid == 0:
+        try:
+            end()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung closing its copy of the writer")
+        time.sleep(0.05)
+    sink.close()
+    assert list(_scalar(_events(tmp_path), "grad/total_norm")) == [0, 1, 2]

@@ -40,7 +40,9 @@ Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_r
 from __future__ import annotations
 
 import numbers
+import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch_gradstats.integrations._logging_rank import writes_here
@@ -90,7 +92,7 @@ class TensorBoardSink:
         # At close(), at the end of the process or when the sink is dropped: a writer the sink made is closed, yours
         # flushed. A SummaryWriter's events wait in a queue that a daemon thread writes: never closed, the last ones
         # are lost at exit.
-        self._end = weakref.finalize(self, end) if callable(end) else None
+        self._end = weakref.finalize(self, _end_writer, os.getpid(), end) if callable(end) else None
         self.prefix = prefix
         self.per_param = per_param
         self.histograms = histograms
@@ -152,6 +154,13 @@ class TensorBoardSink:
             self.prefix + "exponents", min=edges[first], max=edges[end], num=sum(counts), sum=0.0, sum_squares=0.0,
             bucket_limits=edges[first + 1 : end + 1], bucket_counts=list(counts), global_step=step,
         )
+
+
+def _end_writer(pid: int, end: Callable[[], Any]) -> None:
+    """Close (or flush) a sink's writer, in the process that made the sink only: a child made by ``fork`` has a copy
+    of the writer without the thread that writes its queue (closing it there could wait on that queue forever)."""
+    if os.getpid() == pid:
+        end()
 
 
 def log_step_records(writer: Any, records: Any, prefix: str = "grad/") -> None:
