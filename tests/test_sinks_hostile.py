@@ -53,6 +53,18 @@ def test_numpy_scalars_tensors_and_bools_reach_every_sink_as_numbers(tmp_path: P
                                          "np_flag": False, "np_nan": None, "array": None}
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_tensor_figure_is_read_not_dropped(tmp_path: Path) -> None:
+    report = _report(on_device=torch.tensor(2.5, device="cuda"), int_on_device=torch.tensor([7], device="cuda"))
+    got = metrics(report)
+    assert got["on_device"] == 2.5 and got["int_on_device"] == 7.0
+    with JSONLSink(tmp_path / "d.jsonl") as j:
+        j.log(report, 0)
+    line = json.loads((tmp_path / "d.jsonl").read_text())
+    assert line["on_device"] == 2.5 and line["int_on_device"] == 7
+
+
 @pytest.mark.parametrize("bad", [torch.ones(2), [1.0], {"a": 1.0}, object(), 1j],
                          ids=["tensor", "list", "dict", "object", "complex"])
 def test_a_figure_that_is_no_number_is_an_error_naming_it_and_nothing_is_written(tmp_path: Path, bad: object) -> None:
