@@ -1,7 +1,8 @@
-"""Every sink under hostile values and names, and after hostile endings: numpy scalars, tensors and bools reach
-every sink as numbers (none dropped, none written as ``tensor(...)``), anything else is an error naming its key;
-names with commas, quotes, newlines and unicode survive a CSV resumed after a crash; a process killed mid-run
-leaves every logged row readable."""
+"""The sinks under hostile figures and hostile endings: numpy scalars, tensors (on a device too) and bools reach
+every sink as numbers (none dropped, none written as ``tensor(...)``), anything else is an error naming its key, and
+so is a figure named ``step`` in the file sinks; a process killed with SIGKILL mid-run leaves every flushed row
+readable, and the run resumes into the same files. (Names that need quoting in a CSV file resumed after a crash:
+tests/test_file_sinks.py.)"""
 
 from __future__ import annotations
 
