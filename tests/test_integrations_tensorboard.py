@@ -218,3 +218,21 @@ def test_a_forked_child_ends_without_touching_the_writer(tmp_path: Path) -> None
         time.sleep(0.05)
     sink.close()
     assert list(_scalar(_events(tmp_path), "grad/total_norm")) == [0, 1, 2]
+
+
+def test_flush_every_puts_each_logged_step_on_disk_when_log_returns(tmp_path: Path) -> None:
+    report = _report()
+    writer = SummaryWriter(str(tmp_path))
+    sink = TensorBoardSink(writer, flush_every=2)
+    for step in range(4):
+        sink.log(report, step)
+        acc = _events(tmp_path)  # read while the writer is open
+        on_disk = [] if "grad/total_norm" not in acc.Tags()["scalars"] else list(_scalar(acc, "grad/total_norm"))
+        if step % 2:
+            assert set(metrics(report)) <= set(acc.Tags()["scalars"])
+            assert on_disk == list(range(step + 1))
+    writer.close()
+    for bad in (0, -1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="TensorBoardSink: flush_every must be a positive int or None"):
+            TensorBoardSink(str(tmp_path / "bad"), flush_every=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "bad").exists()

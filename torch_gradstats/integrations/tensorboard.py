@@ -28,9 +28,9 @@ Closing: a writer the sink made (``writer`` given as a log directory) is the sin
 (also as a context manager) closes it, and so does the end of the process (or the sink being dropped) when
 ``close`` was never called, so no event still queued in the writer is lost. A ``SummaryWriter`` you pass is yours:
 ``close`` flushes it and leaves it open, and the sink flushes it too at the end of the process. After ``close``,
-``log`` raises ``ValueError``. :meth:`TensorBoardSink.flush` writes every queued event now (a ``SummaryWriter``
-writes on its own every ``flush_secs``, 120 s by default: a process killed by ``SIGKILL`` loses what was logged
-since).
+``log`` raises ``ValueError``. :meth:`TensorBoardSink.flush` writes every queued event now, and ``flush_every=N`` does
+so every N ``log`` calls: a ``SummaryWriter`` writes on its own every ``flush_secs``, 120 s by default, and a process
+killed by ``SIGKILL`` (the kernel's out-of-memory killer) loses what was logged since.
 
 Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
 (:func:`torch_gradstats.distributed.reduce.is_logging_rank`: the last stage's first rank of ``group``, or global rank
@@ -66,15 +66,22 @@ class TensorBoardSink:
         histograms: also write histograms over parameters of the per-parameter norms, and the exponent histogram
             of reports read with ``histogram=True``.
         key_style: the scalar tags of ``GradReport.to_dict(style=...)`` (default: ours).
+        flush_every: flush the writer every this many ``log`` calls (1: every event on disk when ``log`` returns,
+            as a ``CSVSink`` writes its rows); None (the default): the writer's own schedule (``flush_secs``).
         stage_group, group, log_rank: which process writes (see the module docstring); none given: this one.
     """
 
     def __init__(self, writer: Any, prefix: str = "grad/", per_param: bool = True, histograms: bool = False,
-                 key_style: str = "default", *, stage_group: Any = None, group: Any = None,
-                 log_rank: int | None = None) -> None:
+                 key_style: str = "default", *, flush_every: int | None = None, stage_group: Any = None,
+                 group: Any = None, log_rank: int | None = None) -> None:
         #: whether this process writes (False on the ranks other than the logging rank)
         check_bool("TensorBoardSink: histograms", histograms)  # before a log directory is made
         check_style("TensorBoardSink", "key_style", key_style)
+        if flush_every is not None and (isinstance(flush_every, bool) or not isinstance(flush_every, numbers.Integral)
+                                        or flush_every < 1):
+            raise ValueError(f"TensorBoardSink: flush_every must be a positive int or None, got {flush_every!r}")
+        self.flush_every = None if flush_every is None else int(flush_every)
+        self._since_flush = 0
         self.writes = writes_here("TensorBoardSink", stage_group, group, log_rank)
         if isinstance(writer, str) or hasattr(writer, "__fspath__"):
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -124,9 +131,14 @@ class TensorBoardSink:
         if g.first_nonfinite is not None:
             more = f" (+{len(g.nonfinite) - 1} more)" if len(g.nonfinite) > 1 else ""
             self.writer.add_text(self.prefix + "first_nonfinite", f"{g.first_nonfinite}{more}", step)
+        if self.flush_every is not None:
+            self._since_flush += 1
+            if self._since_flush >= self.flush_every:
+                self.flush()
 
     def flush(self) -> None:
         """Write every event the writer still holds."""
+        self._since_flush = 0
         if self.writes and not self._closed and callable(getattr(self.writer, "flush", None)):
             self.writer.flush()
 
