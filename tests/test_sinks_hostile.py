@@ -106,10 +106,12 @@ report = tg.grad_stats(m.named_parameters()).report()
 sinks = [CSVSink(os.path.join(root, "g.csv")), JSONLSink(os.path.join(root, "g.jsonl")),
          CSVSink(os.path.join(root, "every3.csv"), flush_every=3)]
 tb = TensorBoardSink(os.path.join(root, "tb"))
+tb_every = TensorBoardSink(os.path.join(root, "tb_every"), flush_every=1)
 for step in range(4):
     for sink in sinks:
         sink.log(report, step)
     tb.log(report, step)
+    tb_every.log(report, step)
     if step == 2:
         tb.flush()
 os.kill(os.getpid(), signal.SIGKILL)
@@ -137,6 +139,10 @@ def test_a_process_killed_mid_run_keeps_every_flushed_row_and_the_files_resume(t
         acc.Reload()
         for tag in metrics(_report()):  # every figure up to the flush
             assert [e.step for e in acc.Scalars(tag)][:3] == [0, 1, 2], tag
+        acc = EventAccumulator(str(tmp_path / "tb_every"))
+        acc.Reload()
+        for tag in metrics(_report()):  # flush_every=1: every figure of every step
+            assert [e.step for e in acc.Scalars(tag)] == [0, 1, 2, 3], tag
 
     # The run resumed into the same files, with a key it did not have (clipping starts).
     model = nn.Linear(3, 2)
