@@ -352,8 +352,8 @@ class StatsTaker:
         try:
             report = stats.report(self.k, policy=self.policy, groups=groups, extra=extra)
         except SpikeStreakError as error:
-            if inc is not None and inc.recorder is not None:
-                inc.dump_on_error(inc.recorder.steps - 1, error)
+            if inc is not None and inc.recorder is not None and inc.last_step is not None:
+                inc.dump_on_error(inc.last_step, error)  # the optimizer step, which goes on in a resumed run
             raise
         self.policy_figures = dict(grad_report(report).extra)
         return report

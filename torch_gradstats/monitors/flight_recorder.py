@@ -128,6 +128,7 @@ class FlightRecorder:
         self._floats: Tensor | None = None  # [capacity, n_floats] float64
         self._ints: Tensor | None = None  # [capacity, n_ints] int64
         self._has_loss: list[bool] = [False] * self.capacity  # known on the host: no device value needed
+        self._step_of: list[int] = [0] * self.capacity  # each slot's step number, known on the host
         # per slot, the groups the step had when some of the ring's groups had no gradient (None: all of them)
         self._present: list[frozenset[str] | None] = [None] * self.capacity
         self._group_index: tuple[tuple[str, ...], Tensor] | None = None  # the last such step's slots, kept
@@ -141,7 +142,7 @@ class FlightRecorder:
         return None if self._floats is None else self._floats.device
 
     def record(self, stats: GradStats | GroupStats, *, loss: Tensor | float | None = None,
-               guard: Any = None, clip: Any = None, groups: GroupStats | None = None) -> None:
+               guard: Any = None, clip: Any = None, groups: GroupStats | None = None, step: int | None = None) -> None:
         """Append a step: ``stats``'s totals (and its per-group figures if it is a :class:`GroupStats`, or those of
         ``groups``; a GroupStats from ``GradStats.grouped`` gives the totals of every parameter, grouped or not,
         any other its groups' sums), the loss, and the figures of ``guard`` (a :class:`SpikeGuard`) and ``clip`` (an
@@ -149,7 +150,12 @@ class FlightRecorder:
         the groups may change: a group without a gradient at a step (its parameters frozen or unused) has None
         figures for that step, and a group seen for the first time (a layer unfrozen later) is added to the ring,
         with None figures for the steps before it (a one-time reallocation of the ring, on the device).
+
+        ``step`` is the row's ``step`` (an int >= 0, the caller's own count, e.g. the optimizer step, which goes on
+        across a resumed run); None: the number of ``record`` calls before this one.
         """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
+            raise ValueError(f"FlightRecorder.record: step must be an int >= 0 or None, got {step!r}")
         if isinstance(stats, GroupStats):
             if groups is not None:
                 raise ValueError("FlightRecorder.record: stats is already a GroupStats; pass groups= only with a "
@@ -190,6 +196,7 @@ class FlightRecorder:
         self._floats[slot].copy_(torch.cat([to_device(t.reshape(-1).to(torch.float64), device) for t in floats]))
         self._ints[slot].copy_(torch.cat([to_device(t.reshape(-1).to(torch.int64), device) for t in ints]))
         self._has_loss[slot] = loss is not None
+        self._step_of[slot] = self.steps if step is None else int(step)
         self._present[slot] = present
         self.steps += 1
 
@@ -295,16 +302,17 @@ class FlightRecorder:
     # ------------------------------------------------------------------------------------------- host side
     def to_dicts(self) -> list[dict[str, Figure]]:
         """The last ``min(steps, capacity)`` steps, oldest first, in ONE device-to-host transfer: dicts with
-        ``step`` (0-based), ``loss`` (None when not given) and the step's figures (see the module docstring)."""
+        ``step`` (the ``step`` given to :meth:`record`, else 0-based, counting ``record`` calls), ``loss`` (None when
+        not given) and the step's figures (see the module docstring)."""
         if self._layout is None or self._floats is None or self._ints is None:
             return []
         floats, ints = to_host([self._floats], [self._ints])
         nf, ni = self._layout.n_floats, self._layout.n_ints
         out = []
-        for step in range(self.steps - len(self), self.steps):
-            slot = step % self.capacity
+        for n in range(self.steps - len(self), self.steps):
+            slot = n % self.capacity
             f, i = floats[slot * nf:(slot + 1) * nf], ints[slot * ni:(slot + 1) * ni]
-            row: dict[str, Figure] = {"step": step, "loss": f[2] if self._has_loss[slot] else None}
+            row: dict[str, Figure] = {"step": self._step_of[slot], "loss": f[2] if self._has_loss[slot] else None}
             row.update(self._layout.read(f[:2] + f[3:], i, self._present[slot]))  # f[2]: the loss
             out.append(row)
         return out

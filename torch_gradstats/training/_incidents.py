@@ -70,6 +70,7 @@ class StepIncidents:
         self._count = 0
         self._examples: Tensor | None = None  # float64 [3]: the last step's max, median, max / median
         self.last_dump: Path | None = None  #: the last flight recorder file written
+        self.last_step: int | None = None  #: the step of the last :meth:`note` (the caller's optimizer step)
 
     def begin_step(self) -> None:
         """A new optimizer step starts: forget the examples recorded so far."""
@@ -89,8 +90,9 @@ class StepIncidents:
         if stats is None or not len(stats.names):
             return
         device = stats.total_norm.device
+        self.last_step = step
         if self.recorder is not None:
-            self.recorder.record(stats, loss=loss, guard=guard, clip=clip)
+            self.recorder.record(stats, loss=loss, guard=guard, clip=clip, step=step)
         row = torch.full((_WIDTH,), math.nan, dtype=torch.float64, device=device)
         row[_STEP] = step
         row[_SKIPPED] = 0.0 if skipped is None else (skipped.reshape(()).to(device) != 0).to(torch.float64)

@@ -1,0 +1,161 @@
+"""Checkpoint and resume: a run stopped at step k, every state the library offers saved (``torch.save``, loaded with
+``weights_only=True``) and restored into fresh objects, makes the same decisions and logs the same figures as the run
+that never stopped.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import io
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import torch_gradstats as tg
+from torch_gradstats import FlightRecorder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def saved(state: Any) -> Any:
+    """``state`` through ``torch.save`` and ``torch.load(weights_only=True)``."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------- the flight recorder
+def _tiny_trainer(dump_dir: Path, spike_at: int) -> tg.Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def after_backward(tr: tg.Trainer) -> None:
+        if tr.global_step == spike_at:
+            for p in tr.model.parameters():
+                assert p.grad is not None
+                p.grad.mul_(1e3)
+
+    return tg.Trainer(model, opt, nn.functional.mse_loss, progress=False, after_backward=after_backward,
+                      spike_guard=tg.SpikeGuard(window=8, min_history=3),
+                      flight_recorder=FlightRecorder(4, dump_dir=dump_dir))
+
+
+def _epoch_data() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 4, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)  # 6 steps an epoch
+
+
+def test_trainer_flight_recorder_dump_after_a_resume_is_the_uninterrupted_runs(tmp_path: Path,
+                                                                                caplog: pytest.LogCaptureFixture):
+    """A Trainer with a SpikeGuard and a FlightRecorder of 4 steps, a spike at optimizer step 9 of 12, found at the
+    epoch's end. Resumed after the first epoch (step 6) into fresh objects, it dumps the spike to the same
+    ``flight-9.jsonl`` with the same rows, steps 8 to 11 (the recorder counted its own records: 2 to 5)."""
+    full = _tiny_trainer(tmp_path / "full", spike_at=9)
+    loader = _epoch_data()
+    full.train_epoch(loader)
+    state = saved({"model": full.model.state_dict(), "optimizer": full.optimizer.state_dict(),
+                   "guard": full.spike_guard.state_dict() if full.spike_guard else None, "step": full.global_step,
+                   "epoch": full.epoch})
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        full.train_epoch(loader)
+    resumed = _tiny_trainer(tmp_path / "resumed", spike_at=9)
+    resumed.model.load_state_dict(state["model"])
+    resumed.optimizer.load_state_dict(state["optimizer"])
+    assert resumed.spike_guard is not None
+    resumed.spike_guard.load_state_dict(state["guard"])
+    resumed.global_step, resumed.epoch = state["step"], state["epoch"]
+    resumed.train_epoch(loader)
+    assert sorted(os.listdir(tmp_path / "full")) == sorted(os.listdir(tmp_path / "resumed"))
+    want = (tmp_path / "full" / "flight-9.jsonl").read_text().splitlines()
+    got = (tmp_path / "resumed" / "flight-9.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in got] == [8, 9, 10, 11]
+    assert got == want
+
+
+def test_flight_recorder_step_labels_its_rows_and_names_the_dump(tmp_path: Path):
+    """``record(step=)`` labels the row (a resumed run's optimizer steps); without it rows count the records."""
+    rec = FlightRecorder(3, dump_dir=tmp_path)
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    for step in (40, 41, 42, 43):
+        rec.record(tg.grad_stats([("p", p)]), step=step)
+    assert [r["step"] for r in rec.to_dicts()] == [41, 42, 43] and rec.steps == 4
+    assert rec.dump().name == "flight-43.jsonl"
+    plain = FlightRecorder(3)
+    for _ in range(4):
+        plain.record(tg.grad_stats([("p", p)]))
+    assert [r["step"] for r in plain.to_dicts()] == [1, 2, 3]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            plain.record(tg.grad_stats([("p", p)]), step=bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+def _spiking_module(spike_at: int) -> Any:
+    L = pytest.importorskip("lightning.pytorch")
+
+    class Spiking(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            return loss * 1e4 if self.trainer.global_step == spike_at else loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Spiking()
+
+
+def _lightning_fit(root: Path, max_steps: int, ckpt_path: str | None = None, checkpoint: bool = False) -> Any:
+    L = pytest.importorskip("lightning.pytorch")
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+    data = DataLoader(TensorDataset(x.repeat(8, 1), y.repeat(8)), batch_size=4)  # equal batches: any restart point
+    cb = GradStatsCallback(every_n_steps=1, spike_guard=tg.SpikeGuard(window=8, min_history=2, max_consecutive=1),
+                           flight_recorder=FlightRecorder(8, dump_dir=root / "flight"))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[cb], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpoint,
+                        default_root_dir=str(root), num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_spiking_module(spike_at=5), data, ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning")
+def test_lightning_streak_dump_after_a_resume_names_the_optimizer_step(tmp_path: Path):
+    """The Lightning callback with a guard (``max_consecutive=1``) and a flight recorder, a spike at optimizer step
+    5: the SpikeStreakError's dump is ``flight-5.jsonl``, its last row step 5, in the uninterrupted fit and in one
+    resumed from a checkpoint at step 3 (which named it after the recorder's own count, ``flight-1.jsonl``, and
+    could overwrite an earlier dump of that name)."""
+    with pytest.raises(tg.SpikeStreakError):
+        _lightning_fit(tmp_path / "full", max_steps=8)
+    _lightning_fit(tmp_path / "first", max_steps=3, checkpoint=True)
+    (ckpt,) = glob.glob(str(tmp_path / "first" / "**" / "*.ckpt"), recursive=True)
+    with pytest.raises(tg.SpikeStreakError):
+        _lightning_fit(tmp_path / "resumed", max_steps=8, ckpt_path=ckpt)
+    for run, first in (("full", 0), ("resumed", 3)):
+        assert sorted(os.listdir(tmp_path / run / "flight")) == ["flight-5.jsonl", "flight-5.png"], run
+        rows = [json.loads(line) for line in (tmp_path / run / "flight" / "flight-5.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(first, 6)), run
+        assert rows[-1]["guard/skipped"] == 1 and rows[-2]["guard/skipped"] == 0
