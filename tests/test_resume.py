@@ -102,6 +102,37 @@ def test_flight_recorder_step_labels_its_rows_and_names_the_dump(tmp_path: Path)
             plain.record(tg.grad_stats([("p", p)]), step=bad)  # type: ignore[arg-type]
 
 
+# ---------------------------------------------------------------------------------------------- NoiseScale
+def _noise_scale_run(steps: int) -> tg.NoiseScale:
+    ns = tg.NoiseScale(4)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        big = torch.rand((), generator=g, dtype=torch.float64) + 1.0
+        ns.update(big * 1.5, big, big_batch_size=16)
+    return ns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_noise_scale_state_cast_to_a_lower_precision_loads(dtype: torch.dtype):
+    """A state whose tensors were cast to float32, bfloat16 or float16 (a checkpoint written by code that casts
+    every floating tensor) loads, and continues from the rounded values: its bias correction rounded up past
+    ``1 - ema**steps`` by less than the dtype's precision was refused as out of range."""
+    ns = _noise_scale_run(10)
+    state = {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in saved(ns.state_dict()).items()}
+    resumed = tg.NoiseScale(4)
+    resumed.load_state_dict(state)
+    assert resumed.steps == 10
+    rel = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert resumed.to_dict()["noise/b_simple"] == pytest.approx(ns.to_dict()["noise/b_simple"], rel=rel)
+
+
+def test_noise_scale_state_with_a_bias_correction_past_its_bound_is_refused():
+    state = saved(_noise_scale_run(10).state_dict())
+    state["weight"] = state["weight"] * 1.01
+    with pytest.raises(ValueError, match="weight"):
+        tg.NoiseScale(4).load_state_dict(state)
+
+
 # ---------------------------------------------------------------------------------------------- Lightning
 def _spiking_module(spike_at: int) -> Any:
     L = pytest.importorskip("lightning.pytorch")
