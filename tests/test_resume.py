@@ -190,3 +190,29 @@ def test_lightning_streak_dump_after_a_resume_names_the_optimizer_step(tmp_path:
         rows = [json.loads(line) for line in (tmp_path / run / "flight" / "flight-5.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(first, 6)), run
         assert rows[-1]["guard/skipped"] == 1 and rows[-2]["guard/skipped"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- callbacks' states
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_callback_load_state_dict_refuses_a_state_that_is_not_a_callbacks():
+    """A policy's own state_dict, or a misspelt key, given to a callback's load_state_dict restored nothing, silently
+    (the Hugging Face callback then warned that the policies "start afresh unless you restored them with
+    load_state_dict"): it is refused, naming the keys. A callback's own state, an empty one included, loads."""
+    from torch_gradstats.integrations.lightning import GradStatsCallback as PLCallback
+    from torch_gradstats.integrations.transformers import GradStatsCallback as HFCallback
+
+    guard = tg.SpikeGuard(min_history=2)
+    for norm in (1.0, 1.1, 0.9):
+        guard.observe(torch.tensor(norm))
+    for cls in (PLCallback, HFCallback):
+        cb = cls(spike_guard=tg.SpikeGuard(), adaptive_clip=tg.AdaptiveClip())
+        with pytest.raises(ValueError, match=r"key\(s\) \['window', 'sigma'"):
+            cb.load_state_dict(saved(guard.state_dict()))
+        with pytest.raises(ValueError, match=r"\['spike_gaurd'\]"):
+            cb.load_state_dict({"spike_gaurd": saved(guard.state_dict())})
+        with pytest.raises(TypeError, match="expected the dict"):
+            cb.load_state_dict([guard.state_dict()])  # type: ignore[arg-type]
+        assert not cb.policies_restored
+        cb.load_state_dict({})
+        cb.load_state_dict(saved({"spike_guard": guard.state_dict()}))
+        assert cb.policies_restored and cb.spike_guard is not None and int(cb.spike_guard.steps) == 3

@@ -258,7 +258,16 @@ class StatsTaker:
 
     def load_policy_state(self, state: dict[str, Any]) -> bool:
         """Restore what :meth:`policy_state` saved; a policy saved that this taker lacks is named in a warning and
-        left out. Returns whether anything was restored."""
+        left out. Returns whether anything was restored. Anything else (a policy's own ``state_dict``, another
+        object's) is refused with a ValueError naming its keys: restoring nothing from it would go unnoticed."""
+        if not isinstance(state, dict):
+            raise TypeError(f"GradStatsCallback.load_state_dict: expected the dict of the callback's state_dict(), got "
+                            f"{type(state).__name__}")
+        unknown = [k for k in state if k not in ("spike_guard", "adaptive_clip")]
+        if unknown:
+            raise ValueError(f"GradStatsCallback.load_state_dict: the state has key(s) {unknown}; a callback's "
+                             "state_dict() holds only 'spike_guard' and 'adaptive_clip' (a policy's own state_dict "
+                             "loads into callback.spike_guard or callback.adaptive_clip)")
         restored = False
         for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
             if key not in state:
