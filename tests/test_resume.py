@@ -10,7 +10,10 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -216,3 +219,55 @@ def test_callback_load_state_dict_refuses_a_state_that_is_not_a_callbacks():
         cb.load_state_dict({})
         cb.load_state_dict(saved({"spike_guard": guard.state_dict()}))
         assert cb.policies_restored and cb.spike_guard is not None and int(cb.spike_guard.steps) == 3
+
+
+# ---------------------------------------------------------------------------------------------- the zoo, new processes
+def _worker(*args: Any) -> None:
+    """tests/_resume_worker.py in a new Python process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "_resume_worker.py"), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "kind"), [("trainer", "resnet"), ("trainer", "gpt2"), ("loop", "gpt2")])
+def test_a_run_resumed_in_a_new_process_decides_and_logs_as_the_uninterrupted_run(tmp_path: Path, mode: str,
+                                                                                   kind: str):
+    """tests/_resume_worker.py: the zoo's ResNet or GPT-2 (its loss computed inside its forward) for 25 steps of 2
+    micro-batches under CPU bf16 autocast and a GradScaler whose scale doubles every 3 steps, with a SpikeGuard and an
+    AdaptiveClip, the loss x10 for good from step 12 and one x1000 spike at step 21: the library's Trainer (a
+    FlightRecorder, a JSONL sink logging every step) or a plain loop (a NoiseScale reading every micro-batch). Each
+    checkpoint, saved after step 5 (both policies in their warm-up) and after step 15 (past it, the new level being
+    adopted), is loaded with weights_only=True by a new process into new objects, whose run logs exactly the lines
+    the uninterrupted run logged from there: every skip, clip coefficient, threshold, z-score, noise scale, summary
+    and flight recorder dump."""
+    if kind == "gpt2":
+        pytest.importorskip("transformers")
+    from _resume_worker import CHANGE, PER_EPOCH, SAVE_AT, SPIKE
+
+    _worker(mode, kind, tmp_path)
+    _worker(mode, kind, tmp_path, *SAVE_AT)  # one new process, new objects for each resumed run
+    if mode == "loop":
+        full = json.loads((tmp_path / "loop-0.json").read_text())
+        for start in SAVE_AT:
+            assert json.loads((tmp_path / f"loop-{start}.json").read_text()) == full[start:], start
+        assert all(math.isfinite(r["noise/b_simple"]) for r in full)
+        rows = full
+    else:
+        lines = (tmp_path / "trainer-0.jsonl").read_text().splitlines()
+        epochs = json.loads((tmp_path / "trainer-0.json").read_text())
+        for start in SAVE_AT:
+            assert (tmp_path / f"trainer-{start}.jsonl").read_text().splitlines() == lines[start:], start
+            assert json.loads((tmp_path / f"trainer-{start}.json").read_text()) == epochs[start // PER_EPOCH:], start
+            dumps = sorted(p.name for p in (tmp_path / f"flight-{start}").glob("*.jsonl"))
+            assert dumps and set(dumps) <= {p.name for p in (tmp_path / "flight-0").glob("*.jsonl")}, start
+            for name in dumps:
+                assert (tmp_path / f"flight-{start}" / name).read_text() == (tmp_path / "flight-0" / name).read_text()
+        rows = [json.loads(line) for line in lines]
+    # What the runs went through: the policies in their warm-up at the first checkpoint (no clip threshold yet),
+    # the change of level skipped then adopted (clipped, then clipped less) around the second, the spike skipped.
+    assert rows[SAVE_AT[0] - 1]["clip/threshold"] in (None, math.inf) and rows[SAVE_AT[0] - 1]["guard/skipped"] == 0
+    assert rows[CHANGE]["clip/coef"] < 0.5 and rows[CHANGE]["guard/skipped"] >= 1
+    assert rows[SAVE_AT[0] - 1]["clip/coef"] == 1 and 0 < rows[SAVE_AT[1]]["clip/coef"] < 1
+    assert rows[SPIKE]["guard/skipped"] > rows[SPIKE - 1]["guard/skipped"] and rows[SPIKE]["clip/coef"] < 0.01
