@@ -271,3 +271,74 @@ def test_a_run_resumed_in_a_new_process_decides_and_logs_as_the_uninterrupted_ru
     assert rows[CHANGE]["clip/coef"] < 0.5 and rows[CHANGE]["guard/skipped"] >= 1
     assert rows[SAVE_AT[0] - 1]["clip/coef"] == 1 and 0 < rows[SAVE_AT[1]]["clip/coef"] < 1
     assert rows[SPIKE]["guard/skipped"] > rows[SPIKE - 1]["guard/skipped"] and rows[SPIKE]["clip/coef"] < 0.01
+
+
+def _resnet_module(change_at: int) -> Any:
+    L = pytest.importorskip("lightning.pytorch")
+    from model_zoo import resnet
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = resnet(0)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            return loss * 10 if self.trainer.global_step >= change_at else loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    return Net()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning")
+def test_lightning_fit_resumed_in_and_after_the_warm_up_logs_the_uninterrupted_fits_figures(tmp_path: Path):
+    """The zoo's ResNet under Lightning, ``precision="bf16-mixed"``, ``accumulate_grad_batches=2`` (4 steps an
+    epoch), the callback's SpikeGuard and AdaptiveClip logging every step, the loss x10 for good from step 10.
+    Resumed with ``ckpt_path`` from the checkpoints of epochs 0 (step 4, both policies in their warm-up) and 2 (step
+    12, the new level being adopted): every logged guard and clip figure and gradient norm equals the uninterrupted
+    fit's, to the last digit."""
+    import csv
+
+    L = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 6, 6, generator=g), torch.randint(0, 5, (32,), generator=g)
+
+    def fit(root: Path, ckpt: str | None = None) -> dict[int, dict[str, str]]:
+        cb = GradStatsCallback(every_n_steps=1, per_param=False,
+                               spike_guard=tg.SpikeGuard(window=8, sigma=3.0, min_history=6, adopt_after=3),
+                               adaptive_clip=tg.AdaptiveClip(warmup=6, adopt_after=4))
+        saver = ModelCheckpoint(dirpath=root / "ckpt", save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=5, callbacks=[cb, saver],
+                            logger=CSVLogger(str(root), name="csv"), enable_progress_bar=False,
+                            enable_model_summary=False, log_every_n_steps=1, precision="bf16-mixed",
+                            accumulate_grad_batches=2, num_sanity_val_steps=0, default_root_dir=str(root))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_resnet_module(change_at=10), DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=ckpt)
+        rows: dict[int, dict[str, str]] = {}
+        assert trainer.logger is not None and trainer.logger.log_dir is not None
+        with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+            for row in csv.DictReader(f):
+                rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v and k != "step"})
+        return rows
+
+    full = fit(tmp_path / "full")
+    keys = ["grad_2.0_norm_total", "guard/skipped", "guard/consecutive", "guard/grad_norm_z", "guard/loss_z",
+            "clip/threshold", "clip/coef"]
+    assert sorted(full) == list(range(20)) and all(k in full[19] for k in keys)
+    assert full[3]["clip/threshold"] == "inf" and float(full[10]["clip/coef"]) < 0.5
+    assert float(full[12]["clip/coef"]) < 1 and float(full[19]["guard/skipped"]) >= 1
+    for epoch, first in ((0, 4), (2, 12)):
+        resumed = fit(tmp_path / f"resumed-{epoch}", str(tmp_path / "full" / "ckpt" / f"epoch={epoch}.ckpt"))
+        assert sorted(resumed) == list(range(first, 20)), epoch
+        for step in resumed:
+            assert {k: resumed[step][k] for k in keys} == {k: full[step][k] for k in keys}, (epoch, step)
