@@ -417,3 +417,39 @@ def test_hf_run_resumed_by_the_documented_recipe_in_and_after_the_warm_up_logs_t
         assert sorted(s for s in resumed if s >= first) == list(range(first, 17)), checkpoint
         for step in range(first, 17):
             assert {k: resumed[step][k] for k in keys} == {k: full[step][k] for k in keys}, (checkpoint, step)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning")
+def test_lightning_fit_resumed_from_a_checkpoint_without_the_policies_statistics_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """A fit resumed with ``ckpt_path`` from a checkpoint saved before the callback had its SpikeGuard: the guard
+    starts afresh (a new warm-up), which the Hugging Face callback says in a warning and the Lightning one did not;
+    resumed from a checkpoint that holds the guard's statistics, nothing is said."""
+    L = pytest.importorskip("lightning.pytorch")
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+    data = DataLoader(TensorDataset(x.repeat(4, 1), y.repeat(4)), batch_size=4)
+
+    def fit(root: Path, guard: bool, max_steps: int, ckpt: str | None = None) -> None:
+        cb = GradStatsCallback(spike_guard=tg.SpikeGuard(min_history=2) if guard else None)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[cb], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_spiking_module(spike_at=-1), data, ckpt_path=ckpt)
+
+    for guard in (False, True):
+        fit(tmp_path / f"first-{guard}", guard, max_steps=2)
+    said = []
+    for guard in (False, True):
+        (ckpt,) = glob.glob(str(tmp_path / f"first-{guard}" / "**" / "*.ckpt"), recursive=True)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+            fit(tmp_path / f"resumed-{guard}", True, max_steps=4, ckpt=ckpt)
+        said.append([r.getMessage() for r in caplog.records if "not restored" in r.getMessage()])
+    warning = ("torch_gradstats: GradStatsCallback resumed at step 2 from a checkpoint that holds no statistics of its "
+               "spike_guard: they are not restored (new ones start afresh, warm-up included)")
+    assert said == [[warning], []]

@@ -296,6 +296,12 @@ class _GradStatsMixin(SeveralOptimizers):
         # segment and is judged by its own copies of the policies. Statistics carried over from an earlier fit of
         # this callback, or loaded from a checkpoint (before the optimizers existed), go to the optimizer of the name.
         self._start_optimizers(trainer, pl_module)
+        policies = [name for name in ("spike_guard", "adaptive_clip") if getattr(self, name) is not None]
+        if policies and getattr(trainer, "ckpt_path", None) and not self.policies_restored:
+            # a checkpoint saved before the policies were given, or without the callbacks' state
+            logger.warning("torch_gradstats: GradStatsCallback resumed at step %d from a checkpoint that holds no "
+                           "statistics of its %s: they are not restored (new ones start afresh, warm-up included)",
+                           trainer.global_step, " and ".join(policies))
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         for optimizer in getattr(trainer, "optimizers", []):
