@@ -105,6 +105,36 @@ def test_flight_recorder_step_labels_its_rows_and_names_the_dump(tmp_path: Path)
             plain.record(tg.grad_stats([("p", p)]), step=bad)  # type: ignore[arg-type]
 
 
+# ---------------------------------------------------------------------------------------------- weights_only
+def test_states_of_policies_built_with_numpy_settings_load_with_weights_only():
+    """Settings given as numpy scalars (read from a config array, say) are saved as Python numbers: a numpy scalar in a
+    state_dict would make ``torch.load(weights_only=True)``, torch's default, refuse the whole checkpoint. The state
+    loaded into new objects built with the defaults continues with the same figures."""
+    np = pytest.importorskip("numpy")
+    guard = tg.SpikeGuard(window=np.int64(16), sigma=np.float64(3.0), min_history=np.int32(3),
+                          adopt_after=np.int64(2), max_consecutive=np.int64(5))
+    clip = tg.AdaptiveClip(alpha=np.float64(0.9), z_thresh=np.float32(2.0), warmup=np.int64(5),
+                           max_norm=np.float32(2.0), adopt_after=np.int64(3))
+    ns = tg.NoiseScale(np.int64(8), ema=np.float32(0.9))
+    norms = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 30.0, 1.02]
+    copies: tuple[tg.SpikeGuard, tg.AdaptiveClip, tg.NoiseScale] | None = None
+    for i, n in enumerate(norms):
+        if i == 4:
+            copies = (tg.SpikeGuard(), tg.AdaptiveClip(), tg.NoiseScale(8, ema=float(np.float32(0.9))))
+            for copy, original in zip(copies, (guard, clip, ns)):
+                state = saved(original.state_dict())
+                assert all(type(v) in (bool, int, float, str, type(None), torch.Tensor) for v in state.values())
+                copy.load_state_dict(state)  # type: ignore[attr-defined]
+        for g, c, s in [(guard, clip, ns)] + ([copies] if copies else []):
+            t = torch.tensor(n, dtype=torch.float64)
+            g.observe(t, t)
+            c.threshold(t)
+            s.update(t * 2, t, big_batch_size=16)
+    assert copies is not None
+    assert copies[0].check() == guard.check() and copies[1].figures() == clip.figures()
+    assert copies[2].to_dict() == ns.to_dict() and copies[0].window == 16 and copies[1].warmup == 5
+
+
 # ---------------------------------------------------------------------------------------------- NoiseScale
 def _noise_scale_run(steps: int) -> tg.NoiseScale:
     ns = tg.NoiseScale(4)
