@@ -483,3 +483,25 @@ def test_lightning_fit_resumed_from_a_checkpoint_without_the_policies_statistics
     warning = ("torch_gradstats: GradStatsCallback resumed at step 2 from a checkpoint that holds no statistics of its "
                "spike_guard: they are not restored (new ones start afresh, warm-up included)")
     assert said == [[warning], []]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_callback_state_with_a_corrupt_policy_state_loads_neither_policy():
+    """A callback state whose clip state is corrupt (its EMA NaN): the ValueError names the key, and the guard, whose
+    state came first and was sound, is left as it was (it was replaced, so the callback was half restored)."""
+    from torch_gradstats.integrations.lightning import GradStatsCallback as PLCallback
+    from torch_gradstats.integrations.transformers import GradStatsCallback as HFCallback
+
+    source = HFCallback(spike_guard=tg.SpikeGuard(min_history=2), adaptive_clip=tg.AdaptiveClip(warmup=2))
+    assert source.spike_guard is not None and source.adaptive_clip is not None
+    for n in (1.0, 1.1, 0.9, 1.2):
+        source.spike_guard.observe(torch.tensor(n))
+        source.adaptive_clip.threshold(torch.tensor(n))
+    state = saved(source.state_dict())
+    state["adaptive_clip"]["ema"][0] = math.nan
+    for cls in (PLCallback, HFCallback):
+        cb = cls(spike_guard=tg.SpikeGuard(window=8), adaptive_clip=tg.AdaptiveClip())
+        with pytest.raises(ValueError, match=r"'ema'\[0\]"):
+            cb.load_state_dict(state)
+        assert cb.spike_guard is not None and cb.spike_guard.window == 8 and int(cb.spike_guard.steps) == 0, cls
+        assert not cb.policies_restored

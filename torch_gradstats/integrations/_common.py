@@ -268,8 +268,12 @@ class StatsTaker:
             raise ValueError(f"GradStatsCallback.load_state_dict: the state has key(s) {unknown}; a callback's "
                              "state_dict() holds only 'spike_guard' and 'adaptive_clip' (a policy's own state_dict "
                              "loads into callback.spike_guard or callback.adaptive_clip)")
+        policies = (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip))
+        for key, policy in policies:  # each state checked (loaded into a new policy) before either is loaded, so
+            if key in state and policy is not None:  # a corrupt clip state leaves the guard as it was too
+                type(policy)().load_state_dict(state[key])
         restored = False
-        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
+        for key, policy in policies:
             if key not in state:
                 continue
             if policy is None:
