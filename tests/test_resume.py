@@ -505,3 +505,30 @@ def test_callback_state_with_a_corrupt_policy_state_loads_neither_policy():
             cb.load_state_dict(state)
         assert cb.spike_guard is not None and cb.spike_guard.window == 8 and int(cb.spike_guard.steps) == 0, cls
         assert not cb.policies_restored
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning")
+def test_lightning_state_of_several_optimizers_with_one_corrupt_loads_none(tmp_path: Path):
+    """Several optimizers, each judged by its own guard: a checkpoint state whose discriminator guard is corrupt (a
+    count past its window) is refused naming the key, and the generator's guard, whose state came first and was
+    sound, is left as it was (it was loaded: the callback was half restored)."""
+    from test_integrations_lightning_optimizers import GAN, _fit, _trainer
+
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    names = ("generator", "discriminator")
+    cb = GradStatsCallback(optimizer_names=names, spike_guard=tg.SpikeGuard(window=16, min_history=2))
+    _fit(_trainer(tmp_path, [cb], max_steps=2), GAN())
+    before = {n: saved(g.state_dict()) for n, g in cb.spike_guards.items()}
+    source = tg.SpikeGuard(window=16, min_history=2)
+    for n in (1.0, 1.1, 0.9):
+        source.observe(torch.tensor(n))
+    bad = saved(source.state_dict())
+    bad["count"][0] = 17
+    with pytest.raises(ValueError, match="'count' must be in"):
+        cb.load_state_dict({"optimizers": {"generator": {"spike_guard": saved(source.state_dict())},
+                                           "discriminator": {"spike_guard": bad}}})
+    for name, state in before.items():
+        now = cb.spike_guards[name].state_dict()
+        assert all(torch.equal(now[k].nan_to_num(-1), v.nan_to_num(-1)) if isinstance(v, torch.Tensor) else now[k] == v
+                   for k, v in state.items()), name

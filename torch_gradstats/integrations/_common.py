@@ -256,10 +256,10 @@ class StatsTaker:
             state["adaptive_clip"] = self.adaptive_clip.state_dict()
         return state
 
-    def load_policy_state(self, state: dict[str, Any]) -> bool:
-        """Restore what :meth:`policy_state` saved; a policy saved that this taker lacks is named in a warning and
-        left out. Returns whether anything was restored. Anything else (a policy's own ``state_dict``, another
-        object's) is refused with a ValueError naming its keys: restoring nothing from it would go unnoticed."""
+    def check_policy_state(self, state: dict[str, Any]) -> None:
+        """Raise the error :meth:`load_policy_state` would raise for ``state``, loading nothing: a state that is not
+        a callback's (a TypeError or a ValueError naming its keys), or a policy's state that its own
+        ``load_state_dict`` refuses (checked by loading it into a new policy)."""
         if not isinstance(state, dict):
             raise TypeError(f"GradStatsCallback.load_state_dict: expected the dict of the callback's state_dict(), got "
                             f"{type(state).__name__}")
@@ -268,12 +268,18 @@ class StatsTaker:
             raise ValueError(f"GradStatsCallback.load_state_dict: the state has key(s) {unknown}; a callback's "
                              "state_dict() holds only 'spike_guard' and 'adaptive_clip' (a policy's own state_dict "
                              "loads into callback.spike_guard or callback.adaptive_clip)")
-        policies = (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip))
-        for key, policy in policies:  # each state checked (loaded into a new policy) before either is loaded, so
-            if key in state and policy is not None:  # a corrupt clip state leaves the guard as it was too
+        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
+            if key in state and policy is not None:
                 type(policy)().load_state_dict(state[key])
+
+    def load_policy_state(self, state: dict[str, Any]) -> bool:
+        """Restore what :meth:`policy_state` saved; a policy saved that this taker lacks is named in a warning and
+        left out. Returns whether anything was restored. Anything else (a policy's own ``state_dict``, another
+        object's) is refused with a ValueError naming its keys: restoring nothing from it would go unnoticed. Both
+        policies' states are checked before either is loaded, so a corrupt one leaves the other as it was too."""
+        self.check_policy_state(state)
         restored = False
-        for key, policy in policies:
+        for key, policy in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip)):
             if key not in state:
                 continue
             if policy is None:

@@ -143,6 +143,9 @@ def load_optimizer_states(takers: dict[int, OptimizerTaker], states: dict[str, A
     if unknown:
         raise ValueError(f"GradStatsCallback: the checkpoint holds step-policy statistics of optimizer(s) {unknown}, "
                          f"but this run's optimizers are {names} (give the same optimizer_names as the saved run)")
+    for taker in takers.values():  # every optimizer's state checked before any is loaded: none half restored
+        if taker.name in states:
+            taker.check_policy_state(states[taker.name])
     restored = False
     for taker in takers.values():
         if taker.name in states:
