@@ -88,7 +88,8 @@ def test_trainer_flight_recorder_dump_after_a_resume_is_the_uninterrupted_runs(t
 
 
 def test_flight_recorder_step_labels_its_rows_and_names_the_dump(tmp_path: Path):
-    """``record(step=)`` labels the row (a resumed run's optimizer steps); without it rows count the records."""
+    """``record(step=)`` labels the row (a resumed run's optimizer steps), in the dump's name and in messages;
+    without it rows count the records."""
     rec = FlightRecorder(3, dump_dir=tmp_path)
     p = nn.Parameter(torch.ones(3))
     p.grad = torch.ones(3)
@@ -103,6 +104,8 @@ def test_flight_recorder_step_labels_its_rows_and_names_the_dump(tmp_path: Path)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="step must be an int >= 0"):
             plain.record(tg.grad_stats([("p", p)]), step=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="guard changed at step 44"):  # messages name the row's step too
+        rec.record(tg.grad_stats([("p", p)]), guard=tg.SpikeGuard(), step=44)
 
 
 # ---------------------------------------------------------------------------------------------- weights_only

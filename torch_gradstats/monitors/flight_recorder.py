@@ -156,6 +156,7 @@ class FlightRecorder:
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
             raise ValueError(f"FlightRecorder.record: step must be an int >= 0 or None, got {step!r}")
+        label = self.steps if step is None else int(step)  # the row's step, in messages too
         if isinstance(stats, GroupStats):
             if groups is not None:
                 raise ValueError("FlightRecorder.record: stats is already a GroupStats; pass groups= only with a "
@@ -180,7 +181,7 @@ class FlightRecorder:
                 and list(groups.names) != self._layout.groups):
             new = [name for name in groups.names if name not in self._layout.groups]
             if new:  # a layer unfrozen (or first given a gradient) after the first record: the ring gains columns
-                self._widen(new)
+                self._widen(new, label)
             groups, present = self._in_first_groups(groups, self._layout.groups), frozenset(groups.names)
         floats, ints = self._row(stats, groups, loss, guard_p, clip_p, device)
         if self._layout is None:
@@ -190,17 +191,17 @@ class FlightRecorder:
                                           device=device)
                 self._ints = torch.zeros((self.capacity, self._layout.n_ints), dtype=torch.int64, device=device)
         else:
-            self._same_layout(stats, groups, guard_p, clip_p, floats, ints)
+            self._same_layout(stats, groups, guard_p, clip_p, floats, ints, label)
         assert self._floats is not None and self._ints is not None
         slot = self.steps % self.capacity
         self._floats[slot].copy_(torch.cat([to_device(t.reshape(-1).to(torch.float64), device) for t in floats]))
         self._ints[slot].copy_(torch.cat([to_device(t.reshape(-1).to(torch.int64), device) for t in ints]))
         self._has_loss[slot] = loss is not None
-        self._step_of[slot] = self.steps if step is None else int(step)
+        self._step_of[slot] = label
         self._present[slot] = present
         self.steps += 1
 
-    def _widen(self, new: list[str]) -> None:
+    def _widen(self, new: list[str], step: int) -> None:
         """Add columns for groups seen for the first time (appended after the known ones, whose columns keep their
         places): a new ring, the old one's values copied in on the device (no host read), once per new group. The
         steps already recorded did not have them: they read back as None there."""
@@ -218,7 +219,7 @@ class FlightRecorder:
             if self._present[slot] is None:
                 self._present[slot] = frozenset(lay.groups)
         logger.info("FlightRecorder: group(s) %s first recorded at step %d (the steps before it record None for "
-                    "them)", new, self.steps)
+                    "them)", new, step)
         self._floats, self._ints = floats, ints
         lay.groups = [*lay.groups, *new]
         lay.n_floats, lay.n_ints = pf + 2 * g2, pi + 3 * g2
@@ -281,7 +282,7 @@ class FlightRecorder:
         return floats, ints
 
     def _same_layout(self, stats: GradStats | GroupStats, groups: GroupStats | None, guard: StepPolicy | None,
-                     clip: StepPolicy | None, floats: Sequence[Tensor], ints: Sequence[Tensor]) -> None:
+                     clip: StepPolicy | None, floats: Sequence[Tensor], ints: Sequence[Tensor], step: int) -> None:
         lay = self._layout
         assert lay is not None
         clipped = isinstance(stats, GradStats) and stats.clip_coef is not None and stats.clipped_norm is not None
@@ -297,7 +298,7 @@ class FlightRecorder:
         ) if now != then]
         if changed:
             raise ValueError(f"FlightRecorder.record: every step must record the same figures as the first; "
-                             f"{changed[0]} changed at step {self.steps}")
+                             f"{changed[0]} changed at step {step}")
 
     # ------------------------------------------------------------------------------------------- host side
     def to_dicts(self) -> list[dict[str, Figure]]:
