@@ -264,17 +264,18 @@ def _worker(*args: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "kind"), [("trainer", "resnet"), ("trainer", "gpt2"), ("loop", "gpt2")])
+@pytest.mark.parametrize(("mode", "kind"), [("trainer", "resnet"), ("trainer", "gpt2"), ("loop", "resnet")])
 def test_a_run_resumed_in_a_new_process_decides_and_logs_as_the_uninterrupted_run(tmp_path: Path, mode: str,
                                                                                    kind: str):
     """tests/_resume_worker.py: the zoo's ResNet or GPT-2 (its loss computed inside its forward) for 25 steps of 2
     micro-batches under CPU bf16 autocast and a GradScaler whose scale doubles every 3 steps, with a SpikeGuard and an
     AdaptiveClip, the loss x10 for good from step 12 and one x1000 spike at step 21: the library's Trainer (a
-    FlightRecorder, a JSONL sink logging every step) or a plain loop (a NoiseScale reading every micro-batch). Each
-    checkpoint, saved after step 5 (both policies in their warm-up) and after step 15 (past it, the new level being
-    adopted), is loaded with weights_only=True by a new process into new objects, whose run logs exactly the lines
-    the uninterrupted run logged from there: every skip, clip coefficient, threshold, z-score, noise scale, summary
-    and flight recorder dump."""
+    FlightRecorder, a JSONL sink logging every step) or a plain loop on ResNet (a NoiseScale reading every
+    micro-batch, ``step_or_skip`` with the scaler). Each checkpoint, saved after step 5 (both policies in their
+    warm-up) and after step 15 (past it, the new level being adopted), is loaded with weights_only=True into new
+    objects in another process than the one that saved it, whose run logs exactly the lines the uninterrupted run
+    logged from there: every skip, clip coefficient, threshold, z-score, noise scale, summary and flight recorder
+    dump."""
     if kind == "gpt2":
         pytest.importorskip("transformers")
     from _resume_worker import CHANGE, PER_EPOCH, SAVE_AT, SPIKE
