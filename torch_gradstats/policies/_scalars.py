@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from torch_gradstats.ops._transfer import fetch, to_device
 
-__all__ = ["as_figure", "check_device", "check_int", "check_real", "load_state", "moved"]
+__all__ = ["as_figure", "check_device", "check_int", "check_real", "check_state_tensors", "load_state", "moved"]
 
 
 def check_real(
@@ -98,3 +100,17 @@ def load_state(current: Tensor, saved: Tensor) -> Tensor:
     if current.shape == saved.shape and current.dtype == saved.dtype:
         return current.copy_(moved(saved, current.device))
     return moved(saved, current.device)
+
+
+def check_state_tensors(where: str, state: Mapping[str, Any], shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                        ) -> None:
+    """Raise a ValueError naming the key unless each ``state[key]`` is a tensor of ``shapes[key]``'s shape and dtype
+    with values (a meta tensor, from ``map_location="meta"``, has shapes only). ``where``: the loading method."""
+    for key, (shape, dtype) in shapes.items():
+        t = state[key]
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{where}: {key!r} must be a {dtype} tensor of shape {shape}, got {got}")
+        if t.device.type == "meta":
+            raise ValueError(f"{where}: {key!r} is a meta tensor, which has no values; load the state with "
+                             "map_location set to a real device")

@@ -60,6 +60,7 @@ from torch_gradstats.policies._scalars import (
     check_device,
     check_int,
     check_real,
+    check_state_tensors,
     load_state,
     moved,
 )
@@ -282,16 +283,7 @@ class AdaptiveClip:
             "last": ((3,), torch.float64),
             "streak": ((1,), torch.int64),
         }
-        for key, (shape, dtype) in shapes.items():
-            t = state[key]
-            if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(
-                    f"AdaptiveClip.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
-                )
-            if t.device.type == "meta":  # loaded with map_location="meta": shapes without values
-                raise ValueError(f"AdaptiveClip.load_state_dict: {key!r} is a meta tensor, which has no values; load "
-                                 "the state with map_location set to a real device")
+        check_state_tensors("AdaptiveClip.load_state_dict", state, shapes)
         # Values no save produces would silently stop the clipping (a negative count never ends the warm-up).
         # A NaN mean, or an inf warm-up norm, would give a NaN or inf threshold for the rest of the run.
         count, ema, streak = int(fetch(state["count"])[0]), fetch(state["ema"]), int(fetch(state["streak"])[0])

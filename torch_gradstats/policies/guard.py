@@ -43,6 +43,7 @@ from torch_gradstats.policies._scalars import (
     check_device,
     check_int,
     check_real,
+    check_state_tensors,
     load_state,
     moved,
 )
@@ -334,16 +335,7 @@ class SpikeGuard:
             "last": ((s, 4), torch.float64),
             "trip": ((s, 4), torch.float64),
         }
-        for key, (shape, dtype) in shapes.items():
-            t = state[key]
-            if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(
-                    f"SpikeGuard.load_state_dict: {key!r} must be a {dtype} tensor of shape {shape}, got {got}"
-                )
-            if t.device.type == "meta":  # loaded with map_location="meta": shapes without values
-                raise ValueError(f"SpikeGuard.load_state_dict: {key!r} is a meta tensor, which has no values; load the "
-                                 "state with map_location set to a real device")
+        check_state_tensors("SpikeGuard.load_state_dict", state, shapes)
         # Values no save produces would silently decide every later step (a count above the window skips them all).
         count, pos, counters = fetch(state["count"]), fetch(state["position"]), fetch(state["counters"])
         if bool(((count < 0) | (count > w)).any()):
