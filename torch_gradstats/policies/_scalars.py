@@ -1,5 +1,6 @@
 """What the policies that act on statistics (guard, adaptive_clip) share: checked settings, a per-step figure given as
-a tensor or a number made a float64 0-d tensor without a host sync, and the moves of their state between devices."""
+a tensor or a number made a float64 0-d tensor without a host sync, the checks of a loaded state's tensors, and the
+moves of their state between devices."""
 
 from __future__ import annotations
 
