@@ -371,10 +371,13 @@ def test_hf_per_example_norms_on_a_short_last_accumulation(tmp_path: Path) -> No
 
 
 @needs_hf
-def test_hf_resumed_run_warns_that_the_guard_starts_afresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The Trainer's checkpoints hold no tensors of callbacks: a run resumed with a spike guard or an adaptive clip
-    says once, by name, that their statistics start afresh unless loaded; a run from scratch says nothing."""
+def test_hf_resumed_run_without_the_callbacks_statistics_warns_that_they_start_afresh(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run resumed from a checkpoint that holds no gradstats.pt (saved by a run without the policies, or copied
+    without it) says once, naming the file and the policies, that their statistics start afresh; a run from
+    scratch says nothing."""
     import logging
+    import shutil
 
     from torch_gradstats import AdaptiveClip, SpikeGuard
     from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
@@ -391,75 +394,83 @@ def test_hf_resumed_run_warns_that_the_guard_starts_afresh(tmp_path: Path, caplo
     with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
         run()
     assert not [r for r in caplog.records if r.name == "torch_gradstats"]
+    saved = tmp_path / "out" / "checkpoint-2" / "gradstats.pt"
+    shutil.move(saved, tmp_path / "elsewhere.pt")
     with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
         run(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     said = [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"]
-    assert said == [("torch_gradstats: GradStatsCallback resumed at step 2: the spike_guard's and the adaptive_clip's "
-                     "statistics are not in the Trainer's checkpoints and start afresh, unless you restored them "
-                     "with load_state_dict")]
+    assert said == [(f"torch_gradstats: GradStatsCallback resumed at step 2: there is no {saved}, so the "
+                     "spike_guard's and the adaptive_clip's statistics start afresh (restore them with "
+                     "load_state_dict from the checkpoint's gradstats.pt)")]
 
 
 @needs_hf
-def test_hf_resumed_run_with_the_callbacks_policies_restored_decides_as_the_uninterrupted_run(
+def test_hf_resumed_run_reads_the_callbacks_statistics_from_its_checkpoint(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """docs/integrations.md's resume recipe as written: the callback's ``state_dict()`` (its ``spike_guard``'s and
-    ``adaptive_clip``'s statistics) saved beside each Trainer checkpoint in ``on_save``, a new Trainer resumed with
-    ``resume_from_checkpoint`` from the middle of the run, the state loaded into its new callback before
-    ``train()``: steps 3 and 4 are judged and clipped as in the uninterrupted run (the same z-scores, thresholds and
-    decisions), and the policies end with its state; the warning that they start afresh is not given. Without the
-    restore they do start afresh (the guard with no history has no z-scores), with the warning: the comparison tells
-    the two apart."""
+    """The callback writes its ``state_dict()`` (its ``spike_guard``'s and ``adaptive_clip``'s statistics) into each
+    of the Trainer's checkpoint folders as gradstats.pt. A run resumed from the middle, by
+    ``resume_from_checkpoint=True`` in an output_dir holding that checkpoint, reads them back by itself; one resumed
+    from a checkpoint elsewhere takes them by ``load_state_dict``. Either way steps 3 and 4 are judged and clipped as
+    in the uninterrupted run (the same z-scores, thresholds and decisions), the policies end with its state, and
+    nothing is said. Without the file they start afresh (the guard with no history has no z-scores), with the
+    warning: the comparison tells the two apart."""
     import logging
+    import shutil
 
-    transformers = _hf()
     from torch_gradstats import AdaptiveClip, SpikeGuard
     from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
 
-    class SavePolicies(transformers.TrainerCallback):
-        def __init__(self, gradstats: GradStatsCallback) -> None:
-            self.gradstats = gradstats
+    full_checkpoint = tmp_path / "full" / "checkpoint-2"
 
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            torch.save(self.gradstats.state_dict(), Path(args.output_dir, f"checkpoint-{state.global_step}",
-                                                         "gradstats.pt"))
-
-    def run(out: str, resume: bool = False, restore: bool = True) -> tuple[dict[int, dict[str, Any]], Any, Any]:
+    def run(out: str, resume: str | None = None) -> tuple[dict[int, dict[str, Any]], Any, Any]:
         cb = GradStatsCallback(spike_guard=SpikeGuard(min_history=2), adaptive_clip=AdaptiveClip(warmup=2))
         model = _no_dropout(model_zoo.gpt2())
         opt = cb.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
         trainer = _hf_trainer(tmp_path / out, model, max_steps=4, save_strategy="steps", save_steps=2,
-                              save_only_model=False, max_grad_norm=0.0, optimizers=(opt, None),
-                              callbacks=[SavePolicies(cb)])
+                              save_only_model=False, max_grad_norm=0.0, optimizers=(opt, None))
         add_to_trainer(trainer, cb)
-        checkpoint = tmp_path / "full" / "checkpoint-2"
-        if resume and restore:
-            cb.load_state_dict(torch.load(checkpoint / "gradstats.pt", weights_only=True))
-        return _hf_train(trainer, **({"resume_from_checkpoint": str(checkpoint)} if resume else {})), cb, trainer
+        kw: dict[str, Any] = {}
+        if resume == "found":  # the checkpoint in this run's own output_dir
+            shutil.copytree(full_checkpoint, tmp_path / out / "checkpoint-2")
+            kw["resume_from_checkpoint"] = True
+        elif resume == "loaded":  # a checkpoint elsewhere: its file loaded by hand
+            cb.load_state_dict(torch.load(full_checkpoint / "gradstats.pt", weights_only=True))
+            kw["resume_from_checkpoint"] = str(full_checkpoint)
+        elif resume == "afresh":  # the checkpoint without the callback's file
+            shutil.copytree(full_checkpoint, tmp_path / out / "checkpoint-2")
+            (tmp_path / out / "checkpoint-2" / "gradstats.pt").unlink()
+            kw["resume_from_checkpoint"] = True
+        return _hf_train(trainer, **kw), cb, trainer
 
     full, full_cb, _ = run("full")
-    assert sorted(full) == [1, 2, 3, 4] and (tmp_path / "full" / "checkpoint-2" / "gradstats.pt").is_file()
+    assert sorted(full) == [1, 2, 3, 4]
+    assert sorted(p.parent.name for p in (tmp_path / "full").glob("*/gradstats.pt")) == ["checkpoint-2",
+                                                                                          "checkpoint-4"]
     assert math.isfinite(full[3]["guard/grad_norm_z"]) and math.isfinite(full[3]["guard/loss_z"])  # past min_history
-    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
-        resumed, resumed_cb, trainer = run("resumed", resume=True)
-    assert resumed_cb.policies_restored
-    assert not [r for r in caplog.records if "start afresh" in r.getMessage()]
-    assert sorted(trainer.ref) == [3, 4]  # the resumed run's own optimizer steps (log_history keeps 1 and 2 too)
     keys = ("grad/total_norm", "guard/skipped", "guard/consecutive", "guard/grad_norm_z", "guard/loss_z",
             "clip/threshold", "clip/coef")
-    for step in (3, 4):
-        for key in keys:
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (step, key)
-    assert resumed_cb.spike_guard is not None and resumed_cb.adaptive_clip is not None
-    for policy in ("spike_guard", "adaptive_clip"):
-        want = full_cb.state_dict()[policy]
-        for name, got in resumed_cb.state_dict()[policy].items():
-            if isinstance(got, torch.Tensor):
-                torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-7, equal_nan=True,
-                                           msg=f"{policy}.{name}")
-            else:
-                assert got == want[name], (policy, name)
+    for how in ("found", "loaded"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+            resumed, resumed_cb, trainer = run(how, resume=how)
+        assert resumed_cb.policies_restored, how
+        assert not [r for r in caplog.records if r.name == "torch_gradstats"], how
+        assert sorted(trainer.ref) == [3, 4]  # the resumed run's own optimizer steps (log_history keeps 1 and 2 too)
+        for step in (3, 4):
+            for key in keys:
+                assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5), (how, step, key)
+        assert resumed_cb.spike_guard is not None and resumed_cb.adaptive_clip is not None
+        for policy in ("spike_guard", "adaptive_clip"):
+            want = full_cb.state_dict()[policy]
+            for name, got in resumed_cb.state_dict()[policy].items():
+                if isinstance(got, torch.Tensor):
+                    torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-7, equal_nan=True,
+                                               msg=f"{how}: {policy}.{name}")
+                else:
+                    assert got == want[name], (how, policy, name)
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
-        afresh, _, _ = run("afresh", resume=True, restore=False)
+        afresh, _, _ = run("afresh", resume="afresh")
     assert len([r for r in caplog.records if "start afresh" in r.getMessage()]) == 1
     assert not all(afresh[3][key] == pytest.approx(full[3][key], rel=1e-5) for key in keys)
 

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -382,26 +383,18 @@ def test_lightning_fit_resumed_in_and_after_the_warm_up_logs_the_uninterrupted_f
 @pytest.mark.slow
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "accelerate")),
                     reason="needs transformers and accelerate")
-def test_hf_run_resumed_by_the_documented_recipe_in_and_after_the_warm_up_logs_the_uninterrupted_runs_figures(
+def test_hf_run_resumed_from_its_checkpoints_in_and_after_the_warm_up_logs_the_uninterrupted_runs_figures(
         tmp_path: Path):
-    """docs/integrations.md's recipe (the callback's state_dict saved beside each checkpoint in on_save, loaded with
-    weights_only=True into the new callback before ``train(resume_from_checkpoint=...)``) on the zoo's GPT-2, bf16 on
-    the CPU, 2 micro-batches a step, a fused AdamW wrapped by the callback, the loss x10 for good from step 8.
-    Resumed from checkpoint-4 (both policies in their warm-up) and checkpoint-12 (the new level being adopted, mid
-    epoch): every logged loss, gradient norm, guard and clip figure equals the uninterrupted run's."""
+    """The callback's statistics saved into each of the Trainer's checkpoint folders (gradstats.pt) and read back by
+    ``train(resume_from_checkpoint=True)`` (docs/integrations.md), on the zoo's GPT-2, bf16 on the CPU, 2
+    micro-batches a step, a fused AdamW wrapped by the callback, the loss x10 for good from step 8. Resumed from
+    checkpoint-4 (both policies in their warm-up) and checkpoint-12 (the new level being adopted, mid epoch), each
+    copied alone into a new output_dir: every logged loss, gradient norm, guard and clip figure equals the
+    uninterrupted run's."""
     import transformers
     from model_zoo import gpt2
 
     from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
-
-    class SavePolicies(transformers.TrainerCallback):
-        def __init__(self, gradstats: GradStatsCallback) -> None:
-            self.gradstats = gradstats
-
-        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if args.should_save:
-                path = Path(args.output_dir, f"checkpoint-{state.global_step}", "gradstats.pt")
-                torch.save(self.gradstats.state_dict(), path)
 
     class Level(transformers.TrainerCallback):
         factor = 1.0
@@ -413,6 +406,8 @@ def test_hf_run_resumed_by_the_documented_recipe_in_and_after_the_warm_up_logs_t
     data = [{"input_ids": x, "labels": x} for x in ids]  # 8 steps an epoch
 
     def run(out: str, checkpoint: str | None = None) -> dict[int, dict[str, Any]]:
+        if checkpoint is not None:  # the only checkpoint of the new output_dir: resume_from_checkpoint=True finds it
+            shutil.copytree(tmp_path / "full" / checkpoint, tmp_path / out / checkpoint)
         cb = GradStatsCallback(spike_guard=tg.SpikeGuard(window=8, sigma=3.0, min_history=6, adopt_after=3),
                                adaptive_clip=tg.AdaptiveClip(warmup=6, adopt_after=4), per_param=False)
         model, level = gpt2(), Level()
@@ -431,18 +426,19 @@ def test_hf_run_resumed_by_the_documented_recipe_in_and_after_the_warm_up_logs_t
             use_cpu=True, max_grad_norm=0.0, max_steps=16, logging_steps=1, save_strategy="steps", save_steps=4,
             learning_rate=1e-3, report_to=[], disable_tqdm=True, seed=0)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None),
-                                       callbacks=[SavePolicies(cb), level])
+                                       callbacks=[level])
         add_to_trainer(trainer, cb)
-        if checkpoint is not None:
-            cb.load_state_dict(torch.load(tmp_path / "full" / checkpoint / "gradstats.pt", weights_only=True))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer.train(resume_from_checkpoint=None if checkpoint is None else str(tmp_path / "full" / checkpoint))
+            trainer.train(resume_from_checkpoint=checkpoint is not None)
+        assert cb.policies_restored == (checkpoint is not None)
         return {e["step"]: e for e in trainer.state.log_history if "loss" in e}
 
     keys = ["loss", "grad/total_norm", "guard/skipped", "guard/consecutive", "guard/grad_norm_z", "guard/loss_z",
             "clip/threshold", "clip/coef"]
     full = run("full")
+    assert sorted(p.parent.name for p in (tmp_path / "full").glob("checkpoint-*/gradstats.pt")) == [
+        "checkpoint-12", "checkpoint-16", "checkpoint-4", "checkpoint-8"]
     assert sorted(full) == list(range(1, 17))
     assert full[4]["clip/threshold"] == math.inf and full[9]["clip/coef"] < 0.5 and full[9]["guard/skipped"] == 1
     assert full[13]["clip/coef"] < 1

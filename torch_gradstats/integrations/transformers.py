@@ -24,7 +24,8 @@ What it logs, on which steps, its host syncs, ``on_nonfinite``, the step policie
   ``on_nonfinite`` one small transfer per optimizer step on every rank, so all ranks agree.
 * A callback cannot skip ``optimizer.step()``: ``"skip"`` sets every gradient to None, and the spike guard goes
   through the optimizer wrapped by :meth:`GradStatsCallback.wrap_optimizer`
-  (:func:`~torch_gradstats.training.step_or_skip`).
+  (:func:`~torch_gradstats.training.step_or_skip`). Their statistics go into each checkpoint folder as
+  ``gradstats.pt``, read back by a run resumed from it (``_hf_checkpoints.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from torch_gradstats.integrations._common import (
     logs_here,
     styled_keys,
 )
+from torch_gradstats.integrations._hf_checkpoints import STATE_FILE, load_saved_state, save_state
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors._backward_end import requeue_if_nested
 from torch_gradstats.monitors._grad_scaler import loss_scale
@@ -231,10 +233,17 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         policies = [n for n, p in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip))
                     if p is not None]
         if policies and state.global_step > 0 and not self.policies_restored:
-            # resumed: the Trainer's checkpoints keep no callback tensors, and none were loaded into this callback
-            logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: %s statistics are not in the "
-                           "Trainer's checkpoints and start afresh, unless you restored them with load_state_dict",
-                           state.global_step, " and ".join(f"the {n}'s" for n in policies))
+            # resumed, and nothing loaded into this callback: the statistics on_save wrote into that checkpoint
+            saved, path = load_saved_state(args, state)
+            if saved is not None:
+                self.load_state_dict(saved)
+                logger.info("torch_gradstats: GradStatsCallback resumed at step %d with the statistics of %s",
+                            state.global_step, path)
+            else:
+                logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: there is no %s, so %s "
+                               "statistics start afresh (restore them with load_state_dict from the checkpoint's "
+                               "%s)", state.global_step, path, " and ".join(f"the {n}'s" for n in policies),
+                               STATE_FILE)
         self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
         self._remove_hooks()
         self._hook_trainable(model)
@@ -306,6 +315,10 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         setattr(optimizer, _WRAPPED_BY, self)
         return optimizer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.spike_guard is not None or self.adaptive_clip is not None:  # the checkpoint folder is written by now
+            save_state(args, state, self.state_dict())
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._remove_hooks()
