@@ -1,11 +1,13 @@
-"""Ranks of tests/test_monitors_models.py's DDP test: noise_scale_hook on the model zoo's models under real DDP (gloo),
-with bfloat16 autocast and a GradScaler given to the NoiseScale.
+"""Ranks of tests/test_monitors_models.py's DDP tests: noise_scale_hook on the model zoo's models under real DDP (gloo),
+with bfloat16 autocast and a GradScaler given to the NoiseScale; and NoiseScale's accumulation path (micro_batch and
+step given the DDP module, no_sync() for every micro-batch but the last).
 
 Kept out of the test module because multiprocessing re-imports the worker's module in each child. Each rank checks
 its own NoiseScale against a float64 reference it computes from a plain copy of the model: every rank's gradient
 of the unscaled loss (the small batches), their mean (the big batch), the formulas of docs/noise_scale.md.
 """
 
+import contextlib
 import copy
 import datetime
 import json
@@ -24,6 +26,7 @@ from torch_gradstats.monitors.noise_scale import NoiseScale, noise_scale_hook
 
 BATCH = 2  # samples per rank per step
 STEPS = 3
+ACCUMULATE = 2  # micro-batches per optimizer step (check_accumulation)
 INF_STEP = 1  # rank 0's loss is multiplied by inf: every rank's scaler skips the step
 
 
@@ -101,6 +104,44 @@ def check_model(name: str, rank: int, world: int) -> str:
     return f"{name}: {got}"
 
 
+def check_accumulation(name: str, rank: int, world: int) -> str:
+    """NoiseScale.micro_batch and step given the DDP module, gradient accumulation with no_sync() for every
+    micro-batch but the last: each small batch is one micro-batch of this rank, the big batch is DDP's .grad, the mean
+    over every rank's micro-batches (ACCUMULATE x BATCH x world samples)."""
+    model, loss_fn = zoo(name.removeprefix("accumulation_"))
+    reference = copy.deepcopy(model)
+    ns = NoiseScale(BATCH, ema=0.5)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: the reference stays valid
+    b_small, b_big = BATCH, BATCH * ACCUMULATE * world
+    eg = et = weight = size = 0.0
+    for step in range(STEPS):
+        j0 = 100 * step + ACCUMULATE * rank
+        for j in range(ACCUMULATE):
+            sync = contextlib.nullcontext() if j == ACCUMULATE - 1 else ddp.no_sync()
+            with sync, ns.micro_batch(ddp):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = loss_fn(ddp, j0 + j) / ACCUMULATE  # type: ignore[operator]
+                loss.backward()
+        ns.step(ddp)
+        mine = [grad64(reference, loss_fn, j0 + j) for j in range(ACCUMULATE)]
+        every = [grad64(reference, loss_fn, 100 * step + j) for j in range(ACCUMULATE * world)]
+        mean = [sum(g[i] for g in every) / len(every) for i in range(len(every[0]))]
+        s = math.fsum(math.fsum(float(t.square().sum()) for t in g) for g in mine) / ACCUMULATE
+        b = math.fsum(float(t.square().sum()) for t in mean)
+        size = max(size, s, b)
+        g2 = (b_big * b - b_small * s) / (b_big - b_small)
+        tr = (s - b) / (1 / b_small - 1 / b_big)
+        eg, et, weight = 0.5 * eg + 0.5 * g2, 0.5 * et + 0.5 * tr, 0.5 * weight + 0.5
+        optimizer.step()
+        optimizer.zero_grad()
+    got = ns.to_dict()
+    for key, want, tol in (("noise/grad_sq", eg / weight, 1e-5 * size),
+                           ("noise/trace_sigma", et / weight, 4e-5 * size)):
+        assert abs(got[key] - want) <= tol, (key, got[key], want)
+    return f"{name}: {got}"
+
+
 def run_worker(rank: int, world: int, port: int, outdir: str, models: list[str], timeout_s: float) -> None:
     torch.set_num_threads(1)
     results: dict[str, dict[str, str]] = {}
@@ -109,7 +150,8 @@ def run_worker(rank: int, world: int, port: int, outdir: str, models: list[str],
     try:
         for name in models:
             try:
-                results[name] = {"status": "ok", "detail": check_model(name, rank, world)}
+                check = check_accumulation if name.startswith("accumulation_") else check_model
+                results[name] = {"status": "ok", "detail": check(name, rank, world)}
             except Exception:  # noqa: BLE001 - recorded, reported by the test
                 results[name] = {"status": "fail", "detail": traceback.format_exc()}
             with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:

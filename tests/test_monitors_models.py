@@ -883,3 +883,51 @@ def test_update_ratio_of_16_bit_weights_within_the_documented_rounding(dtype: to
             assert report.update_ratios[n] == pytest.approx(ratio_of(delta, float(w.norm())), rel=unit + 1e-5), n
         got = math.sqrt(math.fsum(d * d for d in report.delta_norms.values()))
         assert got == pytest.approx(math.sqrt(total), rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def ddp_accumulation_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, str]]]:
+    """Two gloo ranks running tests/_monitors_ddp_worker.py's accumulation check (NoiseScale.micro_batch and step
+    given the DDP module) on the zoo's models."""
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    pytest.importorskip("transformers")
+    import _monitors_ddp_worker as worker
+    import torch.multiprocessing as mp
+
+    outdir = str(tmp_path_factory.mktemp("ddp_accumulation"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    multiprocessing.set_forkserver_preload(["torch", "torch.nn.parallel", "_monitors_ddp_worker"])
+    names = ["accumulation_resnet", "accumulation_gpt2"]
+    ctx = mp.start_processes(worker.run_worker, args=(2, port, outdir, names, 60.0),
+                             nprocs=2, join=False, start_method="forkserver")
+    deadline = time.monotonic() + 300
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the 2-rank run did not finish in 300 s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    results = []
+    for rank in range(2):
+        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["accumulation_resnet", "accumulation_gpt2"])
+def test_noise_scale_accumulation_under_ddp_counts_every_rank_in_the_big_batch(
+        ddp_accumulation_results: Any, name: str) -> None:
+    """micro_batch(ddp_model) / step(ddp_model) with no_sync() accumulation on 2 gloo ranks: .grad is DDP's mean over
+    both ranks' micro-batches, so the big batch holds micro-batches x local_batch_size x 2 samples. Each rank's
+    figures match the float64 reference (computed in the worker from a plain copy of the model)."""
+    outcomes = [r.get(name, {"status": "fail", "detail": "not reached"}) for r in ddp_accumulation_results]
+    failed = [f"--- rank {rank}:\n{o['detail']}" for rank, o in enumerate(outcomes) if o["status"] != "ok"]
+    assert not failed, "\n".join(failed)

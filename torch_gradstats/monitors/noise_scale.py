@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from torch_gradstats.monitors._grad_scaler import check_unscaled, unscaled
@@ -89,6 +90,16 @@ def _params_of(params: Any, caller: str) -> list[tuple[str, Tensor]]:
     for name, p in named_params(params, caller=caller):
         out.setdefault(id(p), (name, p))
     return list(out.values())
+
+
+def _ddp_ranks(params: Any) -> int:
+    """How many ranks' gradients ``.grad`` of ``params`` averages: a ``DistributedDataParallel`` module's group size
+    (DDP all-reduces the accumulated gradients at the window's last backward), 1 for anything else."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(params, DistributedDataParallel):
+        return dist.get_world_size(params.process_group)
+    return 1
 
 
 def _sumsq(tensors: list[Tensor], names: list[str], caller: str) -> Tensor:
@@ -304,15 +315,18 @@ class NoiseScale(Checkpoints, DDPStep):
 
         With ``k`` micro-batches whose losses were scaled by ``1/k``, micro-batch ``j`` contributed ``g_j / k``, so
         the mean of ``|g_j|^2`` is ``k`` times the sum of the contributions' squared norms, and B_big is
-        ``k * local_batch_size``. One op call on the accumulated gradients, no host sync. With a ``scaler``, call it
-        after ``scaler.unscale_(optimizer)`` and before ``scaler.update()`` (``ValueError`` otherwise, the window
-        kept).
-        """
+        ``k * local_batch_size``. Under DDP, give ``micro_batch`` and ``step`` the ``DistributedDataParallel`` module
+        itself: each micro-batch is read before DDP's all-reduce (this rank's), ``.grad`` after it is the mean over the
+        group's ranks, and B_big is ``k * local_batch_size * ranks`` (given its ``.module`` or parameters, ``step``
+        cannot tell that ``.grad`` was averaged, and takes ``k * local_batch_size``). One op call on the accumulated
+        gradients, no host sync. With a ``scaler``, call it after ``scaler.unscale_(optimizer)`` and before
+        ``scaler.update()`` (``ValueError`` otherwise, the window kept)."""
         # The parameters micro_batch reads (those that require grad): a frozen one's .grad, left from before it was
         # frozen, is no part of this window's big batch.
         named = [(n, p.grad) for n, p in _params_of(params, "NoiseScale.step")
                  if p.requires_grad and p.grad is not None]
         grads = [g for _, g in named]
+        ranks = _ddp_ranks(params)  # DDP's .grad is the mean over its ranks' windows: a bigger big batch
         check_unscaled(self.scaler)
         with self._lock:
             k, micro = self._micro_batches, self._micro_sq
@@ -324,7 +338,7 @@ class NoiseScale(Checkpoints, DDPStep):
         if not grads:
             raise ValueError("NoiseScale.step: no parameter in params that requires grad has a gradient")
         big = _sumsq(grads, [n for n, _ in named], "NoiseScale.step")
-        self.update(micro * k, big, big_batch_size=k * self.local_batch_size)
+        self.update(micro * k, big, big_batch_size=k * self.local_batch_size * ranks)
 
     def discard_window(self) -> int:
         """Drop the accumulation window in progress: the micro-batches read by :meth:`micro_batch` since the last
