@@ -139,6 +139,15 @@ def check_accumulation(name: str, rank: int, world: int) -> str:
     for key, want, tol in (("noise/grad_sq", eg / weight, 1e-5 * size),
                            ("noise/trace_sigma", et / weight, 4e-5 * size)):
         assert abs(got[key] - want) <= tol, (key, got[key], want)
+    # The same NoiseScale as the module's comm hook too would fold each step twice: refused.
+    hooked = DDP(model, bucket_cap_mb=0.01)
+    hooked.register_comm_hook(ns, noise_scale_hook)
+    try:
+        ns.step(hooked)
+    except ValueError as exc:
+        assert "noise_scale_hook" in str(exc), exc
+    else:
+        raise AssertionError("step() on a DDP module whose noise_scale_hook is this NoiseScale did not raise")
     return f"{name}: {got}"
 
 

@@ -927,7 +927,8 @@ def test_noise_scale_accumulation_under_ddp_counts_every_rank_in_the_big_batch(
         ddp_accumulation_results: Any, name: str) -> None:
     """micro_batch(ddp_model) / step(ddp_model) with no_sync() accumulation on 2 gloo ranks: .grad is DDP's mean over
     both ranks' micro-batches, so the big batch holds micro-batches x local_batch_size x 2 samples. Each rank's
-    figures match the float64 reference (computed in the worker from a plain copy of the model)."""
+    figures match the float64 reference (computed in the worker from a plain copy of the model). step() refuses a
+    DDP module whose noise_scale_hook is the same NoiseScale (each step would be folded in twice)."""
     outcomes = [r.get(name, {"status": "fail", "detail": "not reached"}) for r in ddp_accumulation_results]
     failed = [f"--- rank {rank}:\n{o['detail']}" for rank, o in enumerate(outcomes) if o["status"] != "ok"]
     assert not failed, "\n".join(failed)

@@ -92,14 +92,20 @@ def _params_of(params: Any, caller: str) -> list[tuple[str, Tensor]]:
     return list(out.values())
 
 
-def _ddp_ranks(params: Any) -> int:
+def _ddp_ranks(params: Any, ns: "NoiseScale") -> int:
     """How many ranks' gradients ``.grad`` of ``params`` averages: a ``DistributedDataParallel`` module's group size
-    (DDP all-reduces the accumulated gradients at the window's last backward), 1 for anything else."""
+    (DDP all-reduces the accumulated gradients at the window's last backward), 1 for anything else. A DDP module
+    whose comm hook (``_comm_hooks``, where DDP keeps them) folds into ``ns`` already is refused."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(params, DistributedDataParallel):
-        return dist.get_world_size(params.process_group)
-    return 1
+    if not isinstance(params, DistributedDataParallel):
+        return 1
+    if any(hook is noise_scale_hook and state is ns for hook, state in getattr(params, "_comm_hooks", ())):
+        raise ValueError(
+            "NoiseScale.step: this NoiseScale is also the DDP module's noise_scale_hook, which folds every step in "
+            "already; use one of the two (the hook, or micro_batch() and step() without it)"
+        )
+    return dist.get_world_size(params.process_group)
 
 
 def _sumsq(tensors: list[Tensor], names: list[str], caller: str) -> Tensor:
@@ -326,7 +332,7 @@ class NoiseScale(Checkpoints, DDPStep):
         named = [(n, p.grad) for n, p in _params_of(params, "NoiseScale.step")
                  if p.requires_grad and p.grad is not None]
         grads = [g for _, g in named]
-        ranks = _ddp_ranks(params)  # DDP's .grad is the mean over its ranks' windows: a bigger big batch
+        ranks = _ddp_ranks(params, self)  # DDP's .grad is the mean over its ranks' windows: a bigger big batch
         check_unscaled(self.scaler)
         with self._lock:
             k, micro = self._micro_batches, self._micro_sq
