@@ -657,6 +657,10 @@ def test_lightning_bf16_mixed_resnet_to_tensorboard(tmp_path: Path) -> None:
             assert value == pytest.approx(want, rel=REL), (key, step)  # event files keep float32
 
 
+def _forward_hooks(module: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+
+
 def _eval_module() -> Any:
     m = model_zoo.lightning_module()
 
@@ -677,27 +681,41 @@ def _eval_module() -> Any:
 @needs_lightning
 def test_lightning_validation_test_and_predict_leave_the_figures_alone(tmp_path: Path) -> None:
     """Validation every 2 training batches, and trainer.validate / test / predict (under inference_mode) before and
-    after fit, with a callback that judges every step: only the training steps are read, judged and logged."""
+    after fit, with a callback that judges every step: only the training steps are read, judged and logged. The
+    activation watch and the per-example hooks serve a fit's optimizer steps: an evaluation run of its own adds no
+    hook to any module (before, both were made at the setup of every stage, and each watched module's evaluation
+    forward made op calls that nothing read)."""
     L = _pl()
     from torch_gradstats import SpikeGuard
     from torch_gradstats.integrations.lightning import GradStatsCallback
 
     module = _eval_module()
+    bare = _forward_hooks(module)
+    hooks: list[int] = []  # at each batch of trainer.validate / test / predict
+
+    class Probe(L.Callback):
+        def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if not trainer.training and trainer.state.fn != "fit":
+                hooks.append(_forward_hooks(pl_module))
+
+        on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+
     guard = SpikeGuard(min_history=2)
     cb = GradStatsCallback(every_n_steps=2, on_nonfinite="skip", spike_guard=guard, watch_activations=True,
                            per_example=True)
     data = model_zoo.classification_data(8)
-    other = L.Trainer(accelerator="cpu", logger=False, callbacks=[cb], enable_progress_bar=False,
+    other = L.Trainer(accelerator="cpu", logger=False, callbacks=[cb, Probe()], enable_progress_bar=False,
                       enable_model_summary=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         other.validate(module, data)
         other.test(module, data)
         other.predict(module, data)
+    assert hooks == [bare] * 24 and cb.activation_watch is None
     ref = _reference_callback()
     from lightning.pytorch.loggers import CSVLogger
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[ref, cb],
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[ref, cb, Probe()],
                         logger=CSVLogger(str(tmp_path), name="csv"), enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
                         val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=2)
@@ -707,6 +725,7 @@ def test_lightning_validation_test_and_predict_leave_the_figures_alone(tmp_path:
         trainer.validate(module, data)
         trainer.test(module, data)
         trainer.predict(module, data)
+    assert hooks == [bare] * (24 + 2 + 8 + 8) and _forward_hooks(module) == bare  # limit_val_batches: validate 2
     rows = _csv(trainer)
     assert sorted(rows) == [1, 3, 5]
     for step, row in rows.items():

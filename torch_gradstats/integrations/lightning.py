@@ -222,8 +222,9 @@ class _GradStatsMixin(SeveralOptimizers):
             adaptive_clip: an :class:`~torch_gradstats.AdaptiveClip` clipping every step to its threshold (not
                 with the trainer's ``gradient_clip_val``).
             watch_activations: an :class:`~torch_gradstats.ActivationWatch`, or True for one of the whole
-                LightningModule (made at setup, removed at teardown): ``act/`` figures on logging steps, and the
-                origin module named in the warning of a non-finite step.
+                LightningModule (made when a fit is set up, removed at its teardown; ``trainer.validate`` / ``test``
+                / ``predict`` runs of their own make none): ``act/`` figures on logging steps, and the origin module
+                named in the warning of a non-finite step.
             stage_group: the pipeline-stage group (see :func:`torch_gradstats.grad_stats`): every rank then reports
                 the whole model, every stage's parameters; ``tied`` names parameters shared by stages (counted once).
                 Not with ``log_weight_norms`` / ``log_update_ratio``.
@@ -233,12 +234,12 @@ class _GradStatsMixin(SeveralOptimizers):
             histogram: on logging steps, read the gradients' exponent histogram in the same read and log the
                 fp16/bf16/fp8 underflow and overflow fractions (``<prefix>underflow/fp16`` ...; see
                 docs/histograms.md). Not with ``log_weight_norms`` / ``log_update_ratio``.
-            per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of the LightningModule (made at setup,
-                reset every optimizer step; the loss of each micro-batch is the mean over its examples, and
-                Lightning's division by ``accumulate_grad_batches`` is undone): logging steps get
-                ``examples/max_norm``, ``examples/median_norm``, ``examples/max_over_median`` (beside the guard's
-                ``guard/...`` figures), and the
-                warning of a skipped step names its top 3 batch positions with their norms and the batch median.
+            per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of the LightningModule (made when a fit
+                is set up, as the watch is, reset every optimizer step; the loss of each micro-batch is the mean
+                over its examples, and Lightning's division by ``accumulate_grad_batches`` is undone): logging steps
+                get ``examples/max_norm``, ``examples/median_norm``, ``examples/max_over_median`` (beside the
+                guard's ``guard/...`` figures), and the warning of a skipped step names its top 3 batch positions
+                with their norms and the batch median.
             flight_recorder: a :class:`~torch_gradstats.FlightRecorder` (or its capacity) recording every step,
                 dumped into its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png`` at an incident (a skipped step,
                 a non-finite gradient, a ``SpikeStreakError``); the warning names the file.
@@ -260,7 +261,7 @@ class _GradStatsMixin(SeveralOptimizers):
         logs_here("GradStatsCallback", True, log_rank)  # a wrong log_rank is named now
         self.histogram = check_histogram(histogram, log_weight_norms, log_update_ratio)
         self._watch_option = check_watch(watch_activations)
-        #: the activation watch (the one given, or the one made at setup for ``watch_activations=True``)
+        #: the activation watch (the one given, or the one made when a fit is set up for ``watch_activations=True``)
         self.activation_watch: ActivationWatch | None = (
             self._watch_option if isinstance(self._watch_option, ActivationWatch) else None)
         self.last_activation_report: ActivationReport | None = None  #: the watch's last report
@@ -281,6 +282,8 @@ class _GradStatsMixin(SeveralOptimizers):
 
     # ----------------------------------------------------------------------------------------------- hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return  # validate / test / predict take no optimizer step: the watch and the hooks would serve nothing
         if self.adaptive_clip is not None and getattr(trainer, "gradient_clip_val", None):
             raise ValueError("GradStatsCallback: give the trainer's gradient_clip_val or adaptive_clip, not both "
                              "(AdaptiveClip(max_norm=...) caps the threshold)")
