@@ -5,9 +5,10 @@ Each rank records, for every optimizer step, its own local gradients (tensor hoo
 and float64 norms of the gradients the optimizer steps with, and each optimizer's weights before its step and at the
 batch's end. Two incidents hit rank 1's generator only: at ``SPIKE_BATCH`` its generator loss jumps by a constant
 (the gradients do not change, so only the loss averaged over the ranks can make rank 0 skip too), at ``NAN_BATCH``
-one of its local generator gradients gets a NaN (DDP's average carries it to both ranks). Lightning's DDP launcher
-starts rank 1 by running this script again; each rank writes ``<out>/rank<r>.json``, rank 0's CSV logger the
-figures.
+one of its local generator gradients gets a NaN (DDP's average carries it to both ranks). The callback also watches
+the activations, and a validation every 4 batches (and Lightning's sanity check before training) calls the
+discriminator alone; each rank records the watch's step at every optimizer step. Lightning's DDP launcher starts
+rank 1 by running this script again; each rank writes ``<out>/rank<r>.json``, rank 0's CSV logger the figures.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class GAN(L.LightningModule):
         d_opt.step()
         self.untoggle_optimizer(d_opt)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        self.discriminator(real)  # its score on held-out real data (not logged: the rows stay one per batch)
+
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         # fused Adam: the guard skips on the device; SGD: from the host
         return [torch.optim.Adam(self.generator.parameters(), lr=1e-2, fused=True),
@@ -93,7 +98,9 @@ class GAN(L.LightningModule):
 class Recorder(L.Callback):
     """Before our callback: float64 norms of the stepping optimizer's gradients (DDP's average) and its weights."""
 
-    def __init__(self) -> None:
+    def __init__(self, watched: GradStatsCallback) -> None:
+        self.watched = watched
+        self.watch_steps: dict[str, int] = {}  # the activation watch's step at each optimizer step
         self.norms: dict[str, dict[str, float]] = {}
         self.before: dict[str, list[torch.Tensor]] = {}
         self.unchanged: list[str] = []
@@ -102,6 +109,7 @@ class Recorder(L.Callback):
         which = "generator" if optimizer is trainer.optimizers[0] else "discriminator"
         mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
         key = f"{pl_module.batch}/{which}"
+        self.watch_steps[key] = self.watched.activation_watch.step
         self.norms[key] = {n: float(p.grad.double().norm()) for n, p in pl_module.named_parameters()
                            if id(p) in mine}
         self.before[key] = [p.detach().clone() for n, p in pl_module.named_parameters() if id(p) in mine]
@@ -123,25 +131,27 @@ def _plain(state: Any) -> Any:
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
-    rec = Recorder()
     cb = GradStatsCallback(every_n_steps=1, optimizer_names=("generator", "discriminator"), on_nonfinite="skip",
-                           spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=4))
+                           spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=4), watch_activations=True)
+    rec = Recorder(cb)
     g = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randn(2 * 8 * BATCHES, 6, generator=g) + 2.0)
     trainer = L.Trainer(
         # each optimizer's backward leaves the other's parameters unused: find_unused_parameters, as any GAN needs
         accelerator="cpu", devices=2, strategy=DDPStrategy(find_unused_parameters=True), max_epochs=1,
-        callbacks=[rec, cb], logger=CSVLogger(out), enable_progress_bar=False, enable_checkpointing=False,
-        enable_model_summary=False, log_every_n_steps=1,
+        val_check_interval=4, limit_val_batches=2, callbacks=[rec, cb], logger=CSVLogger(out),
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
     )
     model = GAN()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=8))
+        loader = torch.utils.data.DataLoader(ds, batch_size=8)
+        trainer.fit(model, loader, loader)
     result = {
         "rank": trainer.global_rank,
         "local": model.local,
         "norms": rec.norms,
+        "watch_steps": rec.watch_steps,
         "unchanged": rec.unchanged,
         "skipped": cb.skipped_steps,
         "guards": {name: _plain(guard.state_dict()) for name, guard in cb.spike_guards.items()},

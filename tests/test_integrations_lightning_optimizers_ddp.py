@@ -2,8 +2,9 @@
 (gloo), launched by Lightning itself from tests/_integrations_lightning_optimizers_ddp_worker.py. Each optimizer's
 logged figures are checked against float64 norms of the average of both ranks' local gradients of that optimizer's
 parameters; a loss spike and a NaN on rank 1's generator alone must make both ranks skip the generator's step and
-neither the discriminator's. About 15 s on a busy 2-core machine (two Python start-ups and Lightning's DDP set-up
-dominate), hence the markers."""
+neither the discriminator's; the activation watch counts the same steps on both ranks, with validations between
+them. About 15 s on a busy 2-core machine (two Python start-ups and Lightning's DDP set-up dominate), hence the
+markers."""
 
 from __future__ import annotations
 
@@ -100,3 +101,16 @@ def test_ddp_each_optimizer_reads_the_averaged_gradients_and_the_ranks_skip_alik
     assert r0["guards"] == r1["guards"]
     assert r0["weights"] == r1["weights"]
     assert all(math.isfinite(v) for w in r0["weights"] for v in w)
+    # The activation watch: under DDP Lightning runs every training and validation step through DDP's forward, which
+    # calls the LightningModule's, so each batch is one step of the watch on both ranks, both optimizers' steps in
+    # it, and each batch of the sanity check and of the validations (every 4 batches, the discriminator alone) is a
+    # step of its own. Each rank watches its own activations: rank 0's, finite throughout, are the ones logged.
+    for batch in range(BATCHES):
+        want = 2 + batch + 2 * (batch // 4)
+        for which in NAMES:
+            key = f"{batch}/{which}"
+            assert r0["watch_steps"][key] == r1["watch_steps"][key] == want, key
+    for batch, row in rows.items():
+        for which in NAMES:
+            assert (row[f"act/{which}/nonfinite"], row[f"act/{which}/origin_index"]) == (0.0, -1.0), (batch, which)
+    assert "ran after step" not in proc.stdout + proc.stderr  # no backward was left out of the watch's reports
