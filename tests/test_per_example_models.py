@@ -108,6 +108,35 @@ def test_gpt2_under_bfloat16_autocast_matches_the_per_example_reference() -> Non
     torch.testing.assert_close(pe.norms().double(), _reference(model, batch, amp=True), rtol=2e-2, atol=0.0)
 
 
+@pytest.mark.parametrize("when", ["before", "between"])  # before the training forward, or between it and its backward
+def test_gpt2_evaluations_around_a_training_step_leave_its_norms_exact(when: str) -> None:
+    """Evaluation forwards of held-out batches (5 examples, another batch size) under ``inference_mode``, under
+    ``no_grad`` and under ``model.eval()`` alone (gradients enabled: hooked as a training forward would be, as a model
+    trained in eval mode must be, though no backward ever reaches them): the training step's per-example norms equal
+    the one-at-a-time reference."""
+    model, batch = _gpt2(), _batch()
+    held_out = {"input_ids": torch.randint(1, 64, (5, T), generator=torch.Generator().manual_seed(1)),
+                "position_ids": torch.arange(T).expand(5, T).contiguous()}
+
+    def evaluate() -> None:
+        model.eval()
+        with torch.inference_mode():
+            model(**held_out)
+        with torch.no_grad():
+            model(**held_out)
+        model(**held_out)  # gradients enabled, its output dropped
+        model.train()
+
+    with PerExampleNorms(model, loss_reduction="mean") as pe:
+        if when == "before":
+            evaluate()
+        loss = model(**batch).loss
+        if when == "between":
+            evaluate()
+        loss.backward()
+    torch.testing.assert_close(pe.norms().double(), _reference(model, batch), rtol=1e-5, atol=0.0)
+
+
 class _Attention(nn.Module):
     """Linear, then MultiheadAttention (a torch.func replay) fed the Linear's bfloat16 output under autocast."""
 
