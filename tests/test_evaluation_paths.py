@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_gradstats import AdaptiveClip, SpikeGuard
+from torch_gradstats import AdaptiveClip, FlightRecorder, SpikeGuard
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -58,7 +58,8 @@ def test_lightning_validation_between_micro_batches_changes_no_figure(tmp_path: 
     from torch_gradstats.integrations.lightning import GradStatsCallback
 
     def run(validate: bool) -> dict[int, dict[str, float]]:
-        cb = GradStatsCallback(every_n_steps=1, per_example=True, flight_recorder=8, watch_activations=True,
+        cb = GradStatsCallback(every_n_steps=1, per_example=True, watch_activations=True,
+                               flight_recorder=FlightRecorder(8, dump_dir=tmp_path),
                                spike_guard=SpikeGuard(min_history=2), adaptive_clip=AdaptiveClip(warmup=2),
                                log_update_ratio=True)
         trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[cb], precision="bf16-mixed",
@@ -127,7 +128,8 @@ def test_hf_evaluation_between_unfreezing_steps_changes_no_figure(tmp_path: Path
                 if state.global_step == 4:
                     freeze(model, "transformer.h.1.", True)
 
-        cb = GradStatsCallback(log_update_ratio=True, watch_activations=True, per_example=True, flight_recorder=8,
+        cb = GradStatsCallback(log_update_ratio=True, watch_activations=True, per_example=True,
+                               flight_recorder=FlightRecorder(8, dump_dir=tmp_path),
                                spike_guard=SpikeGuard(min_history=2), adaptive_clip=AdaptiveClip(warmup=2))
         optimizer = cb.wrap_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
                                                         fused=True))
