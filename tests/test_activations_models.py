@@ -148,6 +148,45 @@ def test_checkpointed_encoder_names_the_layer_that_overflowed(use_reentrant, mod
     assert ckpt.backward_recorded == (mode == "train")
 
 
+class _ProbedResNet(nn.Module):
+    """The ResNet and a linear probe whose steps call the submodules, never this module's own forward (as a
+    LightningModule's training and validation steps do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = resnet()
+        self.probe = nn.Linear(5, 2)
+
+
+def test_an_evaluation_calling_another_module_first_leaves_the_training_steps_whole(caplog):
+    """The model's own forward is not called, so a step starts at the first watched module called: one in training
+    and one in evaluation (``model.eval()``). An evaluation calling the probe alone on held-out features, run before
+    the first training step (as Lightning's sanity check runs) and between them, is a step of its own each time,
+    and each training step (the ResNet, then the probe) one whole step, backward included. (Before: the probe, the
+    first module ever called, started every step, so each training step's ResNet forward fell into the step before,
+    its backward out of every report, with a WARNING.)"""
+    model = _ProbedResNet()
+    x, features = torch.randn(2, 3, 8, 8), torch.randn(4, 5)
+    reports = []
+    with ActivationWatch(model) as watch, caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        for _ in range(2):
+            model.eval()
+            with torch.inference_mode():
+                model.probe(features)
+            model.train()
+            model.probe(model.net(x)).square().sum().backward()
+            reports.append(watch.report())
+    assert watch.step == 3 and [r.step for r in reports] == [1, 3]
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    for report in reports:
+        assert report.backward_recorded and not report.nonfinite
+        for name in ("net.conv1", "net.layer2.1.conv2", "probe"):
+            assert report.modules[name].calls == 1, name
+            assert report.modules[name].grad_max_abs > 0, name
+        assert report.modules["net.conv1"].input_max_abs == pytest.approx(float(x.abs().max()))
+        assert not report.inputs_nonfinite
+
+
 # ------------------------------------------------------------------------------------------------- Lightning
 def _trainer(max_steps: int, callbacks: list, val_batches: float = 0) -> Any:
     pl = pytest.importorskip("lightning.pytorch")

@@ -400,3 +400,46 @@ def test_activation_keys_per_optimizer_name_the_origin_of_each_steps_nan(
     assert "(optimizer 'discriminator')" in messages[0] and "forward origin discriminator.1 " in messages[0]
     assert "(optimizer 'generator')" in messages[1] and "forward origin generator.1 " in messages[1]
     assert "(optimizer 'discriminator')" in messages[2] and "forward origin generator.1 " in messages[2]
+
+
+class ValidatedGAN(GAN):
+    """The GAN with a validation step that calls the discriminator alone: its score on held-out real data."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        self.log("val_real_score", self.discriminator(real).mean())
+
+
+def test_validation_calling_the_discriminator_alone_leaves_the_training_steps_whole(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning's sanity check (2 validation batches before training) and a validation every 4 batches, each under
+    inference_mode and calling the discriminator alone; the LightningModule's own forward is never called, so the
+    watch starts a step at the first watched module called. A validation batch is a step of its own and every
+    training batch one step, from the generator's first layer: the generator's NaN at batch 9 is named as the origin
+    in both optimizers' figures, no backward is left out, and neither the guards nor the logged steps see the
+    evaluation. (Before: the first module called at all, the discriminator's in the sanity check, started every step
+    after it, so each training batch was cut into three steps, the generator's forward and backward fell out of the
+    discriminator's report, and a WARNING said a backward ran after the next step began.)"""
+    gan = ValidatedGAN()
+    gan.generator[1] = NaNTanh(G_POISON)
+    watch = ActivationWatch(gan)
+    cb = GradStatsCallback(optimizer_names=("generator", "discriminator"), watch_activations=watch,
+                           on_nonfinite="skip", spike_guard=_guard(), adaptive_clip=AdaptiveClip(warmup=3),
+                           log_update_ratio=True)
+    trainer = _trainer(tmp_path, [cb], max_epochs=1, val_check_interval=4, limit_val_batches=2)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _fit(trainer, gan, val_dataloaders=_data(32))
+    watch.remove()
+    assert not [r for r in caplog.records if "ran after step" in r.getMessage()]
+    assert watch.step == 2 + 16 + 4 * 2 - 1  # sanity check, 16 training batches, 4 validations of 2 batches
+    g_origin = watch.module_names.index("generator.1")
+    rows = _rows(trainer)
+    trained = {s: r for s, r in rows.items() if any(k.startswith("grad_stats/") for k in r)}
+    assert sorted(trained) == list(range(16))
+    assert any("val_real_score" in r for r in rows.values())
+    for batch, row in trained.items():
+        for which in NAMES:
+            got = (row[f"act/{which}/nonfinite"], row[f"act/{which}/origin_index"])
+            assert got == ((1.0, g_origin) if batch == G_POISON else (0.0, -1.0)), (batch, which)
+    assert cb.skipped_steps == [2 * G_POISON, 2 * G_POISON + 1]
+    assert {n: int(g.steps) for n, g in cb.spike_guards.items()} == {"generator": 16, "discriminator": 16}

@@ -129,8 +129,8 @@ class ActivationWatch:
         modules: None (every leaf module and every module owning parameters directly), a module type or tuple of
             types, or a predicate ``(path, module) -> bool``. Paths are dot-separated, as in ``named_modules()``.
         every_n_steps: record steps 0, n, 2n, ... (a step is one call of the model's forward, or, when the model's
-            own forward is not called, of the first watched module called from outside it); on the other steps a
-            module's call costs one Python check.
+            own forward is not called, of the first watched module called from outside it: the first in training
+            mode, and in eval mode the first called then); on the other steps a module's call costs one Python check.
         backward: also watch ``grad_output`` / ``grad_input`` of the selected modules.
 
     Use as a handle (``remove()``) or a context manager (entering a removed watch puts its hooks back). Hooks never
@@ -180,7 +180,10 @@ class ActivationWatch:
         self._step = -1  # the step now running (or last run)
         self._recorded = -1  # the latest recorded step
         self._recording = False
-        self._lead: int | None = None  # the module whose call starts a step when the root's forward is not called
+        # When the root's forward is not called: the module whose call starts a step, one for the root's training mode
+        # and one for its eval mode, so that an evaluation calling other modules first (a GAN's validation calling the
+        # discriminator alone, in Lightning's sanity check before training) does not decide where training steps start
+        self._leads: dict[bool, int] = {}
         self._in_root = 0  # root forwards now running
         self._reader = Reader()
         self._fwd: list[Call] = []  # the recorded step's forward calls, in the order they finished
@@ -271,11 +274,9 @@ class ActivationWatch:
                 if self._in_root == 0 and not recompute:
                     self._begin_step()
                 self._in_root += 1
-            elif self._in_root == 0 and not recompute and self._lead in (None, i):
+            elif self._in_root == 0 and not recompute and self._leads.setdefault(self._root.training, i) == i:
                 # The root's forward is not running (a Lightning training_step calling self.net(x)): the step
-                # starts with the first watched module called, each time it is called again.
-                if self._lead is None:
-                    self._lead = i
+                # starts with the first watched module called in the root's mode, each time it is called again.
                 self._begin_step()
             if not self._recording:
                 if i == 0:
