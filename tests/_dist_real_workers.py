@@ -216,6 +216,44 @@ def fsdp1_flat_parameters_without_padding(rank: int, world: int) -> str | None:
     return None
 
 
+def fsdp1_whole_flat_parameters_refuse_a_larger_group(rank: int, world: int) -> str | None:
+    """FSDP1 flat parameters that each rank of group= holds whole (NO_SHARD; HYBRID_SHARD read over every rank
+    instead of its sharding group) are a ValueError naming the parameter, on every rank: the sum over the group
+    counted each copy (NO_SHARD's norm was sqrt(world) times the model's). Read over FSDP's own group (none for
+    NO_SHARD), the figures are the model's."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+    except ImportError:
+        return "skip: torch.distributed.fsdp.FullyShardedDataParallel not available"
+    torch.manual_seed(10)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))  # 19 elements
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(11))
+    ref(x).pow(2).mean().backward()
+    want = _reference([(n, p.grad) for n, p in ref.named_parameters()])
+    setups = [(ShardingStrategy.NO_SHARD, {}, None)]
+    if world % 2 == 0 and world > 2:  # two replicas, each sharded over world / 2 ranks
+        mesh = init_device_mesh("cpu", (2, world // 2))
+        setups.append((ShardingStrategy.HYBRID_SHARD, {"device_mesh": mesh}, "process_group"))
+    for strategy, kw, own in setups:
+        model = FSDP(copy.deepcopy(ref), use_orig_params=False, device_id=torch.device("cpu"),
+                     sharding_strategy=strategy, **kw)
+        model.zero_grad()
+        model(x[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
+        try:
+            grad_stats(model.named_parameters(), group=dist.group.WORLD)
+        except ValueError as exc:
+            assert "'_fsdp_wrapped_module._flat_param'" in str(exc) and "group=" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{strategy}: group=WORLD over whole copies was not refused")
+        group = getattr(model, own) if own else None
+        rep = grad_stats(model.named_parameters(), group=group).report()
+        assert math.isclose(rep.total_norm, want.total_norm, rel_tol=1e-5), (strategy, rep.total_norm, want.total_norm)
+        assert (rep.numel, rep.zero_count) == (19, want.zero_count), (strategy, rep.numel, rep.zero_count)
+    return None
+
+
 def gpt2_fsdp2_bf16_nan_on_one_rank(rank: int, world: int) -> str | None:
     """The zoo's GPT-2 (tied embedding and head) in bfloat16 under FSDP2 with MixedPrecisionPolicy(reduce_dtype=
     float32), one FSDP unit per block: every row equals float64 figures of the all-gathered bfloat16 gradients, and a
@@ -334,5 +372,6 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, experts_over_pairs_dense_sharded,
               experts_gained_late_over_pairs,
               fsdp2_empty_shards_nan_on_one_rank, fsdp1_flat_parameters_without_padding,
+              fsdp1_whole_flat_parameters_refuse_a_larger_group,
               gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
 }

@@ -23,6 +23,7 @@ __all__ = [
     "ParamsLike",
     "check_grads",
     "dtensor_types",
+    "flat_param_shards",
     "flat_param_types",
     "named_params",
     "stats_on_home",
@@ -64,6 +65,16 @@ def without_shard_padding(param: Tensor, grad: Tensor) -> Tensor:
     if not isinstance(padded, int) or padded <= 0 or grad.shape != param.shape or grad.dim() != 1:
         return grad
     return grad[: grad.numel() - padded]
+
+
+def flat_param_shards(param: Tensor) -> int:
+    """How many ranks FSDP1 splits a flat parameter over: 1 where each rank holds all of it (``NO_SHARD``, an FSDP
+    group of one rank), the size of its sharding group otherwise (under ``HYBRID_SHARD``, the group within a
+    replica). Read from its sizes, which FSDP sets before the first forward."""
+    padded = getattr(param, "_padded_unsharded_size", None)
+    if not isinstance(padded, torch.Size) or param.numel() == 0:
+        return 1
+    return max(padded.numel() // param.numel(), 1)
 
 
 def named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:

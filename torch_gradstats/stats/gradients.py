@@ -31,6 +31,7 @@ from torch_gradstats.stats._params import (
     ParamsLike,
     check_grads,
     dtensor_types,
+    flat_param_shards,
     flat_param_types,
     named_params,
     stats_on_home,
@@ -348,6 +349,23 @@ def _with_histogram(stats: GradStats, histogram: bool, per_tensor: bool) -> Grad
     return stats
 
 
+def _check_flat_param_group(name: str, param: Tensor, group: Any) -> None:
+    """An FSDP1 flat parameter read with ``group=`` must be sharded over exactly that group: where each rank of it
+    holds a whole copy (``NO_SHARD``, or ``HYBRID_SHARD`` read over all ranks) the sum would count it once per copy."""
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        return
+    size, shards = dist.get_world_size(group), flat_param_shards(param)
+    if size != shards:
+        held = "whole on each rank" if shards == 1 else f"sharded over {shards} ranks"
+        raise ValueError(
+            f"grad_stats: the FSDP flat parameter {name!r} is {held}, but group= has {size} ranks, so the sum over "
+            "the group would not be its figures (each copy counted). Pass the group FSDP shards it over "
+            "(model.process_group), or no group for NO_SHARD, whose gradients are whole on every rank as DDP's are"
+        )
+
+
 @torch.no_grad()
 def grad_stats(
     params: ParamsLike,
@@ -370,7 +388,8 @@ def grad_stats(
             statistics are combined across ranks by :func:`torch_gradstats.distributed.reduce.reduce_across_ranks`.
             Otherwise there is no communication at all. Ranks may hold different parameters (a gradient missing
             on one rank counts as an empty shard there); see docs/distributed.md. FSDP1's flat parameters
-            (``use_orig_params=False``) are read without the zeros FSDP pads their last shard with.
+            (``use_orig_params=False``) are read without the zeros FSDP pads their last shard with; ``group`` must
+            then be the group FSDP shards them over (a ValueError naming the parameter otherwise).
         stage_group: process group of pipeline stages (ranks holding disjoint parts of the model): the figures
             of all stages are gathered on every rank; a name held by several stages is reported as
             ``name@stage<k>``, one row per stage.
@@ -425,6 +444,8 @@ def grad_stats(
                     idle_meshes.setdefault(id(mesh), mesh)
                 continue
             if flat_classes and isinstance(p, flat_classes) and isinstance(g, Tensor):
+                if group is not None:
+                    _check_flat_param_group(name, p, group)
                 g = without_shard_padding(p, g)  # FSDP1's use_orig_params=False: padding is no gradient
             names.append(name)
             grads.append(g)
