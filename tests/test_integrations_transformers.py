@@ -280,3 +280,50 @@ def test_skip_warning_names_the_parameter(tmp_path: Path, caplog: pytest.LogCapt
     expected = f"torch_gradstats: non-finite gradient at optimizer step 1: '{POISONED}' ({n} NaN, 0 Inf); step skipped"
     # one warning per non-finite step, whether or not the Trainer logs that step
     assert [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"] == [expected + stopping]
+
+
+def _guarded_run(out: Path, max_steps: int, resume: bool = False, adaptive_clip: bool = True) -> GradStatsCallback:
+    from torch_gradstats import AdaptiveClip, SpikeGuard
+
+    cb = GradStatsCallback(spike_guard=SpikeGuard(min_history=2),
+                           adaptive_clip=AdaptiveClip(warmup=2) if adaptive_clip else None)
+    model = _model()
+    opt = cb.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    trainer = Trainer(model=model, args=_args(out, max_steps=max_steps, gradient_accumulation_steps=1,
+                                              max_grad_norm=0.0, save_strategy="steps", save_steps=1),
+                      train_dataset=_data(), optimizers=(opt, None))
+    add_to_trainer(trainer, cb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(resume_from_checkpoint=resume or None)
+    return cb
+
+
+@pytest.mark.parametrize("saved", ["cut", "foreign_pickle", "foreign_dict"])
+def test_resumed_run_names_an_unreadable_gradstats_file(tmp_path: Path, saved: str) -> None:
+    """A checkpoint's gradstats.pt that cannot be restored (cut short, another program's pickle, a dict that is no
+    callback's state) stops the resumed run with an error naming the file; torch.load's own error named none."""
+    _guarded_run(tmp_path, max_steps=1)
+    path = tmp_path / "checkpoint-1" / "gradstats.pt"
+    if saved == "cut":
+        path.write_bytes(path.read_bytes()[:40])
+    elif saved == "foreign_pickle":
+        torch.save({"spike_guard": object()}, path)
+    else:
+        torch.save({"model": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match=str(path)):
+        _guarded_run(tmp_path, max_steps=2, resume=True)
+
+
+def test_resumed_run_says_which_policy_its_gradstats_file_lacks(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A run saved by a callback with a spike guard only, resumed by one that also has an adaptive clip: the guard's
+    statistics are restored and a warning says, naming the file, that the clip's start afresh (nothing was said)."""
+    _guarded_run(tmp_path, max_steps=1, adaptive_clip=False)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        cb = _guarded_run(tmp_path, max_steps=2, resume=True)
+    assert cb.policies_restored
+    path = tmp_path / "checkpoint-1" / "gradstats.pt"
+    said = (f"torch_gradstats: GradStatsCallback resumed at step 1: {path} holds no statistics of the adaptive_clip, "
+            "which start afresh (warm-up included)")
+    assert [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"] == [said]

@@ -45,8 +45,16 @@ def save_state(args: Any, state: Any, policy_state: dict[str, Any]) -> None:
 
 def load_saved_state(args: Any, state: Any) -> tuple[dict[str, Any] | None, str]:
     """What :func:`save_state` wrote for the step a resumed run starts at, with its path; None where there is no such
-    file (a checkpoint from elsewhere, or saved before the policies were given)."""
+    file (a checkpoint from elsewhere, or saved before the policies were given). A file that ``torch.load`` cannot
+    read (cut short, or another program's) is a ValueError naming it."""
     path = os.path.join(_folder(args, int(state.global_step)), STATE_FILE)
     if not os.path.isfile(path):
         return None, path
-    return torch.load(path, map_location="cpu", weights_only=True), path
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True), path
+    except Exception as exc:  # an unpickling error, EOFError, RuntimeError: which one depends on the damage
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(
+            f"GradStatsCallback: the policies' statistics of the resumed run cannot be read from {path} "
+            f"({type(exc).__name__}: {first}); remove that file to let them start afresh"
+        ) from exc

@@ -236,9 +236,17 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             # resumed, and nothing loaded into this callback: the statistics on_save wrote into that checkpoint
             saved, path = load_saved_state(args, state)
             if saved is not None:
-                self.load_state_dict(saved)
+                try:
+                    self.load_state_dict(saved)
+                except (TypeError, ValueError) as exc:  # not a callback's state, or a policy's that does not load
+                    raise type(exc)(f"{exc} (read from {path})") from exc
                 logger.info("torch_gradstats: GradStatsCallback resumed at step %d with the statistics of %s",
                             state.global_step, path)
+                missing = [n for n in policies if n not in saved]
+                if missing:  # saved by a callback without that policy
+                    logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: %s holds no statistics "
+                                   "of the %s, which start afresh (warm-up included)", state.global_step, path,
+                                   " and ".join(missing))
             else:
                 logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: there is no %s, so %s "
                                "statistics start afresh (restore them with load_state_dict from the checkpoint's "
