@@ -197,6 +197,44 @@ def test_a_writer_that_is_no_summary_writer_is_refused_when_the_sink_is_made(wri
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX systems")
+@pytest.mark.parametrize("flush_every", [1, None])
+def test_a_forked_child_refuses_to_log_instead_of_hanging(tmp_path: Path, flush_every: int | None) -> None:
+    """A forked child (a DataLoader worker) that logs through its copy of the sink gets a ValueError from log and
+    flush, as the file sinks' copies do: its copy of the writer has no thread writing the queue, and the child hung
+    (at the first flush, or once the queue was full). The parent's sink goes on writing."""
+    sink = TensorBoardSink(tmp_path, flush_every=flush_every)
+    sink.log(_report(), 0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:  # whatever happens, the child ends here (what it wrote to the pipe is checked)
+            os.close(read)
+            said = []
+            for call in (lambda: [sink.log(_report(), s) for s in range(1, 30)], sink.flush):
+                try:
+                    call()
+                except ValueError as exc:
+                    said.append(str(exc))
+            os.write(write, "\n".join(said).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung logging through its copy of the writer")
+        time.sleep(0.05)
+    with os.fdopen(read) as f:
+        said = f.read().splitlines()
+    assert len(said) == 2 and all("forked from" in line for line in said), said
+    sink.log(_report(), 1)
+    sink.close()
+    assert list(_scalar(_events(tmp_path), "grad/total_norm")) == [0, 1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX systems")
 def test_a_forked_child_ends_without_touching_the_writer(tmp_path: Path) -> None:
     sink = TensorBoardSink(tmp_path)
     for step in range(3):  # events queued for the writer's thread, which a forked child does not have

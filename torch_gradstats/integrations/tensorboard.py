@@ -28,9 +28,11 @@ Closing: a writer the sink made (``writer`` given as a log directory) is the sin
 (also as a context manager) closes it, and so does the end of the process (or the sink being dropped) when
 ``close`` was never called, so no event still queued in the writer is lost. A ``SummaryWriter`` you pass is yours:
 ``close`` flushes it and leaves it open, and the sink flushes it too at the end of the process. After ``close``,
-``log`` raises ``ValueError``. :meth:`TensorBoardSink.flush` writes every queued event now, and ``flush_every=N`` does
-so every N ``log`` calls: a ``SummaryWriter`` writes on its own every ``flush_secs``, 120 s by default, and a process
-killed by ``SIGKILL`` (the kernel's out-of-memory killer) loses what was logged since.
+``log`` raises ``ValueError``; so do ``log`` and ``flush`` in a child made by ``fork`` (a DataLoader worker), whose
+copy of a ``SummaryWriter`` has no thread writing its queue (writing through it would wait forever).
+:meth:`TensorBoardSink.flush` writes every queued event now, and ``flush_every=N`` does so every N ``log`` calls: a
+``SummaryWriter`` writes on its own every ``flush_secs``, 120 s by default, and a process killed by ``SIGKILL`` (the
+kernel's out-of-memory killer) loses what was logged since.
 
 Distributed: with ``stage_group=`` (pipeline parallelism), ``group=`` or ``log_rank=``, only the logging rank
 (:func:`torch_gradstats.distributed.reduce.is_logging_rank`: the last stage's first rank of ``group``, or global rank
@@ -99,7 +101,8 @@ class TensorBoardSink:
         # At close(), at the end of the process or when the sink is dropped: a writer the sink made is closed, yours
         # flushed. A SummaryWriter's events wait in a queue that a daemon thread writes: never closed, the last ones
         # are lost at exit.
-        self._end = weakref.finalize(self, _end_writer, os.getpid(), end) if callable(end) else None
+        self._pid = os.getpid()  # a forked child's copy of the sink refuses to write
+        self._end = weakref.finalize(self, _end_writer, self._pid, end) if callable(end) else None
         self.prefix = prefix
         self.per_param = per_param
         self.histograms = histograms
@@ -113,6 +116,7 @@ class TensorBoardSink:
             raise TypeError(f"TensorBoardSink.log: step must be an int, got {step!r} ({type(step).__name__})")
         if not self.writes:
             return
+        self._check_process()
         for tag, value in metrics(report, self.prefix, self.per_param, self.key_style).items():
             self.writer.add_scalar(tag, value, step)
         g = grad_report(report)
@@ -140,7 +144,14 @@ class TensorBoardSink:
         """Write every event the writer still holds."""
         self._since_flush = 0
         if self.writes and not self._closed and callable(getattr(self.writer, "flush", None)):
+            self._check_process()
             self.writer.flush()
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ValueError("TensorBoardSink: the sink was made by the process this one was forked from, whose "
+                             "writer's events only that process writes; make a sink of its own in this process "
+                             "(another log directory)")
 
     def close(self) -> None:
         """Close the writer the sink made, or flush the one you gave (it stays open); a second call does nothing."""
