@@ -65,6 +65,27 @@ def test_gpt2_with_gradient_accumulation_matches_a_float64_twin() -> None:
         assert torch.allclose(p.detach().double(), q.detach(), atol=1e-5), name
 
 
+
+def test_names_of_a_compiled_model_through_unwrap_model() -> None:
+    """A model compiled before ``prepare`` stays compiled, and ``unwrap_model`` keeps that wrapper by default: its
+    names start with ``_orig_mod.``. With ``keep_torch_compile=False`` (the docs' recipe) the rows are the model's own
+    names and figures."""
+    import inspect
+
+    if "keep_torch_compile" not in inspect.signature(accelerate.Accelerator.unwrap_model).parameters:
+        pytest.skip("accelerate before 1.3: unwrap_model has no keep_torch_compile")
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=1)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = accelerator.prepare(torch.compile(plain, backend="eager"))
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)).to(accelerator.device)
+    accelerator.backward(model(x).pow(2).mean())
+    assert next(n for n, _ in accelerator.unwrap_model(model).named_parameters()) == "_orig_mod.0.weight"
+    report = tg.grad_stats(accelerator.unwrap_model(model, keep_torch_compile=False).named_parameters()).report()
+    want = tg.grad_stats(plain.named_parameters()).report()
+    assert list(report.norms) == ["0.weight", "0.bias", "2.weight", "2.bias"] == list(want.norms)
+    assert report.total_norm == want.total_norm > 0
+
 results = scenario_results("_accelerate_workers")
 
 
