@@ -254,6 +254,35 @@ def fsdp1_whole_flat_parameters_refuse_a_larger_group(rank: int, world: int) -> 
     return None
 
 
+def fsdp1_grad_and_weight_stats_without_padding(rank: int, world: int) -> str | None:
+    """grad_and_weight_stats over FSDP1 flat parameters (use_orig_params=False) with group=: its .grads equal
+    grad_stats's (19 elements, no padding zero; the padding counted before), a NaN put in the last rank's padding
+    counts nowhere, and the weight norm is the model's."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:
+        return "skip: torch.distributed.fsdp.FullyShardedDataParallel not available"
+    from torch_gradstats.updates import grad_and_weight_stats
+
+    torch.manual_seed(10)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))  # 19 elements: padding on 2 and 4 ranks
+    model = FSDP(copy.deepcopy(ref), use_orig_params=False, device_id=torch.device("cpu"))
+    (flat,) = list(model.parameters())
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(11))
+    model(x[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
+    if flat._shard_numel_padded:
+        flat.grad[-1] = float("nan")  # padding: no gradient of the model
+    both = grad_and_weight_stats(model.named_parameters(), group=dist.group.WORLD).report()
+    alone = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
+    assert (both.grads.numel, both.grads.zero_count, both.grads.nan_count) == (19, alone.zero_count, 0), (
+        both.grads.numel, both.grads.zero_count, both.grads.nan_count, alone.zero_count)
+    assert both.grads.total_norm == alone.total_norm, (both.grads.total_norm, alone.total_norm)
+    want = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in ref.parameters()))
+    (weight_norm,) = both.weight_norms.values()
+    assert math.isclose(weight_norm, want, rel_tol=1e-6), (weight_norm, want)
+    return None
+
+
 def gpt2_fsdp2_bf16_nan_on_one_rank(rank: int, world: int) -> str | None:
     """The zoo's GPT-2 (tied embedding and head) in bfloat16 under FSDP2 with MixedPrecisionPolicy(reduce_dtype=
     float32), one FSDP unit per block: every row equals float64 figures of the all-gathered bfloat16 gradients, and a
@@ -372,6 +401,6 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     for f in (fsdp1_flat_shards_in_model_order, experts_differ_per_rank, experts_over_pairs_dense_sharded,
               experts_gained_late_over_pairs,
               fsdp2_empty_shards_nan_on_one_rank, fsdp1_flat_parameters_without_padding,
-              fsdp1_whole_flat_parameters_refuse_a_larger_group,
+              fsdp1_whole_flat_parameters_refuse_a_larger_group, fsdp1_grad_and_weight_stats_without_padding,
               gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
 }

@@ -33,7 +33,16 @@ from torch import Tensor
 from torch_gradstats.monitors._weight_reads import check_named, device_ratio, local_view, reduce_figures
 from torch_gradstats.monitors.update_ratio import UpdateRatio, UpdateStats
 from torch_gradstats.ops._transfer import to_device, to_host
-from torch_gradstats.stats._params import ParamsLike, dtensor_types, named_params, stats_on_home, unique_names
+from torch_gradstats.stats._params import (
+    ParamsLike,
+    check_flat_param_group,
+    dtensor_types,
+    flat_param_types,
+    named_params,
+    stats_on_home,
+    unique_names,
+    without_shard_padding,
+)
 from torch_gradstats.stats.gradients import ExtraFigures, GradReport, GradStats, extra_tensors, read_extra
 from torch_gradstats.stats.groups import GroupBy, GroupStats, group_sums, norm_ratio
 from torch_gradstats.stats.health import HealthPolicy
@@ -313,6 +322,13 @@ def grad_and_weight_stats(
     names = unique_names([n for n, _ in named])
     grads: list[Tensor] = [p.grad for _, p in named]  # type: ignore[misc]
     weights = [p.detach() for _, p in named]
+    flat = flat_param_types()
+    if flat:  # FSDP1's flat parameters (use_orig_params=False): their shard padding is no gradient nor weight
+        for i, (name, p) in enumerate(named):
+            if isinstance(p, flat):
+                if group is not None:
+                    check_flat_param_group(name, p, group, "grad_and_weight_stats")
+                grads[i], weights[i] = without_shard_padding(p, grads[i]), without_shard_padding(p, weights[i])
     local = [local_view(t, dt) for t in grads] + [local_view(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
     try:

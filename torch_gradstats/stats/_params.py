@@ -21,6 +21,7 @@ from torch_gradstats.ops.op import OP_NAME, SUPPORTED_DTYPES, check_inputs, mult
 
 __all__ = [
     "ParamsLike",
+    "check_flat_param_group",
     "check_grads",
     "dtensor_types",
     "flat_param_shards",
@@ -75,6 +76,23 @@ def flat_param_shards(param: Tensor) -> int:
     if not isinstance(padded, torch.Size) or param.numel() == 0:
         return 1
     return max(padded.numel() // param.numel(), 1)
+
+
+def check_flat_param_group(name: str, param: Tensor, group: Any, caller: str = "grad_stats") -> None:
+    """An FSDP1 flat parameter read with ``group=`` must be sharded over exactly that group: where each rank of it
+    holds a whole copy (``NO_SHARD``, or ``HYBRID_SHARD`` read over all ranks) the sum would count it once per copy."""
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        return
+    size, shards = dist.get_world_size(group), flat_param_shards(param)
+    if size != shards:
+        held = "whole on each rank" if shards == 1 else f"sharded over {shards} ranks"
+        raise ValueError(
+            f"{caller}: the FSDP flat parameter {name!r} is {held}, but group= has {size} ranks, so the sum over "
+            "the group would not be its figures (each copy counted). Pass the group FSDP shards it over "
+            "(model.process_group), or no group for NO_SHARD, whose gradients are whole on every rank as DDP's are"
+        )
 
 
 def named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:

@@ -29,9 +29,9 @@ from torch_gradstats.ops._transfer import repeated_int64, to_device, to_host
 from torch_gradstats.ops.op import HISTOGRAM_BUCKETS, INF, NAN, ZERO
 from torch_gradstats.stats._params import (
     ParamsLike,
+    check_flat_param_group,
     check_grads,
     dtensor_types,
-    flat_param_shards,
     flat_param_types,
     named_params,
     stats_on_home,
@@ -349,23 +349,6 @@ def _with_histogram(stats: GradStats, histogram: bool, per_tensor: bool) -> Grad
     return stats
 
 
-def _check_flat_param_group(name: str, param: Tensor, group: Any) -> None:
-    """An FSDP1 flat parameter read with ``group=`` must be sharded over exactly that group: where each rank of it
-    holds a whole copy (``NO_SHARD``, or ``HYBRID_SHARD`` read over all ranks) the sum would count it once per copy."""
-    import torch.distributed as dist
-
-    if not isinstance(group, dist.ProcessGroup):
-        return
-    size, shards = dist.get_world_size(group), flat_param_shards(param)
-    if size != shards:
-        held = "whole on each rank" if shards == 1 else f"sharded over {shards} ranks"
-        raise ValueError(
-            f"grad_stats: the FSDP flat parameter {name!r} is {held}, but group= has {size} ranks, so the sum over "
-            "the group would not be its figures (each copy counted). Pass the group FSDP shards it over "
-            "(model.process_group), or no group for NO_SHARD, whose gradients are whole on every rank as DDP's are"
-        )
-
-
 @torch.no_grad()
 def grad_stats(
     params: ParamsLike,
@@ -445,7 +428,7 @@ def grad_stats(
                 continue
             if flat_classes and isinstance(p, flat_classes) and isinstance(g, Tensor):
                 if group is not None:
-                    _check_flat_param_group(name, p, group)
+                    check_flat_param_group(name, p, group)
                 g = without_shard_padding(p, g)  # FSDP1's use_orig_params=False: padding is no gradient
             names.append(name)
             grads.append(g)
