@@ -68,11 +68,13 @@ def without_shard_padding(param: Tensor, grad: Tensor) -> Tensor:
     return grad[: grad.numel() - padded]
 
 
-def flat_param_shards(param: Tensor) -> int:
+def flat_param_shards(param: Tensor) -> int | None:
     """How many ranks FSDP1 splits a flat parameter over: 1 where each rank holds all of it (``NO_SHARD``, an FSDP
     group of one rank), the size of its sharding group otherwise (under ``HYBRID_SHARD``, the group within a
-    replica). Read from its sizes, which FSDP sets before the first forward."""
-    padded = getattr(param, "_padded_unsharded_size", None)
+    replica). Read from the sizes FSDP sets at its first forward; None before it (a gradient set by hand)."""
+    if not isinstance(getattr(param, "_local_shard", None), Tensor):
+        return None
+    padded = getattr(param, "_padded_unsharded_size", None)  # set for the sharded strategies alone
     if not isinstance(padded, torch.Size) or param.numel() == 0:
         return 1
     return max(padded.numel() // param.numel(), 1)
@@ -86,7 +88,7 @@ def check_flat_param_group(name: str, param: Tensor, group: Any, caller: str = "
     if not isinstance(group, dist.ProcessGroup):
         return
     size, shards = dist.get_world_size(group), flat_param_shards(param)
-    if size != shards:
+    if shards is not None and size != shards:
         held = "whole on each rank" if shards == 1 else f"sharded over {shards} ranks"
         raise ValueError(
             f"{caller}: the FSDP flat parameter {name!r} is {held}, but group= has {size} ranks, so the sum over "
