@@ -283,6 +283,36 @@ def fsdp1_grad_and_weight_stats_without_padding(rank: int, world: int) -> str | 
     return None
 
 
+def fsdp1_no_sync_gradient_refused_with_group(rank: int, world: int) -> str | None:
+    """FSDP1 (use_orig_params=False) inside no_sync(): each rank's flat parameter holds its own unsharded partial
+    sum, and grad_stats with group= is a ValueError naming the parameter (it summed the ranks' partial sums as shards:
+    38 elements for 19 on 2 ranks); after the backward that reduces them, the figures are the accumulated model's."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:
+        return "skip: torch.distributed.fsdp.FullyShardedDataParallel not available"
+    torch.manual_seed(10)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))  # 19 elements
+    model = FSDP(copy.deepcopy(ref), use_orig_params=False, device_id=torch.device("cpu"))
+    x = torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(11))
+    first, second = x[: 2 * world], x[2 * world:]
+    with model.no_sync():
+        model(first[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
+        try:
+            grad_stats(model.named_parameters(), group=dist.group.WORLD)
+        except ValueError as exc:
+            assert "'_fsdp_wrapped_module._flat_param'" in str(exc) and "no_sync" in str(exc), str(exc)
+        else:
+            raise AssertionError("an unsharded gradient inside no_sync() was read with group= as a shard")
+    model(second[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
+    (ref(first).pow(2).mean() + ref(second).pow(2).mean()).backward()
+    want = _reference([(n, p.grad) for n, p in ref.named_parameters()])
+    rep = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
+    assert math.isclose(rep.total_norm, want.total_norm, rel_tol=1e-5), (rep.total_norm, want.total_norm)
+    assert rep.numel == 19, rep.numel
+    return None
+
+
 def gpt2_fsdp2_bf16_nan_on_one_rank(rank: int, world: int) -> str | None:
     """The zoo's GPT-2 (tied embedding and head) in bfloat16 under FSDP2 with MixedPrecisionPolicy(reduce_dtype=
     float32), one FSDP unit per block: every row equals float64 figures of the all-gathered bfloat16 gradients, and a
@@ -402,5 +432,6 @@ SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
               experts_gained_late_over_pairs,
               fsdp2_empty_shards_nan_on_one_rank, fsdp1_flat_parameters_without_padding,
               fsdp1_whole_flat_parameters_refuse_a_larger_group, fsdp1_grad_and_weight_stats_without_padding,
+              fsdp1_no_sync_gradient_refused_with_group,
               gpt2_fsdp2_bf16_nan_on_one_rank, fsdp2_compiled_clip)
 }

@@ -82,11 +82,19 @@ def flat_param_shards(param: Tensor) -> int | None:
 
 def check_flat_param_group(name: str, param: Tensor, group: Any, caller: str = "grad_stats") -> None:
     """An FSDP1 flat parameter read with ``group=`` must be sharded over exactly that group: where each rank of it
-    holds a whole copy (``NO_SHARD``, or ``HYBRID_SHARD`` read over all ranks) the sum would count it once per copy."""
+    holds a whole copy (``NO_SHARD``, or ``HYBRID_SHARD`` read over all ranks) the sum would count it once per copy.
+    Its gradient must be the reduced shard: an unsharded one (``no_sync()``) is each rank's own partial sum."""
     import torch.distributed as dist
 
     if not isinstance(group, dist.ProcessGroup):
         return
+    grad = param.grad
+    if isinstance(grad, Tensor) and grad.dim() == 1 and param.dim() == 1 and grad.numel() > param.numel():
+        raise ValueError(
+            f"{caller}: the gradient of the FSDP flat parameter {name!r} is unsharded ({grad.numel()} elements for a "
+            f"shard of {param.numel()}): this rank's own partial sum, inside no_sync() or before the backward that "
+            "reduces it. Read it with group= after that backward, or without group= for this rank's figures alone"
+        )
     size, shards = dist.get_world_size(group), flat_param_shards(param)
     if shards is not None and size != shards:
         held = "whole on each rank" if shards == 1 else f"sharded over {shards} ranks"
