@@ -282,10 +282,11 @@ def test_skip_warning_names_the_parameter(tmp_path: Path, caplog: pytest.LogCapt
     assert [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"] == [expected + stopping]
 
 
-def _guarded_run(out: Path, max_steps: int, resume: bool = False, adaptive_clip: bool = True) -> GradStatsCallback:
+def _guarded_run(out: Path, max_steps: int, resume: bool = False, adaptive_clip: bool = True,
+                 min_history: int = 2) -> GradStatsCallback:
     from torch_gradstats import AdaptiveClip, SpikeGuard
 
-    cb = GradStatsCallback(spike_guard=SpikeGuard(min_history=2),
+    cb = GradStatsCallback(spike_guard=SpikeGuard(min_history=min_history),
                            adaptive_clip=AdaptiveClip(warmup=2) if adaptive_clip else None)
     model = _model()
     opt = cb.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
@@ -326,4 +327,19 @@ def test_resumed_run_says_which_policy_its_gradstats_file_lacks(tmp_path: Path,
     path = tmp_path / "checkpoint-1" / "gradstats.pt"
     said = (f"torch_gradstats: GradStatsCallback resumed at step 1: {path} holds no statistics of the adaptive_clip, "
             "which start afresh (warm-up included)")
+    assert [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"] == [said]
+
+
+def test_resumed_run_says_which_saved_settings_replace_its_own(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A resumed run whose callback's policy has other settings than the run that saved gradstats.pt decides with the
+    saved ones (as SpikeGuard.load_state_dict does); a warning names each setting and the file (nothing was said)."""
+    _guarded_run(tmp_path, max_steps=1)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        cb = _guarded_run(tmp_path, max_steps=2, resume=True, min_history=5)
+    assert cb.policies_restored and cb.spike_guard.state_dict()["min_history"] == 2
+    path = tmp_path / "checkpoint-1" / "gradstats.pt"
+    said = (f"torch_gradstats: GradStatsCallback resumed at step 1: the spike_guard decides with the settings saved "
+            f"in {path} (min_history=2, not 5), as the run that saved them did; remove that file to run with this "
+            "callback's (its statistics then start afresh)")
     assert [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"] == [said]

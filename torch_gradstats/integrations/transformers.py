@@ -236,12 +236,18 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             # resumed, and nothing loaded into this callback: the statistics on_save wrote into that checkpoint
             saved, path = load_saved_state(args, state)
             if saved is not None:
+                changed = _changed_settings(self, saved)
                 try:
                     self.load_state_dict(saved)
                 except (TypeError, ValueError) as exc:  # not a callback's state, or a policy's that does not load
                     raise type(exc)(f"{exc} (read from {path})") from exc
                 logger.info("torch_gradstats: GradStatsCallback resumed at step %d with the statistics of %s",
                             state.global_step, path)
+                for name, diffs in changed.items():
+                    logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: the %s decides with the "
+                                   "settings saved in %s (%s), as the run that saved them did; remove that file to "
+                                   "run with this callback's (its statistics then start afresh)", state.global_step,
+                                   name, path, ", ".join(f"{k}={v!r}, not {mine!r}" for k, (v, mine) in diffs.items()))
                 missing = [n for n in policies if n not in saved]
                 if missing:  # saved by a callback without that policy
                     logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: %s holds no statistics "
@@ -494,6 +500,24 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
                            what, ", stopping" if self.on_nonfinite == "stop" else "")
         if self.on_nonfinite == "stop":
             self._stop = True
+
+
+def _changed_settings(callback: GradStatsCallback, saved: Any) -> dict[str, dict[str, tuple[Any, Any]]]:
+    """Per policy of ``callback`` that ``saved`` (its state_dict) restores: the settings (a policy state's entries
+    that are no tensors) whose saved value differs from the policy's own, as ``{setting: (saved, own)}``."""
+    out: dict[str, dict[str, tuple[Any, Any]]] = {}
+    if not isinstance(saved, dict):
+        return out  # refused by load_state_dict
+    for name in ("spike_guard", "adaptive_clip"):
+        policy, theirs = getattr(callback, name), saved.get(name)
+        if policy is None or not isinstance(theirs, dict):
+            continue
+        mine = policy.state_dict()
+        diffs = {k: (v, mine[k]) for k, v in theirs.items()
+                 if k in mine and not isinstance(v, Tensor) and not isinstance(mine[k], Tensor) and v != mine[k]}
+        if diffs:
+            out[name] = diffs
+    return out
 
 
 def add_to_trainer(trainer: Any, callback: GradStatsCallback | None = None, **kwargs: Any) -> GradStatsCallback:
