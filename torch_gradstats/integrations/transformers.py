@@ -54,7 +54,7 @@ from torch_gradstats.integrations._common import (
     logs_here,
     styled_keys,
 )
-from torch_gradstats.integrations._hf_checkpoints import STATE_FILE, load_saved_state, save_state
+from torch_gradstats.integrations._hf_checkpoints import restore_saved_state, save_state
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors._backward_end import requeue_if_nested
 from torch_gradstats.monitors._grad_scaler import loss_scale
@@ -233,31 +233,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         policies = [n for n, p in (("spike_guard", self.spike_guard), ("adaptive_clip", self.adaptive_clip))
                     if p is not None]
         if policies and state.global_step > 0 and not self.policies_restored:
-            # resumed, and nothing loaded into this callback: the statistics on_save wrote into that checkpoint
-            saved, path = load_saved_state(args, state)
-            if saved is not None:
-                changed = _changed_settings(self, saved)
-                try:
-                    self.load_state_dict(saved)
-                except (TypeError, ValueError) as exc:  # not a callback's state, or a policy's that does not load
-                    raise type(exc)(f"{exc} (read from {path})") from exc
-                logger.info("torch_gradstats: GradStatsCallback resumed at step %d with the statistics of %s",
-                            state.global_step, path)
-                for name, diffs in changed.items():
-                    logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: the %s decides with the "
-                                   "settings saved in %s (%s), as the run that saved them did; remove that file to "
-                                   "run with this callback's (its statistics then start afresh)", state.global_step,
-                                   name, path, ", ".join(f"{k}={v!r}, not {mine!r}" for k, (v, mine) in diffs.items()))
-                missing = [n for n in policies if n not in saved]
-                if missing:  # saved by a callback without that policy
-                    logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: %s holds no statistics "
-                                   "of the %s, which start afresh (warm-up included)", state.global_step, path,
-                                   " and ".join(missing))
-            else:
-                logger.warning("torch_gradstats: GradStatsCallback resumed at step %d: there is no %s, so %s "
-                               "statistics start afresh (restore them with load_state_dict from the checkpoint's "
-                               "%s)", state.global_step, path, " and ".join(f"the {n}'s" for n in policies),
-                               STATE_FILE)
+            restore_saved_state(self, args, state, policies)  # resumed, and nothing loaded into this callback
         self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
         self._remove_hooks()
         self._hook_trainable(model)
@@ -500,24 +476,6 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
                            what, ", stopping" if self.on_nonfinite == "stop" else "")
         if self.on_nonfinite == "stop":
             self._stop = True
-
-
-def _changed_settings(callback: GradStatsCallback, saved: Any) -> dict[str, dict[str, tuple[Any, Any]]]:
-    """Per policy of ``callback`` that ``saved`` (its state_dict) restores: the settings (a policy state's entries
-    that are no tensors) whose saved value differs from the policy's own, as ``{setting: (saved, own)}``."""
-    out: dict[str, dict[str, tuple[Any, Any]]] = {}
-    if not isinstance(saved, dict):
-        return out  # refused by load_state_dict
-    for name in ("spike_guard", "adaptive_clip"):
-        policy, theirs = getattr(callback, name), saved.get(name)
-        if policy is None or not isinstance(theirs, dict):
-            continue
-        mine = policy.state_dict()
-        diffs = {k: (v, mine[k]) for k, v in theirs.items()
-                 if k in mine and not isinstance(v, Tensor) and not isinstance(mine[k], Tensor) and v != mine[k]}
-        if diffs:
-            out[name] = diffs
-    return out
 
 
 def add_to_trainer(trainer: Any, callback: GradStatsCallback | None = None, **kwargs: Any) -> GradStatsCallback:
