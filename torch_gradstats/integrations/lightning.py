@@ -87,7 +87,8 @@ happens with ``on_nonfinite`` set (a non-finite weight poisons every later step)
 Distributed: call it the same on every rank. Under DDP every rank holds the same averaged gradients, so no
 communication is needed; under FSDP2 (``ModelParallelStrategy``: DTensor parameters) the figures are reduced over
 the mesh by :func:`torch_gradstats.grad_stats` (collectives on every rank, so every rank must reach the hook,
-which Lightning guarantees). With FSDP1 (``FSDPStrategy``) pass ``group=torch.distributed.group.WORLD``: with
+which Lightning guarantees). With FSDP1 (``FSDPStrategy``) pass the group FSDP shards over as ``group=``
+(``torch.distributed.group.WORLD`` for its default full sharding; a group FSDP does not shard over is refused): with
 ``use_orig_params=True`` the figures are per original parameter; with ``use_orig_params=False`` the rows are the
 flat parameters (their shards read without FSDP's padding). The figures are the same on every rank; only
 global rank 0 transfers them to the host and logs (Lightning's loggers write on rank 0 only); with ``on_nonfinite``
