@@ -59,6 +59,13 @@ def instrument(cb: Any, hooks: tuple[str, ...]) -> dict[str, int]:
     return counts
 
 
+def fallback_kernel_files() -> set[str]:
+    """The files of the pure-PyTorch kernel, whose ``tolist()`` of a CPU batch is a read of host memory (no sync)."""
+    from torch_gradstats.ops import _fallback_batch, fallback, fallback_histogram
+
+    return {os.path.abspath(m.__file__) for m in (fallback, _fallback_batch, fallback_histogram) if m.__file__}
+
+
 class AllHostReads(HostReads):
     """:class:`HostReads`, and also every call of ``Tensor.item``, ``Tensor.tolist`` and ``Tensor.numpy``, patched
     for as long as the mode is on (a read that bypasses the dispatcher is still seen).
@@ -69,14 +76,10 @@ class AllHostReads(HostReads):
     _PATCHED = ("item", "tolist", "numpy")
 
     def __enter__(self):  # type: ignore[no-untyped-def]
-        from torch_gradstats.ops import fallback
-
-        kernel_dir = os.path.dirname(fallback.__file__)
         self._real = {name: getattr(torch.Tensor, name) for name in self._PATCHED}
         for name, real in self._real.items():
             def counting(t: torch.Tensor, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
-                caller = sys._getframe(1).f_code.co_filename
-                in_kernel = os.path.dirname(caller) == kernel_dir and os.path.basename(caller).startswith("fallback")
+                in_kernel = sys._getframe(1).f_code.co_filename in fallback_kernel_files()
                 if not (in_kernel and t.device.type == "cpu"):
                     self.count += 1
                 return _real(t, *args, **kwargs)
