@@ -1040,7 +1040,7 @@ def test_lightning_wandb_logger_offline(tmp_path: Path, monkeypatch: pytest.Monk
     import json
 
     from lightning.pytorch.loggers import WandbLogger
-    from test_integrations_wandb import _key, _read_records
+    from test_integrations_wandb import _key, completed_records
 
     from torch_gradstats.integrations.lightning import GradStatsCallback
 
@@ -1058,7 +1058,7 @@ def test_lightning_wandb_logger_offline(tmp_path: Path, monkeypatch: pytest.Monk
     trainer.logger.experiment.finish()  # this run's own: wandb.run may be another (or none) in a shared process
     (path,) = tmp_path.rglob("*.wandb")
     rows = {}
-    for rec in _read_records(path):
+    for rec in completed_records(path):  # written by W&B's own service, after finish() returns
         if rec.WhichOneof("record_type") == "history":
             row = {_key(i): json.loads(i.value_json) for i in rec.history.item}
             if "grad_2.0_norm_total" in row:

@@ -53,6 +53,25 @@ def _read_records(path: Path) -> list:
     return records
 
 
+def completed_records(path: Path, timeout_s: float = 60.0) -> list:
+    """The records of an offline run file once W&B's own service has written it to the end (its ``exit`` record):
+    ``run.finish()`` returns before that, so the file is read again, a record cut short by the writer included,
+    until it is complete."""
+    from google.protobuf.message import DecodeError
+
+    deadline, last = time.monotonic() + timeout_s, "no exit record"
+    while True:
+        try:
+            records = _read_records(path)
+        except DecodeError as exc:  # the last record is still being written
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            if any(r.WhichOneof("record_type") == "exit" for r in records):
+                return records
+        assert time.monotonic() < deadline, f"the offline run file {path} was never completed ({last})"
+        time.sleep(0.2)
+
+
 def _key(item) -> str:  # type: ignore[no-untyped-def]
     return item.key or "/".join(item.nested_key)
 
@@ -85,12 +104,7 @@ def test_wandb_sink_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
     files = list(run_dir.glob("run-*.wandb"))
     assert len(files) == 1
-    records = _read_records(files[0])
-    deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "exit" for r in records):  # written by W&B's own service
-        assert time.monotonic() < deadline, "the offline run file was never completed"
-        time.sleep(0.2)
-        records = _read_records(files[0])
+    records = completed_records(files[0])
     history = {}
     for rec in records:
         if rec.WhichOneof("record_type") == "history":
@@ -141,11 +155,6 @@ def test_a_step_lower_than_one_logged_is_refused_not_dropped(tmp_path: Path, mon
     run_dir = Path(run.dir).parent
     run.finish()
 
-    records = _read_records(next(run_dir.glob("run-*.wandb")))
-    deadline = time.monotonic() + 60
-    while not any(r.WhichOneof("record_type") == "exit" for r in records):
-        assert time.monotonic() < deadline, "the offline run file was never completed"
-        time.sleep(0.2)
-        records = _read_records(next(run_dir.glob("run-*.wandb")))
+    records = completed_records(next(run_dir.glob("run-*.wandb")))
     steps = [r.history.step.num for r in records if r.WhichOneof("record_type") == "history"]
     assert steps == [5, 6]
