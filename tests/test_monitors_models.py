@@ -453,21 +453,22 @@ def test_noise_scale_with_a_parameter_frozen_mid_run() -> None:
     assert_estimates(ns, pairs, 2)
 
 
-@pytest.fixture(scope="module")
-def ddp_amp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, str]]]:
-    """Two gloo ranks running tests/_monitors_ddp_worker.py on the zoo's models (ResNet, GPT-2, encoder)."""
+def _two_ranks(tmp_path_factory: pytest.TempPathFactory, label: str, names: list[str]
+               ) -> list[dict[str, dict[str, str]]]:
+    """Two gloo ranks running the scenarios ``names`` of tests/_monitors_ddp_worker.py on the zoo's models: each
+    rank's outcomes."""
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     pytest.importorskip("transformers")
     import _monitors_ddp_worker as worker
     import torch.multiprocessing as mp
 
-    outdir = str(tmp_path_factory.mktemp("ddp_amp"))
+    outdir = str(tmp_path_factory.mktemp(label))
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     multiprocessing.set_forkserver_preload(["torch", "torch.nn.parallel", "_monitors_ddp_worker"])
-    ctx = mp.start_processes(worker.run_worker, args=(2, port, outdir, ["resnet", "gpt2", "encoder"], 60.0),
+    ctx = mp.start_processes(worker.run_worker, args=(2, port, outdir, names, 60.0),
                              nprocs=2, join=False, start_method="forkserver")
     deadline = time.monotonic() + 300
     try:
@@ -484,6 +485,12 @@ def ddp_amp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
         with open(os.path.join(outdir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+@pytest.fixture(scope="module")
+def ddp_amp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, str]]]:
+    """Two gloo ranks running tests/_monitors_ddp_worker.py on the zoo's models (ResNet, GPT-2, encoder)."""
+    return _two_ranks(tmp_path_factory, "ddp_amp", ["resnet", "gpt2", "encoder"])
 
 
 @pytest.mark.slow
@@ -889,35 +896,7 @@ def test_update_ratio_of_16_bit_weights_within_the_documented_rounding(dtype: to
 def ddp_accumulation_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, str]]]:
     """Two gloo ranks running tests/_monitors_ddp_worker.py's accumulation check (NoiseScale.micro_batch and step
     given the DDP module) on the zoo's models."""
-    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
-    pytest.importorskip("transformers")
-    import _monitors_ddp_worker as worker
-    import torch.multiprocessing as mp
-
-    outdir = str(tmp_path_factory.mktemp("ddp_accumulation"))
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    multiprocessing.set_forkserver_preload(["torch", "torch.nn.parallel", "_monitors_ddp_worker"])
-    names = ["accumulation_resnet", "accumulation_gpt2"]
-    ctx = mp.start_processes(worker.run_worker, args=(2, port, outdir, names, 60.0),
-                             nprocs=2, join=False, start_method="forkserver")
-    deadline = time.monotonic() + 300
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the 2-rank run did not finish in 300 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-    results = []
-    for rank in range(2):
-        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
-    return results
+    return _two_ranks(tmp_path_factory, "ddp_accumulation", ["accumulation_resnet", "accumulation_gpt2"])
 
 
 @pytest.mark.slow
