@@ -18,7 +18,13 @@ import torch
 from torch import Tensor, nn
 
 from torch_gradstats.integrations._common import ActivationReporting, PolicyState, StatsTaker
+from torch_gradstats.integrations._lightning_incidents import (
+    optimizer_incidents,
+    optimizer_recorder,
+    start_examples_afresh,
+)
 from torch_gradstats.monitors.activations import ActivationReport
+from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.guard import SpikeGuard
 
@@ -95,8 +101,8 @@ class OptimizerTaker(StatsTaker):
         return self.trainable(module)
 
 
-def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker, names: tuple[str, ...] | None,
-                     per_example: bool, flight_recorder: Any) -> dict[int, OptimizerTaker] | None:
+def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker,
+                     names: tuple[str, ...] | None) -> dict[int, OptimizerTaker] | None:
     """One :class:`OptimizerTaker` per optimizer of ``trainer``, by the optimizer's id, where there are several (or
     ``names`` were given); None for the one-optimizer callback, whose keys and reads stay the whole module's."""
     optimizers = list(getattr(trainer, "optimizers", []) or [])
@@ -106,18 +112,10 @@ def optimizer_takers(trainer: Any, pl_module: nn.Module, template: StatsTaker, n
         raise ValueError(f"GradStatsCallback: optimizer_names names {len(names)} optimizer(s) {list(names)}, but "
                          f"configure_optimizers returned {len(optimizers)}")
     names = names or tuple(f"optimizer_{i}" for i in range(len(optimizers)))
-    if per_example and len(optimizers) > 1:
-        raise ValueError(f"GradStatsCallback: per_example=True keeps one set of per-example norms for the whole "
-                         f"LightningModule; it is not taken with several optimizers ({', '.join(names)})")
-    if flight_recorder is not None and len(optimizers) > 1:
-        raise ValueError(f"GradStatsCallback: flight_recorder records one optimizer's steps; it is not taken with "
-                         f"several optimizers ({', '.join(names)})")
     takers: dict[int, OptimizerTaker] = {}
     for name, optimizer in zip(names, optimizers):
         held_params(pl_module, optimizer, name)  # a parameter outside the module is named now
-        taker = OptimizerTaker(template, name, optimizer)
-        taker.incidents = template.incidents  # per_example / flight_recorder: one optimizer (named) only
-        takers[id(optimizer)] = taker
+        takers[id(optimizer)] = OptimizerTaker(template, name, optimizer)
     return takers
 
 
@@ -155,11 +153,13 @@ def load_optimizer_states(takers: dict[int, OptimizerTaker], states: dict[str, A
 
 class SeveralOptimizers(ActivationReporting, PolicyState):
     """The callback's side of several optimizers: one :class:`OptimizerTaker` each, made when training starts (the
-    optimizers exist then), and the policies' per-optimizer checkpoint state (loaded before they exist)."""
+    optimizers exist then), with its own per-example norms and flight recorder, and the policies' per-optimizer
+    checkpoint state (loaded before they exist)."""
 
     taker: StatsTaker
     optimizer_names: tuple[str, ...] | None
-    flight_recorder: Any
+    flight_recorder: FlightRecorder | None
+    on_nonfinite: Any
     _per_example: bool
     _takers: dict[int, OptimizerTaker] | None
     _saved_optimizer_states: dict[str, Any] | None
@@ -171,13 +171,14 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
         super().__init__()
         self._measured: set[int] = set()  # takers whose pending update was measured right after its step (ids)
         self._measure_hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers with that step post-hook
+        self._flight_recorders: dict[str, FlightRecorder] = {}  # each optimizer's, by name, kept from fit to fit
 
     def _start_optimizers(self, trainer: Any, pl_module: nn.Module) -> None:
         """At ``on_train_start``: the takers of several optimizers (None with one), with the statistics carried over
         from an earlier fit of this callback or loaded from a checkpoint, each to the optimizer of its name."""
         carried = {t.name: t.policy_state() for t in (self._takers or {}).values()}
-        self._takers = optimizer_takers(trainer, pl_module, self.taker, self.optimizer_names, self._per_example,
-                                        self.flight_recorder)
+        self._takers = optimizer_takers(trainer, pl_module, self.taker, self.optimizer_names)
+        self._start_incidents(pl_module)
         saved, self._saved_optimizer_states = self._saved_optimizer_states, None
         if self._takers is None:
             if saved and len(saved) == 1:  # saved with optimizer_names of one optimizer: its statistics are ours
@@ -198,6 +199,34 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
         if saved:
             restored = load_optimizer_states(self._takers, saved) or restored
         self._policies_restored = self.policies_restored or restored
+
+    def _start_incidents(self, pl_module: nn.Module) -> None:
+        """With optimizer takers: each one's per-example norms (over the modules holding its parameters) and flight
+        recorder, in place of the whole module's made at setup, whose rows would mix the optimizers' steps."""
+        if self._takers is None or self.taker.incidents is None:
+            return
+        self.taker.incidents.remove()
+        self.taker.incidents = None
+        for taker in self._takers.values():
+            params = [p for _, p in held_params(pl_module, raw_optimizer(taker._optimizer), taker.name)]
+            recorder = optimizer_recorder(self.flight_recorder, self._flight_recorders, taker.name)
+            taker.incidents = optimizer_incidents(pl_module, taker.name, params, self._per_example, recorder,
+                                                  self.on_nonfinite is not None)
+
+    def _examples_afresh(self) -> None:
+        """Before a backward (``on_before_backward``): each optimizer none of whose parameters holds a gradient
+        starts its examples afresh (:func:`start_examples_afresh`)."""
+        for taker in (self._takers or {}).values():
+            if taker.incidents is not None and taker.incidents.per_example is not None:
+                start_examples_afresh(taker.incidents, [p for g in raw_optimizer(taker._optimizer).param_groups
+                                                        for p in g["params"]])
+
+    def _remove_incidents(self) -> None:
+        """At teardown: every optimizer's per-example hooks removed (the flight recorders are kept, by name)."""
+        for taker in (self._takers or {}).values():
+            if taker.incidents is not None:
+                taker.incidents.remove()
+                taker.incidents = None
 
     def _step_taker(self, optimizer: Any) -> StatsTaker:
         """The taker of the optimizer step beginning now (:meth:`_taker`). With several optimizers one watch step of
@@ -258,6 +287,14 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
         """With several optimizers (once training started): each optimizer's own copy of ``spike_guard``, by its
         key name; empty with one optimizer, whose guard is :attr:`spike_guard` itself."""
         return {t.name: t.spike_guard for t in (self._takers or {}).values() if t.spike_guard is not None}
+
+    @property
+    def flight_recorders(self) -> dict[str, FlightRecorder]:
+        """With several optimizers (once training started with ``flight_recorder=``): each optimizer's own
+        :class:`~torch_gradstats.FlightRecorder`, by its key name, made with the capacity and ``dump_dir`` of the one
+        given (which records nothing then) and kept from fit to fit; empty with one optimizer, whose recorder is
+        :attr:`flight_recorder` itself."""
+        return dict(self._flight_recorders)
 
     @property
     def adaptive_clips(self) -> dict[str, AdaptiveClip]:

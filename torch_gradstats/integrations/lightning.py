@@ -102,7 +102,12 @@ key segment, ``optimizer_names[i]`` (default ``optimizer_<i>``): ``grad_stats/ge
 ``grad_2.0_norm/generator/<parameter>``, ``grad_2.0_norm_total/generator``. Each optimizer has its own copy of
 ``spike_guard`` and ``adaptive_clip`` (``callback.spike_guards`` / ``callback.adaptive_clips``), judging the losses
 given to ``manual_backward`` since its previous step, saved and restored by name; ``on_nonfinite`` skips only the
-optimizer whose gradients are non-finite; ``per_example`` and ``flight_recorder`` are refused. Every key and rule:
+optimizer whose gradients are non-finite. ``per_example`` and ``flight_recorder`` are kept per optimizer too: each
+one's per-example norms are taken over the modules that hold its parameters (the discriminator's step names the
+discriminator's examples; an optimizer whose gradients were all cleared before a backward starts its examples afresh
+there), logged as ``examples/<name>/max_norm`` ..., and each has its own flight recorder
+(``callback.flight_recorders``: a ``FlightRecorder`` given is copied per optimizer, its capacity and ``dump_dir``, as
+the policies are; an int is each one's capacity), dumped as ``flight-<name>-<step>.jsonl``. Every key and rule:
 docs/integrations.md, "Optimizers".
 
 Both namespaces work: the callback subclasses ``lightning.pytorch.Callback`` when the ``lightning`` package is
@@ -243,7 +248,9 @@ class _GradStatsMixin(SeveralOptimizers):
                 with their norms and the batch median.
             flight_recorder: a :class:`~torch_gradstats.FlightRecorder` (or its capacity) recording every step,
                 dumped into its ``dump_dir`` as ``flight-<step>.jsonl`` and ``.png`` at an incident (a skipped step,
-                a non-finite gradient, a ``SpikeStreakError``); the warning names the file.
+                a non-finite gradient, a ``SpikeStreakError``); the warning names the file. With several optimizers
+                each has its own, made with this one's capacity and ``dump_dir`` (``callback.flight_recorders``),
+                dumped as ``flight-<name>-<step>.jsonl``; ``per_example`` is then per optimizer as well.
             optimizer_names: with several optimizers, the key segment of each, in ``configure_optimizers`` order
                 (default ``optimizer_0``, ``optimizer_1``, ...; see "Several optimizers" in the module docstring).
                 Given with one optimizer, its keys get the segment too.
@@ -293,7 +300,7 @@ class _GradStatsMixin(SeveralOptimizers):
         if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
             self.taker.incidents = StepIncidents(pl_module, per_example=self._per_example,
                                                  recorder=self.flight_recorder, who="GradStatsCallback",
-                                                 nonfinite_told=True)
+                                                 nonfinite_told=True, nonfinite_skipped=self.on_nonfinite is not None)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Several optimizers (manual optimization): each one's step reads its own parameters, logs under its own key
@@ -313,6 +320,7 @@ class _GradStatsMixin(SeveralOptimizers):
         if self._watch_option is True and self.activation_watch is not None:
             self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
             self.activation_watch = None
+        self._remove_incidents()  # several optimizers' per-example hooks
         if self.taker.incidents is not None:
             self.taker.incidents.remove()
             self.taker.incidents = None
@@ -320,6 +328,7 @@ class _GradStatsMixin(SeveralOptimizers):
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
         if self.spike_guard is not None and self.spike_guard.watch_loss:
             self._step_loss.add(trainer, loss)
+        self._examples_afresh()  # several optimizers: one whose gradient starts afresh starts its examples too
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         step = trainer.global_step

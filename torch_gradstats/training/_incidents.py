@@ -53,11 +53,19 @@ class StepIncidents:
         per_example: keep a :class:`~torch_gradstats.PerExampleNorms` of ``model`` (``loss_reduction``).
         recorder: a :class:`~torch_gradstats.FlightRecorder` recording every step, dumped at an incident.
         who: the caller's name, for messages.
+        name: the optimizer's name where a callback keeps one record per optimizer (several optimizers): its
+            warnings say ``(optimizer '<name>')`` after the step, and its dumps are ``flight-<name>-<step>.jsonl``.
+        nonfinite_skipped: the caller skips every step with a non-finite gradient itself (a callback's
+            ``on_nonfinite``), after the row was written: such a step is told as skipped, not as taken.
     """
 
     def __init__(self, model: nn.Module | None, *, per_example: bool, recorder: FlightRecorder | None,
-                 loss_reduction: str = "mean", who: str = "Trainer", nonfinite_told: bool = False) -> None:
+                 loss_reduction: str = "mean", who: str = "Trainer", nonfinite_told: bool = False,
+                 name: str | None = None, nonfinite_skipped: bool = False) -> None:
         self.who = who
+        self.nonfinite_skipped = nonfinite_skipped
+        self.name = name
+        self.label = f" (optimizer {name!r})" if name is not None else ""  # after the step number in warnings
         # The caller names non-finite steps itself: ours add nothing unless they carry examples or a dump.
         self.nonfinite_told = nonfinite_told and not per_example and recorder is None
         self.recorder = recorder
@@ -152,19 +160,21 @@ class StepIncidents:
         return {}
 
     def dump(self, step: int) -> Path | None:
-        """Write the flight recorder as ``<dump_dir>/flight-<step>.jsonl`` (and ``.png``); None without one."""
+        """Write the flight recorder as ``<dump_dir>/flight-<step>.jsonl`` (``flight-<name>-<step>.jsonl`` for a
+        named optimizer's; and ``.png``); None without one."""
         if self.recorder is None or not len(self.recorder):
             return None
-        self.last_dump = self.recorder.dump(self.recorder.dump_dir / f"flight-{step}.jsonl")
+        stem = f"flight-{step}" if self.name is None else f"flight-{self.name}-{step}"
+        self.last_dump = self.recorder.dump(self.recorder.dump_dir / f"{stem}.jsonl")
         return self.last_dump
 
     def _warn(self, r: list[float], path: Path | None) -> None:
         step = int(r[_STEP])
-        if r[_SKIPPED]:
+        if r[_SKIPPED] or (r[_NONFINITE] and self.nonfinite_skipped):
             what = "non-finite gradient" if r[_NONFINITE] else "gradient spike"
-            head = f"optimizer step {step} skipped ({what})"
+            head = f"optimizer step {step}{self.label} skipped ({what})"
         else:
-            head = f"non-finite gradient at optimizer step {step} (step taken)"
+            head = f"non-finite gradient at optimizer step {step}{self.label} (step taken)"
         words = [head]
         n = int(r[_COUNT]) if not math.isnan(r[_COUNT]) else 0
         if n:
@@ -179,5 +189,5 @@ class StepIncidents:
         """At a :class:`~torch_gradstats.SpikeStreakError`: dump the flight recorder and name the file."""
         path = self.dump(step)
         if path is not None:
-            logger.warning("torch_gradstats: %s at optimizer step %d; flight recorder dumped to %s",
-                           type(error).__name__, step, os.fspath(path))
+            logger.warning("torch_gradstats: %s at optimizer step %d%s; flight recorder dumped to %s",
+                           type(error).__name__, step, self.label, os.fspath(path))
