@@ -7,8 +7,9 @@ batch's end. Two incidents hit rank 1's generator only: at ``SPIKE_BATCH`` its g
 (the gradients do not change, so only the loss averaged over the ranks can make rank 0 skip too), at ``NAN_BATCH``
 one of its local generator gradients gets a NaN (DDP's average carries it to both ranks). The callback also watches
 the activations, and a validation every 4 batches (and Lightning's sanity check before training) calls the
-discriminator alone; each rank records the watch's step at every optimizer step. Lightning's DDP launcher starts
-rank 1 by running this script again; each rank writes ``<out>/rank<r>.json``, rank 0's CSV logger the figures.
+discriminator alone; each rank records the watch's step at every optimizer step. Each optimizer keeps per-example
+norms and its own flight recorder, each rank dumping into ``<out>/flight<r>``. Lightning's DDP launcher starts rank 1
+by running this script again; each rank writes ``<out>/rank<r>.json``, rank 0's CSV logger the figures.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from torch_gradstats import SpikeGuard
+from torch_gradstats import FlightRecorder, SpikeGuard
 from torch_gradstats.integrations.lightning import GradStatsCallback
 
 RANK1, SPIKE_BATCH, NAN_BATCH, BATCHES = 1, 7, 10, 12
@@ -131,8 +132,10 @@ def _plain(state: Any) -> Any:
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for the rank it starts
     cb = GradStatsCallback(every_n_steps=1, optimizer_names=("generator", "discriminator"), on_nonfinite="skip",
-                           spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=4), watch_activations=True)
+                           spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=4), watch_activations=True,
+                           per_example=True, flight_recorder=FlightRecorder(32, dump_dir=out / f"flight{rank}"))
     rec = Recorder(cb)
     g = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randn(2 * 8 * BATCHES, 6, generator=g) + 2.0)
@@ -147,6 +150,7 @@ def main(out: Path) -> None:
         warnings.simplefilter("ignore")
         loader = torch.utils.data.DataLoader(ds, batch_size=8)
         trainer.fit(model, loader, loader)
+    assert rank == trainer.local_rank, (rank, trainer.local_rank)  # each rank dumped into its own folder
     result = {
         "rank": trainer.global_rank,
         "local": model.local,
@@ -156,6 +160,8 @@ def main(out: Path) -> None:
         "skipped": cb.skipped_steps,
         "guards": {name: _plain(guard.state_dict()) for name, guard in cb.spike_guards.items()},
         "weights": [p.detach().double().flatten().tolist() for p in model.parameters()],
+        "dumps": {path.name: [json.loads(line) for line in path.read_text().splitlines()]
+                  for path in sorted((out / f"flight{rank}").glob("*.jsonl"))},
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     # Both files exist once both ranks pass this barrier; then leave without the interpreter's teardown, where

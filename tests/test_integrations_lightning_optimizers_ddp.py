@@ -2,9 +2,9 @@
 (gloo), launched by Lightning itself from tests/_integrations_lightning_optimizers_ddp_worker.py. Each optimizer's
 logged figures are checked against float64 norms of the average of both ranks' local gradients of that optimizer's
 parameters; a loss spike and a NaN on rank 1's generator alone must make both ranks skip the generator's step and
-neither the discriminator's; the activation watch counts the same steps on both ranks, with validations between
-them. About 15 s on a busy 2-core machine (two Python start-ups and Lightning's DDP set-up dominate), hence the
-markers."""
+neither the discriminator's, and dump the generator's own flight recorder (on the logging rank, whose report reads
+the rows); the activation watch counts the same steps on both ranks, with validations between them. About 15 s on
+a busy 2-core machine (two Python start-ups and Lightning's DDP set-up dominate), hence the markers."""
 
 from __future__ import annotations
 
@@ -114,3 +114,20 @@ def test_ddp_each_optimizer_reads_the_averaged_gradients_and_the_ranks_skip_alik
         for which in NAMES:
             assert (row[f"act/{which}/nonfinite"], row[f"act/{which}/origin_index"]) == (0.0, -1.0), (batch, which)
     assert "ran after step" not in proc.stdout + proc.stderr  # no backward was left out of the watch's reports
+    # Each optimizer's per-example figures are logged under its name. The generator's two skipped steps dumped its
+    # own flight recorder (none of the discriminator's), with the rows of the averaged gradients: on rank 0, whose
+    # report reads the rows (rank 1 makes none: its recorder holds the same steps, never read)
+    for which in NAMES:
+        assert all(row[f"examples/{which}/max_norm"] > 0 for row in rows.values()), which
+    names = [f"flight-generator-{2 * SPIKE_BATCH}.jsonl", f"flight-generator-{2 * NAN_BATCH}.jsonl"]
+    assert sorted(r0["dumps"]) == sorted(names) and r1["dumps"] == {}
+    for name, last in zip(names, (SPIKE_BATCH, NAN_BATCH)):
+        dumped = r0["dumps"][name]
+        assert [r["step"] for r in dumped] == [2 * b for b in range(last + 1)], name
+        for batch, r in enumerate(dumped):
+            if batch == NAN_BATCH:
+                assert r["total_norm"] is None and r["nan_count"] == 1
+                continue
+            want = math.sqrt(sum(v * v for v in r0["norms"][f"{batch}/generator"].values()))
+            assert r["total_norm"] == pytest.approx(want, rel=1e-6), (name, batch)
+        assert dumped[-1]["guard/consecutive"] == 1
