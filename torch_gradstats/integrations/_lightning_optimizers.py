@@ -290,10 +290,10 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
 
     @property
     def flight_recorders(self) -> dict[str, FlightRecorder]:
-        """With several optimizers (once training started with ``flight_recorder=``): each optimizer's own
-        :class:`~torch_gradstats.FlightRecorder`, by its key name, made with the capacity and ``dump_dir`` of the one
-        given (which records nothing then) and kept from fit to fit; empty with one optimizer, whose recorder is
-        :attr:`flight_recorder` itself."""
+        """With several optimizers, or ``optimizer_names`` given (once training started with ``flight_recorder=``):
+        each optimizer's own :class:`~torch_gradstats.FlightRecorder`, by its key name, made with the capacity and
+        ``dump_dir`` of the one given (which records nothing then) and kept from fit to fit; empty with one unnamed
+        optimizer, whose recorder is :attr:`flight_recorder` itself."""
         return dict(self._flight_recorders)
 
     @property
