@@ -122,6 +122,20 @@ class Recorder(L.Callback):
                 self.unchanged.append(key)
 
 
+class Pending(L.Callback):
+    """After our callback, when training ends (the last step a logging step): whether each optimizer's incident rows
+    were all read or let go, so that a rank that never reports does not keep one row per step for ever."""
+
+    def __init__(self, watched: GradStatsCallback) -> None:
+        self.watched = watched
+        self.pending: dict[str, bool] = {}
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        for taker in (self.watched._takers or {}).values():
+            assert taker.incidents is not None
+            self.pending[taker.name] = taker.incidents.pending() is not None
+
+
 def _plain(state: Any) -> Any:
     if isinstance(state, dict):
         return {k: _plain(v) for k, v in state.items()}
@@ -136,13 +150,13 @@ def main(out: Path) -> None:
     cb = GradStatsCallback(every_n_steps=1, optimizer_names=("generator", "discriminator"), on_nonfinite="skip",
                            spike_guard=SpikeGuard(window=16, sigma=6.0, min_history=4), watch_activations=True,
                            per_example=True, flight_recorder=FlightRecorder(32, dump_dir=out / f"flight{rank}"))
-    rec = Recorder(cb)
+    rec, pending = Recorder(cb), Pending(cb)
     g = torch.Generator().manual_seed(1)
     ds = torch.utils.data.TensorDataset(torch.randn(2 * 8 * BATCHES, 6, generator=g) + 2.0)
     trainer = L.Trainer(
         # each optimizer's backward leaves the other's parameters unused: find_unused_parameters, as any GAN needs
         accelerator="cpu", devices=2, strategy=DDPStrategy(find_unused_parameters=True), max_epochs=1,
-        val_check_interval=4, limit_val_batches=2, callbacks=[rec, cb], logger=CSVLogger(out),
+        val_check_interval=4, limit_val_batches=2, callbacks=[rec, cb, pending], logger=CSVLogger(out),
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
     )
     model = GAN()
@@ -160,6 +174,7 @@ def main(out: Path) -> None:
         "skipped": cb.skipped_steps,
         "guards": {name: _plain(guard.state_dict()) for name, guard in cb.spike_guards.items()},
         "weights": [p.detach().double().flatten().tolist() for p in model.parameters()],
+        "pending": pending.pending,
         "dumps": {path.name: [json.loads(line) for line in path.read_text().splitlines()]
                   for path in sorted((out / f"flight{rank}").glob("*.jsonl"))},
     }

@@ -369,7 +369,7 @@ class _GradStatsMixin(SeveralOptimizers):
             self._pending[id(taker)] = (taker, stats, at)
             self._hold_pending(taker, optimizer, self._logs_here(trainer))
         elif log_now:  # a rank that does not log reads what the logging rank's report reads
-            taker.check_layout(stats)
+            self._not_logged(taker, stats)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         pending, self._pending = self._pending, {}
@@ -379,11 +379,19 @@ class _GradStatsMixin(SeveralOptimizers):
                 self._use_held_activation(taker)
                 self._log(trainer, taker.report(stats), logger_step, taker)
             else:
-                taker.check_layout(stats)
+                self._not_logged(taker, stats)
 
     # ----------------------------------------------------------------------------------------------- internals
     def _logs_here(self, trainer: Any) -> bool:
         return logs_here("GradStatsCallback", trainer.is_global_zero, self.log_rank)
+
+    @staticmethod
+    def _not_logged(taker: StatsTaker, stats: GradStats | GradWeightStats) -> None:
+        """A logging step on a rank that does not log: read the layout flags the logging rank's report reads, and let
+        the incident rows go (the logging rank's report tells them), which would otherwise pile up, one per step."""
+        taker.check_layout(stats)
+        if taker.incidents is not None:
+            taker.incidents.drop_pending()
 
     def _handle_nonfinite(self, trainer: Any, optimizer: Any, step: int, report: AnyReport | None,
                           stats: GradStats | GradWeightStats, taker: StatsTaker) -> None:

@@ -141,6 +141,11 @@ class StepIncidents:
             return None
         return ExtraFigures([self._rows[: self._count]], [], self._read)
 
+    def drop_pending(self) -> None:
+        """Let the rows since the last read go unread: on a rank whose reports are not made (the logging rank's tell
+        the same steps), so that they do not pile up there."""
+        self._count = 0
+
     # ------------------------------------------------------------------------------------------- on the host
     def read_now(self) -> None:
         """Read the pending rows now (one small transfer): where a skip was just decided on the host."""
