@@ -101,3 +101,73 @@ def test_warning_names_the_corrupted_example_and_the_dump_parses(tmp_path: Path,
     others = [r["total_norm"] for r in rows if r["step"] != BAD_STEP]
     assert bad["total_norm"] > 100 * max(others)  # the corrupted example's gradient made the step's spike
     assert bad["loss"] > 100 * max(r["loss"] for r in rows if r["step"] != BAD_STEP)
+
+
+def _train(tmp_path: Path, cb: GradStatsCallback, collator: Any, callbacks: list[Any] = ()) -> None:
+    model = _model()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, logging_steps=1,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+                             max_grad_norm=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), data_collator=collator,
+                      optimizers=(torch.optim.SGD(model.parameters(), lr=1e-3), None))
+    for other in callbacks:
+        trainer.add_callback(other)
+    add_to_trainer(trainer, cb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+
+
+def test_a_step_on_nonfinite_skipped_is_told_as_skipped_beside_its_dump(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """on_nonfinite="skip" with a flight recorder: an infinite target makes step BAD_STEP's gradient non-finite, the
+    callback skips that step, and the warning beside the dump says so (it said "(step taken)")."""
+
+    class InfiniteTarget(_Corrupting):
+        def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+            batch = transformers.default_data_collator(features)
+            if self.calls == BAD_STEP * ACCUMULATION + BAD_MICRO:
+                batch["labels"] = batch["labels"].clone()
+                batch["labels"][BAD_POS] = float("inf")
+            self.calls += 1
+            return batch
+
+    cb = GradStatsCallback(on_nonfinite="skip", flight_recorder=FlightRecorder(32, dump_dir=tmp_path / "flight"))
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _train(tmp_path, cb, InfiniteTarget())
+    assert cb.skipped_steps == [BAD_STEP]
+    path = tmp_path / "flight" / f"flight-{BAD_STEP}.jsonl"
+    told = [r.getMessage() for r in caplog.records if "flight recorder dumped" in r.getMessage()]
+    assert told == [f"torch_gradstats: optimizer step {BAD_STEP} skipped (non-finite gradient); flight recorder "
+                    + f"dumped to {path}"]
+    rows = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+    assert rows[BAD_STEP]["nan_count"] + rows[BAD_STEP]["inf_count"] > 0
+    assert all(r["nan_count"] == r["inf_count"] == 0 for s, r in rows.items() if s != BAD_STEP)
+
+
+def test_a_process_that_does_not_log_keeps_no_rows(tmp_path: Path) -> None:
+    """On a process that does not log (a DDP rank other than 0: the Trainer's state says so), the per-step rows of
+    per_example and the flight recorder are let go at each logging step, as the logging rank's report tells those
+    steps; they piled up there, one per optimizer step for the whole run. One process stands in for that rank: a
+    callback before ours marks the state as not the world's process zero."""
+    from transformers import TrainerCallback
+
+    class NotProcessZero(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            state.is_world_process_zero = False
+
+    class Pending(TrainerCallback):
+        def __init__(self, watched: GradStatsCallback) -> None:
+            self.watched, self.pending = watched, []
+
+        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            incidents = self.watched.taker.incidents
+            assert incidents is not None
+            self.pending.append(incidents.pending() is not None)
+
+    cb = GradStatsCallback(per_example=True, flight_recorder=FlightRecorder(8, dump_dir=tmp_path / "flight"))
+    pending = Pending(cb)
+    _train(tmp_path, cb, transformers.default_data_collator, [NotProcessZero(), pending])
+    assert len(pending.pending) >= STEPS and not any(pending.pending), pending.pending
+    assert not (tmp_path / "flight").exists()  # that process reports nothing, so it dumps nothing either

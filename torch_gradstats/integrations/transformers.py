@@ -246,7 +246,8 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             self.activation_watch = ActivationWatch(model)
         if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
             self.taker.incidents = StepIncidents(model, per_example=self._per_example, recorder=self.flight_recorder,
-                                                 who="GradStatsCallback", nonfinite_told=True)
+                                                 who="GradStatsCallback", nonfinite_told=True,
+                                                 nonfinite_skipped=self.on_nonfinite is not None)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` apply this callback's spike guard (returns the same optimizer, changed in place).
@@ -340,6 +341,8 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         self._pending = None
         if not logs_here("GradStatsCallback", state.is_world_process_zero, self.log_rank):
             self.taker.check_layout(stats)  # what the logging rank's report reads, read here too
+            if self.taker.incidents is not None:
+                self.taker.incidents.drop_pending()  # the logging rank's report tells these steps: none pile up
             return
         report = self.taker.report(stats)  # the one transfer of this logging step (the policies' figures too)
         figures: dict[str, Any] = metrics(report, self.prefix, self.per_param)
