@@ -36,6 +36,7 @@ from torch_gradstats.ops._transfer import to_device, to_host
 from torch_gradstats.stats._params import (
     ParamsLike,
     check_flat_param_group,
+    check_orig_param_group,
     dtensor_types,
     flat_param_types,
     named_params,
@@ -275,6 +276,21 @@ class GradWeightStats:
         return report
 
 
+def _refuse_orig_param_shards(name: str, group: Any) -> None:
+    """Rows reduced over ``group`` without names are matched by position, and FSDP1's original parameters
+    (``use_orig_params=True``) put the pieces of different parameters on different ranks: their rows would be
+    summed with another parameter's, or the lists differ in length."""
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1:
+        raise ValueError(
+            f"grad_and_weight_stats: {name!r} is an original parameter of FSDP1 (use_orig_params=True), whose "
+            "shards hold different parameters on each rank; with group= the rows are matched by position, so they "
+            "would mix parameters. Wrap with use_orig_params=False (a row per flat parameter), or read the gradients "
+            "with grad_stats(..., group=), which matches them by name"
+        )
+
+
 def _lr_by_param(optimizer: Any) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for group in getattr(optimizer, "param_groups", []):
@@ -329,6 +345,10 @@ def grad_and_weight_stats(
                 if group is not None:
                     check_flat_param_group(name, p, group, "grad_and_weight_stats")
                 grads[i], weights[i] = without_shard_padding(p, grads[i]), without_shard_padding(p, weights[i])
+            elif group is not None and getattr(p, "_fsdp_flattened", False) is True and not (dt and isinstance(
+                    grads[i], dt)):  # use_orig_params=True: every rank has these, so every rank raises alike
+                check_orig_param_group(name, grads[i], group, "grad_and_weight_stats")
+                _refuse_orig_param_shards(name, group)
     local = [local_view(t, dt) for t in grads] + [local_view(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
     try:

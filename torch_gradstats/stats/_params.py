@@ -23,9 +23,11 @@ __all__ = [
     "ParamsLike",
     "check_flat_param_group",
     "check_grads",
+    "check_orig_param_group",
     "dtensor_types",
     "flat_param_shards",
     "flat_param_types",
+    "fsdp1_managed",
     "named_params",
     "stats_on_home",
     "unique_names",
@@ -56,6 +58,16 @@ def flat_param_types() -> tuple[type, ...]:
     mod = sys.modules.get("torch.distributed.fsdp._flat_param")
     cls = getattr(mod, "FlatParameter", None) if mod is not None else None
     return (cls,) if isinstance(cls, type) else ()
+
+
+def fsdp1_managed(params: list[Any]) -> bool:
+    """Whether any item of ``params`` (tensors or (name, tensor) pairs) is a parameter FSDP1 manages: a flat
+    parameter, or an original one under ``use_orig_params=True`` (FSDP marks both ``_fsdp_flattened``)."""
+    return any(
+        getattr(item[1] if isinstance(item, (tuple, list)) and len(item) == 2 else item, "_fsdp_flattened", False)
+        is True
+        for item in params
+    )
 
 
 def without_shard_padding(param: Tensor, grad: Tensor) -> Tensor:
@@ -103,6 +115,24 @@ def check_flat_param_group(name: str, param: Tensor, group: Any, caller: str = "
             "the group would not be its figures (each copy counted). Pass the group FSDP shards it over "
             "(model.process_group), or no group for NO_SHARD, whose gradients are whole on every rank as DDP's are"
         )
+
+
+def check_orig_param_group(name: str, grad: Tensor, group: Any, caller: str = "grad_stats") -> None:
+    """An original parameter of FSDP1 (``use_orig_params=True``) read with ``group=`` must hold FSDP's 1-D view of
+    its shard of the reduced gradient. A gradient of its original shape (2-D or more) is a whole copy on every rank:
+    ``NO_SHARD``'s, or inside ``no_sync()`` this rank's own unsharded partial sum, which the sum over the group would
+    count once per rank. (A 1-D parameter's copy looks like a shard: only its 2-D and larger neighbours tell.)"""
+    import torch.distributed as dist
+
+    if grad.dim() <= 1 or not isinstance(group, dist.ProcessGroup) or dist.get_world_size(group) == 1:
+        return
+    raise ValueError(
+        f"{caller}: the gradient of the FSDP parameter {name!r} (use_orig_params=True) has its whole shape "
+        f"{tuple(grad.shape)}, not the 1-D shard FSDP leaves after the backward that reduces it: each rank holds a "
+        "copy (NO_SHARD, or its own partial sum inside no_sync()), which the sum over group= would count once per "
+        "rank. Read NO_SHARD without group= (its gradients are whole on every rank, as DDP's), and accumulated "
+        "gradients after the backward that reduces them"
+    )
 
 
 def named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:

@@ -31,8 +31,10 @@ from torch_gradstats.stats._params import (
     ParamsLike,
     check_flat_param_group,
     check_grads,
+    check_orig_param_group,
     dtensor_types,
     flat_param_types,
+    fsdp1_managed,
     named_params,
     stats_on_home,
     unique_names,
@@ -406,9 +408,8 @@ def grad_stats(
     idle_meshes: dict[int, Any] = {}  # meshes of DTensor parameters without a gradient here
     if _collect_grads is not None and not isinstance(params, (Tensor, str, bytes)) and isinstance(params, Iterable):
         params = params if type(params) is list else list(params)  # consumed once, whichever walk reads it
-        # FSDP1's flat parameters are plain Parameters to the C++ walk: with a group, the Python walk finds them and
-        # leaves out their shard padding.
-        flat = group is not None and flat_param_types()
+        # FSDP1's parameters are plain to the C++ walk: the Python walk leaves out shard padding, checks the group.
+        flat = bool(flat_param_types()) and fsdp1_managed(params)
         collected = None if torch.compiler.is_compiling() or flat else _collect_grads(params)
     else:
         collected = None
@@ -426,10 +427,13 @@ def grad_stats(
                     mesh = cast(Any, p).device_mesh
                     idle_meshes.setdefault(id(mesh), mesh)
                 continue
-            if flat_classes and isinstance(p, flat_classes) and isinstance(g, Tensor):
-                if group is not None:
-                    check_flat_param_group(name, p, group)
-                g = without_shard_padding(p, g)  # FSDP1's use_orig_params=False: padding is no gradient
+            if flat_classes and isinstance(g, Tensor) and getattr(p, "_fsdp_flattened", False) is True:
+                if isinstance(p, flat_classes):  # use_orig_params=False: the shard padding is no gradient
+                    if group is not None:
+                        check_flat_param_group(name, p, group)
+                    g = without_shard_padding(p, g)
+                elif group is not None and not (dtensor_classes and isinstance(g, dtensor_classes)):
+                    check_orig_param_group(name, g, group)  # use_orig_params=True
             names.append(name)
             grads.append(g)
             if dtensor_classes and isinstance(g, dtensor_classes):
