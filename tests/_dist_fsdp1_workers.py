@@ -91,29 +91,20 @@ def _check_clip(what: str, model: Any, named: Callable[[], Any], group: Any, wan
     assert math.isclose(theirs, max_norm, rel_tol=RTOL), (what, theirs, max_norm)
 
 
-def _check_weights(what: str, model: Any, ref: nn.Module, want: Any) -> None:
-    """grad_and_weight_stats(group=): flat parameters give the model's figures; original parameters, whose rows it
-    matches by position while each rank holds pieces of different ones (their rows were summed with another
-    parameter's, or the ranks' lists differed in length), are a ValueError naming one, on every rank."""
-    if not isinstance(next(iter(model.parameters())), _flat_param_class()):
-        try:
-            grad_and_weight_stats(model.named_parameters(), group=dist.group.WORLD)
-        except ValueError as exc:
-            assert "use_orig_params=True" in str(exc) and f"'{WRAPPED}" in str(exc), str(exc)
-        else:
-            raise AssertionError(f"{what}: grad_and_weight_stats matched different parameters by position")
-        return
-    both = grad_and_weight_stats(model.named_parameters(), group=dist.group.WORLD).report()
+def _check_weights(what: str, ref: nn.Module, named: Any, want: Any) -> None:
+    """grad_and_weight_stats(group=): its gradients' figures and its weights' are the model's. (With original
+    parameters, each rank holding pieces of different ones, its rows matched by position mixed parameters, or the
+    ranks' lists differed in length: a ValueError.)"""
+    both = grad_and_weight_stats(named, group=dist.group.WORLD).report()
     _check_totals(f"{what} grad_and_weight_stats", both.grads, want)
     weights = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in ref.parameters() if p.requires_grad))
     got = math.sqrt(sum(v * v for v in both.weight_norms.values()))
     assert math.isclose(got, weights, rel_tol=RTOL), (what, got, weights)
-
-
-def _flat_param_class() -> type:
-    from torch.distributed.fsdp._flat_param import FlatParameter
-
-    return FlatParameter
+    if not any(n.endswith("_flat_param") for n in both.weight_norms):  # a row per original parameter
+        norms = {n.replace(WRAPPED, ""): v for n, v in both.weight_norms.items()}
+        for name, p in ref.named_parameters():
+            if p.requires_grad:
+                assert math.isclose(norms[name], float(p.detach().double().norm()), rel_tol=RTOL), (what, name)
 
 
 # ------------------------------------------------------------------------------------------------ scenarios
@@ -210,7 +201,7 @@ def nested_units_match_reference(rank: int, world: int) -> str | None:
             else:
                 rows = [f"{WRAPPED}{i}.{WRAPPED}_flat_param" for i in (0, 2, 4)]
                 assert list(rep.norms) == rows, (what, list(rep.norms))
-            _check_weights(what, model, ref, want)
+            _check_weights(what, ref, model.named_parameters(), want)
             clip = AdaptiveClip()
             stats = clip.clip_(model.named_parameters(), group=world_group)  # the first steps: no clip yet
             assert math.isclose(float(stats.total_norm), want.total_norm, rel_tol=RTOL), (what, "adaptive")

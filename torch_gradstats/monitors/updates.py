@@ -276,19 +276,9 @@ class GradWeightStats:
         return report
 
 
-def _refuse_orig_param_shards(name: str, group: Any) -> None:
-    """Rows reduced over ``group`` without names are matched by position, and FSDP1's original parameters
-    (``use_orig_params=True``) put the pieces of different parameters on different ranks: their rows would be
-    summed with another parameter's, or the lists differ in length."""
-    import torch.distributed as dist
-
-    if isinstance(group, dist.ProcessGroup) and dist.get_world_size(group) > 1:
-        raise ValueError(
-            f"grad_and_weight_stats: {name!r} is an original parameter of FSDP1 (use_orig_params=True), whose "
-            "shards hold different parameters on each rank; with group= the rows are matched by position, so they "
-            "would mix parameters. Wrap with use_orig_params=False (a row per flat parameter), or read the gradients "
-            "with grad_stats(..., group=), which matches them by name"
-        )
+def _empty_orig_shard(p: Tensor) -> bool:
+    """An original parameter of FSDP1 (``use_orig_params=True``) that is trained but has no element on this rank."""
+    return p.grad is None and p.requires_grad and p.numel() == 0 and getattr(p, "_fsdp_flattened", False) is True
 
 
 def _lr_by_param(optimizer: Any) -> dict[int, Any]:
@@ -322,7 +312,10 @@ def grad_and_weight_stats(
         :class:`GradWeightStats`; ``.grads`` equals ``grad_stats(params, group=group)`` value for value.
     """
     every = named_params(params, "grad_and_weight_stats")
-    named = [(n, p) for n, p in every if p.grad is not None]
+    # With group=, rows are matched by position: FSDP1's original parameters (use_orig_params=True) whose shard is
+    # empty here count as empty rows, so that every rank lists the parameters of every flat parameter alike.
+    orig = group is not None and bool(flat_param_types())
+    named = [(n, p) for n, p in every if p.grad is not None or (orig and _empty_orig_shard(p))]
     dt = dtensor_types()
     if not named:
         empty_f = torch.zeros(0, dtype=torch.float64)
@@ -336,7 +329,7 @@ def grad_and_weight_stats(
         return GradWeightStats(stats, empty_f.clone(), empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64),
                                [] if optimizer is not None else None, update)
     names = unique_names([n for n, _ in named])
-    grads: list[Tensor] = [p.grad for _, p in named]  # type: ignore[misc]
+    grads: list[Tensor] = [p.detach() if p.grad is None else p.grad for _, p in named]
     weights = [p.detach() for _, p in named]
     flat = flat_param_types()
     if flat:  # FSDP1's flat parameters (use_orig_params=False): their shard padding is no gradient nor weight
@@ -346,9 +339,8 @@ def grad_and_weight_stats(
                     check_flat_param_group(name, p, group, "grad_and_weight_stats")
                 grads[i], weights[i] = without_shard_padding(p, grads[i]), without_shard_padding(p, weights[i])
             elif group is not None and getattr(p, "_fsdp_flattened", False) is True and not (dt and isinstance(
-                    grads[i], dt)):  # use_orig_params=True: every rank has these, so every rank raises alike
+                    grads[i], dt)):  # use_orig_params=True
                 check_orig_param_group(name, grads[i], group, "grad_and_weight_stats")
-                _refuse_orig_param_shards(name, group)
     local = [local_view(t, dt) for t in grads] + [local_view(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
     try:
