@@ -70,13 +70,24 @@ def _check_totals(what: str, rep: Any, want: Any) -> None:
 
 
 def _check_rows(what: str, rep: Any, want: Any) -> None:
-    """use_orig_params=True: one row per original parameter, named as the model's own but for FSDP's prefixes.
-    (Their order is the model's where some rank's own list shows it; two parameters that no rank holds together,
-    the last of one rank's shard and the first of the next one's, can come in either order: docs/distributed.md.)"""
+    """use_orig_params=True: one row per original parameter, in model order, named as the model's own but for
+    FSDP's prefixes."""
     rows = {n.replace(WRAPPED, ""): v for n, v in rep.norms.items()}
-    assert sorted(rows) == sorted(want.norms), (what, list(rows), list(want.norms))
+    assert list(rows) == list(want.norms), (what, list(rows), list(want.norms))
     for name, norm in want.norms.items():
         assert math.isclose(rows[name], norm, rel_tol=RTOL), (what, name, rows[name], norm)
+
+
+def _check_first_nonfinite(what: str, model: nn.Module, group: Any) -> None:
+    """NaN in every piece of the last two parameters (each rank's own, wherever FSDP put them): the first
+    non-finite one is the earlier in model order, on every rank, also where no rank holds pieces of both (its rows
+    once came in the order of the ranks' lists: 4.bias before 4.weight on 2 ranks)."""
+    named = list(model.named_parameters())
+    for _, p in named[-2:]:
+        if p.grad is not None and p.grad.numel():
+            p.grad.view(-1)[0] = float("nan")
+    rep = grad_stats(model.named_parameters(), group=group).report()
+    assert rep.first_nonfinite == named[-2][0], (what, rep.first_nonfinite, named[-2][0], list(rep.norms))
 
 
 def _check_clip(what: str, model: Any, named: Callable[[], Any], group: Any, want_norm: float) -> None:
@@ -209,6 +220,8 @@ def nested_units_match_reference(rank: int, world: int) -> str | None:
             assert float(guard.observe(stats.total_norm)) == 1.0  # warming up: the step is taken on every rank
             assert guard.check()["guard/skipped"] == 0.0, guard.check()
             _check_clip(what, model, model.named_parameters, world_group, want.total_norm)
+            if orig:
+                _check_first_nonfinite(what, model, world_group)
     return None
 
 

@@ -38,6 +38,7 @@ from torch_gradstats.stats._params import (
     check_flat_param_group,
     check_orig_param_group,
     dtensor_types,
+    empty_orig_shard,
     flat_param_types,
     named_params,
     stats_on_home,
@@ -276,11 +277,6 @@ class GradWeightStats:
         return report
 
 
-def _empty_orig_shard(p: Tensor) -> bool:
-    """An original parameter of FSDP1 (``use_orig_params=True``) that is trained but has no element on this rank."""
-    return p.grad is None and p.requires_grad and p.numel() == 0 and getattr(p, "_fsdp_flattened", False) is True
-
-
 def _lr_by_param(optimizer: Any) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for group in getattr(optimizer, "param_groups", []):
@@ -315,7 +311,7 @@ def grad_and_weight_stats(
     # With group=, rows are matched by position: FSDP1's original parameters (use_orig_params=True) whose shard is
     # empty here count as empty rows, so that every rank lists the parameters of every flat parameter alike.
     orig = group is not None and bool(flat_param_types())
-    named = [(n, p) for n, p in every if p.grad is not None or (orig and _empty_orig_shard(p))]
+    named = [(n, p) for n, p in every if p.grad is not None or (orig and empty_orig_shard(p))]
     dt = dtensor_types()
     if not named:
         empty_f = torch.zeros(0, dtype=torch.float64)

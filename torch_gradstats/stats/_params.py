@@ -25,6 +25,7 @@ __all__ = [
     "check_grads",
     "check_orig_param_group",
     "dtensor_types",
+    "empty_orig_shard",
     "flat_param_shards",
     "flat_param_types",
     "fsdp1_managed",
@@ -68,6 +69,13 @@ def fsdp1_managed(params: list[Any]) -> bool:
         is True
         for item in params
     )
+
+
+def empty_orig_shard(p: Tensor) -> bool:
+    """An original parameter of FSDP1 (``use_orig_params=True``) that is trained but has no element on this rank:
+    read with a group, it counts as an empty row, so that every rank lists every parameter of a flat parameter
+    (rows matched by position pair each one with its own pieces; rows matched by name come in model order)."""
+    return p.grad is None and p.requires_grad and p.numel() == 0 and getattr(p, "_fsdp_flattened", False) is True
 
 
 def without_shard_padding(param: Tensor, grad: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from torch_gradstats.stats._params import (
     check_grads,
     check_orig_param_group,
     dtensor_types,
+    empty_orig_shard,
     flat_param_types,
     fsdp1_managed,
     named_params,
@@ -422,6 +423,8 @@ def grad_stats(
         flat_classes = flat_param_types()
         for name, p in named_params(params):
             g = p.grad
+            if g is None and group is not None and flat_classes and empty_orig_shard(p):
+                g = p.detach()  # FSDP1 put no piece of it here: an empty row, so that the rows keep model order
             if g is None:
                 if dtensor_classes and isinstance(p, dtensor_classes):  # its mesh's reductions still need this rank
                     mesh = cast(Any, p).device_mesh
