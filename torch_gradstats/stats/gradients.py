@@ -373,9 +373,9 @@ def grad_stats(
         group: a ``torch.distributed`` process group. When given, or when any gradient is a DTensor, the local
             statistics are combined across ranks by :func:`torch_gradstats.distributed.reduce.reduce_across_ranks`.
             Otherwise there is no communication at all. Ranks may hold different parameters (a gradient missing
-            on one rank counts as an empty shard there); see docs/distributed.md. FSDP1's flat parameters
-            (``use_orig_params=False``) are read without the zeros FSDP pads their last shard with; ``group`` must
-            then be the group FSDP shards them over (a ValueError naming the parameter otherwise).
+            on one rank counts as an empty shard there); see docs/distributed.md. FSDP1's flat parameters are
+            read without the zeros FSDP pads their last shard with; ``group`` must be the group FSDP shards over: a
+            gradient whole on every rank (NO_SHARD, inside no_sync()) is a ValueError naming the parameter.
         stage_group: process group of pipeline stages (ranks holding disjoint parts of the model): the figures
             of all stages are gathered on every rank; a name held by several stages is reported as
             ``name@stage<k>``, one row per stage.
@@ -424,7 +424,7 @@ def grad_stats(
         for name, p in named_params(params):
             g = p.grad
             if g is None and group is not None and flat_classes and empty_orig_shard(p):
-                g = p.detach()  # FSDP1 put no piece of it here: an empty row, so that the rows keep model order
+                g = p.detach()  # no piece of it here: an empty row, so that the rows keep model order
             if g is None:
                 if dtensor_classes and isinstance(p, dtensor_classes):  # its mesh's reductions still need this rank
                     mesh = cast(Any, p).device_mesh
