@@ -301,8 +301,101 @@ def model_zoo_under_fsdp1(rank: int, world: int) -> str | None:
     return None
 
 
+def lightning_callback_group_read_when_used(rank: int, world: int) -> str | None:
+    """Lightning's GradStatsCallback is made before Lightning makes the process group, where
+    torch.distributed.group.WORLD is still None: group= then takes a callable, read when the figures are (a callable
+    was passed on to grad_stats as the group itself), and the logged total norm is the model's (FSDP's own
+    clip_grad_norm_); FSDP1 shards read without a group log a warning naming a parameter (their figures were each
+    rank's own, silently). Each rank runs its own one-device Trainer of a LightningModule holding an FSDP1 unit
+    over the existing gloo group (Lightning's FSDPStrategy needs a GPU)."""
+    if world != 2 or importlib.util.find_spec("lightning") is None:
+        return "skip: one 2-rank run is enough (Lightning starts slowly), and it needs lightning"
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers.logger import Logger
+
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    class Keep(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[dict[str, float]] = []
+
+        @property
+        def name(self) -> str:
+            return "keep"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append(dict(metrics))
+
+    class Sharded(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net: nn.Module = _net()
+
+        def configure_model(self) -> None:
+            self.net = _fsdp()(self.net, device_id=torch.device("cpu"), use_orig_params=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class FSDPNorm(pl.Callback):  # FSDP's own norm of the same gradients, before the callback reads them
+        def __init__(self) -> None:
+            self.norms: list[float] = []
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            self.norms.append(float(pl_module.net.clip_grad_norm_(1e30)))
+
+    class Caught(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    data = torch.utils.data.TensorDataset(torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(5)))
+    caught = Caught()
+    logging.getLogger("torch_gradstats").addHandler(caught)
+    try:
+        logged = {}
+        for label, group in (("callable", lambda: dist.group.WORLD), ("none", None)):
+            fsdp_norm, keep = FSDPNorm(), Keep()
+            callback = GradStatsCallback(every_n_steps=1, group=group)
+            trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=keep,
+                                 callbacks=[fsdp_norm, callback], enable_progress_bar=False,
+                                 enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1)
+            mine = torch.utils.data.Subset(data, range(2 * rank, 4 * world, 2 * world))  # this rank's batches
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(Sharded(), torch.utils.data.DataLoader(mine, batch_size=2))
+            totals = [row["grad_2.0_norm_total"] for row in keep.rows if "grad_2.0_norm_total" in row]
+            assert len(totals) == 2 == len(fsdp_norm.norms), (label, totals, fsdp_norm.norms)
+            logged[label] = (totals, fsdp_norm.norms)
+    finally:
+        logging.getLogger("torch_gradstats").removeHandler(caught)
+    totals, theirs = logged["callable"]
+    assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(totals, theirs)), (totals, theirs)
+    told = [m for m in caught.messages if "no group= was given" in m]
+    assert len(told) == 1 and "_flat_param" in told[0] and "lambda" in told[0], caught.messages
+    return None
+
+
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f
     for f in (orig_params_whole_copies_refused_with_group, flat_padding_left_out_without_group,
-              nested_units_match_reference, mixed_precision_bf16, hybrid_shard_over_its_group, model_zoo_under_fsdp1)
+              nested_units_match_reference, mixed_precision_bf16, hybrid_shard_over_its_group, model_zoo_under_fsdp1,
+              lightning_callback_group_read_when_used)
 }

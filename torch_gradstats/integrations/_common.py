@@ -22,6 +22,7 @@ from torch_gradstats.ops._transfer import to_host
 from torch_gradstats.policies.adaptive_clip import AdaptiveClip
 from torch_gradstats.policies.clip import clip_with_threshold_
 from torch_gradstats.policies.guard import SpikeGuard, SpikeStreakError
+from torch_gradstats.stats._params import flat_param_shards, flat_param_types
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats, grad_stats
 from torch_gradstats.stats.groups import GroupBy, group_names
 from torch_gradstats.stats.health import HealthPolicy
@@ -204,7 +205,8 @@ class StatsTaker:
         self.group_by = group_by
         self.log_weight_norms = log_weight_norms
         self.log_update_ratio = log_update_ratio
-        self.group = group
+        self._group = group
+        self._fsdp1_checked = False
         self.stage_group = stage_group
         self.tied = tied
         self.policy = policy
@@ -224,6 +226,28 @@ class StatsTaker:
         self.incidents: StepIncidents | None = None
         #: words after the step number in warnings (" (optimizer 'generator')" for one optimizer of several)
         self.label = ""
+
+    @property
+    def group(self) -> Any:
+        """The process group of plain shards: as given, or what a callable given returns now (a callback is made
+        before the process group exists, where ``torch.distributed.group.WORLD`` is still None)."""
+        return self._group() if callable(self._group) else self._group
+
+    def _check_fsdp1_group(self, params: list[tuple[str, Tensor]]) -> None:
+        """Once: warn where FSDP1 shards over several ranks are read without a group (this rank's figures alone)."""
+        self._fsdp1_checked = True
+        flat = flat_param_types()
+        if not flat or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        for name, p in params:
+            if getattr(p, "_fsdp_flattened", False) is True and (
+                    (flat_param_shards(p) or 1) > 1 if isinstance(p, flat) else p.numel() == 0):
+                logger.warning(
+                    "torch_gradstats: %r is a shard of FSDP1 over several ranks, but no group= was given: the "
+                    "figures are this rank's shard's alone, not the model's. Pass group= the group FSDP shards over; "
+                    "a callback made before the process group exists takes a callable, e.g. group=lambda: "
+                    "torch.distributed.group.WORLD (torch.distributed.group.WORLD itself is None until then)", name)
+                return
 
     @property
     def every_step(self) -> bool:
@@ -309,9 +333,12 @@ class StatsTaker:
         histogram when ``histogram`` (see :func:`check_histogram`); no host sync."""
         self._optimizer = optimizer
         params = self.trainable(module, optimizer)
+        group = self.group
+        if group is None and not self._fsdp1_checked:
+            self._check_fsdp1_group(params)
         if self.log_weight_norms or self.log_update_ratio:
-            return grad_and_weight_stats(params, optimizer=optimizer, group=self.group)
-        return grad_stats(params, group=self.group, stage_group=self.stage_group, tied=self.tied, histogram=histogram)
+            return grad_and_weight_stats(params, optimizer=optimizer, group=group)
+        return grad_stats(params, group=group, stage_group=self.stage_group, tied=self.tied, histogram=histogram)
 
     @staticmethod
     def trained(module: nn.Module, optimizer: Any) -> list[tuple[str, Tensor]]:

@@ -76,7 +76,7 @@ class OptimizerTaker(StatsTaker):
     this step (named as in the LightningModule, in its order) and keeps its own copies of the step policies."""
 
     def __init__(self, template: StatsTaker, name: str, optimizer: Any) -> None:
-        super().__init__(template.log_weight_norms, template.log_update_ratio, template.group, template.policy,
+        super().__init__(template.log_weight_norms, template.log_update_ratio, template._group, template.policy,
                          template.k, group_by=template.group_by,
                          spike_guard=copy.deepcopy(template.spike_guard),
                          adaptive_clip=copy.deepcopy(template.adaptive_clip),

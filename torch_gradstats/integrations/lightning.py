@@ -87,8 +87,10 @@ happens with ``on_nonfinite`` set (a non-finite weight poisons every later step)
 Distributed: call it the same on every rank. Under DDP every rank holds the same averaged gradients, so no
 communication is needed; under FSDP2 (``ModelParallelStrategy``: DTensor parameters) the figures are reduced over
 the mesh by :func:`torch_gradstats.grad_stats` (collectives on every rank, so every rank must reach the hook,
-which Lightning guarantees). With FSDP1 (``FSDPStrategy``) pass the group FSDP shards over as ``group=``
-(``torch.distributed.group.WORLD`` for its default full sharding; a group FSDP does not shard over is refused): with
+which Lightning guarantees). With FSDP1 (``FSDPStrategy``) pass the group FSDP shards over as ``group=``, as a
+callable, since the callback is made before Lightning makes the process group (``torch.distributed.group.WORLD`` is
+None until then): ``group=lambda: torch.distributed.group.WORLD`` for its default full sharding (a group FSDP does
+not shard over is refused; without a group, a warning says the figures are each rank's shard's): with
 ``use_orig_params=True`` the figures are per original parameter; with ``use_orig_params=False`` the rows are the
 flat parameters (their shards read without FSDP's padding). The figures are the same on every rank; only
 global rank 0 transfers them to the host and logs (Lightning's loggers write on rank 0 only); with ``on_nonfinite``
@@ -216,7 +218,8 @@ class _GradStatsMixin(SeveralOptimizers):
             on_nonfinite: None, ``"skip"`` or ``"stop"`` (see the module docstring); checks every step.
             log_weight_norms: log weight norms and ``lr * ||g|| / ||w||``, from the same op call.
             log_update_ratio: log the measured ``||Δw|| / ||w||`` (keeps one copy of the weights).
-            group: process group for plain-tensor shards (FSDP1); None otherwise.
+            group: process group for plain-tensor shards (FSDP1), or a callable returning it when read (the
+                process group does not exist yet when the callback is made); None otherwise.
             policy: health policy (default ``HealthPolicy()``).
             key_style: whose key names to log beside ours (``GradReport.to_dict``'s styles): ``"lightning"``
                 (``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``), ``"megatron"``, ``"composer"``, ``"hf"``, or

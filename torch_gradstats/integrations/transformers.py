@@ -113,7 +113,8 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         on_nonfinite: None, ``"skip"`` or ``"stop"``; checks every step.
         log_weight_norms: log weight norms and ``lr * ||g|| / ||w||``, from the same op call as the gradients.
         log_update_ratio: log the measured ``||Δw|| / ||w||`` of the logged steps (keeps one copy of the weights).
-        group: process group for plain-tensor shards (FSDP1 with flat parameters); None otherwise.
+        group: process group for plain-tensor shards (FSDP1), or a callable returning it when read (for a
+            callback made before the process group exists); None otherwise.
         policy: health policy (default ``HealthPolicy()``).
         key_style: whose key names to add beside ours, unprefixed (``GradReport.to_dict``'s styles): ``"hf"``
             adds ``grad_norm`` (the pre-clip norm) on the steps where the Trainer logs none (``max_grad_norm=0``);
