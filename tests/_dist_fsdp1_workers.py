@@ -212,6 +212,9 @@ def nested_units_match_reference(rank: int, world: int) -> str | None:
             else:
                 rows = [f"{WRAPPED}{i}.{WRAPPED}_flat_param" for i in (0, 2, 4)]
                 assert list(rep.norms) == rows, (what, list(rep.norms))
+                for i, row in zip((0, 2, 4), rows):  # a unit's row: its Linear's weight and bias
+                    unit = math.hypot(want.norms[f"{i}.weight"], want.norms[f"{i}.bias"])
+                    assert math.isclose(rep.norms[row], unit, rel_tol=RTOL), (what, row, rep.norms[row], unit)
             _check_weights(what, ref, model.named_parameters(), want)
             clip = AdaptiveClip()
             stats = clip.clip_(model.named_parameters(), group=world_group)  # the first steps: no clip yet
