@@ -230,7 +230,8 @@ def nested_units_match_reference(rank: int, world: int) -> str | None:
 
 def mixed_precision_bf16(rank: int, world: int) -> str | None:
     """MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32), use_orig_params=False: the figures equal float64
-    ones of the reduced shards gathered without their padding, and the clip's norm FSDP's own."""
+    ones of the reduced shards gathered without their padding, and the clip's norm FSDP's own; with
+    keep_low_precision_grads=True and original parameters, the bfloat16 gradients' figures."""
     from torch.distributed.fsdp import MixedPrecision
 
     fsdp = _fsdp()
@@ -246,6 +247,21 @@ def mixed_precision_bf16(rank: int, world: int) -> str | None:
     _check_totals("bf16", rep, want)
     assert rep.numel == 41, rep.numel
     _check_clip("bf16", model, model.named_parameters, dist.group.WORLD, want.total_norm)
+
+    # keep_low_precision_grads=True, original parameters: bfloat16 gradients, and a parameter with no piece on a
+    # rank is an empty row of that dtype there (a float32 one, the parameter's own, clashed with the others').
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=True)
+    model = fsdp(_net(), use_orig_params=True, device_id=torch.device("cpu"), mixed_precision=policy)
+    model(_batch(rank, world)).pow(2).mean().backward()
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    assert {p.grad.dtype for _, p in named} == {torch.bfloat16}, [p.grad.dtype for _, p in named]
+    sumsq = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for _, p in named)], dtype=torch.float64)
+    dist.all_reduce(sumsq)
+    for call in (lambda: grad_stats(model.named_parameters(), group=dist.group.WORLD).report(),
+                 lambda: grad_and_weight_stats(model.named_parameters(), group=dist.group.WORLD).report().grads):
+        rep = call()
+        assert math.isclose(rep.total_norm, math.sqrt(float(sumsq)), rel_tol=RTOL), (rep.total_norm, float(sumsq))
+        assert rep.numel == 41 and len(rep.norms) == 6, (rep.numel, list(rep.norms))
     return None
 
 

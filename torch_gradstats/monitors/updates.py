@@ -39,6 +39,7 @@ from torch_gradstats.stats._params import (
     check_orig_param_group,
     dtensor_types,
     empty_orig_shard,
+    empty_rows_dtype,
     flat_param_types,
     named_params,
     stats_on_home,
@@ -325,7 +326,8 @@ def grad_and_weight_stats(
         return GradWeightStats(stats, empty_f.clone(), empty_f.clone(), torch.zeros(0, 3, dtype=torch.int64),
                                [] if optimizer is not None else None, update)
     names = unique_names([n for n, _ in named])
-    grads: list[Tensor] = [p.detach() if p.grad is None else p.grad for _, p in named]
+    empty_dtype = empty_rows_dtype(named) if orig else None
+    grads: list[Tensor] = [p.detach().to(empty_dtype or p.dtype) if p.grad is None else p.grad for _, p in named]
     weights = [p.detach() for _, p in named]
     flat = flat_param_types()
     if flat:  # FSDP1's flat parameters (use_orig_params=False): their shard padding is no gradient nor weight

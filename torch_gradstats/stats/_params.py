@@ -26,6 +26,7 @@ __all__ = [
     "check_orig_param_group",
     "dtensor_types",
     "empty_orig_shard",
+    "empty_rows_dtype",
     "flat_param_shards",
     "flat_param_types",
     "fsdp1_managed",
@@ -76,6 +77,16 @@ def empty_orig_shard(p: Tensor) -> bool:
     read with a group, it counts as an empty row, so that every rank lists every parameter of a flat parameter
     (rows matched by position pair each one with its own pieces; rows matched by name come in model order)."""
     return p.grad is None and p.requires_grad and p.numel() == 0 and getattr(p, "_fsdp_flattened", False) is True
+
+
+def empty_rows_dtype(pairs: Sequence[tuple[str, Tensor]]) -> torch.dtype | None:
+    """The dtype of this rank's first gradient of an FSDP1 original parameter, which its empty rows take: FSDP
+    gives them all one (the parameters', or ``param_dtype`` with ``keep_low_precision_grads``), and the ranks'
+    rows of one parameter must agree. None where this rank holds none."""
+    for _, p in pairs:
+        if p.grad is not None and getattr(p, "_fsdp_flattened", False) is True:
+            return p.grad.dtype
+    return None
 
 
 def without_shard_padding(param: Tensor, grad: Tensor) -> Tensor:

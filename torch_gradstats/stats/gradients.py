@@ -34,6 +34,7 @@ from torch_gradstats.stats._params import (
     check_orig_param_group,
     dtensor_types,
     empty_orig_shard,
+    empty_rows_dtype,
     flat_param_types,
     fsdp1_managed,
     named_params,
@@ -421,10 +422,12 @@ def grad_stats(
     else:
         dtensor_classes = dtensor_types()
         flat_classes = flat_param_types()
-        for name, p in named_params(params):
+        pairs = named_params(params)
+        empty_dtype = empty_rows_dtype(pairs) if group is not None and flat_classes else None
+        for name, p in pairs:
             g = p.grad
             if g is None and group is not None and flat_classes and empty_orig_shard(p):
-                g = p.detach()  # no piece of it here: an empty row, so that the rows keep model order
+                g = p.detach().to(empty_dtype or p.dtype)  # no piece here: an empty row, so rows keep model order
             if g is None:
                 if dtensor_classes and isinstance(p, dtensor_classes):  # its mesh's reductions still need this rank
                     mesh = cast(Any, p).device_mesh
