@@ -29,6 +29,7 @@ __all__ = [
     "empty_rows_dtype",
     "flat_param_shards",
     "flat_param_types",
+    "fsdp1_grad",
     "fsdp1_managed",
     "named_params",
     "stats_on_home",
@@ -152,6 +153,25 @@ def check_orig_param_group(name: str, grad: Tensor, group: Any, caller: str = "g
         "rank. Read NO_SHARD without group= (its gradients are whole on every rank, as DDP's), and accumulated "
         "gradients after the backward that reduces them"
     )
+
+
+def fsdp1_grad(name: str, p: Tensor, group: Any, empty_dtype: torch.dtype | None) -> Any:
+    """What :func:`~torch_gradstats.grad_stats` reads of FSDP1's parameter ``p`` (marked ``_fsdp_flattened``): a
+    flat parameter's gradient without its shard padding, an original one's, each checked against ``group``; with
+    ``group``, an empty row (of ``empty_dtype``) for an original one with no piece here; None for no row."""
+    g = p.grad
+    if g is None:
+        return p.detach().to(empty_dtype or p.dtype) if group is not None and empty_orig_shard(p) else None
+    if not isinstance(g, Tensor):
+        return g  # named by the op's failure
+    if isinstance(p, flat_param_types()):
+        if group is not None:
+            check_flat_param_group(name, p, group)
+        return without_shard_padding(p, g)
+    dtensors = dtensor_types()
+    if group is not None and not (dtensors and isinstance(g, dtensors)):
+        check_orig_param_group(name, g, group)
+    return g
 
 
 def named_params(params: ParamsLike, caller: str = "grad_stats") -> list[tuple[str, Tensor]]:

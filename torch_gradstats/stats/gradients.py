@@ -29,18 +29,15 @@ from torch_gradstats.ops._transfer import repeated_int64, to_device, to_host
 from torch_gradstats.ops.op import HISTOGRAM_BUCKETS, INF, NAN, ZERO
 from torch_gradstats.stats._params import (
     ParamsLike,
-    check_flat_param_group,
     check_grads,
-    check_orig_param_group,
     dtensor_types,
-    empty_orig_shard,
     empty_rows_dtype,
     flat_param_types,
+    fsdp1_grad,
     fsdp1_managed,
     named_params,
     stats_on_home,
     unique_names,
-    without_shard_padding,
 )
 from torch_gradstats.stats.exponents import ExponentHistogram
 from torch_gradstats.stats.groups import GroupBy, GroupStats, group_stats
@@ -426,20 +423,13 @@ def grad_stats(
         empty_dtype = empty_rows_dtype(pairs) if group is not None and flat_classes else None
         for name, p in pairs:
             g = p.grad
-            if g is None and group is not None and flat_classes and empty_orig_shard(p):
-                g = p.detach().to(empty_dtype or p.dtype)  # no piece here: an empty row, so rows keep model order
+            if flat_classes and getattr(p, "_fsdp_flattened", False) is True:
+                g = fsdp1_grad(name, p, group, empty_dtype)  # without padding, checked; an empty row keeps order
             if g is None:
                 if dtensor_classes and isinstance(p, dtensor_classes):  # its mesh's reductions still need this rank
                     mesh = cast(Any, p).device_mesh
                     idle_meshes.setdefault(id(mesh), mesh)
                 continue
-            if flat_classes and isinstance(g, Tensor) and getattr(p, "_fsdp_flattened", False) is True:
-                if isinstance(p, flat_classes):  # use_orig_params=False: the shard padding is no gradient
-                    if group is not None:
-                        check_flat_param_group(name, p, group)
-                    g = without_shard_padding(p, g)
-                elif group is not None and not (dtensor_classes and isinstance(g, dtensor_classes)):
-                    check_orig_param_group(name, g, group)  # use_orig_params=True
             names.append(name)
             grads.append(g)
             if dtensor_classes and isinstance(g, dtensor_classes):
