@@ -18,7 +18,7 @@ from typing import Any
 import model_zoo
 import torch
 import torch.distributed as dist
-from _dist_workers import _params_with_grads
+from _dist_workers import _params_with_grads, _seq
 from torch import nn
 
 from torch_gradstats import AdaptiveClip, SpikeGuard, clip_grad_norm_, grad_stats
@@ -205,8 +205,10 @@ def nested_units_match_reference(rank: int, world: int) -> str | None:
             model(_batch(rank, world)).pow(2).mean().backward()
             want = _report(_reference(ref, lambda m: m(_batch(rank, world)).pow(2).mean()))
             for call in range(2):  # the first call agrees on the layout, the second is the steady state
+                before = _seq(world_group)
                 rep = grad_stats(model.named_parameters(), group=world_group).report()
                 _check_totals(f"{what} call {call}", rep, want)
+            assert _seq(world_group) - before == 2, (what, _seq(world_group) - before)  # one SUM, one MAX
             if orig:
                 _check_rows(what, rep, want)
             else:
