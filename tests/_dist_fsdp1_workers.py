@@ -165,23 +165,25 @@ def orig_params_whole_copies_refused_with_group(rank: int, world: int) -> str | 
     return None
 
 
-def flat_padding_left_out_without_group(rank: int, world: int) -> str | None:
-    """Without group=, each rank's figures of its flat parameter shard leave out FSDP's padding (a zero, counted
-    before with the compiled walk: numel 21 and one zero on the last of 2 ranks for 20 elements and none), with the
-    compiled walk and the pure-PyTorch one alike; a NaN in the padding counts nowhere."""
+def flat_shard_as_stored_without_group(rank: int, world: int) -> str | None:
+    """Without group=, each rank's figures are those of its flat parameter shard as stored, FSDP's padding (zeros)
+    included, with the compiled walk and the pure-PyTorch one alike (the Python walk once left the padding out and
+    the compiled one did not); with group=, the padding counts nowhere (a NaN put there included)."""
     fsdp = _fsdp()
     model = fsdp(_net(), use_orig_params=False, device_id=torch.device("cpu"))
     (flat,) = list(model.parameters())
     x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(11))  # no exact zero in the gradient
     model(x[2 * rank: 2 * rank + 2]).pow(2).mean().backward()
-    real = flat.grad[: flat.numel() - flat._shard_numel_padded].detach()
-    if flat._shard_numel_padded:
-        flat.grad[-1] = float("nan")  # padding: no gradient of the model
-    want = _report([("_fsdp_wrapped_module._flat_param", real)])
+    want = _report([("_fsdp_wrapped_module._flat_param", flat.grad.detach())])
     rep = grad_stats(model.named_parameters()).report()
     _check_totals(f"rank {rank} without group", rep, want)
+    assert rep.zero_count == flat._shard_numel_padded, (rep.zero_count, flat._shard_numel_padded)
     rep = grad_stats(list(model.parameters())).report()  # unnamed, as model.parameters() gives them
     _check_totals(f"rank {rank} unnamed", rep, want)
+    if flat._shard_numel_padded:
+        flat.grad[-1] = float("nan")  # padding: no gradient of the model
+    rep = grad_stats(model.named_parameters(), group=dist.group.WORLD).report()
+    assert rep.nan_count == 0 and rep.zero_count == 0 and math.isfinite(rep.total_norm), rep
     return None
 
 
@@ -416,7 +418,7 @@ def lightning_callback_group_read_when_used(rank: int, world: int) -> str | None
 
 SCENARIOS: dict[str, Callable[[int, int], str | None]] = {
     f.__name__: f
-    for f in (orig_params_whole_copies_refused_with_group, flat_padding_left_out_without_group,
+    for f in (orig_params_whole_copies_refused_with_group, flat_shard_as_stored_without_group,
               nested_units_match_reference, mixed_precision_bf16, hybrid_shard_over_its_group, model_zoo_under_fsdp1,
               lightning_callback_group_read_when_used)
 }

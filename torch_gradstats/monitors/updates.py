@@ -330,15 +330,13 @@ def grad_and_weight_stats(
     grads: list[Tensor] = [p.detach().to(empty_dtype or p.dtype) if p.grad is None else p.grad for _, p in named]
     weights = [p.detach() for _, p in named]
     flat = flat_param_types()
-    if flat:  # FSDP1's flat parameters (use_orig_params=False): their shard padding is no gradient nor weight
+    if flat and group is not None:  # FSDP1's shards, as grad_stats reads them with a group (without one: as stored)
         for i, (name, p) in enumerate(named):
-            if isinstance(p, flat):
-                if group is not None:
-                    check_flat_param_group(name, p, group, "grad_and_weight_stats")
+            if isinstance(p, flat):  # use_orig_params=False: the shard padding is no gradient nor weight
+                check_flat_param_group(name, p, group, "grad_and_weight_stats")
                 grads[i], weights[i] = without_shard_padding(p, grads[i]), without_shard_padding(p, weights[i])
-            elif group is not None and getattr(p, "_fsdp_flattened", False) is True and not (dt and isinstance(
-                    grads[i], dt)):  # use_orig_params=True
-                check_orig_param_group(name, grads[i], group, "grad_and_weight_stats")
+            elif getattr(p, "_fsdp_flattened", False) is True and not (dt and isinstance(grads[i], dt)):
+                check_orig_param_group(name, grads[i], group, "grad_and_weight_stats")  # use_orig_params=True
     local = [local_view(t, dt) for t in grads] + [local_view(t, dt) for t in weights]
     any_dt = bool(dt) and any(isinstance(t, dt) for t in grads + weights)
     try:

@@ -407,8 +407,10 @@ def grad_stats(
     idle_meshes: dict[int, Any] = {}  # meshes of DTensor parameters without a gradient here
     if _collect_grads is not None and not isinstance(params, (Tensor, str, bytes)) and isinstance(params, Iterable):
         params = params if type(params) is list else list(params)  # consumed once, whichever walk reads it
-        # FSDP1's parameters are plain to the C++ walk: the Python walk leaves out shard padding, checks the group.
-        flat = bool(flat_param_types()) and fsdp1_managed(params)
+        # FSDP1's parameters are plain to the C++ walk: read with a group, the Python walk leaves out their shard
+        # padding and checks the group. Without one (each rank's own shard, as stored) the C++ walk reads them: no
+        # per-parameter Python look-up on every call wherever FSDP1 is merely imported (Lightning imports it).
+        flat = group is not None and bool(flat_param_types()) and fsdp1_managed(params)
         collected = None if torch.compiler.is_compiling() or flat else _collect_grads(params)
     else:
         collected = None
@@ -423,7 +425,7 @@ def grad_stats(
         empty_dtype = empty_rows_dtype(pairs) if group is not None and flat_classes else None
         for name, p in pairs:
             g = p.grad
-            if flat_classes and getattr(p, "_fsdp_flattened", False) is True:
+            if group is not None and flat_classes and getattr(p, "_fsdp_flattened", False) is True:
                 g = fsdp1_grad(name, p, group, empty_dtype)  # without padding, checked; an empty row keeps order
             if g is None:
                 if dtensor_classes and isinstance(p, dtensor_classes):  # its mesh's reductions still need this rank
