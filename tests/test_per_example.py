@@ -434,3 +434,19 @@ def test_an_evaluation_under_inference_mode_records_nothing_and_training_goes_on
     plain, after_eval = norms(False), norms(True)
     assert plain.shape == (6,) and bool(torch.isfinite(plain).all()) and bool((plain > 0).all())
     torch.testing.assert_close(after_eval, plain, rtol=1e-6, atol=0)
+
+
+def test_a_compiled_model_is_read_as_the_module_it_wraps() -> None:
+    """``PerExampleNorms(torch.compile(net))``: the parameters keep ``net``'s names (no ``_orig_mod.``, so they
+    match ``grad_stats(net.named_parameters())``), the norms are exact, and ``copy.deepcopy(net)`` (an EMA copy)
+    still works; before, the object held the compiled wrapper, whose copy is rebuilt from a half-made ``net``."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    x, target = torch.randn(8, 6), torch.randn(8, 3)
+    compiled = torch.compile(net, backend="eager")
+    with PerExampleNorms(compiled) as pe:
+        batch_loss(compiled(x), target, "mean").backward()
+        ema = copy.deepcopy(net)
+    assert list(pe.per_parameter()) == [n for n, _ in net.named_parameters()]
+    torch.testing.assert_close(pe.norms().double(), reference(net, x, target), rtol=RTOL, atol=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), net.parameters()))

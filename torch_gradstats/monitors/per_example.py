@@ -43,6 +43,7 @@ from torch_gradstats.monitors._per_example_math import (
     exact_contributions,
     func_grads,
 )
+from torch_gradstats.monitors.activations._modules import is_compiled
 from torch_gradstats.monitors.activations._reads import inside_transform, top_level
 from torch_gradstats.ops._transfer import to_device
 
@@ -69,7 +70,8 @@ class PerExampleNorms:
     """Each example's own gradient norm, from the backward the training runs anyway (see the module docstring).
 
     Args:
-        model: the model; every module that owns parameters is hooked.
+        model: the model; every module that owns parameters is hooked. A ``torch.compile``'d model is read as the
+            module it wraps (its parameter names, without ``_orig_mod.``).
         loss_reduction: how each backward's loss is made from its examples' losses: ``"mean"`` or ``"sum"``. Both
             give the same norms: those of each example's own loss gradient (times any factor the loss was
             multiplied by, such as ``1 / micro-batches`` or a GradScaler's scale).
@@ -89,6 +91,8 @@ class PerExampleNorms:
                  max_materialize: int = 2**27) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerExampleNorms: model must be a torch.nn.Module, got a {type(model).__name__}")
+        while is_compiled(model):  # the module torch.compile wraps: its names, and no wrapper kept in our hooks
+            model = model._orig_mod
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"PerExampleNorms: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         for arg, value, low in (("batch_dim", batch_dim, 0), ("max_materialize", max_materialize, 1)):
