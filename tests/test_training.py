@@ -415,6 +415,22 @@ def test_model_on_other_device_is_named():
         Trainer(model, opt, nn.CrossEntropyLoss(), device="cpu")
 
 
+def test_an_optimizer_or_loss_fn_that_cannot_train_the_model_is_refused_up_front():
+    """Mistakes that used to surface only at the first step (``'NoneType' object is not callable``), or never: an
+    optimizer built over another model's parameters trained nothing, silently."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        Trainer(model, opt, None)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got StepLR"):
+        Trainer(model, torch.optim.lr_scheduler.StepLR(opt, 1), nn.CrossEntropyLoss())
+    other = _mlp()
+    with pytest.raises(ValueError, match="optimizer holds none of the model's parameters"):
+        Trainer(model, torch.optim.SGD(other.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    head_only = torch.optim.SGD(model[-1].parameters(), lr=0.1)  # a part of the model is fine
+    assert Trainer(model, head_only, nn.CrossEntropyLoss(), progress=False).optimizer is head_only
+
+
 def test_bad_arguments_and_batches():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -92,7 +92,7 @@ class PerExampleNorms:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerExampleNorms: model must be a torch.nn.Module, got a {type(model).__name__}")
         while is_compiled(model):  # the module torch.compile wraps: its names, and no wrapper kept in our hooks
-            model = model._orig_mod
+            model = model.get_submodule("_orig_mod")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"PerExampleNorms: loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         for arg, value, low in (("batch_dim", batch_dim, 0), ("max_materialize", max_materialize, 1)):

@@ -9,13 +9,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from torch_gradstats.monitors.activations import ActivationWatch
 from torch_gradstats.stats.report import GradReport
 
-__all__ = ["GradSink", "WatchSteps", "activation_watch", "check_int", "check_positive_number", "check_sinks",
-           "send_to_sinks"]
+__all__ = ["GradSink", "WatchSteps", "activation_watch", "check_int", "check_optimizer_and_loss",
+           "check_positive_number", "check_sinks", "send_to_sinks"]
 
 logger = logging.getLogger("torch_gradstats")
 
@@ -30,6 +31,19 @@ def check_int(name: str, value: object, *, minimum: int = 1, or_none: bool = Fal
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {int(value)}")
     return int(value)
+
+
+def check_optimizer_and_loss(optimizer: object, loss_fn: object, model: nn.Module) -> None:
+    """An optimizer that can train ``model`` (it holds at least one of its parameters) and a callable ``loss_fn``:
+    either mistake would otherwise show at the first step, or never (an optimizer of another model trains nothing)."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (outputs, targets) -> mean loss, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in held for p in model.parameters()):
+        raise ValueError("optimizer holds none of the model's parameters: build it from this model's parameters "
+                         "(e.g. torch.optim.AdamW(model.parameters()) after model.to(device))")
 
 
 def check_positive_number(name: str, value: object) -> float | None:

@@ -25,6 +25,7 @@ from torch_gradstats.training._args import (
     WatchSteps,
     activation_watch,
     check_int,
+    check_optimizer_and_loss,
     check_positive_number,
     check_sinks,
     send_to_sinks,
@@ -157,6 +158,7 @@ class Trainer:
         params = list(model.named_parameters())
         if not params:
             raise ValueError("model has no parameters to train")
+        check_optimizer_and_loss(optimizer, loss_fn, model)
         if device is None:
             device = params[0][1].device
         self.device = validate_device(device)
