@@ -171,3 +171,29 @@ def test_a_process_that_does_not_log_keeps_no_rows(tmp_path: Path) -> None:
     _train(tmp_path, cb, transformers.default_data_collator, [NotProcessZero(), pending])
     assert len(pending.pending) >= STEPS and not any(pending.pending), pending.pending
     assert not (tmp_path / "flight").exists()  # that process reports nothing, so it dumps nothing either
+
+
+def test_the_flight_recorder_holds_the_groups_the_callback_logs(tmp_path: Path) -> None:
+    """``group_by=`` with ``flight_recorder=``: each recorded step holds the per-group figures that the logging step
+    of the same optimizer step logged (the Trainer logs step ``s`` under ``s + 1``, its count after the step)."""
+    model = _model()
+    recorder = FlightRecorder(32, dump_dir=tmp_path / "flight")
+    cb = GradStatsCallback(group_by="layer", flight_recorder=recorder)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUMULATION, max_steps=4, logging_steps=1,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=_data())
+    add_to_trainer(trainer, cb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+
+    logged = {h["step"]: h for h in trainer.state.log_history if "grad/total_norm" in h}
+    rows = recorder.to_dicts()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and sorted(logged) == [1, 2, 3, 4]
+    groups = [k[len("grad/"):] for k in logged[1] if k.startswith("grad/group/")]
+    assert "group/transformer.h.0/norm" in groups and "group/score/norm" in groups
+    for row in rows:
+        assert row["total_norm"] == pytest.approx(logged[row["step"] + 1]["grad/total_norm"], rel=1e-12)
+        for key in groups:
+            assert row[key] == pytest.approx(logged[row["step"] + 1]["grad/" + key], rel=1e-12), (row["step"], key)

@@ -24,6 +24,7 @@ from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.monitors.per_example import PerExampleNorms
 from torch_gradstats.ops._transfer import to_host
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats
+from torch_gradstats.stats.groups import GroupStats
 
 __all__ = ["StepIncidents", "check_flight_recorder"]
 
@@ -91,16 +92,18 @@ class StepIncidents:
 
     # ------------------------------------------------------------------------------------------- on the device
     def note(self, step: int, stats: GradStats | None, skipped: Tensor | None, *, scale: Tensor | float = 1.0,
-             loss: Tensor | None = None, guard: Any = None, clip: Any = None) -> None:
+             loss: Tensor | None = None, guard: Any = None, clip: Any = None,
+             groups: GroupStats | None = None) -> None:
         """One optimizer step, on the device (no host read): ``skipped`` is a 0-d tensor, non-zero when the step was
         skipped (None: not skipped); ``scale`` multiplies the raw per-example norms into each example's own
-        ``||grad loss_i||`` (the caller's loss weighting). Records the step in the flight recorder."""
+        ``||grad loss_i||`` (the caller's loss weighting). Records the step in the flight recorder (with ``groups``, the
+        groups' figures too)."""
         if stats is None or not len(stats.names):
             return
         device = stats.total_norm.device
         self.last_step = step
         if self.recorder is not None:
-            self.recorder.record(stats, loss=loss, guard=guard, clip=clip, step=step)
+            self.recorder.record(stats, loss=loss, guard=guard, clip=clip, groups=groups, step=step)
         row = torch.full((_WIDTH,), math.nan, dtype=torch.float64, device=device)
         row[_STEP] = step
         row[_SKIPPED] = 0.0 if skipped is None else (skipped.reshape(()).to(device) != 0).to(torch.float64)
