@@ -417,8 +417,9 @@ class StatsTaker:
         if inc is None:
             return
         g = stats.grads if isinstance(stats, GradWeightStats) else stats
-        record_groups = self.group_by is not None and inc.recorder is not None and len(g.names) > 0
-        groups = g.grouped(self.group_by) if record_groups else None  # the dump holds what the logs hold
+        groups = None  # with a recorder, the dump holds the groups the logs hold
+        if self.group_by is not None and inc.recorder is not None and len(g.names):
+            groups = g.grouped(self.group_by)
         inc.note(step, g, None if factor is None else (factor.reshape(()) == 0), scale=scale, loss=loss,
                  guard=self.spike_guard, clip=self.adaptive_clip, groups=groups)
         inc.begin_step()
