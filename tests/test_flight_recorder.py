@@ -275,3 +275,30 @@ def test_meta_statistics_are_refused_and_the_recorder_stays_usable() -> None:
     stats = grad_stats(model.named_parameters())
     rec.record(stats)
     assert rec.to_dicts()[0]["total_norm"] == pytest.approx(float(stats.total_norm), rel=1e-12)
+
+
+def test_a_relative_dump_dir_is_fixed_when_made_and_the_warning_names_the_file_in_full(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``Trainer(flight_recorder=N)`` dumps into ``dump_dir="."``: resolved when the recorder is made (as the sinks'
+    paths are), so a later ``os.chdir`` moves no dump and the warning names the file where it is, not
+    ``flight-3.jsonl`` relative to a directory the reader cannot know."""
+    from torch_gradstats import Trainer
+
+    (tmp_path / "made").mkdir()
+    (tmp_path / "later").mkdir()
+    monkeypatch.chdir(tmp_path / "made")
+    model, x, y = model_and_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def poison(trainer: Trainer) -> None:
+        if trainer.global_step == 3:
+            model[2].weight.grad[0, 0] = math.nan
+
+    trainer = Trainer(model, opt, nn.MSELoss(), skip_nonfinite=True, flight_recorder=8, after_backward=poison,
+                      progress=False)
+    monkeypatch.chdir(tmp_path / "later")
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        trainer.train_epoch([(x[i:i + 4], y[i:i + 4]) for i in range(0, 16, 4)])
+    dump = tmp_path / "made" / "flight-3.jsonl"
+    assert dump.is_file() and not list((tmp_path / "later").iterdir())
+    assert any(f"flight recorder dumped to {dump}" in r.getMessage() for r in caplog.records)

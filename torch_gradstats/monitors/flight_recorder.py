@@ -113,7 +113,8 @@ class FlightRecorder:
 
     Args:
         capacity: how many steps to keep (int >= 1).
-        dump_dir: where :meth:`dump` writes ``flight-<step>.jsonl`` and ``.png`` when given no path.
+        dump_dir: where :meth:`dump` writes ``flight-<step>.jsonl`` and ``.png`` when given no path; a relative one
+            is resolved when the recorder is made.
     """
 
     def __init__(self, capacity: int = 256, *, dump_dir: str | os.PathLike[str] = ".") -> None:
@@ -122,7 +123,7 @@ class FlightRecorder:
         if not isinstance(dump_dir, (str, os.PathLike)):
             raise TypeError(f"FlightRecorder: dump_dir must be a str or path, got a {type(dump_dir).__name__}")
         self.capacity: int = int(capacity)
-        self.dump_dir = Path(dump_dir)
+        self.dump_dir = Path(dump_dir).absolute()  # fixed now, as the sinks' paths: a later chdir moves no dump
         self.steps = 0  #: record() calls so far (the next step's number)
         self._layout: _Layout | None = None
         self._floats: Tensor | None = None  # [capacity, n_floats] float64
