@@ -354,3 +354,18 @@ def test_a_call_in_inference_mode_leaves_every_cache_usable() -> None:
             assert repeated_int64([5, 7, 11], torch.device("meta")) is kept
     assert {f"group/{g}/norm": v for g, v in first.norms.items()} == pytest.approx(
         {k: v for k, v in want.items() if k.endswith("/norm")}, rel=1e-6)
+
+
+@pytest.mark.parametrize("framework", ["transformers", "lightning"])
+@pytest.mark.parametrize("bad,error", [(5.5, TypeError), (0, ValueError), ("([", ValueError)])
+def test_a_callbacks_bad_group_by_is_named_as_its_argument(framework: str, bad: object, error: type) -> None:
+    """The callbacks check ``group_by`` when made; the error said ``grouped: by ...``, naming an argument of a
+    method the user never called, not the ``group_by=`` they gave."""
+    pytest.importorskip(framework)
+    if framework == "transformers":
+        pytest.importorskip("accelerate")
+        from torch_gradstats.integrations.transformers import GradStatsCallback
+    else:
+        from torch_gradstats.integrations.lightning import GradStatsCallback  # type: ignore[assignment]
+    with pytest.raises(error, match=re.escape(f"GradStatsCallback: group_by={bad!r}")):
+        GradStatsCallback(group_by=bad)  # type: ignore[arg-type]

@@ -199,8 +199,11 @@ class StatsTaker:
         if stage_group is not None and (log_weight_norms or log_update_ratio):
             raise ValueError("stage_group: weight norms and update ratios are not gathered over pipeline stages; "
                              "pass log_weight_norms=False and log_update_ratio=False with stage_group")
-        if group_by is not None:
-            group_names([], group_by)  # a wrong kind of group_by is named now, not at the first logging step
+        if group_by is not None:  # a wrong group_by is named now, not at the first logging step
+            try:
+                group_names([], group_by)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"GradStatsCallback: group_by={group_by!r} is no grouping: {exc}") from None
         check_policies(spike_guard, adaptive_clip)
         self.group_by = group_by
         self.log_weight_norms = log_weight_norms
