@@ -450,3 +450,23 @@ def test_a_compiled_model_is_read_as_the_module_it_wraps() -> None:
     assert list(pe.per_parameter()) == [n for n, _ in net.named_parameters()]
     torch.testing.assert_close(pe.norms().double(), reference(net, x, target), rtol=RTOL, atol=0.0)
     assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), net.parameters()))
+
+
+def test_a_model_compiled_and_run_before_it_was_hooked_is_named_as_the_cause() -> None:
+    """Dynamo does not guard on hooks added after it compiled: a graph compiled and run before ``PerExampleNorms``
+    was made replays without the hooks, so no layer's call is seen. The error said a parameter was used outside its
+    module; it now names the compiled graph and the remedy, which gives exact norms."""
+    torch._dynamo.reset()  # this test's graph alone: none compiled by another test for the same code
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+    compiled = torch.compile(net, backend="eager")
+    x, target = torch.randn(8, 6), torch.randn(8, 3)
+    batch_loss(compiled(x), target, "mean").backward()  # compiled and run, no hooks yet
+    net.zero_grad()
+    with PerExampleNorms(compiled) as pe:
+        with pytest.raises(RuntimeError, match=r"no hooked module's forward ran .* torch\._dynamo\.reset\(\)"):
+            batch_loss(compiled(x), target, "mean").backward()
+        net.zero_grad()
+        torch._dynamo.reset()
+        batch_loss(compiled(x), target, "mean").backward()
+    torch.testing.assert_close(pe.norms().double(), reference(net, x, target), rtol=RTOL, atol=0.0)

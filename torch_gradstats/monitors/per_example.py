@@ -253,6 +253,14 @@ class PerExampleNorms:
                 numel = next(p.numel() for layer in self._layers.values() for _, n, p in layer.params if n == full)
                 self._sq[full] = self._norms.combined(full, pending, numel)
             outside = sorted(self._arrivals - set(self._sq) - set(self._pending))
+            if outside and self._batch is None:  # gradients, yet not one hooked call: the hooks were bypassed
+                raise RuntimeError(
+                    f"PerExampleNorms: parameter {outside[0]!r} received a gradient, but no hooked module's forward "
+                    "ran in this step: either the parameters were used outside their modules' calls, or a "
+                    "torch.compile'd forward compiled and run before PerExampleNorms was made replayed its graph "
+                    "without the hooks (make PerExampleNorms before the first compiled call, or call "
+                    "torch._dynamo.reset() after making it)"
+                )
             if outside:
                 raise RuntimeError(
                     f"PerExampleNorms: parameter {outside[0]!r} received a gradient outside the calls of the module "
