@@ -378,3 +378,22 @@ def test_per_example_names_the_corrupted_example_and_dumps_the_flight_recorder(
     assert rows[9]["guard/consecutive"] == 1 and rows[8]["guard/consecutive"] == 0
     logged = _csv_rows(logger)
     assert {"examples/max_norm", "examples/median_norm", "examples/max_over_median"} <= set(logged[4])
+
+
+@pytest.mark.parametrize("nan_at", [3, 4])  # between logging steps, and on one (every_n_steps=4)
+def test_a_step_on_nonfinite_skips_is_not_called_taken_by_the_flight_recorders_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, nan_at: int) -> None:
+    """``on_nonfinite="skip"`` with a flight recorder: the callback skips the NaN step and says so, and the dump's
+    warning called the same step ``(step taken)``."""
+    from torch_gradstats import FlightRecorder
+
+    module = Tiny(nan_at=nan_at)
+    cb = GradStatsCallback(every_n_steps=4, on_nonfinite="skip",
+                           flight_recorder=FlightRecorder(16, dump_dir=tmp_path / "flight"))
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _fit(module, [cb], False, max_steps=8)
+    said = [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"]
+    assert cb.skipped_steps == [nan_at] and not [m for m in said if "step taken" in m], said
+    path = tmp_path / "flight" / f"flight-{nan_at}.jsonl"
+    assert [m for m in said if f"optimizer step {nan_at} skipped (non-finite gradient)" in m
+            and f"flight recorder dumped to {path}" in m], said

@@ -197,3 +197,39 @@ def test_the_flight_recorder_holds_the_groups_the_callback_logs(tmp_path: Path) 
         assert row["total_norm"] == pytest.approx(logged[row["step"] + 1]["grad/total_norm"], rel=1e-12)
         for key in groups:
             assert row[key] == pytest.approx(logged[row["step"] + 1]["grad/" + key], rel=1e-12), (row["step"], key)
+
+
+class _NaNLabel(_Corrupting):
+    """One example's target NaN at step BAD_STEP: the step's loss and every gradient go NaN."""
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = transformers.default_data_collator(features)
+        if self.calls == BAD_STEP * ACCUMULATION + BAD_MICRO:
+            batch["labels"] = batch["labels"].clone()
+            batch["labels"][BAD_POS] = float("nan")
+        self.calls += 1
+        return batch
+
+
+def test_a_step_on_nonfinite_skips_is_not_called_taken_by_the_flight_recorders_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``on_nonfinite="skip"`` with a flight recorder: the callback skips the NaN step and says so, and the dump's
+    warning called the same step ``(step taken)``."""
+    model = _model()
+    recorder = FlightRecorder(32, dump_dir=tmp_path / "flight")
+    cb = GradStatsCallback(on_nonfinite="skip", flight_recorder=recorder)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, logging_steps=5,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=_data(), data_collator=_NaNLabel())
+    add_to_trainer(trainer, cb)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+
+    said = [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"]
+    assert cb.skipped_steps == [BAD_STEP] and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert not [m for m in said if "step taken" in m], said
+    path = tmp_path / "flight" / f"flight-{BAD_STEP}.jsonl"
+    assert [m for m in said if f"optimizer step {BAD_STEP} skipped (non-finite gradient)" in m
+            and f"flight recorder dumped to {path}" in m], said

@@ -413,9 +413,10 @@ class StatsTaker:
         (stats.grads if isinstance(stats, GradWeightStats) else stats).check_layout()
 
     def note_step(self, stats: GradStats | GradWeightStats, factor: Tensor | None, step: int, loss: Tensor | None,
-                  scale: Tensor | float, host_skipped: bool | None) -> None:
+                  scale: Tensor | float, host_skipped: bool | None, *, skips_nonfinite: bool = False) -> None:
         """Where per_example or a flight recorder is kept: the step's row (no host read; read at once where the
-        skip was decided on the host), then a new step for the per-example norms."""
+        skip was decided on the host), then a new step for the per-example norms. ``skips_nonfinite``: a non-finite
+        step is skipped whatever ``factor`` says (``on_nonfinite``, or a GradScaler), so its row says skipped."""
         inc = self.incidents
         if inc is None:
             return
@@ -423,8 +424,12 @@ class StatsTaker:
         groups = None  # with a recorder, the dump holds the groups the logs hold
         if self.group_by is not None and inc.recorder is not None and len(g.names):
             groups = g.grouped(self.group_by)
-        inc.note(step, g, None if factor is None else (factor.reshape(()) == 0), scale=scale, loss=loss,
-                 guard=self.spike_guard, clip=self.adaptive_clip, groups=groups)
+        skipped = None if factor is None else (factor.reshape(()) == 0)
+        if skips_nonfinite and len(g.names):  # on the device: no host read
+            bad = g.nonfinite_count > 0
+            skipped = bad if skipped is None else skipped | bad.to(skipped.device)
+        inc.note(step, g, skipped, scale=scale, loss=loss, guard=self.spike_guard, clip=self.adaptive_clip,
+                 groups=groups)
         inc.begin_step()
         if host_skipped:
             inc.read_now()

@@ -352,7 +352,8 @@ class _GradStatsMixin(SeveralOptimizers):
                         taker.record_skipped_nonfinite(stats, factor, step)
                     elif host_skipped:
                         taker.warn_skipped_nonfinite(stats, step)
-            taker.note_step(stats, factor, step, loss, example_scale(trainer), host_skipped)
+            taker.note_step(stats, factor, step, loss, example_scale(trainer), host_skipped,
+                            skips_nonfinite=self.on_nonfinite is not None)
         report: AnyReport | None = None
         if log_now and self._logs_here(trainer) and not taker.log_update_ratio:
             report = taker.report(stats)  # the one transfer of this step

@@ -457,7 +457,8 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             pe_scale: Tensor | float = float(micro or getattr(self._args, "gradient_accumulation_steps", 1) or 1)
             if scale is not None:
                 pe_scale = pe_scale / scale.reshape(()).to(torch.float64)
-            self.taker.note_step(stats, self._factor, next_step - 1, loss, pe_scale, None)
+            self.taker.note_step(stats, self._factor, next_step - 1, loss, pe_scale, None,
+                                 skips_nonfinite=self.on_nonfinite is not None or scale is not None)
         if self.on_nonfinite is not None and self.taker.nonfinite(stats):
             self._handle_nonfinite(next_step - 1, scale is not None,
                                    self.taker.describe_nonfinite(stats) + self._activation_words())
