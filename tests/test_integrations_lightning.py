@@ -397,3 +397,24 @@ def test_a_step_on_nonfinite_skips_is_not_called_taken_by_the_flight_recorders_w
     path = tmp_path / "flight" / f"flight-{nan_at}.jsonl"
     assert [m for m in said if f"optimizer step {nan_at} skipped (non-finite gradient)" in m
             and f"flight recorder dumped to {path}" in m], said
+
+
+def test_a_step_the_grad_scaler_skips_is_not_called_taken_by_the_flight_recorders_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Under ``16-mixed`` (fp16 autocast on the CPU, Lightning's own plugin) the GradScaler skips a step with NaN
+    gradients; the flight recorder's warning called it ``(step taken)``. The weights stay finite."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from torch_gradstats import FlightRecorder
+
+    module = Tiny(nan_at=5)
+    cb = GradStatsCallback(every_n_steps=4, flight_recorder=FlightRecorder(16, dump_dir=tmp_path / "flight"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        _fit(module, [cb], False, max_steps=8, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    said = [r.getMessage() for r in caplog.records if r.name == "torch_gradstats"]
+    assert float(scaler.get_scale()) == 512.0 and all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    path = tmp_path / "flight" / "flight-5.jsonl"
+    assert not [m for m in said if "step taken" in m], said
+    assert [m for m in said if "optimizer step 5 skipped (non-finite gradient)" in m
+            and f"flight recorder dumped to {path}" in m], said

@@ -148,6 +148,7 @@ from torch_gradstats.integrations._lightning_steps import (
     StepLoss,
     batch_logger_step,
     example_scale,
+    lightning_scaler,
     log_due,
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
@@ -352,8 +353,9 @@ class _GradStatsMixin(SeveralOptimizers):
                         taker.record_skipped_nonfinite(stats, factor, step)
                     elif host_skipped:
                         taker.warn_skipped_nonfinite(stats, step)
+            scaler = lightning_scaler(trainer)  # a GradScaler skips a non-finite step itself
             taker.note_step(stats, factor, step, loss, example_scale(trainer), host_skipped,
-                            skips_nonfinite=self.on_nonfinite is not None)
+                            skips_nonfinite=self.on_nonfinite is not None or bool(scaler and scaler.is_enabled()))
         report: AnyReport | None = None
         if log_now and self._logs_here(trainer) and not taker.log_update_ratio:
             report = taker.report(stats)  # the one transfer of this step
