@@ -62,15 +62,14 @@ def optimizer_recorder(template: FlightRecorder | None, recorders: dict[str, Fli
 
 
 def optimizer_incidents(module: nn.Module, name: str, params: Sequence[Tensor], per_example: bool,
-                        recorder: FlightRecorder | None, nonfinite_skipped: bool) -> StepIncidents | None:
+                        recorder: FlightRecorder | None) -> StepIncidents | None:
     """Optimizer ``name``'s record of incidents: per-example norms over the modules holding ``params`` (its
-    parameters) and its own flight recorder, each where asked for; None where neither is. ``nonfinite_skipped``:
-    the callback's ``on_nonfinite`` skips a step with a non-finite gradient."""
+    parameters) and its own flight recorder, each where asked for; None where neither is."""
     if not per_example and recorder is None:
         return None
     view = HeldModules(module, params) if per_example else None
     return StepIncidents(view, per_example=per_example, recorder=recorder, who="GradStatsCallback",
-                         nonfinite_told=True, name=name, nonfinite_skipped=nonfinite_skipped)
+                         nonfinite_told=True, name=name)
 
 
 def start_examples_afresh(incidents: StepIncidents | None, params: Sequence[Tensor]) -> None:

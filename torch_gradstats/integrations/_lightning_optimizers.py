@@ -159,7 +159,6 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
     taker: StatsTaker
     optimizer_names: tuple[str, ...] | None
     flight_recorder: FlightRecorder | None
-    on_nonfinite: Any
     _per_example: bool
     _takers: dict[int, OptimizerTaker] | None
     _saved_optimizer_states: dict[str, Any] | None
@@ -210,8 +209,7 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
         for taker in self._takers.values():
             params = [p for _, p in held_params(pl_module, raw_optimizer(taker._optimizer), taker.name)]
             recorder = optimizer_recorder(self.flight_recorder, self._flight_recorders, taker.name)
-            taker.incidents = optimizer_incidents(pl_module, taker.name, params, self._per_example, recorder,
-                                                  self.on_nonfinite is not None)
+            taker.incidents = optimizer_incidents(pl_module, taker.name, params, self._per_example, recorder)
 
     def _examples_afresh(self) -> None:
         """Before a backward (``on_before_backward``): each optimizer none of whose parameters holds a gradient

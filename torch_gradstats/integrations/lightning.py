@@ -304,7 +304,7 @@ class _GradStatsMixin(SeveralOptimizers):
         if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
             self.taker.incidents = StepIncidents(pl_module, per_example=self._per_example,
                                                  recorder=self.flight_recorder, who="GradStatsCallback",
-                                                 nonfinite_told=True, nonfinite_skipped=self.on_nonfinite is not None)
+                                                 nonfinite_told=True)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Several optimizers (manual optimization): each one's step reads its own parameters, logs under its own key

@@ -247,8 +247,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             self.activation_watch = ActivationWatch(model)
         if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
             self.taker.incidents = StepIncidents(model, per_example=self._per_example, recorder=self.flight_recorder,
-                                                 who="GradStatsCallback", nonfinite_told=True,
-                                                 nonfinite_skipped=self.on_nonfinite is not None)
+                                                 who="GradStatsCallback", nonfinite_told=True)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` apply this callback's spike guard (returns the same optimizer, changed in place).

@@ -56,15 +56,12 @@ class StepIncidents:
         who: the caller's name, for messages.
         name: the optimizer's name where a callback keeps one record per optimizer (several optimizers): its
             warnings say ``(optimizer '<name>')`` after the step, and its dumps are ``flight-<name>-<step>.jsonl``.
-        nonfinite_skipped: the caller skips every step with a non-finite gradient itself (a callback's
-            ``on_nonfinite``), after the row was written: such a step is told as skipped, not as taken.
     """
 
     def __init__(self, model: nn.Module | None, *, per_example: bool, recorder: FlightRecorder | None,
                  loss_reduction: str = "mean", who: str = "Trainer", nonfinite_told: bool = False,
-                 name: str | None = None, nonfinite_skipped: bool = False) -> None:
+                 name: str | None = None) -> None:
         self.who = who
-        self.nonfinite_skipped = nonfinite_skipped
         self.name = name
         self.label = f" (optimizer {name!r})" if name is not None else ""  # after the step number in warnings
         # The caller names non-finite steps itself: ours add nothing unless they carry examples or a dump.
@@ -178,7 +175,7 @@ class StepIncidents:
 
     def _warn(self, r: list[float], path: Path | None) -> None:
         step = int(r[_STEP])
-        if r[_SKIPPED] or (r[_NONFINITE] and self.nonfinite_skipped):
+        if r[_SKIPPED]:
             what = "non-finite gradient" if r[_NONFINITE] else "gradient spike"
             head = f"optimizer step {step}{self.label} skipped ({what})"
         else:
