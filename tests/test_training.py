@@ -341,6 +341,22 @@ def test_skip_nonfinite_equals_dropping_the_step(caplog, fused):
     assert warned == (not fused)
 
 
+def test_a_step_with_a_nan_loss_leaves_the_epoch_loss_finite():
+    """A NaN input in one batch makes that step's loss NaN (skipped by skip_nonfinite): the epoch's loss is the
+    per-sample mean over the other steps, and the step is counted in nonfinite_loss_steps (one NaN made the whole
+    epoch's loss NaN, which hid the loss of every other step)."""
+    x, y = _data(20)
+    x[9, 2] = float("nan")  # in the second batch of 8
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = Trainer(model, opt, nn.CrossEntropyLoss(), skip_nonfinite=True, progress=False).train_epoch(_loader(x, y, 8))
+    losses = [r.loss for r in s.history]
+    assert math.isnan(losses[1]) and all(math.isfinite(v) for v in (losses[0], losses[2]))
+    assert s.skipped_steps == 1 and s.nonfinite_loss_steps == 1 and s.samples == 20
+    assert s.loss == pytest.approx((8 * losses[0] + 4 * losses[2]) / 12, rel=1e-12)
+    assert s.to_dict()["nonfinite_loss_steps"] == 1
+
+
 def test_without_skip_nan_reaches_the_parameters():
     x, y = _data(24)
     model = _mlp()

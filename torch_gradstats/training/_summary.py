@@ -51,7 +51,7 @@ class EpochSummary:
     steps: int  #: optimizer steps (skipped ones included)
     batches: int  #: batches drawn from the loader (empty ones included)
     samples: int
-    loss: float  #: per-sample mean loss over the epoch
+    loss: float  #: per-sample mean loss over the epoch's steps whose loss was finite (NaN when none was)
     stats_steps: int  #: optimizer steps on which gradient stats were taken
     max_norm: float | None
     mean_norm: float | None
@@ -62,6 +62,7 @@ class EpochSummary:
     skipped_steps: int  #: optimizer steps skipped because a gradient was non-finite
     first_nonfinite_step: int | None  #: global step of the first non-finite gradient this epoch
     first_nonfinite_param: str | None  #: name of the first parameter (model order) non-finite at that step
+    nonfinite_loss_steps: int = 0  #: optimizer steps whose loss was NaN/Inf, left out of ``loss``
     history: list[StepRecord] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,6 +100,8 @@ def format_epoch_table(summaries: Sequence[EpochSummary]) -> str:
 # Order of the aggregate fields in the one buffer sent to the host, then one row of _ROW_FIELDS per kept step.
 _AGG_FIELDS = (
     "loss_sum",
+    "loss_samples",
+    "nonfinite_loss_steps",
     "norm_sum",
     "norm_max",
     "finite_steps",
@@ -140,10 +143,14 @@ class EpochState:
 
     # ------------------------------------------------------------------------------------------- on the device
     def add_window(self, batches: int, samples: int, loss_sum: Tensor) -> None:
-        """One accumulation window's batches, samples and sample-weighted loss sum."""
+        """One accumulation window's batches, samples and sample-weighted loss sum. A non-finite loss (a step the
+        guard or ``skip_nonfinite`` skips, say) is counted, not summed: one NaN would make the epoch's loss NaN."""
         self.batches += batches
         self.samples += samples
-        self.agg["loss_sum"] += loss_sum
+        finite = torch.isfinite(loss_sum)
+        self.agg["loss_sum"] += torch.where(finite, loss_sum, 0.0)
+        self.agg["loss_samples"] += finite.to(torch.float64) * samples
+        self.agg["nonfinite_loss_steps"] += (~finite).to(torch.float64)
 
     def add_empty_window(self, batches: int) -> None:
         """A window whose every batch was empty: counted as batches, nothing else."""
@@ -215,7 +222,7 @@ class EpochState:
             steps=self.steps,
             batches=self.batches,
             samples=self.samples,
-            loss=agg["loss_sum"] / self.samples if self.samples else math.nan,
+            loss=agg["loss_sum"] / agg["loss_samples"] if agg["loss_samples"] else math.nan,
             stats_steps=self.stats_steps,
             max_norm=agg["norm_max"] if finite_steps else None,
             mean_norm=agg["norm_sum"] / finite_steps if finite_steps else None,
@@ -226,6 +233,7 @@ class EpochState:
             skipped_steps=int(agg["skipped"]),
             first_nonfinite_step=first_step if first_step >= 0 else None,
             first_nonfinite_param=self._name_at(first_step, int(agg["first_param"])) if first_step >= 0 else None,
+            nonfinite_loss_steps=int(agg["nonfinite_loss_steps"]),
             history=list(self.history),
         )
 
