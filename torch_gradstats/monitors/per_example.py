@@ -105,16 +105,22 @@ class PerExampleNorms:
         self._handles: list[Any] = []
         names = {id(p): n for n, p in model.named_parameters()}
         self._order = list(names.values())
+        for mname, m in model.named_modules():  # every module refused before any is hooked: none left hooked
+            self._check(mname, m)
         whole: list[str] = []  # modules handled with all their submodules' parameters (MultiheadAttention)
         for mname, m in model.named_modules():
             if any(mname.startswith(w + ".") for w in whole):
                 continue
-            own = list(m.named_parameters(recurse=isinstance(m, nn.MultiheadAttention)))
+            # only the model's own parameters: a view of a model (one optimizer's) may leave some of a module's out
+            own = [(n, p) for n, p in m.named_parameters(recurse=isinstance(m, nn.MultiheadAttention))
+                   if id(p) in names]
             if not own:
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):  # no parameter read, but it mixes the examples
+                    self._handles.append(m.register_forward_pre_hook(
+                        lambda m, args, mname=mname: self._check(mname, m) if torch.is_grad_enabled() else None))
                 continue
             if isinstance(m, nn.MultiheadAttention):
                 whole.append(mname)
-            self._check(mname, m)
             params = [(local, names[id(p)], p) for local, p in own]
             self._layers[m] = _Layer(m, mname, isinstance(m, EXACT), params)
             self._handles.append(m.register_forward_hook(self._forward, with_kwargs=True))
@@ -157,6 +163,8 @@ class PerExampleNorms:
     def _clear_backward(self) -> None:
         self._arrivals_checked = False  # whether this backward's forward has checked the trainable set
         self._uses: dict[str, int] = defaultdict(int)  # calls hooked since the last backward, per parameter
+        # parameters hooked by a reentrant checkpoint's recomputation: more uses may come later in this backward
+        self._late: set[str] = set()
         self._pending: dict[str, list[Contribution]] = defaultdict(list)
         self._sq: dict[str, Tensor] = {}
         self._arrivals: set[str] = set()
@@ -178,11 +186,16 @@ class PerExampleNorms:
         amp: Autocast = ()
         if not layer.exact and args and isinstance(args[0], Tensor):  # a replay computes as this forward did
             amp = autocast_state(args[0].device.type)
+        # A forward run by a backward (a reentrant checkpoint's recomputation): the uses are counted one segment at a
+        # time, so a parameter's count is known only when the outermost backward ends.
+        late = torch._C._current_autograd_node() is not None
         for i, o in enumerate(outs if live else []):
             if o.requires_grad:  # the gradient there, with this call's inputs, gives this use's contribution
                 o.register_hook(lambda g, i=i: self._backward(layer, args, kwargs, i, g, amp))
                 for full in live:
                     self._uses[full] += 1
+                    if late:
+                        self._late.add(full)
 
     def _arrived(self, name: str) -> None:
         self._queue()
@@ -235,9 +248,15 @@ class PerExampleNorms:
         for local, full, p in layer.params:
             if local not in want or local not in made:
                 continue
+            if full in self._sq:  # reduced already: this use's cross terms with the others are gone
+                raise RuntimeError(
+                    f"PerExampleNorms: parameter {full!r} is used again inside a reentrant checkpoint after its other "
+                    "uses' gradients were reduced, so its per-example norms would miss the cross terms; checkpoint "
+                    "with use_reentrant=False"
+                )
             pending = self._pending[full]
             pending.append(made[local])
-            if len(pending) >= self._uses[full]:  # every hooked use has arrived: reduce now and free the inputs
+            if len(pending) >= self._uses[full] and full not in self._late:  # every use arrived: reduce, free inputs
                 key = x if isinstance(m, nn.Linear) and len(pending) == 1 else None
                 self._sq[full] = (self._norms.square(pending[0], key) if len(pending) == 1
                                   else self._norms.combined(full, pending, p.numel()))
