@@ -15,14 +15,16 @@ from torch import Tensor, nn
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.training._incidents import StepIncidents
 
-__all__ = ["HeldModules", "optimizer_incidents", "optimizer_recorder", "start_examples_afresh"]
+__all__ = ["HeldModules", "grad_versions", "optimizer_incidents", "optimizer_recorder", "start_examples_afresh"]
 
 
 class HeldModules(nn.Module):
     """A view of ``module`` for one optimizer's :class:`~torch_gradstats.PerExampleNorms`: only the modules that
-    directly own one of ``params`` (and their parameters), named as in ``module``. The other optimizers' modules are
-    not hooked, so a backward through them (the generator's loss goes through the discriminator) neither computes nor
-    counts their per-example gradients in this optimizer's norms.
+    directly own one of ``params``, and of their parameters only ``params``, named as in ``module``; and every
+    BatchNorm, checked but not hooked (one in training mode mixes the examples of any backward through it, the other
+    optimizer's network's too). The other optimizers' modules are not hooked, so a backward through them (the
+    generator's loss goes through the discriminator) neither computes nor counts their per-example gradients in this
+    optimizer's norms.
 
     A view, not a container: the modules are not registered as its children (they stay the LightningModule's); only
     ``named_modules`` and ``named_parameters`` (and so ``modules`` and ``parameters``) see them. The set is fixed when
@@ -34,11 +36,13 @@ class HeldModules(nn.Module):
         held = {id(p) for p in params}
         # a tuple, so that nn.Module does not register them as submodules of the view
         self._owners: tuple[tuple[str, nn.Module], ...] = tuple(
-            (name, m) for name, m in module.named_modules() if any(id(p) in held for p in m.parameters(recurse=False)))
-        # the parameters PerExampleNorms reads of each owner (a MultiheadAttention's with its out_proj's)
-        owned = {id(p) for _, m in self._owners for p in m.parameters(recurse=isinstance(m, nn.MultiheadAttention))}
+            (name, m) for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            or any(id(p) in held for p in m.parameters(recurse=False)))
+        # only the optimizer's own: a module whose weight one optimizer holds and its bias another (or none) is
+        # hooked by both, each counting its own parameters' per-example gradients
         self._params: tuple[tuple[str, nn.Parameter], ...] = tuple(
-            (name, p) for name, p in module.named_parameters() if id(p) in owned)
+            (name, p) for name, p in module.named_parameters() if id(p) in held)
 
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
@@ -72,12 +76,22 @@ def optimizer_incidents(module: nn.Module, name: str, params: Sequence[Tensor], 
                          nonfinite_told=True, name=name)
 
 
-def start_examples_afresh(incidents: StepIncidents | None, params: Sequence[Tensor]) -> None:
-    """Before a backward: where none of the optimizer's parameters holds a gradient (its ``zero_grad`` ran since its
-    last backward), its gradient starts afresh with this backward, so its examples do too. Without
-    ``toggle_optimizer`` the generator's backward reaches the discriminator's modules, whose examples would otherwise
-    be counted before the discriminator's own (after its ``zero_grad`` they are no part of its gradient). A host
-    check of ``.grad`` being None: no sync."""
-    if incidents is not None and incidents.per_example is not None and all(p.grad is None for p in params):
-        incidents.begin_step()
+def grad_versions(params: Sequence[Tensor]) -> dict[int, tuple[int, int]]:
+    """After a backward: each parameter's gradient tensor and its version counter (bumped by every in-place change),
+    for :func:`start_examples_afresh`. Host reads of tensor attributes: no sync."""
+    return {id(p): (id(p.grad), p.grad._version) for p in params if p.grad is not None}
 
+
+def start_examples_afresh(incidents: StepIncidents | None, params: Sequence[Tensor],
+                          seen: dict[int, tuple[int, int]]) -> None:
+    """Before a backward: where the optimizer's ``zero_grad`` ran since its last backward, its gradient starts afresh
+    with this backward, so its examples do too. Without ``toggle_optimizer`` the generator's backward reaches the
+    discriminator's modules, whose examples would otherwise be counted before the discriminator's own (after its
+    ``zero_grad`` they are no part of its gradient). Cleared means: every parameter's gradient is None
+    (``set_to_none=True``), or was changed in place since the last backward (``seen``, :func:`grad_versions`):
+    ``zero_grad(set_to_none=False)`` zeroes it so. A host check of ``.grad`` and its version: no sync."""
+    if incidents is None or incidents.per_example is None:
+        return
+    if all(p.grad is None or seen.get(id(p), (id(p.grad), p.grad._version)) != (id(p.grad), p.grad._version)
+           for p in params):
+        incidents.begin_step()

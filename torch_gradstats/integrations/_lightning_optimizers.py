@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from torch_gradstats.integrations._common import ActivationReporting, PolicyState, StatsTaker
 from torch_gradstats.integrations._lightning_incidents import (
+    grad_versions,
     optimizer_incidents,
     optimizer_recorder,
     start_examples_afresh,
@@ -171,6 +172,7 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
         self._measured: set[int] = set()  # takers whose pending update was measured right after its step (ids)
         self._measure_hooked: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers with that step post-hook
         self._flight_recorders: dict[str, FlightRecorder] = {}  # each optimizer's, by name, kept from fit to fit
+        self._grads_seen: dict[int, dict[int, tuple[int, int]]] = {}  # by taker id: its gradients after a backward
 
     def _start_optimizers(self, trainer: Any, pl_module: nn.Module) -> None:
         """At ``on_train_start``: the takers of several optimizers (None with one), with the statistics carried over
@@ -212,12 +214,22 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
             taker.incidents = optimizer_incidents(pl_module, taker.name, params, self._per_example, recorder)
 
     def _examples_afresh(self) -> None:
-        """Before a backward (``on_before_backward``): each optimizer none of whose parameters holds a gradient
-        starts its examples afresh (:func:`start_examples_afresh`)."""
+        """Before a backward (``on_before_backward``): each optimizer whose gradients were cleared since its last
+        backward starts its examples afresh (:func:`start_examples_afresh`)."""
         for taker in (self._takers or {}).values():
             if taker.incidents is not None and taker.incidents.per_example is not None:
-                start_examples_afresh(taker.incidents, [p for g in raw_optimizer(taker._optimizer).param_groups
-                                                        for p in g["params"]])
+                start_examples_afresh(taker.incidents, self._held(taker), self._grads_seen.get(id(taker), {}))
+
+    def _examples_seen(self) -> None:
+        """After a backward (``on_after_backward``): each optimizer's gradients as it left them, so that the next
+        backward tells a ``zero_grad(set_to_none=False)`` since (:func:`grad_versions`)."""
+        for taker in (self._takers or {}).values():
+            if taker.incidents is not None and taker.incidents.per_example is not None:
+                self._grads_seen[id(taker)] = grad_versions(self._held(taker))
+
+    @staticmethod
+    def _held(taker: OptimizerTaker) -> list[Tensor]:
+        return [p for g in raw_optimizer(taker._optimizer).param_groups for p in g["params"]]
 
     def _remove_incidents(self) -> None:
         """At teardown: every optimizer's per-example hooks removed (the flight recorders are kept, by name)."""
@@ -225,6 +237,7 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
             if taker.incidents is not None:
                 taker.incidents.remove()
                 taker.incidents = None
+        self._grads_seen = {}
 
     def _step_taker(self, optimizer: Any) -> StatsTaker:
         """The taker of the optimizer step beginning now (:meth:`_taker`). With several optimizers one watch step of

@@ -334,6 +334,9 @@ class _GradStatsMixin(SeveralOptimizers):
             self._step_loss.add(trainer, loss)
         self._examples_afresh()  # several optimizers: one whose gradient starts afresh starts its examples too
 
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._examples_seen()  # several optimizers: each one's gradients as this backward left them
+
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         step = trainer.global_step
         at = batch_logger_step(trainer)
