@@ -1,0 +1,289 @@
+"""Per-example norms and flight recorders of the training callbacks on real models, against references computed here:
+each example's float64 gradient norm over the stepping optimizer's parameters (one backward per example, on a float64
+copy of the networks at that step), and float64 norms of the gradients each optimizer step reads.
+
+The GAN (manual optimization, two optimizers) is varied the ways people write one: with and without
+``toggle_optimizer``, ``zero_grad(set_to_none=False)``, gradient accumulation, one Linear split between the two
+optimizers, a module shared by both networks, weight tying, attention and checkpointed encoder layers in the
+discriminator, two param groups; BatchNorm, whose examples have no gradient of their own, must be refused."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from model_zoo import CheckpointedEncoder
+from torch import nn
+
+from torch_gradstats import PerExampleNorms
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.loggers import CSVLogger
+
+from torch_gradstats.integrations.lightning import GradStatsCallback
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAMES = ("generator", "discriminator")
+B = 8
+bce = nn.functional.binary_cross_entropy_with_logits
+
+
+def example_norms(nets: nn.Module, names: list[str], loss_of: Any, n: int) -> list[float]:
+    """Each example's own gradient norm over the parameters ``names`` of ``nets``: one float64 backward per example
+    (``loss_of(copy, i)`` is example i's loss)."""
+    ref = copy.deepcopy(nets).double()
+    params = dict(ref.named_parameters())
+    out = []
+    for i in range(n):
+        ref.zero_grad(set_to_none=True)
+        loss_of(ref, i).backward()
+        out.append(math.sqrt(sum(float(params[k].grad.pow(2).sum()) for k in names if params[k].grad is not None)))
+    return out
+
+
+class GAN(L.LightningModule):
+    """A generator and a discriminator in manual optimization; ``variant`` changes how the networks and optimizers
+    are put together. Before each backward it records, per optimizer, the reference per-example norms of the
+    examples that backward adds to that optimizer's next step."""
+
+    def __init__(self, variant: str = "plain", toggle: bool = False, set_to_none: bool = True,
+                 accumulate: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.variant, self.toggle, self.set_to_none, self.accumulate = variant, toggle, set_to_none, accumulate
+        n = nn.ModuleDict()
+        n["g"] = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+        n["d"] = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1))
+        if variant == "tied":  # the generator's two layers share one weight
+            n["g"] = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 6))
+            n["g"][2].weight = n["g"][0].weight
+        if variant in ("split", "shared", "unheld"):  # in front of the discriminator (and after the generator)
+            n["x"] = nn.Linear(6, 6)
+        if variant == "attention":
+            n["d"] = nn.ModuleDict({"a": nn.Linear(6, 8), "h": nn.Linear(8, 1),
+                                    "enc": nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)})
+        if variant in ("checkpointed", "reentrant"):
+            n["d"] = nn.ModuleDict({"a": nn.Linear(6, 8), "h": nn.Linear(4, 1),
+                                    "enc": CheckpointedEncoder(use_reentrant=variant == "reentrant")})
+        if variant == "batchnorm":
+            n["d"] = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, affine=False), nn.LeakyReLU(0.2), nn.Linear(8, 1))
+        self.nets = n
+        self.refs: dict[tuple[int, str], list[float]] = {}
+
+    def G(self, n: nn.Module, z: torch.Tensor) -> torch.Tensor:
+        out = n["g"](z.to(next(n.parameters()).dtype))
+        if self.variant == "shared":
+            out = n["x"](out)
+        if self.variant in ("attention", "checkpointed", "reentrant"):  # a sequence of 3 positions
+            out = out.unsqueeze(1) * torch.arange(1, 4, dtype=out.dtype).reshape(1, 3, 1)
+        return out
+
+    def D(self, n: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(next(n.parameters()).dtype)
+        if self.variant in ("split", "shared", "unheld"):
+            x = n["x"](x)
+        if self.variant == "attention":
+            return n["d"]["h"](n["d"]["enc"](n["d"]["a"](x)).mean(1))
+        if self.variant in ("checkpointed", "reentrant"):
+            return n["d"]["h"](n["d"]["enc"](n["d"]["a"](x)).mean(1))
+        return n["d"](x)
+
+    def held(self, opt: Any) -> list[str]:
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        return [k for k, p in self.nets.named_parameters() if id(p) in ids]
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        if self.variant in ("attention", "checkpointed", "reentrant"):
+            real = real.unsqueeze(1) + 0.1 * torch.arange(3.0).reshape(1, 3, 1)
+        g_opt, d_opt = self.optimizers()
+        gen = torch.Generator().manual_seed(batch_idx)
+        zs = [torch.randn(B, 4, generator=gen) for _ in range(2 if self.accumulate else 1)]
+        ones, zeros = torch.ones(B, 1), torch.zeros(B, 1)
+        n = self.nets
+        if self.toggle:
+            self.toggle_optimizer(g_opt)
+        g_opt.zero_grad(set_to_none=self.set_to_none)
+        ref: list[float] = []
+        for z in zs:  # accumulate: two backwards, one step
+            ref += example_norms(n, self.held(g_opt), lambda m, i, z=z: bce(self.D(m, self.G(m, z[i:i + 1])),
+                                                                            ones[:1].double()), B)
+            fake = self.G(n, z)
+            self.manual_backward(bce(self.D(n, fake), ones))
+        self.refs[(batch_idx, "generator")] = ref
+        g_opt.step()
+        if self.toggle:
+            self.untoggle_optimizer(g_opt)
+            self.toggle_optimizer(d_opt)
+        fake = fake.detach()
+        d_opt.zero_grad(set_to_none=self.set_to_none)
+        self.refs[(batch_idx, "discriminator")] = example_norms(
+            n, self.held(d_opt), lambda m, i: (bce(self.D(m, real[i:i + 1]), ones[:1].double())
+                                               + bce(self.D(m, fake[i:i + 1]), zeros[:1].double())) / 2, B)
+        self.manual_backward((bce(self.D(n, real), ones) + bce(self.D(n, fake), zeros)) / 2)
+        d_opt.step()
+        if self.toggle:
+            self.untoggle_optimizer(d_opt)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        n = self.nets
+        gp, dp = list(n["g"].parameters()), list(n["d"].parameters())
+        if self.variant == "split":  # one Linear: its weight the generator's, its bias the discriminator's
+            gp.append(n["x"].weight)
+            dp.append(n["x"].bias)
+        if self.variant == "shared":  # after the generator and in front of the discriminator, trained by G
+            gp += list(n["x"].parameters())
+        if self.variant == "groups":
+            return [torch.optim.SGD([{"params": gp[:2]}, {"params": gp[2:], "lr": 0.001}], lr=0.01),
+                    torch.optim.SGD(dp, lr=0.005)]
+        return [torch.optim.SGD(gp, lr=0.01), torch.optim.SGD(dp, lr=0.005)]
+
+
+class StepNorms(L.Callback):
+    """Before our callback: float64 norms of the stepping optimizer's gradients, by (batch, optimizer name)."""
+
+    def __init__(self) -> None:
+        self.norms: dict[tuple[int, str], float] = {}
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        which = NAMES[0] if optimizer is trainer.optimizers[0] else NAMES[1]
+        batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1
+        grads = [p.grad.double() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.norms[(batch, which)] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads))
+
+
+def _data(batches: int = 3) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(batches * B, 6, generator=g) + 2.0),
+                                       batch_size=B)
+
+
+def _fit(tmp_path: Path, module: Any, callbacks: list, **kw: Any) -> Any:
+    kw.setdefault("max_epochs", 1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=callbacks, logger=CSVLogger(str(tmp_path)),
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        log_every_n_steps=1, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _data())
+    return trainer
+
+
+def _rows(trainer: Any) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update(
+                {k: float(v) for k, v in row.items() if v != "" and k != "step"})
+    return rows
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_examples(trainer: Any, module: GAN, batches: int = 3) -> None:
+    """Each batch's logged ``examples/<name>/max_norm`` and ``median_norm`` against the references (the median of an
+    even count is the lower middle one, as torch's)."""
+    rows = _rows(trainer)
+    for batch in range(batches):
+        for name in NAMES:
+            ref = torch.tensor(module.refs[(batch, name)], dtype=torch.float64)
+            got = rows[batch]
+            assert got[f"examples/{name}/max_norm"] == pytest.approx(float(ref.max()), rel=1e-4), (batch, name)
+            assert got[f"examples/{name}/median_norm"] == pytest.approx(float(ref.median()), rel=1e-4), (batch, name)
+
+
+def _check_dumps(tmp_path: Path, cb: Any, norms: StepNorms, batches: int = 3) -> None:
+    """Each optimizer's flight recorder, dumped now: one row per step of its own, at Lightning's global step, with
+    the float64 norm of its own gradients."""
+    for index, name in enumerate(NAMES):
+        rows = _read(cb.flight_recorders[name].dump(tmp_path / f"{name}.jsonl"))
+        assert [r["step"] for r in rows] == [2 * b + index for b in range(batches)], name
+        for batch, r in enumerate(rows):
+            assert r["total_norm"] == pytest.approx(norms.norms[(batch, name)], rel=1e-5), (name, batch)
+
+
+FAILED_BEFORE = [
+    # a Linear whose weight the generator's optimizer holds and its bias the discriminator's: each optimizer's norms
+    # counted the other's parameter too
+    pytest.param({"variant": "split"}, id="split-linear"),
+    # zero_grad(set_to_none=False) zeroes in place: the discriminator counted the generator's backward's examples too
+    pytest.param({"set_to_none": False}, id="zero-grad-in-place"),
+    # a layer under a reentrant checkpoint called twice in one backward (D(real) and D(fake)): one call dropped
+    pytest.param({"variant": "reentrant"}, id="reentrant-checkpoint"),
+]
+RIGHT_BEFORE = [
+    pytest.param({}, id="plain"),
+    pytest.param({"toggle": True}, id="toggle"),
+    pytest.param({"set_to_none": False, "toggle": True}, id="zero-grad-in-place-toggle"),
+    pytest.param({"accumulate": True}, id="two-backwards-one-step"),
+    pytest.param({"variant": "split", "toggle": True}, id="split-linear-toggle"),
+    pytest.param({"variant": "shared"}, id="shared-module"),
+    pytest.param({"variant": "tied"}, id="tied-weights"),
+    pytest.param({"variant": "attention"}, id="transformer-layer", marks=pytest.mark.slow),
+    pytest.param({"variant": "checkpointed"}, id="checkpointed-encoder", marks=pytest.mark.slow),
+    pytest.param({"variant": "groups"}, id="two-param-groups", marks=pytest.mark.slow),
+    pytest.param({"variant": "unheld"}, id="parameter-in-no-optimizer", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("kw", FAILED_BEFORE + RIGHT_BEFORE)
+def test_gan_per_example_norms_and_dumps_match_float64_references(tmp_path: Path, kw: dict[str, Any]) -> None:
+    module, norms = GAN(**kw), StepNorms()
+    cb = GradStatsCallback(optimizer_names=NAMES, per_example=True, flight_recorder=8)
+    trainer = _fit(tmp_path, module, [norms, cb])
+    _check_examples(trainer, module)
+    _check_dumps(tmp_path, cb, norms)
+
+
+def test_reentrant_checkpoint_layer_called_twice_in_one_backward() -> None:
+    """PerExampleNorms alone: each layer of the encoder runs under a reentrant checkpoint twice in one loss."""
+    model = CheckpointedEncoder(use_reentrant=True)
+    x, y = torch.randn(6, 3, 8), torch.randn(6, 3, 8)
+
+    def loss(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (m(a).pow(2).mean((1, 2)) + m(b).pow(2).mean((1, 2))).mean()
+
+    with PerExampleNorms(model) as pe:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss(model, x, y).backward()
+    names = [k for k, _ in model.named_parameters()]
+    ref = example_norms(model, names, lambda m, i: loss(m, x[i:i + 1].double(), y[i:i + 1].double()), 6)
+    torch.testing.assert_close(pe.norms().double(), torch.tensor(ref, dtype=torch.float64), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_batchnorm_is_refused_with_or_without_parameters_and_leaves_no_hook(affine: bool) -> None:
+    """A BatchNorm in training mode mixes the examples whether or not it has parameters of its own; refused, it
+    leaves the model as it was (no hook on the layers before it)."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=affine), nn.Tanh(), nn.Linear(6, 1))
+    with pytest.raises(ValueError, match=r"module '1' \(BatchNorm1d\) normalises with the statistics of the whole"):
+        PerExampleNorms(model)
+    model(torch.randn(8, 4)).pow(2).mean().backward()  # the model trains on without per-example norms
+    model.eval()  # running statistics: each example its own gradient
+    pe = PerExampleNorms(model)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    assert pe.num_examples == 8
+    model.train()  # put back in training mode: refused at its next forward
+    with pytest.raises(ValueError, match=r"module '1' \(BatchNorm1d\)"):
+        model(torch.randn(8, 4))
+    pe.remove()
+
+
+def test_gan_batchnorm_in_the_discriminator_is_refused_for_both_optimizers(tmp_path: Path) -> None:
+    """The generator's backward goes through the discriminator's BatchNorm too: refused when training starts, by
+    name, even though it holds no parameter (affine=False)."""
+    cb = GradStatsCallback(optimizer_names=NAMES, per_example=True)
+    with pytest.raises(ValueError, match=r"module 'nets.d.1' \(BatchNorm1d\) normalises with the statistics"):
+        _fit(tmp_path, GAN(variant="batchnorm"), [cb])
