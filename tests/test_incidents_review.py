@@ -287,3 +287,83 @@ def test_gan_batchnorm_in_the_discriminator_is_refused_for_both_optimizers(tmp_p
     cb = GradStatsCallback(optimizer_names=NAMES, per_example=True)
     with pytest.raises(ValueError, match=r"module 'nets.d.1' \(BatchNorm1d\) normalises with the statistics"):
         _fit(tmp_path, GAN(variant="batchnorm"), [cb])
+
+
+def test_a_gradient_penalty_double_backward_is_refused_by_name() -> None:
+    """A WGAN-GP discriminator's loss holds the gradient of its output (autograd.grad with create_graph=True): that
+    backward through the hooked modules counted a batch of examples of its own, and the norms missed the penalty."""
+    torch.manual_seed(0)
+    d = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    real, fake, eps = torch.randn(8, 6), torch.randn(8, 6), torch.rand(8, 1)
+    pe = PerExampleNorms(d)
+    inter = (eps * real + (1 - eps) * fake).requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"create_graph=True .* went through module '2' \(Linear\)"):
+        torch.autograd.grad(d(inter).sum(), inter, create_graph=True)
+    pe.remove()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_gan_validation_between_steps_and_precision(tmp_path: Path, precision: str) -> None:
+    """Validation after every batch (forwards without grad, the modules put in eval mode and back) leaves each
+    optimizer's figures and dumps exact; under bf16-mixed they are those of the bf16 forward (within its rounding)."""
+
+    class Validated(GAN):
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (real,) = batch
+            return bce(self.D(self.nets, real), torch.ones(real.shape[0], 1))
+
+    module, norms = Validated(), StepNorms()
+    cb = GradStatsCallback(optimizer_names=NAMES, per_example=True, flight_recorder=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[norms, cb], logger=CSVLogger(str(tmp_path)),
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        log_every_n_steps=1, max_epochs=1, val_check_interval=1, limit_val_batches=1,
+                        precision=precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _data(), _data(1))
+    rows = _rows(trainer)
+    rel = 3e-2 if precision == "bf16-mixed" else 1e-4
+    for batch in range(3):
+        for name in NAMES:
+            ref = torch.tensor(module.refs[(batch, name)], dtype=torch.float64)
+            assert rows[batch][f"examples/{name}/max_norm"] == pytest.approx(float(ref.max()), rel=rel)
+            assert rows[batch][f"examples/{name}/median_norm"] == pytest.approx(float(ref.median()), rel=rel)
+    _check_dumps(tmp_path, cb, norms)
+
+
+def test_gan_second_fit_and_resume_keep_figures_and_rows_right(tmp_path: Path) -> None:
+    """The same callback fits twice (its recorders carried over by name: the second fit's rows follow the first's,
+    the step counted from 0 again), then a new callback resumes from the first fit's checkpoint (steps go on)."""
+    cb = GradStatsCallback(optimizer_names=NAMES, per_example=True, flight_recorder=16)
+    first, second = (GAN(), StepNorms()), (GAN(variant="split"), StepNorms())
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[first[1], cb], logger=CSVLogger(str(tmp_path / "a")),
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(first[0], _data())
+    _check_examples(trainer, first[0])
+    _check_examples(_fit(tmp_path / "b", second[0], [second[1], cb]), second[0])
+    for index, name in enumerate(NAMES):
+        rows = _read(cb.flight_recorders[name].dump(tmp_path / f"{name}.jsonl"))
+        assert [r["step"] for r in rows] == [2 * b + index for b in range(3)] * 2
+        want = [n.norms[(b, name)] for n in (first[1], second[1]) for b in range(3)]
+        assert [r["total_norm"] for r in rows] == pytest.approx(want, rel=1e-5)
+
+    (ckpt,) = (tmp_path / "a").rglob("*.ckpt")
+    resumed, norms = GAN(), StepNorms()
+    cb2 = GradStatsCallback(optimizer_names=NAMES, per_example=True, flight_recorder=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[norms, cb2], logger=CSVLogger(str(tmp_path / "c")),
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        log_every_n_steps=1, max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(resumed, _data(), ckpt_path=str(ckpt))
+    rows = _rows(trainer)
+    for batch in range(3):  # the second epoch's batches, at logger steps 3, 4, 5
+        for name in NAMES:
+            ref = torch.tensor(resumed.refs[(batch, name)], dtype=torch.float64)
+            assert rows[3 + batch][f"examples/{name}/max_norm"] == pytest.approx(float(ref.max()), rel=1e-4)
+    for index, name in enumerate(NAMES):
+        dumped = _read(cb2.flight_recorders[name].dump(tmp_path / f"resumed-{name}.jsonl"))
+        assert [r["step"] for r in dumped] == [6 + 2 * b + index for b in range(3)]
+        assert [r["total_norm"] for r in dumped] == pytest.approx([norms.norms[(b, name)] for b in range(3)], rel=1e-5)

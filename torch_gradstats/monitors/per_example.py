@@ -210,6 +210,12 @@ class PerExampleNorms:
                   amp: Autocast = ()) -> None:
         self._queue()
         m, bd = layer.module, self.batch_dim
+        if torch.is_grad_enabled():  # the engine runs a create_graph backward so: a gradient penalty's autograd.grad
+            raise RuntimeError(
+                f"PerExampleNorms: a backward with create_graph=True (torch.autograd.grad of a gradient penalty, a "
+                f"double backward) went through {_what(layer.name, m)}; per-example norms of a loss made of "
+                "gradients are not computed: keep per-example norms off for a model trained so"
+            )
         if not args or not isinstance(args[0], Tensor):
             raise TypeError(f"PerExampleNorms: {_what(layer.name, m)} was called without a tensor as its first input")
         x = args[0]
