@@ -25,9 +25,9 @@ from torch import nn
 from torch_gradstats import PerExampleNorms
 
 L = pytest.importorskip("lightning.pytorch")
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
-from torch_gradstats.integrations.lightning import GradStatsCallback
+from torch_gradstats.integrations.lightning import GradStatsCallback  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -254,10 +254,9 @@ def test_reentrant_checkpoint_layer_called_twice_in_one_backward() -> None:
     def loss(m: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (m(a).pow(2).mean((1, 2)) + m(b).pow(2).mean((1, 2))).mean()
 
-    with PerExampleNorms(model) as pe:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loss(model, x, y).backward()
+    with PerExampleNorms(model) as pe, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss(model, x, y).backward()
     names = [k for k, _ in model.named_parameters()]
     ref = example_norms(model, names, lambda m, i: loss(m, x[i:i + 1].double(), y[i:i + 1].double()), 6)
     torch.testing.assert_close(pe.norms().double(), torch.tensor(ref, dtype=torch.float64), rtol=1e-4, atol=0)
@@ -367,3 +366,114 @@ def test_gan_second_fit_and_resume_keep_figures_and_rows_right(tmp_path: Path) -
         dumped = _read(cb2.flight_recorders[name].dump(tmp_path / f"resumed-{name}.jsonl"))
         assert [r["step"] for r in dumped] == [6 + 2 * b + index for b in range(3)]
         assert [r["total_norm"] for r in dumped] == pytest.approx([norms.norms[(b, name)] for b in range(3)], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- one optimizer
+T, MICRO, ACCUMULATION, STEPS = 8, 4, 2, 3
+
+
+def _gpt2_ids() -> torch.Tensor:
+    return torch.randint(1, 64, (MICRO * ACCUMULATION * STEPS, T), generator=torch.Generator().manual_seed(0))
+
+
+def _lm_loss(gpt: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """GPT-2's loss computed inside its forward, with position ids per example (docs/per_example.md)."""
+    return gpt(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand(ids.shape[0], -1), labels=ids).loss
+
+
+def _gpt2_no_dropout() -> nn.Module:
+    from model_zoo import gpt2
+
+    model = gpt2()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+class GPT2Module(L.LightningModule):
+    """The zoo's GPT-2 in automatic optimization; before each optimizer step, the reference per-example norms of
+    the step's examples and the float64 norm of its gradient."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        super().__init__()
+        self.gpt, self.ids = _gpt2_no_dropout(), ids
+        self.refs: list[list[float]] = []
+        self.norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return _lm_loss(self.gpt, ids)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        window = self.ids[len(self.refs) * MICRO * ACCUMULATION:][:MICRO * ACCUMULATION]
+        names = [k for k, _ in self.gpt.named_parameters()]
+        self.refs.append(example_norms(self.gpt, names, lambda m, i: _lm_loss(m, window[i:i + 1]), len(window)))
+        self.norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in self.parameters())))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("names", [None, ("net",)], ids=["unnamed", "optimizer_names"])
+def test_one_optimizer_lightning_gpt2_figures_and_dump(tmp_path: Path, names: tuple[str, ...] | None) -> None:
+    """One optimizer, gradient accumulation over two micro-batches, GPT-2's loss made inside its forward: the
+    logged figures are the references' (optimizer_names of one optimizer: the same figures under its segment)."""
+    ids = _gpt2_ids()
+    module = GPT2Module(ids)
+    cb = GradStatsCallback(per_example=True, flight_recorder=8, optimizer_names=names)
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[cb], logger=CSVLogger(str(tmp_path)),
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        log_every_n_steps=1, max_epochs=1, accumulate_grad_batches=ACCUMULATION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=MICRO))
+    rows, key = _rows(trainer), "examples/" if names is None else "examples/net/"
+    for step, ref in enumerate(module.refs):
+        ref_t = torch.tensor(ref, dtype=torch.float64)
+        assert rows[step][key + "max_norm"] == pytest.approx(float(ref_t.max()), rel=1e-4), step
+        assert rows[step][key + "median_norm"] == pytest.approx(float(ref_t.median()), rel=1e-4), step
+    recorder = cb.flight_recorder if names is None else cb.flight_recorders["net"]
+    dumped = _read(recorder.dump(tmp_path / "gpt2.jsonl"))
+    assert [r["step"] for r in dumped] == [0, 1, 2]
+    assert [r["total_norm"] for r in dumped] == pytest.approx(module.norms, rel=1e-5)
+
+
+def test_one_optimizer_lightning_resnet_refused_by_name_and_its_flight_recorder_right(tmp_path: Path) -> None:
+    """The zoo's ResNet (BatchNorm in training mode, in-place residual and ReLU): per_example is refused when the
+    fit is set up, naming the BatchNorm, and leaves the model trainable; its flight recorder alone records every
+    step's float64 gradient norm."""
+    from model_zoo import ResNet
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = ResNet()
+            self.norms: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in self.parameters())))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(12, 3, 8, 8, generator=g), torch.randint(0, 5, (12,), generator=g)), batch_size=4)
+    kw: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
+                          "enable_model_summary": False, "enable_checkpointing": False, "max_epochs": 1}
+    module = Net()
+    with pytest.raises(ValueError, match=r"module 'net.bn1' \(BatchNorm2d\) normalises with the statistics"):
+        L.Trainer(callbacks=[GradStatsCallback(per_example=True)], **kw).fit(module, data)
+    cb = GradStatsCallback(flight_recorder=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(callbacks=[cb], **kw).fit(module, data)  # the same module, no hook left by the refusal
+    dumped = _read(cb.flight_recorder.dump(tmp_path / "resnet.jsonl"))
+    assert [r["step"] for r in dumped] == [0, 1, 2]
+    assert [r["total_norm"] for r in dumped] == pytest.approx(module.norms, rel=1e-5)
