@@ -477,3 +477,110 @@ def test_one_optimizer_lightning_resnet_refused_by_name_and_its_flight_recorder_
     dumped = _read(cb.flight_recorder.dump(tmp_path / "resnet.jsonl"))
     assert [r["step"] for r in dumped] == [0, 1, 2]
     assert [r["total_norm"] for r in dumped] == pytest.approx(module.norms, rel=1e-5)
+
+
+def _step_references(model: nn.Module, windows: list[torch.Tensor]) -> tuple[list[float], float]:
+    """The per-example references of one step's examples (each its own ``_lm_loss``) and its gradient's norm."""
+    examples = torch.cat(windows)
+    names = [k for k, _ in model.named_parameters()]
+    ref = example_norms(model, names, lambda m, i: _lm_loss(m, examples[i:i + 1]), len(examples))
+    return ref, math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+
+
+def _check_steps(figures: list[tuple[float, float]], refs: list[list[float]]) -> None:
+    assert len(figures) == len(refs) == STEPS
+    for step, ((top, median), ref) in enumerate(zip(figures, refs)):
+        ref_t = torch.tensor(ref, dtype=torch.float64)
+        assert top == pytest.approx(float(ref_t.max()), rel=1e-4), step
+        assert median == pytest.approx(float(ref_t.median()), rel=1e-4), step
+
+
+def test_one_optimizer_hugging_face_gpt2_figures_and_dump(tmp_path: Path) -> None:
+    """The Hugging Face callback, GPT-2's loss made inside its forward over the Trainer's num_items_in_batch (the
+    model told its loss shifts the labels, so the Trainer counts the tokens the loss does), two micro-batches per
+    step: the logged figures are the references', the dump's rows the float64 gradient norms."""
+    transformers = pytest.importorskip("transformers")
+    from torch_gradstats.integrations.transformers import GradStatsCallback as HFCallback
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    model = _gpt2_no_dropout()
+    model.loss_type = "ForCausalLM"
+    ids = _gpt2_ids()
+    batches: list[dict[str, torch.Tensor]] = []
+
+    def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batches.append(transformers.default_data_collator(features))
+        return batches[-1]
+
+    refs: list[list[float]] = []
+    norms: list[float] = []
+
+    class References(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            window = [b["input_ids"] for b in batches[ACCUMULATION * len(refs):][:ACCUMULATION]]
+            ref, norm = _step_references(model, window)
+            refs.append(ref)
+            norms.append(norm)
+
+    cb = HFCallback(per_example=True, flight_recorder=8)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+        max_grad_norm=0.0)
+    data = [{"input_ids": x, "position_ids": torch.arange(T), "labels": x} for x in ids]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
+                                   optimizers=(torch.optim.SGD(model.parameters(), lr=0.01), None),
+                                   callbacks=[References()])
+    add_to_trainer(trainer, cb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    logged = [(h["examples/max_norm"], h["examples/median_norm"]) for h in trainer.state.log_history
+              if "examples/max_norm" in h]
+    _check_steps(logged, refs)
+    dumped = _read(cb.flight_recorder.dump(tmp_path / "hf.jsonl"))
+    assert [r["total_norm"] for r in dumped] == pytest.approx(norms, rel=1e-5)
+
+
+def test_one_optimizer_trainer_gpt2_loss_inside_forward_figures_and_dump(tmp_path: Path) -> None:
+    """tg.Trainer with a model whose forward returns GPT-2's own loss (the loss function passes it on)."""
+    from torch_gradstats import Trainer
+
+    gpt = _gpt2_no_dropout()
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return _lm_loss(self.gpt, ids)
+
+    ids = _gpt2_ids()
+    refs: list[list[float]] = []
+    norms: list[float] = []
+
+    def after_backward(trainer: Any) -> None:
+        window = ids[len(refs) * MICRO * ACCUMULATION:][:MICRO * ACCUMULATION]
+        ref, norm = _step_references(gpt, [window])
+        refs.append(ref)
+        norms.append(norm)
+
+    class Sink:
+        def __init__(self) -> None:
+            self.figures: list[tuple[float, float]] = []
+
+        def log(self, report: Any, step: int) -> None:
+            self.figures.append((report.extra["examples/max_norm"], report.extra["examples/median_norm"]))
+
+    sink = Sink()
+    trainer = Trainer(LM(), torch.optim.SGD(gpt.parameters(), lr=0.01), lambda loss, _: loss, per_example=True,
+                      flight_recorder=8, log_to=[sink], accumulation_steps=ACCUMULATION, after_backward=after_backward,
+                      progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train_epoch(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, ids), batch_size=MICRO))
+    _check_steps(sink.figures, refs)
+    assert trainer.flight_recorder is not None
+    dumped = _read(trainer.flight_recorder.dump(tmp_path / "trainer.jsonl"))
+    assert [r["total_norm"] for r in dumped] == pytest.approx(norms, rel=1e-5)
