@@ -99,18 +99,18 @@ every rank makes its own check, so all ranks agree on skipping or stopping.
 Manual optimization works: figures at each ``opt.step()``, logged at that batch's logger step.
 
 Several optimizers (``configure_optimizers`` returning two or more, as a GAN's generator and discriminator in manual
-optimization): each optimizer step reads only its own param groups' parameters and logs them under that optimizer's
-key segment, ``optimizer_names[i]`` (default ``optimizer_<i>``): ``grad_stats/generator/total_norm``,
+optimization): each optimizer step reads only its own param groups' parameters and logs them under that optimizer's key
+segment, ``optimizer_names[i]`` (default ``optimizer_<i>``): ``grad_stats/generator/total_norm``,
 ``grad_2.0_norm/generator/<parameter>``, ``grad_2.0_norm_total/generator``. Each optimizer has its own copy of
 ``spike_guard`` and ``adaptive_clip`` (``callback.spike_guards`` / ``callback.adaptive_clips``), judging the losses
 given to ``manual_backward`` since its previous step, saved and restored by name; ``on_nonfinite`` skips only the
-optimizer whose gradients are non-finite. ``per_example`` and ``flight_recorder`` are kept per optimizer too: each
-one's per-example norms are taken over the modules that hold its parameters (the discriminator's step names the
-discriminator's examples; an optimizer whose gradients were all cleared before a backward starts its examples afresh
-there), logged as ``examples/<name>/max_norm`` ..., and each has its own flight recorder
-(``callback.flight_recorders``: a ``FlightRecorder`` given is copied per optimizer, its capacity and ``dump_dir``, as
-the policies are; an int is each one's capacity), dumped as ``flight-<name>-<step>.jsonl``. Every key and rule:
-docs/integrations.md, "Optimizers".
+optimizer whose gradients are non-finite. ``per_example`` and ``flight_recorder`` are kept per optimizer too: each one's
+per-example norms are taken over the modules that hold its parameters (the discriminator's step names the
+discriminator's examples, only its own parameters of a module both hold; an optimizer whose ``zero_grad`` ran since its
+last backward, ``set_to_none`` or not, starts its examples afresh there), logged as ``examples/<name>/max_norm`` ...,
+and each has its own flight recorder (``callback.flight_recorders``: a ``FlightRecorder`` given is copied per optimizer,
+its capacity and ``dump_dir``, as the policies are; an int is each one's capacity), dumped as
+``flight-<name>-<step>.jsonl``. Every key and rule: docs/integrations.md, "Optimizers".
 
 Both namespaces work: the callback subclasses ``lightning.pytorch.Callback`` when the ``lightning`` package is
 installed, else ``pytorch_lightning.Callback``; ``PLGradStatsCallback`` is the ``pytorch_lightning`` one when both
