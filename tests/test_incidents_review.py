@@ -78,6 +78,7 @@ class GAN(L.LightningModule):
             n["d"] = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, affine=False), nn.LeakyReLU(0.2), nn.Linear(8, 1))
         self.nets = n
         self.refs: dict[tuple[int, str], list[float]] = {}
+        self.losses: dict[tuple[int, str], float] = {}  # the losses given to manual_backward for each step
 
     def G(self, n: nn.Module, z: torch.Tensor) -> torch.Tensor:
         out = n["g"](z.to(next(n.parameters()).dtype))
@@ -114,11 +115,14 @@ class GAN(L.LightningModule):
             self.toggle_optimizer(g_opt)
         g_opt.zero_grad(set_to_none=self.set_to_none)
         ref: list[float] = []
+        self.losses[(batch_idx, "generator")] = 0.0
         for z in zs:  # accumulate: two backwards, one step
             ref += example_norms(n, self.held(g_opt), lambda m, i, z=z: bce(self.D(m, self.G(m, z[i:i + 1])),
                                                                             ones[:1].double()), B)
             fake = self.G(n, z)
-            self.manual_backward(bce(self.D(n, fake), ones))
+            g_loss = bce(self.D(n, fake), ones)
+            self.losses[(batch_idx, "generator")] += float(g_loss)
+            self.manual_backward(g_loss)
         self.refs[(batch_idx, "generator")] = ref
         g_opt.step()
         if self.toggle:
@@ -129,7 +133,9 @@ class GAN(L.LightningModule):
         self.refs[(batch_idx, "discriminator")] = example_norms(
             n, self.held(d_opt), lambda m, i: (bce(self.D(m, real[i:i + 1]), ones[:1].double())
                                                + bce(self.D(m, fake[i:i + 1]), zeros[:1].double())) / 2, B)
-        self.manual_backward((bce(self.D(n, real), ones) + bce(self.D(n, fake), zeros)) / 2)
+        d_loss = (bce(self.D(n, real), ones) + bce(self.D(n, fake), zeros)) / 2
+        self.losses[(batch_idx, "discriminator")] = float(d_loss)
+        self.manual_backward(d_loss)
         d_opt.step()
         if self.toggle:
             self.untoggle_optimizer(d_opt)
@@ -203,14 +209,15 @@ def _check_examples(trainer: Any, module: GAN, batches: int = 3) -> None:
             assert got[f"examples/{name}/median_norm"] == pytest.approx(float(ref.median()), rel=1e-4), (batch, name)
 
 
-def _check_dumps(tmp_path: Path, cb: Any, norms: StepNorms, batches: int = 3) -> None:
+def _check_dumps(tmp_path: Path, cb: Any, norms: StepNorms, module: GAN, batches: int = 3) -> None:
     """Each optimizer's flight recorder, dumped now: one row per step of its own, at Lightning's global step, with
-    the float64 norm of its own gradients."""
+    the float64 norm of its own gradients and the sum of the losses given to manual_backward for it."""
     for index, name in enumerate(NAMES):
         rows = _read(cb.flight_recorders[name].dump(tmp_path / f"{name}.jsonl"))
         assert [r["step"] for r in rows] == [2 * b + index for b in range(batches)], name
         for batch, r in enumerate(rows):
             assert r["total_norm"] == pytest.approx(norms.norms[(batch, name)], rel=1e-5), (name, batch)
+            assert r["loss"] == pytest.approx(module.losses[(batch, name)], rel=1e-5), (name, batch)
 
 
 FAILED_BEFORE = [
@@ -243,7 +250,7 @@ def test_gan_per_example_norms_and_dumps_match_float64_references(tmp_path: Path
     cb = GradStatsCallback(optimizer_names=NAMES, per_example=True, flight_recorder=8)
     trainer = _fit(tmp_path, module, [norms, cb])
     _check_examples(trainer, module)
-    _check_dumps(tmp_path, cb, norms)
+    _check_dumps(tmp_path, cb, norms, module)
 
 
 def test_reentrant_checkpoint_layer_called_twice_in_one_backward() -> None:
@@ -327,7 +334,7 @@ def test_gan_validation_between_steps_and_precision(tmp_path: Path, precision: s
             ref = torch.tensor(module.refs[(batch, name)], dtype=torch.float64)
             assert rows[batch][f"examples/{name}/max_norm"] == pytest.approx(float(ref.max()), rel=rel)
             assert rows[batch][f"examples/{name}/median_norm"] == pytest.approx(float(ref.median()), rel=rel)
-    _check_dumps(tmp_path, cb, norms)
+    _check_dumps(tmp_path, cb, norms, module)
 
 
 def test_gan_second_fit_and_resume_keep_figures_and_rows_right(tmp_path: Path) -> None:
@@ -400,10 +407,13 @@ class GPT2Module(L.LightningModule):
         self.gpt, self.ids = _gpt2_no_dropout(), ids
         self.refs: list[list[float]] = []
         self.norms: list[float] = []
+        self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (ids,) = batch
-        return _lm_loss(self.gpt, ids)
+        loss = _lm_loss(self.gpt, ids)
+        self.losses.append(float(loss))
+        return loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         window = self.ids[len(self.refs) * MICRO * ACCUMULATION:][:MICRO * ACCUMULATION]
@@ -437,6 +447,9 @@ def test_one_optimizer_lightning_gpt2_figures_and_dump(tmp_path: Path, names: tu
     dumped = _read(recorder.dump(tmp_path / "gpt2.jsonl"))
     assert [r["step"] for r in dumped] == [0, 1, 2]
     assert [r["total_norm"] for r in dumped] == pytest.approx(module.norms, rel=1e-5)
+    # each step's loss: the mean of its micro-batches' (a flight recorder without a spike guard records it too)
+    pairs = zip(module.losses[::ACCUMULATION], module.losses[1::ACCUMULATION])
+    assert [r["loss"] for r in dumped] == pytest.approx([(a + b) / 2 for a, b in pairs], rel=1e-5)
 
 
 def test_one_optimizer_lightning_resnet_refused_by_name_and_its_flight_recorder_right(tmp_path: Path) -> None:

@@ -330,7 +330,8 @@ class _GradStatsMixin(SeveralOptimizers):
             self.taker.incidents = None
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
-        if self.spike_guard is not None and self.spike_guard.watch_loss:
+        # the loss a guard judges and a flight recorder records (summed on the device: no sync)
+        if (self.spike_guard is not None and self.spike_guard.watch_loss) or self.flight_recorder is not None:
             self._step_loss.add(trainer, loss)
         self._examples_afresh()  # several optimizers: one whose gradient starts afresh starts its examples too
 
