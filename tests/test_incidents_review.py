@@ -74,6 +74,9 @@ class GAN(L.LightningModule):
         if variant in ("checkpointed", "reentrant"):
             n["d"] = nn.ModuleDict({"a": nn.Linear(6, 8), "h": nn.Linear(4, 1),
                                     "enc": CheckpointedEncoder(use_reentrant=variant == "reentrant")})
+        if variant == "conv":  # the 6 features as a 2 x 3 image
+            n["d"] = nn.Sequential(nn.Unflatten(1, (1, 2, 3)), nn.Conv2d(1, 4, 2), nn.GroupNorm(2, 4),
+                                   nn.LeakyReLU(0.2), nn.Flatten(), nn.Linear(8, 1))
         if variant == "batchnorm":
             n["d"] = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, affine=False), nn.LeakyReLU(0.2), nn.Linear(8, 1))
         self.nets = n
@@ -241,6 +244,7 @@ RIGHT_BEFORE = [
     pytest.param({"variant": "split", "toggle": True}, id="split-linear-toggle"),
     pytest.param({"variant": "shared"}, id="shared-module"),
     pytest.param({"variant": "tied"}, id="tied-weights"),
+    pytest.param({"variant": "conv"}, id="conv2d-groupnorm"),
     pytest.param({"variant": "attention"}, id="transformer-layer", marks=pytest.mark.slow),
     pytest.param({"variant": "checkpointed"}, id="checkpointed-encoder", marks=pytest.mark.slow),
     pytest.param({"variant": "groups"}, id="two-param-groups", marks=pytest.mark.slow),
