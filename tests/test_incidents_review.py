@@ -605,3 +605,36 @@ def test_one_optimizer_trainer_gpt2_loss_inside_forward_figures_and_dump(tmp_pat
     assert trainer.flight_recorder is not None
     dumped = _read(trainer.flight_recorder.dump(tmp_path / "trainer.jsonl"))
     assert [r["total_norm"] for r in dumped] == pytest.approx(norms, rel=1e-5)
+
+
+def test_one_optimizer_hugging_face_resnet_refused_by_name_leaves_no_hook(tmp_path: Path) -> None:
+    """The Hugging Face callback with per_example on the zoo's ResNet: refused when training begins, naming the
+    BatchNorm, and neither its own hooks nor PerExampleNorms' are left on the model (they went on running at every
+    backward of a later training without the callback)."""
+    transformers = pytest.importorskip("transformers")
+    from model_zoo import ResNet
+
+    from torch_gradstats.integrations.transformers import GradStatsCallback as HFCallback
+    from torch_gradstats.integrations.transformers import add_to_trainer
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = ResNet()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(3, 8, 8, generator=g), "labels": i % 5} for i in range(8)]
+    model = Classifier()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                                          report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    add_to_trainer(trainer, HFCallback(per_example=True))
+    with pytest.raises(ValueError, match=r"module 'net.bn1' \(BatchNorm2d\) normalises"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert not [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]

@@ -235,6 +235,10 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
                     if p is not None]
         if policies and state.global_step > 0 and not self.policies_restored:
             restore_saved_state(self, args, state, policies)  # resumed, and nothing loaded into this callback
+        # before any hook of ours: a model PerExampleNorms refuses (a BatchNorm) is left without them
+        if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
+            self.taker.incidents = StepIncidents(model, per_example=self._per_example, recorder=self.flight_recorder,
+                                                 who="GradStatsCallback", nonfinite_told=True)
         self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
         self._remove_hooks()
         self._hook_trainable(model)
@@ -245,9 +249,6 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
         if self._watch_option is True and self.activation_watch is None:
             self.activation_watch = ActivationWatch(model)
-        if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
-            self.taker.incidents = StepIncidents(model, per_example=self._per_example, recorder=self.flight_recorder,
-                                                 who="GradStatsCallback", nonfinite_told=True)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` apply this callback's spike guard (returns the same optimizer, changed in place).
