@@ -163,8 +163,6 @@ class PerExampleNorms:
     def _clear_backward(self) -> None:
         self._arrivals_checked = False  # whether this backward's forward has checked the trainable set
         self._uses: dict[str, int] = defaultdict(int)  # calls hooked since the last backward, per parameter
-        # parameters hooked by a reentrant checkpoint's recomputation: more uses may come later in this backward
-        self._late: set[str] = set()
         self._pending: dict[str, list[Contribution]] = defaultdict(list)
         self._sq: dict[str, Tensor] = {}
         self._arrivals: set[str] = set()
@@ -186,16 +184,11 @@ class PerExampleNorms:
         amp: Autocast = ()
         if not layer.exact and args and isinstance(args[0], Tensor):  # a replay computes as this forward did
             amp = autocast_state(args[0].device.type)
-        # A forward run by a backward (a reentrant checkpoint's recomputation): the uses are counted one segment at a
-        # time, so a parameter's count is known only when the outermost backward ends.
-        late = torch._C._current_autograd_node() is not None
         for i, o in enumerate(outs if live else []):
             if o.requires_grad:  # the gradient there, with this call's inputs, gives this use's contribution
                 o.register_hook(lambda g, i=i: self._backward(layer, args, kwargs, i, g, amp))
                 for full in live:
                     self._uses[full] += 1
-                    if late:
-                        self._late.add(full)
 
     def _arrived(self, name: str) -> None:
         self._queue()
@@ -254,15 +247,19 @@ class PerExampleNorms:
         for local, full, p in layer.params:
             if local not in want or local not in made:
                 continue
-            if full in self._sq:  # reduced already: this use's cross terms with the others are gone
+            # A reentrant checkpoint counts a use only when its segment is recomputed, in the backward: this one came
+            # after the others were reduced, whose inputs are gone (keeping every layer's until the backward ends
+            # would undo what checkpointing saves).
+            if full in self._sq:
                 raise RuntimeError(
-                    f"PerExampleNorms: parameter {full!r} is used again inside a reentrant checkpoint after its other "
-                    "uses' gradients were reduced, so its per-example norms would miss the cross terms; checkpoint "
-                    "with use_reentrant=False"
+                    f"PerExampleNorms: parameter {full!r} of {_what(layer.name, m)} is used again, in a reentrant "
+                    "checkpoint recomputed after its other uses' per-example gradients were reduced, so the cross "
+                    "terms between its uses are lost; checkpoint with use_reentrant=False (or call it once per "
+                    "forward)"
                 )
             pending = self._pending[full]
             pending.append(made[local])
-            if len(pending) >= self._uses[full] and full not in self._late:  # every use arrived: reduce, free inputs
+            if len(pending) >= self._uses[full]:  # every hooked use has arrived: reduce now and free the inputs
                 key = x if isinstance(m, nn.Linear) and len(pending) == 1 else None
                 self._sq[full] = (self._norms.square(pending[0], key) if len(pending) == 1
                                   else self._norms.combined(full, pending, p.numel()))
