@@ -5,7 +5,10 @@ copy of the networks at that step), and float64 norms of the gradients each opti
 The GAN (manual optimization, two optimizers) is varied the ways people write one: with and without
 ``toggle_optimizer``, ``zero_grad(set_to_none=False)``, gradient accumulation, one Linear split between the two
 optimizers, a module shared by both networks, weight tying, attention and checkpointed encoder layers in the
-discriminator, two param groups; BatchNorm, whose examples have no gradient of their own, must be refused."""
+discriminator, two param groups, validation between steps, bf16-mixed, a second fit and a resume; BatchNorm (whose
+examples have no gradient of their own), a reentrant checkpoint called twice and a gradient penalty must be refused by
+name. Then the one-optimizer paths (the Lightning and Hugging Face callbacks, tg.Trainer) on the zoo's GPT-2 (loss
+inside forward) and ResNet (BatchNorm: refused; flight recorder rows)."""
 
 from __future__ import annotations
 
@@ -225,7 +228,9 @@ def _check_dumps(tmp_path: Path, cb: Any, norms: StepNorms, module: GAN, batches
             assert r["loss"] == pytest.approx(module.losses[(batch, name)], rel=1e-5), (name, batch)
 
 
-FAILED_BEFORE = [
+# Every variant's dumps had no loss (a flight recorder without a spike guard recorded none); these variants' per-example
+# norms were wrong too:
+NORMS_WRONG_BEFORE = [
     # a Linear whose weight the generator's optimizer holds and its bias the discriminator's: each optimizer's norms
     # counted the other's parameter too
     pytest.param({"variant": "split"}, id="split-linear"),
@@ -234,7 +239,7 @@ FAILED_BEFORE = [
     # the discriminator's first bias in no optimizer: it was counted in the discriminator's norms
     pytest.param({"variant": "unheld-bias"}, id="bias-in-no-optimizer"),
 ]
-RIGHT_BEFORE = [
+NORMS_RIGHT_BEFORE = [
     pytest.param({}, id="plain"),
     pytest.param({"toggle": True}, id="toggle"),
     pytest.param({"set_to_none": False, "toggle": True}, id="zero-grad-in-place-toggle"),
@@ -250,7 +255,7 @@ RIGHT_BEFORE = [
 ]
 
 
-@pytest.mark.parametrize("kw", FAILED_BEFORE + RIGHT_BEFORE)
+@pytest.mark.parametrize("kw", NORMS_WRONG_BEFORE + NORMS_RIGHT_BEFORE)
 def test_gan_per_example_norms_and_dumps_match_float64_references(tmp_path: Path, kw: dict[str, Any]) -> None:
     module, norms = GAN(**kw), StepNorms()
     cb = GradStatsCallback(optimizer_names=NAMES, per_example=True, flight_recorder=8)
@@ -292,8 +297,8 @@ def test_gan_reentrant_checkpoint_in_the_discriminator_is_refused_by_name(tmp_pa
     loss: the discriminator's per-example norms were silently off by a few percent, now an error names the
     parameter (the generator's backward, one use per layer, is exact)."""
     cb = GradStatsCallback(optimizer_names=NAMES, per_example=True)
-    with pytest.raises(RuntimeError, match=r"parameter 'nets.d.enc.encoder.layers.1.norm2.weight' .* is used again, in a "
-                                           r"reentrant checkpoint"):
+    with pytest.raises(RuntimeError, match=r"parameter 'nets.d.enc.encoder.layers.1.norm2.weight' .* is used "
+                                           r"again, in a reentrant checkpoint"):
         _fit(tmp_path, GAN(variant="reentrant"), [cb])
 
 
