@@ -533,24 +533,26 @@ def _step_references(model: nn.Module, windows: list[torch.Tensor]) -> tuple[lis
     return ref, math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
 
 
-def _check_steps(figures: list[tuple[float, float]], refs: list[list[float]]) -> None:
+def _check_steps(figures: list[tuple[float, float]], refs: list[list[float]], factor: float = 1.0) -> None:
     assert len(figures) == len(refs) == STEPS
     for step, ((top, median), ref) in enumerate(zip(figures, refs)):
-        ref_t = torch.tensor(ref, dtype=torch.float64)
+        ref_t = torch.tensor(ref, dtype=torch.float64) * factor
         assert top == pytest.approx(float(ref_t.max()), rel=1e-4), step
         assert median == pytest.approx(float(ref_t.median()), rel=1e-4), step
 
 
-def test_one_optimizer_hugging_face_gpt2_figures_and_dump(tmp_path: Path) -> None:
-    """The Hugging Face callback, GPT-2's loss made inside its forward over the Trainer's num_items_in_batch (the
-    model told its loss shifts the labels, so the Trainer counts the tokens the loss does), two micro-batches per
-    step: the logged figures are the references', the dump's rows the float64 gradient norms."""
+@pytest.mark.parametrize("loss_type", ["ForCausalLM", None])
+def test_one_optimizer_hugging_face_gpt2_figures_and_dump(tmp_path: Path, loss_type: str | None) -> None:
+    """The Hugging Face callback, GPT-2's loss made inside its forward over the Trainer's num_items_in_batch, two
+    micro-batches per step: the logged figures are the references', the dump's rows the float64 gradient norms. With
+    its loss_type None (GPT2LMHeadModel's own) the Trainer counts every label, the first of each sequence too, which
+    the shifted loss never reads: the figures are (T - 1) / T of the references, as docs/integrations.md says."""
     transformers = pytest.importorskip("transformers")
     from torch_gradstats.integrations.transformers import GradStatsCallback as HFCallback
     from torch_gradstats.integrations.transformers import add_to_trainer
 
     model = _gpt2_no_dropout()
-    model.loss_type = "ForCausalLM"
+    model.loss_type = loss_type
     ids = _gpt2_ids()
     batches: list[dict[str, torch.Tensor]] = []
 
@@ -583,7 +585,7 @@ def test_one_optimizer_hugging_face_gpt2_figures_and_dump(tmp_path: Path) -> Non
         trainer.train()
     logged = [(h["examples/max_norm"], h["examples/median_norm"]) for h in trainer.state.log_history
               if "examples/max_norm" in h]
-    _check_steps(logged, refs)
+    _check_steps(logged, refs, 1.0 if loss_type else (T - 1) / T)
     dumped = _read(cb.flight_recorder.dump(tmp_path / "hf.jsonl"))
     assert [r["total_norm"] for r in dumped] == pytest.approx(norms, rel=1e-5)
 
