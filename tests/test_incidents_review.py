@@ -304,12 +304,23 @@ def test_gan_reentrant_checkpoint_in_the_discriminator_is_refused_by_name(tmp_pa
 
 @pytest.mark.parametrize("affine", [True, False])
 def test_batchnorm_is_refused_with_or_without_parameters_and_leaves_no_hook(affine: bool) -> None:
-    """A BatchNorm in training mode mixes the examples whether or not it has parameters of its own; refused, it
-    leaves the model as it was (no hook on the layers before it)."""
+    """A BatchNorm in training mode after a layer mixes the examples' gradients whether or not it has parameters of
+    its own: refused by name (with parameters when made, without at its first forward with a gradient), and the
+    model is left as it was (no hook on the layers before it)."""
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=affine), nn.Tanh(), nn.Linear(6, 1))
-    with pytest.raises(ValueError, match=r"module '1' \(BatchNorm1d\) normalises with the statistics of the whole"):
-        PerExampleNorms(model)
+    refused = pytest.raises(ValueError, match=r"module '1' \(BatchNorm1d\) normalises with the statistics of the whole")
+    if affine:
+        with refused:
+            PerExampleNorms(model)
+    else:
+        with PerExampleNorms(model), refused:
+            model(torch.randn(8, 4))
     model(torch.randn(8, 4)).pow(2).mean().backward()  # the model trains on without per-example norms
+    # a BatchNorm without parameters on the raw inputs (a normalisation of the data) mixes no gradient: taken
+    data_norm = nn.Sequential(nn.BatchNorm1d(4, affine=False), nn.Linear(4, 1))
+    with PerExampleNorms(data_norm) as pe:
+        data_norm(torch.randn(8, 4)).pow(2).mean().backward()
+    assert pe.num_examples == 8
     model.eval()  # running statistics: each example its own gradient
     pe = PerExampleNorms(model)
     model(torch.randn(8, 4)).pow(2).mean().backward()

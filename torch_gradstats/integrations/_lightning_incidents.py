@@ -21,10 +21,10 @@ __all__ = ["HeldModules", "grad_versions", "optimizer_incidents", "optimizer_rec
 class HeldModules(nn.Module):
     """A view of ``module`` for one optimizer's :class:`~torch_gradstats.PerExampleNorms`: only the modules that
     directly own one of ``params``, and of their parameters only ``params``, named as in ``module``; and every
-    BatchNorm, checked but not hooked (one in training mode mixes the examples of any backward through it, the other
-    optimizer's network's too). The other optimizers' modules are not hooked, so a backward through them (the
-    generator's loss goes through the discriminator) neither computes nor counts their per-example gradients in this
-    optimizer's norms.
+    BatchNorm, checked at each call but not hooked (one in training mode mixes the examples of any backward through
+    it, the other optimizer's network's too). The other optimizers' modules are not hooked, so a backward through
+    them (the generator's loss goes through the discriminator) neither computes nor counts their per-example
+    gradients in this optimizer's norms.
 
     A view, not a container: the modules are not registered as its children (they stay the LightningModule's); only
     ``named_modules`` and ``named_parameters`` (and so ``modules`` and ``parameters``) see them. The set is fixed when

@@ -106,7 +106,8 @@ class PerExampleNorms:
         names = {id(p): n for n, p in model.named_parameters()}
         self._order = list(names.values())
         for mname, m in model.named_modules():  # every module refused before any is hooked: none left hooked
-            self._check(mname, m)
+            if any(id(p) in names for p in m.parameters(recurse=False)):
+                self._check(mname, m)
         whole: list[str] = []  # modules handled with all their submodules' parameters (MultiheadAttention)
         for mname, m in model.named_modules():
             if any(mname.startswith(w + ".") for w in whole):
@@ -115,9 +116,8 @@ class PerExampleNorms:
             own = [(n, p) for n, p in m.named_parameters(recurse=isinstance(m, nn.MultiheadAttention))
                    if id(p) in names]
             if not own:
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):  # no parameter read, but it mixes the examples
-                    self._handles.append(m.register_forward_pre_hook(
-                        lambda m, args, mname=mname: self._check(mname, m) if torch.is_grad_enabled() else None))
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):  # no parameter read, but it may mix the examples
+                    self._handles.append(m.register_forward_pre_hook(self._check_mixing(mname)))
                 continue
             if isinstance(m, nn.MultiheadAttention):
                 whole.append(mname)
@@ -132,6 +132,17 @@ class PerExampleNorms:
         self._batches: list[tuple[Tensor, dict[str, Tensor]]] = []  # per backward: (sum of squares, per parameter)
         self._replaying = False
         self._clear_backward()
+
+    def _check_mixing(self, name: str) -> Any:
+        """A forward pre-hook for a BatchNorm with no parameter read: refused at a call whose input carries a
+        gradient (a parameter before it: the examples' gradients mix there), not on raw inputs (its batch statistics
+        are then constants of the examples, as a normalisation of the data is)."""
+
+        def check(m: nn.Module, args: tuple[Any, ...]) -> None:
+            if torch.is_grad_enabled() and args and isinstance(args[0], Tensor) and args[0].requires_grad:
+                self._check(name, m)
+
+        return check
 
     @staticmethod
     def _check(name: str, m: nn.Module) -> None:
