@@ -126,13 +126,8 @@ from typing import Any
 from torch import Tensor
 
 from torch_gradstats.integrations._common import (
-    OnNonfinite,
     StatsTaker,
     activation_metrics,
-    check_histogram,
-    check_key_style,
-    check_options,
-    check_watch,
     describe_nonfinite,
     logs_here,
     styled_keys,
@@ -150,6 +145,13 @@ from torch_gradstats.integrations._lightning_steps import (
     example_scale,
     lightning_scaler,
     log_due,
+)
+from torch_gradstats.integrations._options import (
+    OnNonfinite,
+    check_histogram,
+    check_key_style,
+    check_options,
+    check_watch,
 )
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors.activations import ActivationReport, ActivationWatch

@@ -42,19 +42,21 @@ from transformers import TrainerCallback
 
 from torch_gradstats.integrations._common import (
     ActivationReporting,
-    OnNonfinite,
     PolicyState,
     StatsTaker,
     activation_metrics,
-    check_histogram,
-    check_key_style,
-    check_options,
-    check_watch,
     describe_nonfinite,
     logs_here,
     styled_keys,
 )
 from torch_gradstats.integrations._hf_checkpoints import restore_saved_state, save_state
+from torch_gradstats.integrations._options import (
+    OnNonfinite,
+    check_histogram,
+    check_key_style,
+    check_options,
+    check_watch,
+)
 from torch_gradstats.integrations.sinks import AnyReport, grad_report, metrics
 from torch_gradstats.monitors._backward_end import requeue_if_nested
 from torch_gradstats.monitors._grad_scaler import loss_scale
