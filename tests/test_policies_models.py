@@ -792,14 +792,15 @@ def test_trainer_activation_warning_names_the_optimizer_step_of_the_watched_forw
     watch = tg.ActivationWatch(t.model, every_n_steps=2)
     tr = tg.Trainer(t.model, torch.optim.SGD(t.model.parameters(), lr=0.1), t.loss_fn, watch_activations=watch,
                     sync_every=1, progress=False)  # fmt: skip
+    t.model(t.batch(0)[0])  # the watch's step 0, its first training forward, recorded
     t.model.eval()
     with torch.inference_mode():
-        t.model(torch.full_like(t.batch(0)[0], math.nan))  # the watch's step 0, recorded
+        t.model(torch.full_like(t.batch(0)[0], math.nan))  # the watch's step 1, its first evaluation, recorded
     t.model.train()
     with caplog.at_level("WARNING", logger="torch_gradstats"):
-        tr.train_epoch(t.loader(1))  # the watch's step 1, not recorded
+        tr.train_epoch(t.loader(1))  # the watch's step 2, its second training forward, not recorded
     said = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]  # at the step's sync, the epoch's
-    assert said and all("at step 0: the model's inputs were non-finite (the watch's step 0 was no training step: a "
+    assert said and all("at step 1: the model's inputs were non-finite (the watch's step 1 was no training step: a "
                         "forward between optimizer steps)" in m for m in said), said
 
 

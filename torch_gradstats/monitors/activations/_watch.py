@@ -128,9 +128,11 @@ class ActivationWatch:
             read, under the name ``"<root>"``.
         modules: None (every leaf module and every module owning parameters directly), a module type or tuple of
             types, or a predicate ``(path, module) -> bool``. Paths are dot-separated, as in ``named_modules()``.
-        every_n_steps: record steps 0, n, 2n, ... (a step is one call of the model's forward, or, when the model's
-            own forward is not called, of the first watched module called from outside it: the first in training
-            mode, and in eval mode the first called then); on the other steps a module's call costs one Python check.
+        every_n_steps: record the training steps 0, n, 2n, ... (a step is one call of the model's forward, or, when
+            the model's own forward is not called, of the first watched module called from outside it: the first in
+            training mode, and in eval mode the first called then; a training step is one in training mode with grad
+            enabled), and the other steps (evaluation, generation) 0, n, 2n, ... of their own count; on the other
+            steps a module's call costs one Python check.
         backward: also watch ``grad_output`` / ``grad_input`` of the selected modules.
 
     Use as a handle (``remove()``) or a context manager (entering a removed watch puts its hooks back). Hooks never
@@ -178,6 +180,7 @@ class ActivationWatch:
         if not selected:
             raise ValueError("ActivationWatch: modules selected no module of the model")
         self._step = -1  # the step now running (or last run)
+        self._begun = [0, 0]  # steps begun so far: [evaluation forwards, training forwards]
         self._recorded = -1  # the latest recorded step
         self._recording = False
         # When the root's forward is not called: the module whose call starts a step, one for the root's training mode
@@ -249,7 +252,11 @@ class ActivationWatch:
 
     def _begin_step(self) -> None:
         self._step += 1
-        recording = self._step % self.every_n_steps == 0
+        # Training forwards (training mode, grad on) and the others (evaluation, generation) each on a cadence of
+        # their own: forwards of the one kind never shift which forwards of the other are recorded.
+        kind = int(self._root.training and torch.is_grad_enabled())
+        recording = self._begun[kind] % self.every_n_steps == 0
+        self._begun[kind] += 1
         if recording != self._recording or (recording and not self._toggled):
             self._set_hooks(recording)
         self._recording = recording
