@@ -95,3 +95,147 @@ def test_watch_training_figures_after_generation_are_those_without_it(every: int
     assert [f is not None for f in with_generation] == recorded  # the training steps recorded are the same ones
     for got, want in zip(with_generation, plain):
         assert got == want
+
+
+# ================================================================================================ Hugging Face
+@pytest.mark.slow  # two Hugging Face runs of GPT-2
+@pytest.mark.skipif(not _installed("transformers", "accelerate"), reason="needs transformers and accelerate")
+def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_without(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
+
+    g = torch.Generator().manual_seed(0)
+    train = [{"input_ids": x, "labels": x, "position_ids": torch.arange(T)} for x in torch.randint(1, 64, (16, T),
+                                                                                                    generator=g)]
+
+    def run(generate: bool) -> tuple[dict[int, dict[str, float]], dict[int, Any], GradStatsCallback]:
+        model = _quiet_gpt2()
+        cb = GradStatsCallback(watch_activations=True, per_example=True,
+                               flight_recorder=FlightRecorder(8, dump_dir=tmp_path / f"gen_{generate}"),
+                               spike_guard=SpikeGuard(min_history=2))
+        reports: dict[int, Any] = {}
+
+        class Samples(transformers.TrainerCallback):  # sample logging, a common pattern
+            def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+                if generate and state.global_step % 2 == 1:
+                    _generate(model, sample=False, inference=True)
+
+        class Keep(transformers.TrainerCallback):  # after ours: the activation report it logged with
+            def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+                if logs and "loss" in logs:
+                    report = cb.last_activation_report
+                    reports[state.global_step] = (report.modules, report.forward_order, report.backward_recorded)
+
+        optimizer = cb.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"out_{generate}"), per_device_train_batch_size=4, max_steps=4,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+            lr_scheduler_type="constant")
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=train, callbacks=[Samples(), Keep()],
+                                       optimizers=(optimizer, None))
+        add_to_trainer(trainer, cb)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        logs = {e["step"]: {k: float(v) for k, v in e.items()
+                            if k.startswith(("grad/", "guard/", "act/", "examples/")) or k == "loss"}
+                for e in trainer.state.log_history if "loss" in e}
+        return logs, reports, cb
+
+    (logs, reports, cb), (plain_logs, plain_reports, _) = run(True), run(False)
+    assert sorted(plain_logs) == [1, 2, 3, 4] and all("examples/max_norm" in r for r in plain_logs.values())
+    assert cb.skipped_steps == []
+    for step, row in plain_logs.items():
+        assert sorted(logs[step]) == sorted(row), step
+        for key, value in row.items():
+            assert logs[step][key] == value or (math.isnan(value) and math.isnan(logs[step][key])), (step, key)
+    for step, want in plain_reports.items():  # the training step's activations, not the generation's last forward
+        assert reports[step] == want, step
+
+
+# ================================================================================================ Lightning
+@pytest.mark.slow  # two Lightning fits of GPT-2
+@pytest.mark.skipif(not _installed("lightning", "transformers"), reason="needs lightning and transformers")
+def test_lightning_callback_figures_with_generation_in_validation_and_batch_end_are_those_without() -> None:
+    L = pytest.importorskip("lightning.pytorch")
+    from torch_gradstats.integrations.lightning import GradStatsCallback
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(1, 64, (12, T), generator=g)
+
+    class LM(L.LightningModule):
+        def __init__(self, generate: bool) -> None:
+            super().__init__()
+            self.model, self.generate = _quiet_gpt2(), generate
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return self.model(input_ids=x, labels=x, position_ids=torch.arange(T).expand_as(x)).loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            if self.generate:  # under Lightning's inference_mode, in eval mode
+                self.model.generate(input_ids=batch[0][:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Samples(L.Callback):  # before ours: its batch-end generation runs before the callback's report
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if pl_module.generate:
+                _generate(pl_module.model, sample=True, inference=False)
+
+    def run(generate: bool) -> tuple[list[Any], list[dict[str, str]]]:
+        cb = GradStatsCallback(every_n_steps=1, watch_activations=True, log_update_ratio=True, per_example=True,
+                               spike_guard=SpikeGuard(min_history=2))
+        reports: list[Any] = []
+        logged: list[dict[str, str]] = []
+
+        class Keep(L.Callback):  # after ours
+            def on_train_batch_end(self, *args: Any) -> None:
+                report = cb.last_activation_report
+                reports.append((report.modules, report.forward_order, report.backward_recorded))
+                logged.append({k: repr(float(v)) for k, v in cb.taker.policy_figures.items()})  # nan == nan
+
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[Samples(), cb, Keep()],
+                            logger=False, log_every_n_steps=1, val_check_interval=1, limit_val_batches=1,
+                            num_sanity_val_steps=1, enable_progress_bar=False, enable_checkpointing=False,
+                            enable_model_summary=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(LM(generate), loader, loader)
+        assert cb.skipped_steps == []
+        return reports, logged
+
+    (reports, logged), (plain_reports, plain_logged) = run(True), run(False)
+    assert len(plain_reports) == 3 and all(r[2] for r in plain_reports)
+    assert logged == plain_logged
+    assert reports == plain_reports  # the training step's activations, not a generated sample's
+
+
+# ================================================================================================ PerExampleNorms
+@pytest.mark.skipif(not _installed("transformers"), reason="needs transformers")
+def test_per_example_norms_after_generation_and_eval_forwards_with_grad_are_right() -> None:
+    import copy
+
+    model = _quiet_gpt2()
+    reference = copy.deepcopy(model).double()
+    x = torch.randint(1, 64, (3, T), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(T).expand_as(x)
+    pe = PerExampleNorms(model)
+    _generate(model, sample=False, inference=False)
+    _generate(model, sample=True, inference=True)
+    model.eval()
+    model(input_ids=x[:2], labels=x[:2], position_ids=pos[:2])  # an eval loss with grad on, never backpropagated
+    model.train()
+    model(input_ids=x, labels=x, position_ids=pos).loss.backward()
+    got = pe.norms()
+    want = []
+    for i in range(x.shape[0]):  # float64, one backward per example
+        reference.zero_grad()
+        reference(input_ids=x[i : i + 1], labels=x[i : i + 1], position_ids=pos[i : i + 1]).loss.backward()
+        want.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in reference.parameters()
+                                  if p.grad is not None)))
+    assert got.shape == (3,)
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=0)
+    pe.remove()

@@ -263,6 +263,8 @@ class SeveralOptimizers(ActivationReporting, PolicyState):
             self._measure_hooked.add(raw)
         if isinstance(taker, OptimizerTaker) and logs_here and self.activation_watch is not None:
             taker.activation = self._activation_report()
+        elif logs_here:  # one optimizer: the step's figures, not those of forwards run before the batch's end
+            self._hold_activation()
 
     def _measure_after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         taker = self._taker(optimizer) if self._takers is None or id(optimizer) in self._takers else None

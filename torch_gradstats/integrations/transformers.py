@@ -435,6 +435,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         if requeue_if_nested(lambda: engine.queue_callback(self._after_backward)):
             return
         self._queued = False
+        self._held_activation = None  # a step's figures kept for a log that never came are no later step's
         next_step = self._state.global_step + 1  # the global step once this optimizer step is done
         log_now = self._will_log(next_step)
         loss = self._loss_sum
@@ -466,6 +467,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
                                    self.taker.describe_nonfinite(stats) + self._activation_words())
         if log_now:
             self._pending = (next_step, stats)
+            self._hold_activation()  # on_log comes after every callback's on_step_end, which may run forwards
             if self.taker.log_update_ratio:
                 self.taker.snapshot(self._model)
                 self._measure_after_step = True

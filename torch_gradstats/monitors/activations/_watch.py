@@ -96,6 +96,10 @@ def _storage(t: Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
 
 
+#: A recorded step's calls: (step, forward calls, backward calls, the inputs' call, forward order, backward order).
+_Held = tuple[int, list[Call], list[Call], "Call | None", list[str], list[str]]
+
+
 class _Pending:
     """The backward of one forward call of one module: the gradients of its outputs (tensor hooks, one call per
     output) wait for those of its inputs (its :class:`Boundary` node), which run after them."""
@@ -384,10 +388,17 @@ class ActivationWatch:
     # ------------------------------------------------------------------------------------------ report
     def report(self) -> ActivationReport:
         """The figures and origins of the latest recorded step, in one device-to-host transfer."""
-        step = self._recorded
-        forward_order, backward_order = list(self._fwd_names), list(self._bwd_names)
-        inputs_call = self._inputs
-        calls = self._fwd + self._bwd + ([inputs_call] if inputs_call is not None else [])
+        return self._report_of(self._hold())
+
+    def _hold(self) -> _Held:
+        """The latest recorded step's figures as they stand, still on the device (no host read): a callback keeps
+        the training step's so that forwards run after it (a sample generated at step end) do not replace them."""
+        return (self._recorded, list(self._fwd), list(self._bwd), self._inputs, list(self._fwd_names),
+                list(self._bwd_names))
+
+    def _report_of(self, held: _Held) -> ActivationReport:
+        step, fwd, bwd, inputs_call, forward_order, backward_order = held
+        calls = fwd + bwd + ([inputs_call] if inputs_call is not None else [])
         reads = list({id(r): r for c in calls for r, _ in c.refs}.values())
         if step < 0 or not reads:
             return build_report(None if step < 0 else step, [], [], None, forward_order, backward_order)
@@ -415,7 +426,7 @@ class ActivationWatch:
         inputs = None
         if inputs_call is not None:
             inputs = [own[id(r)][k] for r, k in inputs_call.refs[: inputs_call.groups[0]]]
-        return build_report(step, [figures(c) for c in self._fwd], [figures(c) for c in self._bwd], inputs,
+        return build_report(step, [figures(c) for c in fwd], [figures(c) for c in bwd], inputs,
                             forward_order, backward_order)  # fmt: skip
 
 
