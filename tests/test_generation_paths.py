@@ -239,3 +239,47 @@ def test_per_example_norms_after_generation_and_eval_forwards_with_grad_are_righ
     assert got.shape == (3,)
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=0)
     pe.remove()
+
+
+# ================================================================================================ TransformerEncoder
+@pytest.mark.parametrize("inference", [False, True])
+def test_watch_reads_a_transformer_encoders_nested_tensors_in_evaluation(inference: bool) -> None:
+    """In evaluation over a padded batch, nn.TransformerEncoder hands its layers' modules nested tensors (its fast
+    path): read as their components' elements, padding left out; training afterwards is as without it."""
+    x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[False] * 6, [False] * 4 + [True] * 2, [False] * 2 + [True] * 4])
+
+    def encoder() -> nn.TransformerEncoder:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2)
+
+    def train_step(enc: nn.TransformerEncoder, watch: ActivationWatch) -> dict[str, Any]:
+        enc.train()
+        enc(x, src_key_padding_mask=mask).sum().backward()
+        return _figures(watch)
+
+    enc = encoder()
+    seen: dict[str, float] = {}
+
+    def keep(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        assert out.is_nested  # what the watch is given here
+        flat = torch.cat([c.reshape(-1) for c in out.unbind()])
+        seen["max_abs"], seen["norm"] = float(flat.abs().max()), float(flat.double().norm())
+
+    watch = ActivationWatch(enc)
+    handle = enc.layers[0].linear1.register_forward_hook(keep)
+    enc.eval()
+    with torch.inference_mode() if inference else torch.no_grad():
+        out = enc(x, src_key_padding_mask=mask)
+    handle.remove()
+    figures = watch.report().modules["layers.0.linear1"]
+    assert not out.is_nested and not watch.report().nonfinite
+    assert figures.max_abs == pytest.approx(seen["max_abs"], rel=1e-6)
+    assert figures.norm == pytest.approx(seen["norm"], rel=1e-5)
+    after = train_step(enc, watch)
+    plain = encoder()
+    plain_watch = ActivationWatch(plain)
+    assert after == train_step(plain, plain_watch)
+    watch.remove()
+    plain_watch.remove()

@@ -104,8 +104,10 @@ class Call:
 
 def _key(t: Tensor) -> tuple[Any, ...] | None:
     """Same elements (memory, dtype, and shape and strides unless contiguous: the figures do not depend on the
-    order) at the same in-place version: the same figures. Inference tensors keep no version counter, so they are
-    never taken as already read."""
+    order) at the same in-place version: the same figures. Inference tensors keep no version counter, and nested
+    tensors no single memory, so they are never taken as already read."""
+    if t.is_nested:
+        return None
     try:
         version = t._version
     except RuntimeError:
@@ -145,15 +147,24 @@ class Reader:
 
 
 def _prepare(tensors: list[Tensor]) -> list[Tensor]:
-    """What the op reads: |z| for a complex tensor (max |z|, sum |z|^2, a NaN/Inf in either part is non-finite), and
+    """What the op reads: |z| for a complex tensor (max |z|, sum |z|^2, a NaN/Inf in either part is non-finite), a
+    nested tensor's components, and
     every tensor on one device, the first non-CPU one (a copy to it is ordered before the op; never to the CPU,
     where a non-blocking copy could be read before it lands)."""
     device = tensors[0].device
-    if all(t.device == device and not t.is_complex() for t in tensors):
+    if all(t.device == device and not t.is_complex() and not t.is_nested for t in tensors):
         return tensors
-    out = [t.detach().abs() if t.is_complex() else t for t in tensors]  # the op itself is not differentiable
+    # A nested tensor (nn.TransformerEncoder's fast path over a padded batch, in evaluation) is read as its
+    # components' elements, padding left out, in one flat copy.
+    out = [_flat(t.detach()) if t.is_nested else t for t in tensors]
+    out = [t.detach().abs() if t.is_complex() else t for t in out]  # the op itself is not differentiable
     home = next((t.device for t in out if t.device.type != "cpu"), device)
     return [t if t.device == home else to_device(t, home) for t in out]
+
+
+def _flat(t: Tensor) -> Tensor:
+    parts = [c.reshape(-1) for c in t.unbind()]
+    return torch.cat(parts) if parts else t.new_zeros(0)
 
 
 class Boundary(torch.autograd.Function):
