@@ -108,8 +108,10 @@ def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_withou
     train = [{"input_ids": x, "labels": x, "position_ids": torch.arange(T)} for x in torch.randint(1, 64, (16, T),
                                                                                                     generator=g)]
 
-    def run(generate: bool) -> tuple[dict[int, dict[str, float]], dict[int, Any], GradStatsCallback]:
+    def run(generate: bool) -> tuple[dict[int, dict[str, Any]], dict[int, Any], GradStatsCallback]:
         model = _quiet_gpt2()
+        with torch.no_grad():  # the last position, which only a long sample reaches: its forward is non-finite
+            model.transformer.wpe.weight[15] = math.inf
         cb = GradStatsCallback(watch_activations=True, per_example=True,
                                flight_recorder=FlightRecorder(8, dump_dir=tmp_path / f"gen_{generate}"),
                                spike_guard=SpikeGuard(min_history=2))
@@ -119,6 +121,11 @@ def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_withou
             def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
                 if generate and state.global_step % 2 == 1:
                     _generate(model, sample=False, inference=True)
+                    model.eval()
+                    with torch.inference_mode():  # positions 13 to 15: its last forward is non-finite
+                        model.generate(input_ids=train[0]["input_ids"][None, :5].repeat(1, 3)[:, :13],
+                                       max_new_tokens=4, do_sample=False, pad_token_id=0)
+                    model.train()
 
         class Keep(transformers.TrainerCallback):  # after ours: the activation report it logged with
             def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
@@ -137,13 +144,14 @@ def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_withou
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
-        logs = {e["step"]: {k: float(v) for k, v in e.items()
+        logs = {e["step"]: {k: v if isinstance(v, str) else float(v) for k, v in e.items()
                             if k.startswith(("grad/", "guard/", "act/", "examples/")) or k == "loss"}
                 for e in trainer.state.log_history if "loss" in e}
         return logs, reports, cb
 
     (logs, reports, cb), (plain_logs, plain_reports, _) = run(True), run(False)
     assert sorted(plain_logs) == [1, 2, 3, 4] and all("examples/max_norm" in r for r in plain_logs.values())
+    assert all(row["act/nonfinite"] == 0.0 for row in logs.values())  # the training steps were finite
     assert cb.skipped_steps == []
     for step, row in plain_logs.items():
         assert sorted(logs[step]) == sorted(row), step
