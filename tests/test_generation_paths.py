@@ -100,7 +100,8 @@ def test_watch_training_figures_after_generation_are_those_without_it(every: int
 # ================================================================================================ Hugging Face
 @pytest.mark.slow  # two Hugging Face runs of GPT-2
 @pytest.mark.skipif(not _installed("transformers", "accelerate"), reason="needs transformers and accelerate")
-def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_without(tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", [1, 2])
+def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_without(tmp_path: Path, every: int) -> None:
     transformers = pytest.importorskip("transformers")
     from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
 
@@ -112,8 +113,9 @@ def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_withou
         model = _quiet_gpt2()
         with torch.no_grad():  # the last position, which only a long sample reaches: its forward is non-finite
             model.transformer.wpe.weight[15] = math.inf
-        cb = GradStatsCallback(watch_activations=True, per_example=True,
-                               flight_recorder=FlightRecorder(8, dump_dir=tmp_path / f"gen_{generate}"),
+        cb = GradStatsCallback(watch_activations=True if every == 1 else ActivationWatch(model, every_n_steps=every),
+                               per_example=True,
+                               flight_recorder=FlightRecorder(8, dump_dir=tmp_path / f"gen_{generate}_{every}"),
                                spike_guard=SpikeGuard(min_history=2))
         reports: dict[int, Any] = {}
 
@@ -135,7 +137,7 @@ def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_withou
 
         optimizer = cb.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
         args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / f"out_{generate}"), per_device_train_batch_size=4, max_steps=4,
+            output_dir=str(tmp_path / f"out_{generate}_{every}"), per_device_train_batch_size=4, max_steps=4,
             logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
             lr_scheduler_type="constant")
         trainer = transformers.Trainer(model=model, args=args, train_dataset=train, callbacks=[Samples(), Keep()],

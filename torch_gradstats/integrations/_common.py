@@ -81,18 +81,18 @@ class ActivationReporting:
         """At a training step's end: keep the watch's figures of it (on the device), which forwards run before the
         report (a sample another callback generates) would replace."""
         watch = self.activation_watch
-        self._held_activation = None if watch is None else (watch.step, watch._hold())
+        self._held_activation = None if watch is None else (watch.step, watch._hold(training=True))
 
     def _activation_report(self) -> ActivationReport | None:
-        """The watch's report of the held step, else of its latest recorded one (its own one transfer); None
-        without a watch."""
+        """The watch's report of the held step, else of its latest recorded training step (its own one transfer);
+        None without a watch."""
         watch = self.activation_watch
         if watch is None:
             return None
         held, self._held_activation = self._held_activation, None
         at = held[0] if held is not None else watch.step
         if self.last_activation_report is None or self._activation_at != at:  # no forward since: the same
-            self.last_activation_report = watch._report_of(held[1]) if held is not None else watch.report()
+            self.last_activation_report = watch._report_of(held[1] if held is not None else watch._hold(training=True))
             self._activation_at = at
         return self.last_activation_report
 

@@ -185,6 +185,8 @@ class ActivationWatch:
             raise ValueError("ActivationWatch: modules selected no module of the model")
         self._step = -1  # the step now running (or last run)
         self._begun = [0, 0]  # steps begun so far: [evaluation forwards, training forwards]
+        self._recorded_training = False  # whether the latest recorded step is a training step
+        self._training_held: _Held | None = None  # the latest recorded training step's, once one of the others was
         self._recorded = -1  # the latest recorded step
         self._recording = False
         # When the root's forward is not called: the module whose call starts a step, one for the root's training mode
@@ -265,6 +267,9 @@ class ActivationWatch:
             self._set_hooks(recording)
         self._recording = recording
         if recording:
+            if self._recorded_training and not kind:  # a callback reports the training step's figures: keep them
+                self._training_held = self._hold()
+            self._recorded_training = bool(kind)
             self._recorded = self._step
             self._fwd, self._bwd, self._inputs = [], [], None
             self._reader.seen.clear()
@@ -390,9 +395,13 @@ class ActivationWatch:
         """The figures and origins of the latest recorded step, in one device-to-host transfer."""
         return self._report_of(self._hold())
 
-    def _hold(self) -> _Held:
-        """The latest recorded step's figures as they stand, still on the device (no host read): a callback keeps
-        the training step's so that forwards run after it (a sample generated at step end) do not replace them."""
+    def _hold(self, training: bool = False) -> _Held:
+        """The latest recorded step's figures as they stand, still on the device (no host read); with ``training``,
+        the latest recorded training step's, where one was (a model trained in eval mode has none). A callback keeps
+        the training step's so that forwards run after it (a sample generated at step end, an evaluation) do not
+        replace them."""
+        if training and not self._recorded_training and self._training_held is not None:
+            return self._training_held
         return (self._recorded, list(self._fwd), list(self._bwd), self._inputs, list(self._fwd_names),
                 list(self._bwd_names))
 
