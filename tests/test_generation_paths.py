@@ -233,12 +233,21 @@ def test_per_example_norms_after_generation_and_eval_forwards_with_grad_are_righ
     x = torch.randint(1, 64, (3, T), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(T).expand_as(x)
     pe = PerExampleNorms(model)
+    loss = model(input_ids=x, labels=x, position_ids=pos).loss
+    uses = dict(pe._uses)  # uses of each parameter still to come in the backward: those of one forward
+    loss.backward()
+    model.zero_grad()
+    pe.reset()
     _generate(model, sample=False, inference=False)
     _generate(model, sample=True, inference=True)
     model.eval()
     model(input_ids=x[:2], labels=x[:2], position_ids=pos[:2])  # an eval loss with grad on, never backpropagated
     model.train()
-    model(input_ids=x, labels=x, position_ids=pos).loss.backward()
+    loss = model(input_ids=x, labels=x, position_ids=pos).loss
+    # The evaluation's graph is gone: its uses are not awaited, so each layer's per-example figures are reduced as
+    # its gradient arrives, not kept to the backward's end.
+    assert dict(pe._uses) == uses
+    loss.backward()
     got = pe.norms()
     want = []
     for i in range(x.shape[0]):  # float64, one backward per example

@@ -52,6 +52,27 @@ __all__ = ["PerExampleNorms"]
 logger = logging.getLogger("torch_gradstats.per_example")
 
 # ---------------------------------------------------------------------------------------------- PerExampleNorms
+_USE_KEY = "torch_gradstats_per_example"  # in the metadata of the autograd node that made a hooked output
+
+
+class _Use:
+    """One hooked use of a module's parameters, kept in the metadata of the autograd node of its output. A forward
+    with grad on whose graph is freed without a backward (an evaluation loss, never backpropagated) frees it before
+    its gradient arrived: the use is then no longer awaited, so the next backward reduces each layer's figures as
+    they arrive instead of keeping them all to its end."""
+
+    __slots__ = ("arrived", "backwards", "names", "norms")
+
+    def __init__(self, norms: PerExampleNorms, names: list[str]) -> None:
+        self.norms, self.names, self.backwards, self.arrived = norms, names, norms._backwards, False
+
+    def __del__(self) -> None:
+        norms = self.norms
+        if not self.arrived and norms._backwards == self.backwards:
+            for name in self.names:
+                norms._uses[name] -= 1
+
+
 @dataclass
 class _Layer:
     """A hooked module: how its contributions are made, and the parameters they are for."""
@@ -131,6 +152,7 @@ class PerExampleNorms:
         self._norms = Norms(max_materialize)
         self._batches: list[tuple[Tensor, dict[str, Tensor]]] = []  # per backward: (sum of squares, per parameter)
         self._replaying = False
+        self._backwards = 0  # backwards ended: a _Use counted before the last one is no longer awaited
         self._clear_backward()
 
     def _check_mixing(self, name: str) -> Any:
@@ -172,6 +194,7 @@ class PerExampleNorms:
         self._arrival_key = key
 
     def _clear_backward(self) -> None:
+        self._backwards += 1
         self._arrivals_checked = False  # whether this backward's forward has checked the trainable set
         self._uses: dict[str, int] = defaultdict(int)  # calls hooked since the last backward, per parameter
         self._pending: dict[str, list[Contribution]] = defaultdict(list)
@@ -197,9 +220,13 @@ class PerExampleNorms:
             amp = autocast_state(args[0].device.type)
         for i, o in enumerate(outs if live else []):
             if o.requires_grad:  # the gradient there, with this call's inputs, gives this use's contribution
-                o.register_hook(lambda g, i=i: self._backward(layer, args, kwargs, i, g, amp))
+                use = _Use(self, live)
+                o.register_hook(lambda g, i=i, use=use: self._backward(layer, args, kwargs, i, g, amp, use))
                 for full in live:
                     self._uses[full] += 1
+                if o.grad_fn is not None:  # freed with the graph: unused, it was an evaluation's (see _Use)
+                    meta: dict[str, Any] = o.grad_fn.metadata  # type: ignore[assignment]  # a dict (a property)
+                    meta.setdefault(_USE_KEY, []).append(use)
 
     def _arrived(self, name: str) -> None:
         self._queue()
@@ -211,7 +238,9 @@ class PerExampleNorms:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _backward(self, layer: _Layer, args: tuple[Any, ...], kwargs: dict[str, Any], index: int, g: Tensor,
-                  amp: Autocast = ()) -> None:
+                  amp: Autocast = (), use: _Use | None = None) -> None:
+        if use is not None:
+            use.arrived = True
         self._queue()
         m, bd = layer.module, self.batch_dim
         if torch.is_grad_enabled():  # the engine runs a create_graph backward so: a gradient penalty's autograd.grad
