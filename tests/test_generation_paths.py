@@ -86,6 +86,9 @@ def test_watch_training_figures_after_generation_are_those_without_it(every: int
             model.zero_grad()
             _train_step(model, batch)
             seen.append(_figures(watch) if watch.report().step == watch.step else None)  # recorded
+        # Bounded: the latest recorded step's calls alone, nothing per forward kept
+        assert not any(watch._open.values()) and len(watch._fwd_names) <= len(watch.module_names)
+        assert len(watch._fwd) <= 2 * len(watch.module_names)
         watch.remove()
         return seen
 
