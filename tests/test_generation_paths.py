@@ -131,6 +131,9 @@ def test_hf_callback_figures_with_samples_generated_at_step_end_are_those_withou
                         model.generate(input_ids=train[0]["input_ids"][None, :5].repeat(1, 3)[:, :13],
                                        max_new_tokens=4, do_sample=False, pad_token_id=0)
                     model.train()
+                    if every == 1:  # (a watch counts a forward in training mode with grad on as a training step)
+                        # a sample's loss with grad on, in training mode, never backpropagated: no forward of a step
+                        model(input_ids=train[1]["input_ids"][None], labels=train[1]["input_ids"][None]).loss.item()
 
         class Keep(transformers.TrainerCallback):  # after ours: the activation report it logged with
             def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:

@@ -323,6 +323,11 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             self.activation_watch.remove()  # the one we made; a watch given to us stays the caller's
             self.activation_watch = None
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # A training forward run since the last step ended was none of the Trainer's (a callback's sample loss at
+        # on_step_end, with grad on): the step's loss and micro-batch count start here.
+        self._loss_sum, self._loss_n, self._micro_n = None, 0, 0
+
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self._stop:
             control.should_training_stop = True
