@@ -148,9 +148,8 @@ class Reader:
 
 def _prepare(tensors: list[Tensor]) -> list[Tensor]:
     """What the op reads: |z| for a complex tensor (max |z|, sum |z|^2, a NaN/Inf in either part is non-finite), a
-    nested tensor's components, and
-    every tensor on one device, the first non-CPU one (a copy to it is ordered before the op; never to the CPU,
-    where a non-blocking copy could be read before it lands)."""
+    nested tensor's components, and every tensor on one device, the first non-CPU one (a copy to it is ordered
+    before the op; never to the CPU, where a non-blocking copy could be read before it lands)."""
     device = tensors[0].device
     if all(t.device == device and not t.is_complex() and not t.is_nested for t in tensors):
         return tensors
