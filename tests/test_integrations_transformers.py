@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers")
 from _host_reads import instrument
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from torch_gradstats.integrations.transformers import GradStatsCallback, _unscaled, add_to_trainer
+from torch_gradstats.integrations._hf_steps import unscaled
+from torch_gradstats.integrations.transformers import GradStatsCallback, add_to_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -189,17 +190,17 @@ def test_fp16_scaled_gradients_are_unscaled_on_the_device() -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     scaler.scale(model(torch.randn(4, 5)).sum()).backward()
     scaled = tg.grad_stats(model.named_parameters())
-    unscaled = _unscaled(scaled, scaler._scale)
+    divided = unscaled(scaled, scaler._scale)
     scaler.unscale_(opt)
     ref = tg.grad_stats(model.named_parameters())
-    torch.testing.assert_close(unscaled.norms, ref.norms, rtol=1e-12, atol=0)
-    torch.testing.assert_close(unscaled.amax, ref.amax, rtol=1e-12, atol=0)
-    torch.testing.assert_close(unscaled.counts, ref.counts, rtol=0, atol=0)
+    torch.testing.assert_close(divided.norms, ref.norms, rtol=1e-12, atol=0)
+    torch.testing.assert_close(divided.amax, ref.amax, rtol=1e-12, atol=0)
+    torch.testing.assert_close(divided.counts, ref.counts, rtol=0, atol=0)
     # the exponent histogram moves down by log2(scale) buckets, per parameter and in all
     for per_tensor in (False, True):
         scaled_h = tg.grad_stats(model.named_parameters(), histogram=True, per_tensor=per_tensor)
         scaled_h.exponent_histogram = torch.roll(scaled_h.exponent_histogram, 12, dims=-1)  # the grads * 2**12
-        moved = _unscaled(scaled_h, scaler._scale).exponent_histogram
+        moved = unscaled(scaled_h, scaler._scale).exponent_histogram
         want = tg.grad_stats(model.named_parameters(), histogram=True, per_tensor=per_tensor).exponent_histogram
         assert torch.equal(moved, want)
 

@@ -30,7 +30,6 @@ What it logs, on which steps, its host syncs, ``on_nonfinite``, the step policie
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 from collections.abc import Collection
@@ -50,6 +49,7 @@ from torch_gradstats.integrations._common import (
     styled_keys,
 )
 from torch_gradstats.integrations._hf_checkpoints import restore_saved_state, save_state
+from torch_gradstats.integrations._hf_steps import sync_gradients, unscaled
 from torch_gradstats.integrations._options import (
     OnNonfinite,
     check_histogram,
@@ -78,32 +78,6 @@ __all__ = ["GradStatsCallback", "add_to_trainer"]
 _WRAPPED_BY = "_torch_gradstats_callback"  # attribute marking an optimizer wrapped by GradStatsCallback.wrap_optimizer
 
 logger = logging.getLogger("torch_gradstats")
-
-
-def _sync_gradients() -> bool:
-    """True while the current micro-batch is the last of its optimizer step (set by the Trainer via accelerate)."""
-    try:
-        from accelerate.state import GradientState
-    except ImportError:  # the Trainer itself needs accelerate; without it every backward counts
-        return True
-    return bool(GradientState().sync_gradients)
-
-
-def _unscaled(stats: GradStats | GradWeightStats, scale: torch.Tensor) -> GradStats | GradWeightStats:
-    """The statistics of ``grads / scale`` from those of ``grads`` (on the device; counts are unchanged). The
-    exponent histogram moves down by ``log2(scale)`` buckets: exact for a power-of-two scale, as GradScaler's are
-    (its initial scale and growth and backoff factors by default)."""
-    g = stats.grads if isinstance(stats, GradWeightStats) else stats
-    s = scale.to(device=g.device, dtype=torch.float64)
-    unscaled = dataclasses.replace(g, sumsq=g.sumsq / (s * s), amax=g.amax / s)
-    if g.exponent_histogram is not None:
-        h = g.exponent_histogram
-        shift = torch.round(torch.log2(s)).to(torch.int64)
-        index = (torch.arange(h.shape[-1], device=h.device) - shift).clamp_(0, h.shape[-1] - 1).expand_as(h)
-        unscaled.exponent_histogram = torch.zeros_like(h).scatter_add_(-1, index, h)
-    if isinstance(stats, GradWeightStats):
-        return dataclasses.replace(stats, grads=unscaled)
-    return unscaled
 
 
 class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
@@ -411,7 +385,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
     def _on_param_grad(self, param: torch.Tensor) -> None:
         # Called for each parameter as its gradient is accumulated; queue one callback per backward, only on the
         # last micro-batch of an optimizer step.
-        if self._queued or not _sync_gradients():
+        if self._queued or not sync_gradients():
             return
         self._queued = True
         engine = torch.autograd.Variable._execution_engine
@@ -454,7 +428,7 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
             stats = self.taker.take(self._model, self._optimizer, histogram=self.histogram and log_now)
             scale = self._scale()
             if scale is not None:
-                stats = _unscaled(stats, scale)
+                stats = unscaled(stats, scale)
         if self.taker.every_step:
             # Clipping the still loss-scaled gradients by the coefficient of the unscaled norm is the same clip.
             self._factor = self.taker.apply_policies(self._model, stats, loss)
