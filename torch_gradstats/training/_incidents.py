@@ -5,7 +5,9 @@ can use it without the loop). Every optimizer step writes one small row on the d
 skipped, whether a gradient was non-finite, and with ``per_example`` the step's top 3 examples and the median of its
 per-example gradient norms); nothing is read on the host then. The rows travel with the next transfer the caller
 makes anyway (the Trainer's sync, a logging step's report): each skipped or non-finite step is then named in a
-WARNING on the ``torch_gradstats`` logger, and a flight recorder, when kept, is dumped beside it.
+WARNING on the ``torch_gradstats`` logger, and a flight recorder, when kept, is dumped beside it. Where no such
+transfer comes (a run that logs no step), the rows are read once :data:`UNREAD_MAX` of them wait: one small transfer
+per that many steps, so that they neither pile up for the whole run nor go untold.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from torch_gradstats.ops._transfer import to_host
 from torch_gradstats.stats.gradients import ExtraFigures, GradStats
 from torch_gradstats.stats.groups import GroupStats
 
-__all__ = ["StepIncidents", "check_flight_recorder"]
+__all__ = ["UNREAD_MAX", "StepIncidents", "check_flight_recorder"]
 
 logger = logging.getLogger("torch_gradstats")
 
 TOP = 3  # batch positions named in a skipped step's warning
 _STEP, _SKIPPED, _NONFINITE, _COUNT, _MEDIAN, _IDX = 0, 1, 2, 3, 4, 5  # row layout; then TOP indices, TOP norms
 _WIDTH = _IDX + 2 * TOP
+UNREAD_MAX = 256  # rows left unread by the caller's transfers: read then (a run that logs no step)
 EXAMPLE_KEYS = ("examples/max_norm", "examples/median_norm", "examples/max_over_median")
 
 
@@ -126,6 +129,8 @@ class StepIncidents:
             self._rows = grown
         self._rows[self._count] = row
         self._count += 1
+        if self._count >= UNREAD_MAX:  # no transfer of the caller's read them (no step logged): told now
+            self.read_now()
 
     def example_figures(self) -> ExtraFigures | None:
         """The last step's ``examples/max_norm``, ``examples/median_norm``, ``examples/max_over_median``, for a

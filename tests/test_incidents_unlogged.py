@@ -1,0 +1,75 @@
+"""Incident rows where no step is ever logged (Lightning's ``log_every_n_steps=0``): the rows each step writes on the
+device are read once enough of them wait, so they neither pile up for the whole run nor go untold. A small model
+trained for real in Lightning on the CPU; a NaN put into one step's gradient."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torch_gradstats import FlightRecorder
+from torch_gradstats.training._incidents import UNREAD_MAX
+
+L = pytest.importorskip("lightning.pytorch")
+
+from torch_gradstats.integrations.lightning import GradStatsCallback  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAN = 5  # the step whose gradient gets a NaN
+STEPS = UNREAD_MAX + 10
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_after_backward(self) -> None:
+        if self.global_step == NAN:
+            self.net[2].weight.grad[0, 1] = float("nan")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Pending(L.Callback):
+    """The callback's unread incident rows after each batch (placed after it)."""
+
+    def __init__(self, watched: GradStatsCallback) -> None:
+        self.watched, self.most = watched, 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        incidents = self.watched.taker.incidents
+        assert incidents is not None
+        pending = incidents.pending()
+        self.most = max(self.most, 0 if pending is None else int(pending.floats[0].shape[0]))
+
+
+def test_rows_read_where_no_step_logs(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    x = torch.randn(STEPS * 2, 3, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=2)
+    callback = GradStatsCallback(per_example=True, on_nonfinite="skip",
+                                 flight_recorder=FlightRecorder(STEPS + 1, dump_dir=tmp_path))
+    pending = Pending(callback)
+    trainer = L.Trainer(max_epochs=1, log_every_n_steps=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback, pending],
+                        default_root_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
+        trainer.fit(Tiny(), loader)
+    assert trainer.global_step == STEPS
+    assert 0 < pending.most <= UNREAD_MAX  # bounded, not one row per step of the run
+    dump = tmp_path / f"flight-{NAN}.jsonl"
+    assert dump.is_file()  # the skipped step was told, with its dump
+    told = [r.getMessage() for r in caplog.records if "flight recorder dumped" in r.getMessage()]
+    assert len(told) == 1 and f"optimizer step {NAN} skipped (non-finite gradient)" in told[0]
+    assert str(dump) in told[0]
