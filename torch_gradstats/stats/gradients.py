@@ -371,9 +371,10 @@ def grad_stats(
         group: a ``torch.distributed`` process group. When given, or when any gradient is a DTensor, the local
             statistics are combined across ranks by :func:`torch_gradstats.distributed.reduce.reduce_across_ranks`.
             Otherwise there is no communication at all. Ranks may hold different parameters (a gradient missing
-            on one rank counts as an empty shard there); see docs/distributed.md. FSDP1's flat parameters are
-            read without the zeros FSDP pads their last shard with; ``group`` must be the group FSDP shards over: a
-            gradient whole on every rank (NO_SHARD, inside no_sync()) is a ValueError naming the parameter.
+            on one rank counts as an empty shard there); see docs/distributed.md. With ``group``, FSDP1's flat
+            parameters are read without the zeros FSDP pads their last shard with (without one, each rank's shard as
+            stored, padding included); ``group`` must be the group FSDP shards over: a gradient whole on every rank
+            (NO_SHARD, inside no_sync()) is a ValueError naming the parameter.
         stage_group: process group of pipeline stages (ranks holding disjoint parts of the model): the figures
             of all stages are gathered on every rank; a name held by several stages is reported as
             ``name@stage<k>``, one row per stage.
