@@ -299,7 +299,9 @@ class PerExampleNorms:
                 )
             pending = self._pending[full]
             pending.append(made[local])
-            if len(pending) >= self._uses[full]:  # every hooked use has arrived: reduce now and free the inputs
+            # every hooked use has arrived: reduce now and free the inputs. None counted: a graph backpropagated
+            # again (retain_graph=True), whose uses the first backward took; its gradients are combined at the end.
+            if 0 < self._uses[full] <= len(pending):
                 key = x if isinstance(m, nn.Linear) and len(pending) == 1 else None
                 self._sq[full] = (self._norms.square(pending[0], key) if len(pending) == 1
                                   else self._norms.combined(full, pending, p.numel()))
