@@ -4,7 +4,12 @@ trained for real in Lightning on the CPU; a NaN put into one step's gradient."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 NAN = 5  # the step whose gradient gets a NaN
 STEPS = UNREAD_MAX + 10
+WORKER = Path(__file__).with_name("_incidents_unlogged_ddp_worker.py")
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Tiny(L.LightningModule):
@@ -73,3 +80,23 @@ def test_rows_read_where_no_step_logs(tmp_path: Any, caplog: pytest.LogCaptureFi
     told = [r.getMessage() for r in caplog.records if "flight recorder dumped" in r.getMessage()]
     assert len(told) == 1 and f"optimizer step {NAN} skipped (non-finite gradient)" in told[0]
     assert str(dump) in told[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with gloo is not available")
+def test_under_ddp_only_the_logging_rank_reads_and_dumps(tmp_path: Path) -> None:
+    """Two CPU ranks (tests/_incidents_unlogged_ddp_worker.py, launched by Lightning itself): the logging rank reads
+    its rows once they wait and dumps the skipped step; rank 1, which tells nothing, lets its rows go at every step,
+    so it neither keeps them nor writes a second dump of the same step (into the same dump_dir, in a real run)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], check=False, env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["steps"] == r1["steps"] == STEPS
+    assert 0 < r0["most"] <= UNREAD_MAX
+    assert r0["dumps"] == [f"flight-{NAN}.jsonl"]
+    assert r1["most"] == 0 and r1["dumps"] == []

@@ -362,6 +362,8 @@ class _GradStatsMixin(SeveralOptimizers):
             scaler = lightning_scaler(trainer)  # a GradScaler skips a non-finite step itself
             taker.note_step(stats, factor, step, loss, example_scale(trainer), host_skipped,
                             skips_nonfinite=self.on_nonfinite is not None or bool(scaler and scaler.is_enabled()))
+            if taker.incidents is not None and not self._logs_here(trainer):
+                taker.incidents.drop_pending()  # the logging rank tells them: none read (nor dumped) here
         report: AnyReport | None = None
         if log_now and self._logs_here(trainer) and not taker.log_update_ratio:
             report = taker.report(stats)  # the one transfer of this step

@@ -441,6 +441,9 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
                 pe_scale = pe_scale / scale.reshape(()).to(torch.float64)
             self.taker.note_step(stats, self._factor, next_step - 1, loss, pe_scale, None,
                                  skips_nonfinite=self.on_nonfinite is not None or scale is not None)
+            if self.taker.incidents is not None and not logs_here("GradStatsCallback",
+                                                                   self._state.is_world_process_zero, self.log_rank):
+                self.taker.incidents.drop_pending()  # the logging rank tells them: none read (nor dumped) here
         if self.on_nonfinite is not None and self.taker.nonfinite(stats):
             self._handle_nonfinite(next_step - 1, scale is not None,
                                    self.taker.describe_nonfinite(stats) + self._activation_words())
