@@ -1,6 +1,7 @@
 """Incident rows where no step is ever logged (Lightning's ``log_every_n_steps=0``): the rows each step writes on the
-device are read once enough of them wait, so they neither pile up for the whole run nor go untold. A small model
-trained for real in Lightning on the CPU; a NaN put into one step's gradient."""
+device are read once enough of them wait, so they neither pile up for the whole run nor go untold; under DDP only by
+the logging rank. A small model trained for real in Lightning on the CPU (one process, then two gloo ranks); a NaN
+put into one step's gradient."""
 
 from __future__ import annotations
 
