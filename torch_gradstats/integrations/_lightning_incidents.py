@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from torch import Tensor, nn
 
 from torch_gradstats.monitors.flight_recorder import FlightRecorder
-from torch_gradstats.training._incidents import StepIncidents
+from torch_gradstats.training._incidents import UNREAD_MAX, StepIncidents
 
 __all__ = ["HeldModules", "grad_versions", "optimizer_incidents", "optimizer_recorder", "start_examples_afresh"]
 
@@ -73,7 +73,7 @@ def optimizer_incidents(module: nn.Module, name: str, params: Sequence[Tensor], 
         return None
     view = HeldModules(module, params) if per_example else None
     return StepIncidents(view, per_example=per_example, recorder=recorder, who="GradStatsCallback",
-                         nonfinite_told=True, name=name)
+                         nonfinite_told=True, name=name, read_after=UNREAD_MAX)
 
 
 def grad_versions(params: Sequence[Tensor]) -> dict[int, tuple[int, int]]:

@@ -163,7 +163,7 @@ from torch_gradstats.policies.guard import SpikeGuard
 from torch_gradstats.stats.gradients import GradStats
 from torch_gradstats.stats.groups import GroupBy
 from torch_gradstats.stats.health import HealthPolicy
-from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
+from torch_gradstats.training._incidents import UNREAD_MAX, StepIncidents, check_flight_recorder
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -306,7 +306,7 @@ class _GradStatsMixin(SeveralOptimizers):
         if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
             self.taker.incidents = StepIncidents(pl_module, per_example=self._per_example,
                                                  recorder=self.flight_recorder, who="GradStatsCallback",
-                                                 nonfinite_told=True)
+                                                 nonfinite_told=True, read_after=UNREAD_MAX)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Several optimizers (manual optimization): each one's step reads its own parameters, logs under its own key

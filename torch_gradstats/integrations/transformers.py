@@ -69,7 +69,7 @@ from torch_gradstats.policies.guard import SpikeGuard
 from torch_gradstats.stats.gradients import GradStats
 from torch_gradstats.stats.groups import GroupBy
 from torch_gradstats.stats.health import HealthPolicy
-from torch_gradstats.training._incidents import StepIncidents, check_flight_recorder
+from torch_gradstats.training._incidents import UNREAD_MAX, StepIncidents, check_flight_recorder
 from torch_gradstats.training._skip import step_or_skip
 from torch_gradstats.training._step import device_skip_step, host_skips, momentum_pending
 
@@ -214,7 +214,8 @@ class GradStatsCallback(ActivationReporting, PolicyState, TrainerCallback):
         # before any hook of ours: a model PerExampleNorms refuses (a BatchNorm) is left without them
         if (self._per_example or self.flight_recorder is not None) and self.taker.incidents is None:
             self.taker.incidents = StepIncidents(model, per_example=self._per_example, recorder=self.flight_recorder,
-                                                 who="GradStatsCallback", nonfinite_told=True)
+                                                 who="GradStatsCallback", nonfinite_told=True,
+                                                 read_after=UNREAD_MAX)
         self._model, self._optimizer, self._args, self._state = model, optimizer, args, state
         self._remove_hooks()
         self._hook_trainable(model)

@@ -5,9 +5,10 @@ can use it without the loop). Every optimizer step writes one small row on the d
 skipped, whether a gradient was non-finite, and with ``per_example`` the step's top 3 examples and the median of its
 per-example gradient norms); nothing is read on the host then. The rows travel with the next transfer the caller
 makes anyway (the Trainer's sync, a logging step's report): each skipped or non-finite step is then named in a
-WARNING on the ``torch_gradstats`` logger, and a flight recorder, when kept, is dumped beside it. Where no such
-transfer comes (a run that logs no step), the rows are read once :data:`UNREAD_MAX` of them wait: one small transfer
-per that many steps, so that they neither pile up for the whole run nor go untold.
+WARNING on the ``torch_gradstats`` logger, and a flight recorder, when kept, is dumped beside it. A callback, whose
+run may log no step, has its rows read once :data:`UNREAD_MAX` of them wait (``read_after``): one small transfer per
+that many steps, so that they neither pile up for the whole run nor go untold. The Trainer's rows wait for its sync
+(once per epoch, or every ``sync_every`` steps), as everything else it keeps does.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ logger = logging.getLogger("torch_gradstats")
 TOP = 3  # batch positions named in a skipped step's warning
 _STEP, _SKIPPED, _NONFINITE, _COUNT, _MEDIAN, _IDX = 0, 1, 2, 3, 4, 5  # row layout; then TOP indices, TOP norms
 _WIDTH = _IDX + 2 * TOP
-UNREAD_MAX = 256  # rows left unread by the caller's transfers: read then (a run that logs no step)
+UNREAD_MAX = 256  # a callback's rows left unread by its transfers: read then (a run that logs no step)
 EXAMPLE_KEYS = ("examples/max_norm", "examples/median_norm", "examples/max_over_median")
 
 
@@ -59,12 +60,15 @@ class StepIncidents:
         who: the caller's name, for messages.
         name: the optimizer's name where a callback keeps one record per optimizer (several optimizers): its
             warnings say ``(optimizer '<name>')`` after the step, and its dumps are ``flight-<name>-<step>.jsonl``.
+        read_after: read the rows once this many wait unread (a callback's :data:`UNREAD_MAX`); None: only with
+            the caller's transfers.
     """
 
     def __init__(self, model: nn.Module | None, *, per_example: bool, recorder: FlightRecorder | None,
                  loss_reduction: str = "mean", who: str = "Trainer", nonfinite_told: bool = False,
-                 name: str | None = None) -> None:
+                 name: str | None = None, read_after: int | None = None) -> None:
         self.who = who
+        self.read_after = read_after
         self.name = name
         self.label = f" (optimizer {name!r})" if name is not None else ""  # after the step number in warnings
         # The caller names non-finite steps itself: ours add nothing unless they carry examples or a dump.
@@ -129,7 +133,7 @@ class StepIncidents:
             self._rows = grown
         self._rows[self._count] = row
         self._count += 1
-        if self._count >= UNREAD_MAX:  # no transfer of the caller's read them (no step logged): told now
+        if self.read_after is not None and self._count >= self.read_after:  # no transfer read them: told now
             self.read_now()
 
     def example_figures(self) -> ExtraFigures | None:
