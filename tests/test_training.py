@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torch_gradstats.ops.fallback
+from torch_gradstats.monitors.flight_recorder import FlightRecorder
 from torch_gradstats.stats.health import HealthPolicy
 from torch_gradstats.training import (
     Trainer,
@@ -112,6 +113,21 @@ def test_one_host_sync_per_epoch(monkeypatch, fused_skip):
     assert all(len(s.history) == 5 for s in summaries)
     if fused_skip:
         assert summaries[0].skipped_steps == 1 and summaries[0].first_nonfinite_param == "2.bias"
+
+
+def test_one_host_sync_per_epoch_of_many_steps_with_a_flight_recorder(monkeypatch, tmp_path):
+    """An epoch of 300 steps with a flight recorder keeps its rows to the epoch's one transfer: the read the callbacks
+    make once 256 rows wait (a run that logs no step) is theirs, not the Trainer's."""
+    model = _mlp()
+    x, y = _data(300)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), progress=False,
+                      flight_recorder=FlightRecorder(8, dump_dir=tmp_path))
+    counter = _SyncCounter(monkeypatch)
+    summary = trainer.train_epoch(_loader(x, y, 1))
+    monkeypatch.undo()
+    assert summary.steps == 300
+    assert counter.calls == ONE_TRANSFER, counter.calls
 
 
 @pytest.mark.cuda
