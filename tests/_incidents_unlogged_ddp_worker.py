@@ -22,7 +22,7 @@ from torch_gradstats import FlightRecorder
 from torch_gradstats.integrations.lightning import GradStatsCallback
 from torch_gradstats.training._incidents import UNREAD_MAX
 
-NAN = 5
+NAN = 5  # the step whose gradient gets a NaN
 STEPS = UNREAD_MAX + 10
 
 
@@ -45,6 +45,8 @@ class Tiny(L.LightningModule):
 
 
 class Pending(L.Callback):
+    """The callback's unread incident rows after each batch (placed after it)."""
+
     def __init__(self, watched: GradStatsCallback) -> None:
         self.watched, self.most = watched, 0
 

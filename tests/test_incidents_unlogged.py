@@ -15,52 +15,20 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from torch_gradstats import FlightRecorder
 from torch_gradstats.training._incidents import UNREAD_MAX
 
 L = pytest.importorskip("lightning.pytorch")
 
+from _incidents_unlogged_ddp_worker import NAN, STEPS, Pending, Tiny  # noqa: E402  (the two-rank run's own)
+
 from torch_gradstats.integrations.lightning import GradStatsCallback  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NAN = 5  # the step whose gradient gets a NaN
-STEPS = UNREAD_MAX + 10
 WORKER = Path(__file__).with_name("_incidents_unlogged_ddp_worker.py")
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def on_after_backward(self) -> None:
-        if self.global_step == NAN:
-            self.net[2].weight.grad[0, 1] = float("nan")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class Pending(L.Callback):
-    """The callback's unread incident rows after each batch (placed after it)."""
-
-    def __init__(self, watched: GradStatsCallback) -> None:
-        self.watched, self.most = watched, 0
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        incidents = self.watched.taker.incidents
-        assert incidents is not None
-        pending = incidents.pending()
-        self.most = max(self.most, 0 if pending is None else int(pending.floats[0].shape[0]))
 
 
 def test_rows_read_where_no_step_logs(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
