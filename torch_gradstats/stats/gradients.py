@@ -371,10 +371,9 @@ def grad_stats(
         group: a ``torch.distributed`` process group. When given, or when any gradient is a DTensor, the local
             statistics are combined across ranks by :func:`torch_gradstats.distributed.reduce.reduce_across_ranks`.
             Otherwise there is no communication at all. Ranks may hold different parameters (a gradient missing
-            on one rank counts as an empty shard there); see docs/distributed.md. With ``group``, FSDP1's flat
-            parameters are read without the zeros FSDP pads their last shard with (without one, each rank's shard as
-            stored, padding included); ``group`` must be the group FSDP shards over: a gradient whole on every rank
-            (NO_SHARD, inside no_sync()) is a ValueError naming the parameter.
+            on one rank counts as an empty shard there); see docs/distributed.md. FSDP1: ``group`` must be the group
+            FSDP shards over (a gradient whole on every rank, NO_SHARD's or inside no_sync(), is a ValueError naming
+            it); shards are read without FSDP's padding with ``group``, as stored without one.
         stage_group: process group of pipeline stages (ranks holding disjoint parts of the model): the figures
             of all stages are gathered on every rank; a name held by several stages is reported as
             ``name@stage<k>``, one row per stage.
@@ -408,9 +407,7 @@ def grad_stats(
     idle_meshes: dict[int, Any] = {}  # meshes of DTensor parameters without a gradient here
     if _collect_grads is not None and not isinstance(params, (Tensor, str, bytes)) and isinstance(params, Iterable):
         params = params if type(params) is list else list(params)  # consumed once, whichever walk reads it
-        # FSDP1's parameters are plain to the C++ walk: read with a group, the Python walk leaves out their shard
-        # padding and checks the group. Without one (each rank's own shard, as stored) the C++ walk reads them: no
-        # per-parameter Python look-up on every call wherever FSDP1 is merely imported (Lightning imports it).
+        # FSDP1 with a group: the Python walk drops shard padding (without one no per-parameter look-up is paid)
         flat = group is not None and bool(flat_param_types()) and fsdp1_managed(params)
         collected = None if torch.compiler.is_compiling() or flat else _collect_grads(params)
     else:
