@@ -13,8 +13,6 @@ inside forward) and ResNet (BatchNorm: refused; flight recorder rows)."""
 from __future__ import annotations
 
 import copy
-import csv
-import json
 import math
 import warnings
 from pathlib import Path
@@ -29,6 +27,7 @@ from torch_gradstats import PerExampleNorms
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from test_integrations_lightning_optimizers_incidents import _read, _rows  # noqa: E402
 
 from torch_gradstats.integrations.lightning import GradStatsCallback  # noqa: E402
 
@@ -190,19 +189,6 @@ def _fit(tmp_path: Path, module: Any, callbacks: list, **kw: Any) -> Any:
         warnings.simplefilter("ignore")
         trainer.fit(module, _data())
     return trainer
-
-
-def _rows(trainer: Any) -> dict[int, dict[str, float]]:
-    rows: dict[int, dict[str, float]] = {}
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            rows.setdefault(int(row["step"]), {}).update(
-                {k: float(v) for k, v in row.items() if v != "" and k != "step"})
-    return rows
-
-
-def _read(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _check_examples(trainer: Any, module: GAN, batches: int = 3) -> None:

@@ -8,7 +8,6 @@ placed before ours."""
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import logging
 import math
@@ -25,6 +24,7 @@ from torch_gradstats import FlightRecorder, SpikeGuard
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.loggers import CSVLogger
+from test_integrations_lightning_optimizers import OneOptimizer, _rows
 
 from torch_gradstats.integrations.lightning import GradStatsCallback
 
@@ -117,15 +117,6 @@ def _fit(tmp_path: Path, callbacks: list, module: Any, **kw: Any) -> Any:
         warnings.simplefilter("ignore")
         trainer.fit(module, _data())
     return trainer
-
-
-def _rows(trainer: Any) -> dict[int, dict[str, float]]:
-    rows: dict[int, dict[str, float]] = {}
-    with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            rows.setdefault(int(row["step"]), {}).update(
-                {k: float(v) for k, v in row.items() if v != "" and k != "step"})
-    return rows
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -248,22 +239,10 @@ def test_a_capacity_per_optimizer_and_the_recorders_kept_from_fit_to_fit(
     assert told[0].endswith(f"flight recorder dumped to {path}")  # in full: the working directory of then
 
 
-class OneOptimizer(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (x,) = batch
-        return self.net(x).pow(2).mean()
-
+class InfAtStep2(OneOptimizer):
     def on_after_backward(self) -> None:
         if self.global_step == 2:
             self.net[0].weight.grad[0, 0] = float("inf")
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def test_one_optimizer_a_step_on_nonfinite_skipped_is_told_as_skipped_beside_its_dump(
@@ -271,7 +250,7 @@ def test_one_optimizer_a_step_on_nonfinite_skipped_is_told_as_skipped_beside_its
     cb = GradStatsCallback(on_nonfinite="skip", flight_recorder=FlightRecorder(8, dump_dir=tmp_path / "flight"),
                            every_n_steps=2)
     with caplog.at_level(logging.WARNING, logger="torch_gradstats"):
-        _fit(tmp_path, [cb], OneOptimizer(), max_steps=4)
+        _fit(tmp_path, [cb], InfAtStep2(), max_steps=4)
     assert cb.skipped_steps == [2]
     path = tmp_path / "flight" / "flight-2.jsonl"
     told = [r.getMessage() for r in caplog.records if "flight recorder dumped" in r.getMessage()]
